@@ -1,0 +1,74 @@
+"""The KV pool: preallocated K and V tensors for every layer and a free list of token slots.
+
+Layout follows DESIGN.md: ``k[layer]`` and ``v[layer]`` are ``[num_slots, num_kv_heads,
+head_dim]``. A request owns a list of slot indices, one per token; the radix cache owns the
+slots of the tokens it holds. Slot 0 is reserved as a padding target and never handed out.
+"""
+from __future__ import annotations
+
+import torch
+
+from sgrt.errors import CapacityError
+
+
+class KVPool:
+    """Fixed-size token-slot KV storage.
+
+    Args:
+        num_slots: usable token slots (one more is allocated for padding).
+        num_layers, num_kv_heads, head_dim: model shape.
+        dtype, device: storage dtype and device (the model's).
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Free slots are 1..num_slots; popped from the end so recently freed slots are reused.
+        self._free: list[int] = list(range(num_slots, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def bytes_per_token(self) -> int:
+        """KV bytes one token costs across all layers (K and V)."""
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def alloc(self, n: int) -> list[int]:
+        """Take ``n`` free slots.
+
+        Raises:
+            CapacityError: fewer than ``n`` slots are free (callers evict first).
+        """
+        if n > len(self._free):
+            raise CapacityError(f"KV pool has {len(self._free)} free slots, {n} requested")
+        if n == 0:
+            return []
+        slots = self._free[-n:]
+        del self._free[-n:]
+        return slots
+
+    def free(self, slots: list[int]) -> None:
+        """Return slots to the free list."""
+        self._free.extend(slots)
+
+    def free_slot_set(self) -> set[int]:
+        """The free slots as a set (integrity checks only; O(num_slots))."""
+        return set(self._free)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v ``[T, num_kv_heads, head_dim]`` at ``slots`` ``[T]`` for one layer."""
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)

@@ -1,0 +1,110 @@
+"""Turn a batch of logits into next tokens: penalties, masks, temperature, top-k/p, min-p.
+
+Greedy rows take the argmax (DESIGN.md: greedy unless a temperature is given). Sampled rows use
+the request's own ``torch.Generator`` when it set a seed, so the same seed gives the same text.
+Log-probabilities are those of the model's distribution (log-softmax of the raw logits), as
+vLLM and SGLang return them by default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sgrt.engine.request import Req
+
+
+@dataclass
+class SampleOutput:
+    """Per row: the token, its log-probability, and the top alternatives (when asked)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+def apply_penalties(logits: torch.Tensor, req: Req) -> None:
+    """Repetition (CTRL, arXiv:1909.05858; over prompt and output), frequency and presence
+    (OpenAI's definitions; over the output) penalties, in place on one row ``[V]``."""
+    p = req.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.fill_ids)), dtype=torch.long, device=logits.device)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
+        ids = torch.tensor(req.output_ids, dtype=torch.long, device=logits.device)
+        counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def sample_row(logits: torch.Tensor, req: Req) -> int:
+    """Draw one token from a processed logits row ``[V]`` (float32)."""
+    p = req.params
+    if p.temperature == 0.0:
+        return int(torch.argmax(logits))
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        drop = (cum - sorted_probs) > p.top_p  # keep the smallest prefix reaching top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=req.generator))
+
+
+def sample(
+    logits: torch.Tensor,
+    reqs: list[Req],
+    bitmask: torch.Tensor | None,
+    eos_ids: set[int],
+) -> SampleOutput:
+    """Sample one token per row.
+
+    Args:
+        logits: ``[N, V]`` float32 raw logits, one row per request in ``reqs``.
+        bitmask: ``[N, ceil(V/32)]`` int32 grammar masks (rows of unconstrained requests all
+            ones), or None when no request is constrained.
+        eos_ids: the tokenizer's end ids, banned before ``min_tokens``.
+    """
+    need_logprobs = any(r.params.return_logprob for r in reqs)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
+    processed = logits.clone()
+    if bitmask is not None:
+        from sgrt.constrained import apply_token_bitmask_
+
+        apply_token_bitmask_(processed, bitmask)
+    tokens: list[int] = []
+    for i, req in enumerate(reqs):
+        row = processed[i]
+        p = req.params
+        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            apply_penalties(row, req)
+        if len(req.output_ids) < p.min_tokens:
+            banned = [t for t in (eos_ids | set(p.stop_token_ids)) if t < row.shape[0]]
+            if banned:
+                row[banned] = float("-inf")
+        tokens.append(sample_row(row, req))
+    logprobs: list[float] = []
+    tops: list[list[tuple[int, float]]] = []
+    for i, req in enumerate(reqs):
+        if raw_logprobs is None or not req.params.return_logprob:
+            logprobs.append(0.0)
+            tops.append([])
+            continue
+        logprobs.append(float(raw_logprobs[i, tokens[i]]))
+        tops.append(top_logprobs(raw_logprobs[i], req.params.top_logprobs_num))
+    return SampleOutput(tokens, logprobs, tops)
+
+
+def top_logprobs(row: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely ``(token_id, logprob)`` pairs of a log-prob row ``[V]``."""
+    if k <= 0:
+        return []
+    vals, idx = torch.topk(row, k)
+    return [(int(t), float(v)) for t, v in zip(idx, vals)]

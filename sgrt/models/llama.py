@@ -1,0 +1,209 @@
+"""Llama-family decoder in plain torch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Follows the architecture of Touvron et al., "LLaMA" (arXiv:2302.13971) as implemented by HF
+``transformers.LlamaForCausalLM``; parameter names are HF's so that HF folders load as they are.
+The query/key/value and gate/up projections are fused into one matmul each to cut per-layer
+overhead on the decode path. Attention itself is delegated to the ``attn`` object that the
+engine passes in (see :mod:`sgrt.engine.attention`): it writes K/V into the KV pool and attends
+over each row's slot indices, so this module holds no cache state.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sgrt.models.config import ModelConfig
+
+
+class AttentionBackend(Protocol):
+    """What the model needs from the engine to run attention for one forward."""
+
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q ``[T, n_heads, head_dim]``, k/v ``[T, n_kv_heads, head_dim]`` -> ``[T, n_heads*head_dim]``."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich, arXiv:1910.07467), computed in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al., arXiv:2104.09864), HF "rotate half" layout."""
+
+    def __init__(self, head_dim: int, max_positions: int, base: float, device: torch.device):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions ``[T]`` int64 -> cos, sin ``[T, 1, head_dim]`` in ``dtype``."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[T, heads, head_dim]``; cos/sin ``[T, 1, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm transformer block: attention then SwiGLU MLP, each with a residual."""
+
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv_heads * self.head_dim
+        hidden = config.hidden_size
+        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
+        self.intermediate_size = config.intermediate_size
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        h = self.input_layernorm(x)
+        qkv = self.qkv_proj(h)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.n_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.n_kv_heads, self.head_dim)
+        x = x + self.o_proj(attn.forward(self.layer_id, q, k, v))
+        h = self.post_attention_layernorm(x)
+        gate, up = self.gate_up_proj(h).split(self.intermediate_size, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM whose forward runs over a ragged batch of tokens.
+
+    Args:
+        config: the model's shape.
+        dtype: parameter dtype (``torch.float32`` or ``torch.bfloat16``).
+        device: ``cpu`` or ``cuda``.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+                config.hidden_size, config.vocab_size, bias=False
+            )
+        self.to_empty(device=self.device)
+        self.to(dtype)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, self.device
+        )
+        self.requires_grad_(False)
+        self.eval()
+
+    # -- weights -----------------------------------------------------------------------------
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named weights in, fusing q/k/v and gate/up.
+
+        Raises:
+            KeyError: a weight the model needs is missing (message names it).
+        """
+        sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise KeyError(f"weight {name!r} missing from the checkpoint")
+            return sd[name]
+
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(take("embed_tokens.weight"))
+            self.norm.weight.copy_(take("norm.weight"))
+            if self.lm_head is not None:
+                self.lm_head.weight.copy_(take("lm_head.weight"))
+            for i, layer in enumerate(self.layers):
+                p = f"layers.{i}."
+                layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
+                layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+                layer.qkv_proj.weight.copy_(torch.cat([
+                    take(p + "self_attn.q_proj.weight"),
+                    take(p + "self_attn.k_proj.weight"),
+                    take(p + "self_attn.v_proj.weight"),
+                ]))
+                layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+                layer.gate_up_proj.weight.copy_(torch.cat([
+                    take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
+                ]))
+                layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions ``[T]`` int64 -> final hidden states ``[T, hidden]`` (model dtype)."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[N, hidden]`` -> logits ``[N, vocab]`` float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def forward_simple(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """One causal pass over a single sequence without a KV pool (tests, references).
+
+        input_ids ``[T]`` int64 -> logits ``[T, vocab]`` float32.
+        """
+        input_ids = input_ids.to(self.device)
+        positions = torch.arange(input_ids.shape[0], device=self.device)
+        hidden = self.forward(input_ids, positions, _CausalAttention())
+        return self.compute_logits(hidden)
+
+
+class _CausalAttention:
+    """Plain causal self-attention over one contiguous sequence (no cache)."""
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            enable_gqa=True,
+        )
+        return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
