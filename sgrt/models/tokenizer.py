@@ -1,0 +1,216 @@
+"""A thin wrapper over a transformers fast tokenizer: text <-> ids, chat template, token bytes.
+
+The constrained-decoding layer needs the exact bytes each token stands for (``token_bytes``); the
+engine needs the set of ids that end a turn (``eos_token_ids``). Both are computed here from the
+vocabulary itself, never by decoding, because decoding a lone token loses partial UTF-8 bytes.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from sgrt.errors import InvalidRequest, ModelLoadError
+
+# Tokens that end a turn or a document in common chat vocabularies. Each that exists in the
+# vocabulary joins ``eos_token_ids``, as llama.cpp's end-of-generation set does.
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+)
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable-character table used by byte-level BPE vocabularies.
+
+    Bytes that are printable Latin-1 map to themselves; the other 68 map, in order, to U+0100 and
+    up (so 0x20, the space, becomes ``Ġ`` U+0120 and 0x0A becomes ``Ċ``).
+    """
+    keep = list(range(ord("!"), ord("~") + 1))
+    keep += list(range(ord("¡"), ord("¬") + 1))
+    keep += list(range(ord("®"), ord("ÿ") + 1))
+    table: dict[int, str] = {}
+    extra = 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+@lru_cache(maxsize=1)
+def unicode_to_bytes() -> dict[str, int]:
+    """The inverse of :func:`bytes_to_unicode`: printable character -> byte value."""
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def _decoder_kinds(backend: Any) -> set[str]:
+    """Names of the decoder steps of a ``tokenizers.Tokenizer`` (``{"ByteLevel"}``, ...)."""
+    decoder = backend.decoder
+    spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
+    kinds: set[str] = set()
+    stack = [spec]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if node.get("type"):
+            kinds.add(node["type"])
+        stack.extend(node.get("decoders") or [])
+        if node.get("type") == "Replace" and node.get("content") == " ":
+            kinds.add("SpaceReplace")
+    return kinds
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus the facts the engine and grammars need.
+
+    Wraps a transformers fast tokenizer (``hf``), which other layers may use directly.
+    Construct with :meth:`from_folder` or from an already loaded tokenizer.
+
+    Attributes:
+        hf: the underlying ``transformers`` fast tokenizer.
+        bos_token_id: id of the BOS token, or ``None``. Note that ``encode`` never adds it unless
+            asked (``add_special_tokens=True``) and the tokenizer's own post-processor does so.
+        eos_token_ids: ids that end generation: the tokenizer's EOS, the model config's
+            ``eos_token_id`` (passed as ``extra_eos_token_ids``), and every end-of-turn token from
+            :data:`END_OF_TURN_TOKENS` present in the vocabulary.
+        special_token_ids: ids of tokens marked special (control tokens such as ``<|im_start|>``).
+        vocab_size: ``len(hf)``, the number of ids the tokenizer can produce (base vocabulary plus
+            added tokens). The model's embedding may have more rows (padding); those ids have no
+            text and ``token_bytes`` returns ``b""`` for them.
+    """
+
+    def __init__(self, hf: Any, extra_eos_token_ids: Iterable[int] = ()):
+        """Wrap ``hf`` (a ``PreTrainedTokenizerFast``-like object with ``backend_tokenizer``).
+
+        Raises:
+            ModelLoadError: if ``hf`` is not a fast (Rust ``tokenizers``) tokenizer.
+        """
+        if getattr(hf, "backend_tokenizer", None) is None:
+            raise ModelLoadError(f"tokenizer {type(hf).__name__} is not a fast tokenizer; sgrt needs one")
+        self.hf = hf
+        self.vocab_size: int = len(hf)
+        self.bos_token_id: int | None = hf.bos_token_id
+        added = hf.added_tokens_decoder  # {id: AddedToken}
+        self._added: dict[int, str] = {i: t.content for i, t in added.items()}
+        self.special_token_ids: set[int] = {i for i, t in added.items() if t.special}
+        self.special_token_ids |= {i for i in hf.all_special_ids if i is not None}
+        eos = {i for i in extra_eos_token_ids if i is not None}
+        if hf.eos_token_id is not None:
+            eos.add(hf.eos_token_id)
+        vocab = hf.get_vocab()
+        eos |= {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+        self.eos_token_ids: set[int] = eos
+        kinds = _decoder_kinds(hf.backend_tokenizer)
+        self._byte_level = "ByteLevel" in kinds
+        self._metaspace = "Metaspace" in kinds or "SpaceReplace" in kinds
+        self._all_bytes: list[bytes] | None = None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, extra_eos_token_ids: Iterable[int] = ()) -> "Tokenizer":
+        """Load the tokenizer files (``tokenizer.json`` etc.) of a local folder; never the network.
+
+        Raises:
+            ModelLoadError: the folder has no loadable fast tokenizer.
+        """
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except Exception as e:  # transformers raises OSError / ValueError / KeyError here
+            raise ModelLoadError(f"no loadable tokenizer in {folder}: {e}") from e
+        return cls(hf, extra_eos_token_ids)
+
+    # ---- text <-> ids -------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``. Special-token text such as ``<|im_start|>`` becomes its one id.
+
+        ``add_special_tokens=True`` lets the tokenizer's post-processor add BOS/EOS where it is
+        configured to (SmolLM2's adds nothing).
+        """
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (incomplete UTF-8 at either end becomes U+FFFD).
+
+        No tokenization-space clean-up is applied, so ``decode(encode(s)) == s``.
+        """
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                              clean_up_tokenization_spaces=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **template_kwargs: Any) -> str:
+        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the model's template.
+
+        Returns the prompt text (not ids); encode it with ``encode(text)`` (no extra BOS: the
+        template writes whatever special tokens the model expects).
+
+        Raises:
+            InvalidRequest: (field ``messages``) the tokenizer has no chat template.
+        """
+        if not getattr(self.hf, "chat_template", None):
+            raise InvalidRequest("this model's tokenizer has no chat template", field="messages")
+        kwargs: dict[str, Any] = dict(template_kwargs)
+        if tools is not None:
+            kwargs["tools"] = tools
+        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                           tokenize=False, **kwargs)
+
+    # ---- token bytes --------------------------------------------------------------------------
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token ``token_id`` contributes to the output text.
+
+        Byte-level BPE: each character of the vocabulary string maps back through GPT-2's
+        byte table (``Ġ`` -> ``b" "``), so a token holding part of a multi-byte character yields
+        just those bytes (SmolLM2 splits ``"工"`` into ``b"\\xe5\\xb7"`` + ``b"\\xa5"``).
+        SentencePiece: ``▁`` -> space, ``<0xNN>`` byte-fallback tokens -> that one byte.
+        Added / special tokens: the UTF-8 of their text. Ids past the vocabulary: ``b""``.
+        """
+        if self._all_bytes is not None:
+            return self._all_bytes[token_id] if 0 <= token_id < len(self._all_bytes) else b""
+        return self._bytes_of(token_id, self.hf.convert_ids_to_tokens(token_id))
+
+    def all_token_bytes(self) -> list[bytes]:
+        """``[token_bytes(i) for i in range(vocab_size)]``, computed once and cached."""
+        if self._all_bytes is None:
+            toks = self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))
+            self._all_bytes = [self._bytes_of(i, t) for i, t in enumerate(toks)]
+        return self._all_bytes
+
+    def _bytes_of(self, token_id: int, token: str | None) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode("utf-8")
+        if token is None:
+            return b""
+        if self._byte_level:
+            table = unicode_to_bytes()
+            # NOTE: a character outside the byte table cannot occur in a well-formed byte-level
+            # vocabulary; keep its UTF-8 rather than fail.
+            return b"".join(bytes([table[c]]) if c in table else c.encode("utf-8") for c in token)
+        m = _BYTE_FALLBACK.match(token)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        if self._metaspace:
+            token = token.replace("\u2581", " ")
+        return token.encode("utf-8")
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size}, eos={sorted(self.eos_token_ids)})"

@@ -1,0 +1,30 @@
+"""Shared fixtures: the default model and its tokenizer, loaded once per test session.
+
+Both read the GGUF conversion cache (``$SGRT_CACHE_DIR`` or ``~/.cache/sgrt``); on a fresh
+machine the first session converts the default model once (about 10-15 s on 2 cores).
+"""
+from __future__ import annotations
+
+import os
+
+# NOTE: set before anything imports transformers / huggingface_hub: tests never touch a hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def loaded_model():
+    """The default model (SmolLM2-135M-Instruct), float32 on cpu: a ``sgrt.models.LoadedModel``."""
+    from sgrt.models import load_model
+
+    return load_model("smollm2-135m-instruct", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The default model's ``sgrt.models.Tokenizer`` (no weights loaded)."""
+    from sgrt.models import load_tokenizer
+
+    return load_tokenizer("smollm2-135m-instruct")
