@@ -1,0 +1,51 @@
+"""Helpers shared by the benchmark scripts: timing, medians, tables, the final JSON line."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def median_of(n: int, fn: Callable[[], float]) -> float:
+    """Run ``fn`` ``n`` times and return the median of what it returns."""
+    return statistics.median(fn() for _ in range(n))
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by nearest rank; 0.0 for an empty list."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def print_table(headers: list[str], rows: list[list[Any]]) -> None:
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+def emit_json(bench: str, **figures: Any) -> None:
+    """The last line of every benchmark: one JSON object with every figure and ratio."""
+    print(json.dumps({"bench": bench, **figures}, sort_keys=True))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
