@@ -41,7 +41,7 @@ def build_prompts(tokenizer, n: int, prefix_tokens: int) -> list[str]:
 def run(loaded, prompts: list[str], cache: bool, out_tokens: int) -> tuple[float, dict]:
     from sgrt.engine import Engine, SamplingParams
 
-    engine = Engine(model=loaded, max_total_tokens=65536, enable_radix_cache=cache, max_running_requests=64)
+    engine = Engine(model=loaded, max_total_tokens=40000, enable_radix_cache=cache, max_running_requests=64)
     try:
         t0 = time.perf_counter()
         results = engine.generate_batch(prompts, SamplingParams(max_tokens=out_tokens, ignore_eos=True))

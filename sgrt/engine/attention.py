@@ -1,10 +1,12 @@
 """Attention over a ragged batch whose K/V live in the KV pool (gather + SDPA).
 
 Each row of a forward is a request feeding ``q_len`` new tokens after ``kv_len - q_len`` tokens
-whose K/V are already in the pool. Rows are padded to ``[B, max_q]`` queries and
-``[B, max_kv]`` keys gathered by slot index; one ``scaled_dot_product_attention`` call per layer
-serves extend (prefill) and decode rows alike. A faster kernel may replace this on CUDA behind the
-same ``forward`` contract.
+whose K/V are already in the pool. Rows are grouped by ``q_len``: all decode rows (``q_len=1``)
+form one group, an extend (prefill) chunk or a verify row usually forms its own. Within a group,
+keys are gathered by slot index and padded to the group's longest context, and one
+``scaled_dot_product_attention`` call serves the group. Grouping keeps a 512-token prefill chunk
+from padding every decode row in the same batch to 512 queries. A faster kernel may replace this
+on CUDA behind the same ``forward`` contract.
 """
 from __future__ import annotations
 
@@ -24,6 +26,19 @@ class RowSpec:
     q_len: int  # new tokens fed in this forward (the last q_len of ``slots``)
 
 
+@dataclass
+class _Group:
+    """Rows with the same ``q_len``, attended in one SDPA call."""
+
+    size: int  # rows in the group
+    q_len: int
+    max_kv: int
+    kv_index: torch.Tensor  # [size * max_kv] slot ids, padded with slot 0
+    token_index: torch.Tensor | None  # [size * q_len] positions in the flat batch; None = all, in order
+    mask: torch.Tensor | None  # [size, 1, q_len, max_kv] bool (True = attend); None = no mask
+    causal: bool  # use SDPA's own causal mask (one row, no cached prefix)
+
+
 class PagedAttention:
     """Attention metadata for one forward, and the per-layer attention call.
 
@@ -35,42 +50,43 @@ class PagedAttention:
     def __init__(self, pool: KVPool, rows: list[RowSpec]):
         self.pool = pool
         device = pool.k.device
-        self.batch = len(rows)
-        q_lens = [r.q_len for r in rows]
-        kv_lens = [len(r.slots) for r in rows]
-        self.max_q = max(q_lens)
-        self.max_kv = max(kv_lens)
-        self.num_tokens = sum(q_lens)
-        new_slots: list[int] = []
+        offsets, new_slots = [], []
+        total = 0
         for r in rows:
+            offsets.append(total)
+            total += r.q_len
             new_slots.extend(r.slots[len(r.slots) - r.q_len:])
+        self.num_tokens = total
         self.out_slots = torch.tensor(new_slots, dtype=torch.long, device=device)
-        # One row of length 1 with no padding (batch-1 decode) needs neither mask nor scatter.
-        self.simple = self.batch == 1 and self.max_q == 1
-        padded = torch.zeros(self.batch, self.max_kv, dtype=torch.long)
+        by_q: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            by_q.setdefault(r.q_len, []).append(i)
+        self.groups = [
+            self._group([rows[i] for i in members], [offsets[i] for i in members], total, device)
+            for members in by_q.values()
+        ]
+
+    @staticmethod
+    def _group(rows: list[RowSpec], offsets: list[int], total: int, device: torch.device) -> _Group:
+        q_len = rows[0].q_len
+        kv_lens = [len(r.slots) for r in rows]
+        max_kv = max(kv_lens)
+        padded = torch.zeros(len(rows), max_kv, dtype=torch.long)
         for i, r in enumerate(rows):
             padded[i, : len(r.slots)] = torch.tensor(r.slots, dtype=torch.long)
-        self.kv_index = padded.view(-1).to(device)
-        if self.simple:
-            self.mask = None
-            self.token_index = None
-            return
-        # token_index maps each flattened new token to its place in the [B * max_q] grid.
-        token_index = []
-        for i, q in enumerate(q_lens):
-            token_index.extend(range(i * self.max_q, i * self.max_q + q))
-        self.token_index = torch.tensor(token_index, dtype=torch.long, device=device)
-        q_pos = torch.arange(self.max_q).view(1, -1, 1)  # [1, max_q, 1]
-        k_pos = torch.arange(self.max_kv).view(1, 1, -1)  # [1, 1, max_kv]
-        kv_len_t = torch.tensor(kv_lens).view(-1, 1, 1)
-        start_t = (kv_len_t - torch.tensor(q_lens).view(-1, 1, 1))
-        # A query at q (absolute position start+q) sees keys 0..start+q; padded queries see key 0
-        # only so that their softmax stays finite.
-        allowed = k_pos <= (start_t + q_pos)
-        allowed = allowed & (k_pos < kv_len_t)
-        pad_q = q_pos >= torch.tensor(q_lens).view(-1, 1, 1)
-        allowed = allowed | (pad_q & (k_pos == 0))
-        self.mask = allowed.unsqueeze(1).to(device)  # [B, 1, max_q, max_kv]
+        tokens = [o + j for o in offsets for j in range(q_len)]
+        in_order = tokens == list(range(total))
+        token_index = None if in_order else torch.tensor(tokens, dtype=torch.long, device=device)
+        causal = len(rows) == 1 and q_len > 1 and kv_lens[0] == q_len
+        mask = None
+        if not causal and (q_len > 1 or min(kv_lens) != max_kv):
+            kv_len_t = torch.tensor(kv_lens).view(-1, 1, 1)
+            q_pos = torch.arange(q_len).view(1, -1, 1)
+            k_pos = torch.arange(max_kv).view(1, 1, -1)
+            start = kv_len_t - q_len  # absolute position of the row's first new token
+            allowed = (k_pos <= start + q_pos) & (k_pos < kv_len_t)
+            mask = allowed.unsqueeze(1).to(device)
+        return _Group(len(rows), q_len, max_kv, padded.view(-1).to(device), token_index, mask, causal)
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` -> ``[T, H*D]``; stores k/v in the pool first."""
@@ -78,22 +94,24 @@ class PagedAttention:
         pool.write(layer_id, self.out_slots, k, v)
         t, n_heads, head_dim = q.shape
         n_kv = k.shape[1]
-        keys = pool.k[layer_id].index_select(0, self.kv_index).view(self.batch, self.max_kv, n_kv, head_dim)
-        values = pool.v[layer_id].index_select(0, self.kv_index).view(self.batch, self.max_kv, n_kv, head_dim)
-        if self.simple:
-            qp = q.view(1, 1, n_heads, head_dim)
-        else:
-            qp = q.new_zeros(self.batch * self.max_q, n_heads, head_dim)
-            qp.index_copy_(0, self.token_index, q)
-            qp = qp.view(self.batch, self.max_q, n_heads, head_dim)
-        out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=self.mask,
-            enable_gqa=True,
-        )  # [B, H, max_q, D]
-        out = out.transpose(1, 2).reshape(self.batch * self.max_q, n_heads * head_dim)
-        if self.simple:
-            return out
-        return out.index_select(0, self.token_index)
+        k_layer, v_layer = pool.k[layer_id], pool.v[layer_id]
+        out = None
+        for g in self.groups:
+            keys = k_layer.index_select(0, g.kv_index).view(g.size, g.max_kv, n_kv, head_dim)
+            values = v_layer.index_select(0, g.kv_index).view(g.size, g.max_kv, n_kv, head_dim)
+            qg = q if g.token_index is None else q.index_select(0, g.token_index)
+            o = F.scaled_dot_product_attention(
+                qg.view(g.size, g.q_len, n_heads, head_dim).transpose(1, 2),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=g.mask,
+                is_causal=g.causal,
+                enable_gqa=True,
+            )  # [size, H, q_len, D]
+            o = o.transpose(1, 2).reshape(g.size * g.q_len, n_heads * head_dim)
+            if g.token_index is None:
+                return o  # the only group
+            if out is None:
+                out = q.new_empty(t, n_heads * head_dim)
+            out.index_copy_(0, g.token_index, o)
+        return out
