@@ -1,0 +1,267 @@
+"""Programs the server may run: discovery of ``@sgrt.function`` programs in a folder, and the
+adapter that runs one for a session.
+
+Only programs registered on the server run; a client names one and passes its arguments (plain
+JSON values). The server never executes code that a client sent.
+
+The adapter (:class:`ProgramRun`) is the one place that knows the DSL's API: ``fn.run(backend=...,
+stream=True, **args, **sampling)``, ``state.sync()``, ``state.error()``, ``state.text()``,
+``state.abort()``. The program's model calls go through a :class:`SessionBackend`, an in-process
+backend over the server's engine that streams each generated piece to the session and applies
+the server's limits (tokens per call, generations in flight per session).
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sgrt.backends.local import LocalBackend
+from sgrt.server.protocol import LimitExceeded
+
+logger = logging.getLogger("sgrt.server")
+
+
+def is_program(obj: Any) -> bool:
+    """True for an ``@sgrt.function`` program object."""
+    try:
+        from sgrt.lang import Function
+    except ImportError:  # pragma: no cover - the DSL is part of sgrt
+        return False
+    return isinstance(obj, Function)
+
+
+class ProgramRegistry:
+    """Name -> program. :meth:`discover` imports every ``*.py`` module of a folder (names starting
+    with ``_`` are skipped) and registers each ``@sgrt.function`` found at module level under its
+    function name. A module that fails to import is logged and listed in ``errors``; the others
+    still load."""
+
+    def __init__(self) -> None:
+        self.programs: dict[str, Any] = {}
+        self.sources: dict[str, str] = {}
+        self.errors: dict[str, str] = {}
+
+    @classmethod
+    def from_dir(cls, path: str | Path | None) -> "ProgramRegistry":
+        registry = cls()
+        if path is not None:
+            registry.discover(path)
+        return registry
+
+    def discover(self, path: str | Path) -> None:
+        """Import the folder's modules and register their programs.
+
+        Raises:
+            FileNotFoundError: ``path`` is not a folder.
+        """
+        folder = Path(path)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"programs folder {str(folder)!r} does not exist")
+        for file in sorted(folder.glob("*.py")):
+            if file.name.startswith("_"):
+                continue
+            module_name = f"sgrt_programs.{file.stem}"
+            try:
+                spec = importlib.util.spec_from_file_location(module_name, file)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[module_name] = module
+                spec.loader.exec_module(module)
+            except Exception as e:  # noqa: BLE001 - one broken module must not stop the others
+                sys.modules.pop(module_name, None)
+                self.errors[str(file)] = f"{type(e).__name__}: {e}"
+                logger.warning("programs: cannot import %s: %s: %s", file, type(e).__name__, e)
+                continue
+            for attr, obj in vars(module).items():
+                if not attr.startswith("_") and is_program(obj):
+                    self.register(getattr(obj, "__name__", attr), obj, source=str(file))
+
+    def register(self, name: str, program: Any, source: str = "<code>") -> None:
+        """Register ``program`` under ``name``; a second, different program of the same name
+        is refused (logged, listed in ``errors``)."""
+        known = self.programs.get(name)
+        if known is not None and known is not program:
+            msg = f"program {name!r} from {source} clashes with the one from {self.sources[name]}; kept the first"
+            self.errors[source] = msg
+            logger.warning("programs: %s", msg)
+            return
+        self.programs[name] = program
+        self.sources[name] = source
+
+    def get(self, name: str) -> Any | None:
+        return self.programs.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self.programs)
+
+
+# ---- running one program ------------------------------------------------------------------------
+
+@dataclass
+class ProgramReport:
+    """What a finished program run reports to its session."""
+
+    text: str = ""
+    outputs: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str | None = None
+    ttft: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: BaseException | None = None
+
+
+class SessionBackend(LocalBackend):
+    """The server's engine as a DSL backend for one session: streams generated text to
+    ``on_text`` and enforces the server's limits.
+
+    Raises (from ``generate*``):
+        LimitExceeded: ``limit.max_tokens`` (a gen asks for more than ``max_tokens_per_turn``)
+            or ``limit.generations`` (more than ``max_generations_per_session`` in flight).
+    """
+
+    def __init__(self, engine: Any, chat_template: Any, on_text: Callable[[str], None], limits: Any):
+        super().__init__(engine, chat_template=chat_template)
+        self.on_text = on_text
+        self.limits = limits
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self.stats = ProgramReport()
+
+    def _enter(self, params: Sequence[dict[str, Any]]) -> None:
+        limit = self.limits.max_tokens_per_turn
+        for sp in params:
+            mt = sp.get("max_tokens")
+            if isinstance(mt, int) and mt > limit:
+                raise LimitExceeded("limit.max_tokens",
+                                    f"a gen asks for max_tokens {mt}, above max_tokens_per_turn ({limit})",
+                                    field="max_tokens")
+        with self._lock:
+            cap = self.limits.max_generations_per_session
+            if self._in_flight + len(params) > cap:
+                raise LimitExceeded(
+                    "limit.generations",
+                    f"{self._in_flight + len(params)} generations in flight exceed max_generations_per_session ({cap})",
+                    field="program")
+            self._in_flight += len(params)
+
+    def _exit(self, n: int) -> None:
+        with self._lock:
+            self._in_flight -= n
+
+    def _record(self, meta: dict[str, Any] | None) -> None:
+        if not meta:
+            return
+        with self._lock:
+            s = self.stats
+            s.prompt_tokens += meta.get("prompt_tokens", 0) or 0
+            s.completion_tokens += meta.get("completion_tokens", 0) or 0
+            s.cached_tokens += meta.get("cached_tokens", 0) or 0
+            s.finish_reason = meta.get("finish_reason")
+            if s.ttft is None and meta.get("ttft") is not None:
+                s.ttft = meta["ttft"]
+
+    def generate(self, prompt: str, params: dict[str, Any], request_id: str | None = None):
+        self._enter([params])
+        try:
+            out = super().generate(prompt, params, request_id=request_id)
+        finally:
+            self._exit(1)
+        self._record(out.meta_info)
+        if out.text:
+            self.on_text(out.text)
+        return out
+
+    def generate_batch(self, prompts: Sequence[str], params: Sequence[dict[str, Any]]):
+        self._enter(list(params))
+        try:
+            outs = super().generate_batch(prompts, params)
+        finally:
+            self._exit(len(prompts))
+        for out in outs:
+            self._record(out.meta_info)
+        return outs
+
+    def generate_stream(self, prompt: str, params: dict[str, Any], request_id: str | None = None) -> Iterator[Any]:
+        self._enter([params])
+        try:
+            for chunk in super().generate_stream(prompt, params, request_id=request_id):
+                if chunk.text:
+                    self.on_text(chunk.text)
+                if chunk.finished:
+                    self._record(chunk.meta_info)
+                yield chunk
+        finally:
+            self._exit(1)
+
+
+class ProgramRun:
+    """One run of ``program(**args)`` on ``backend`` with ``options`` (sampling defaults every
+    gen inherits). :meth:`start` returns at once; :meth:`wait` (blocking) returns the
+    :class:`ProgramReport`; :meth:`abort` stops its requests."""
+
+    def __init__(self, backend: SessionBackend, program: Any, args: dict[str, Any], options: dict[str, Any]):
+        self.backend = backend
+        self.program = program
+        self.args = args
+        self.options = options
+        self.state: Any = None
+        self.error: BaseException | None = None
+        self._aborted = False
+        self._started = threading.Event()
+
+    def start(self) -> None:
+        try:
+            bad = [k for k in self.args if k in self.options or k in ("stream", "backend")]
+            if bad:
+                raise TypeError(f"argument {bad[0]!r} is reserved")
+            self.state = self.program.run(stream=True, backend=self.backend, **self.args, **self.options)
+        except TypeError as e:  # arguments that do not fit the program's signature
+            from sgrt.errors import InvalidRequest
+
+            self.error = InvalidRequest(f"program arguments: {e}", field="args")
+        except Exception as e:  # noqa: BLE001
+            self.error = e
+        finally:
+            self._started.set()
+        if self._aborted and self.state is not None:
+            self.state.abort()
+
+    def abort(self) -> None:
+        self._aborted = True
+        if self.state is not None:
+            self.state.abort()
+
+    def wait(self) -> ProgramReport:
+        self._started.wait()
+        report = self.backend.stats
+        if self.state is None:
+            report.error = self.error
+            return report
+        self.state.sync()
+        report.error = self.state.error()
+        ex = getattr(self.state, "executor", None)
+        report.text = getattr(getattr(ex, "transcript", None), "text", "") if ex is not None else ""
+        variables = dict(getattr(ex, "variables", {}) or {})
+        report.outputs = {str(k): _jsonable(v) for k, v in variables.items()}
+        if report.error is not None and report.finish_reason is None:
+            report.finish_reason = "abort"
+        return report
+
+
+def _jsonable(value: Any, depth: int = 0) -> Any:
+    """A JSON-encodable copy of a program variable (unknown objects become their ``str``)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if depth > 20:
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v, depth + 1) for k, v in value.items()}
+    return str(value)

@@ -1,0 +1,354 @@
+"""The WebSocket session server: one :class:`sgrt.engine.Engine` behind a ``websockets`` server.
+
+Start it with :func:`serve_ws` (async; returns the running :class:`WsServer`) or
+:func:`run_ws_server` (blocking; what ``sgrt serve`` calls). The protocol is documented in
+:mod:`sgrt.server.protocol`; sessions live in :mod:`sgrt.server.session`.
+
+Robustness rules: a bad frame, an unknown message type, a wrong field type or a request over a
+limit gets a typed ``error`` and nothing else changes; the connection and every other session
+stay up. The only exceptions: an ``unauthorized`` first message (the connection closes, code
+1008) and a frame larger than the transport's hard cap (``4 * max_message_bytes``, code 1009).
+A client that disconnects aborts its sessions' generations, which frees their KV slots.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+
+from sgrt.errors import InvalidRequest, SgrtError
+from sgrt.server import protocol as p
+from sgrt.server.programs import ProgramRegistry, SessionBackend
+from sgrt.server.protocol import LimitExceeded
+from sgrt.server.session import ChatSession, ProgramSession, Session, error_for
+
+logger = logging.getLogger("sgrt.server")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8765
+
+
+@dataclass
+class WsLimits:
+    """Per-server limits (sizes in bytes, lengths in tokens, times in seconds). Going over any
+    of them gets a typed ``error`` (code ``limit.*``); the connection stays up."""
+
+    max_message_bytes: int = 1 << 20  # one client frame
+    max_sessions: int = 256  # open sessions, whole server
+    max_sessions_per_connection: int = 32
+    max_generations_per_session: int = 8  # engine requests a program session has in flight
+    max_tokens_per_turn: int = 1024  # sampling.max_tokens ceiling (chat turn or one gen)
+    default_max_tokens: int = 256  # when the client sets no max_tokens
+    max_tools: int = 32  # tools per session
+    max_tool_rounds: int = 8  # tool calls answered within one user turn
+    idle_timeout_s: float = 300.0  # a session (or session-less connection) without messages
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Connection:
+    """One client connection: its sessions and a way to send."""
+
+    def __init__(self, ws: ServerConnection, server: "WsServer"):
+        self.ws = ws
+        self.server = server
+        self.sessions: dict[str, Session] = {}
+        self.authed = server.auth_token is None
+        self.closed = False
+        self.last_active = time.monotonic()
+
+    async def send(self, msg: Any) -> None:
+        """Send one message; a closed connection drops it silently (its sessions are being
+        shut down)."""
+        if self.closed:
+            return
+        try:
+            await self.ws.send(p.encode(msg), text=True)
+        except ConnectionClosed:
+            self.closed = True
+
+    async def close_session(self, session: Session, reason: str) -> None:
+        """Abort the session's work, forget it and send ``done`` with ``reason``."""
+        if self.sessions.get(session.id) is session:
+            del self.sessions[session.id]
+            self.server.num_sessions -= 1
+        self.last_active = time.monotonic()  # a connection's idle time starts when its last session ends
+        await session.shutdown()
+        await self.send(p.Done(session=session.id, turn=session.turn, reason=reason))
+
+    async def shutdown(self) -> None:
+        """The client went away: abort every session's generation (frees the KV slots)."""
+        self.closed = True
+        sessions = list(self.sessions.values())
+        self.server.num_sessions -= len(sessions)
+        self.sessions.clear()
+        await asyncio.gather(*(s.shutdown() for s in sessions), return_exceptions=True)
+
+
+class WsServer:
+    """A running session server. Use :func:`serve_ws` to create one.
+
+    Attributes:
+        engine: the engine every session submits to.
+        limits: :class:`WsLimits`.
+        registry: the :class:`ProgramRegistry` built from ``programs_dir``.
+        host, port: where it listens (``port`` is the bound one when 0 was asked for).
+    """
+
+    def __init__(self, engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                 programs_dir: str | Path | None = None, auth_token: str | None = None,
+                 limits: WsLimits | None = None, registry: ProgramRegistry | None = None):
+        self.engine = engine
+        self.host = host
+        self.port = port
+        self.auth_token = auth_token or None
+        self.limits = limits or WsLimits()
+        self.registry = registry if registry is not None else ProgramRegistry.from_dir(programs_dir)
+        self.connections: set[Connection] = set()
+        self.num_sessions = 0
+        self._server: Server | None = None
+        self._reaper: asyncio.Task | None = None
+        self._chat_template: Any = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> "WsServer":
+        if not _is_loopback(self.host) and self.auth_token is None:
+            logger.warning("serving on %s without an auth token: anyone who can reach it can use the model",
+                           self.host)
+        hard_cap = max(4 * self.limits.max_message_bytes, self.limits.max_message_bytes + 65536)
+        self._server = await serve(self._handle, self.host, self.port, max_size=hard_cap,
+                                   compression=None, ping_interval=20, ping_timeout=60)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_idle())
+        logger.info("sgrt session server on ws://%s:%d (programs: %s)", self.host, self.port,
+                    ", ".join(self.registry.names()) or "none")
+        return self
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"ws://{host}:{self.port}"
+
+    async def close(self) -> None:
+        """Stop accepting, close every connection and abort every session."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for conn in list(self.connections):
+            await conn.shutdown()
+
+    async def serve_forever(self) -> None:
+        assert self._server is not None, "call start() first"
+        await self._server.wait_closed()
+
+    async def __aenter__(self) -> "WsServer":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {"connections": len(self.connections), "sessions": self.num_sessions}
+
+    def program_backend(self, on_text: Any) -> SessionBackend:
+        """A DSL backend over the engine for one program session (the chat template is derived
+        once per server)."""
+        if self._chat_template is None:
+            from sgrt.backends.local import LocalBackend
+            from sgrt.lang.chat_template import chat_template_for
+
+            self._chat_template = chat_template_for(LocalBackend(self.engine))
+        return SessionBackend(self.engine, self._chat_template, on_text, self.limits)
+
+    # -- one connection ------------------------------------------------------------------------
+    async def _handle(self, ws: ServerConnection) -> None:
+        conn = Connection(ws, self)
+        self.connections.add(conn)
+        try:
+            async for raw in ws:
+                conn.last_active = time.monotonic()
+                try:
+                    await self._dispatch(conn, raw)
+                except ConnectionClosed:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - never let one message kill the server
+                    logger.exception("error handling a message")
+                    await conn.send(p.Error(code="internal", message=f"{type(exc).__name__}: {exc}"))
+                if not conn.authed:  # refused first message
+                    await ws.close(1008, "unauthorized")
+                    break
+        except ConnectionClosed:
+            pass
+        finally:
+            await conn.shutdown()
+            self.connections.discard(conn)
+
+    async def _dispatch(self, conn: Connection, raw: str | bytes) -> None:
+        size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
+        if size > self.limits.max_message_bytes:
+            await conn.send(p.Error(
+                code="limit.message_size",
+                message=f"message of {size} bytes exceeds max_message_bytes ({self.limits.max_message_bytes})"))
+            return
+        try:
+            msg = p.decode_client(raw)
+        except p.ProtocolError as e:
+            if not conn.authed:
+                await conn.send(p.Error(code="unauthorized", message="the first message must be a valid "
+                                        f"session.start carrying auth_token ({e})", field="auth_token"))
+                return
+            await conn.send(e.to_message())
+            return
+        if not conn.authed:
+            token = getattr(msg, "auth_token", None)
+            if not isinstance(msg, p.SessionStart) or token is None or not hmac.compare_digest(
+                    token.encode(), self.auth_token.encode()):
+                await conn.send(p.Error(code="unauthorized", session=msg.session, field="auth_token",
+                                        message="the first message must be session.start with the server's auth_token"))
+                return
+            conn.authed = True
+        if isinstance(msg, p.SessionStart):
+            await self._start_session(conn, msg)
+            return
+        session = conn.sessions.get(msg.session)
+        if session is None:
+            await conn.send(p.Error(code="unknown_session", field="session", session=msg.session,
+                                    message=f"no open session {msg.session!r} on this connection"))
+            return
+        session.touch()
+        try:
+            if isinstance(msg, p.User):
+                await session.on_user(msg)
+            elif isinstance(msg, p.ToolResult):
+                await session.on_tool_result(msg)
+            elif isinstance(msg, p.Cancel):
+                await session.on_cancel()
+            elif isinstance(msg, p.Close):
+                await conn.close_session(session, "closed")
+        except (p.ProtocolError, SgrtError) as exc:
+            await conn.send(error_for(exc, session.id))
+
+    async def _start_session(self, conn: Connection, msg: p.SessionStart) -> None:
+        sid = msg.session
+        try:
+            if sid in conn.sessions:
+                raise p.ProtocolError("session_exists", f"session {sid!r} is already open", field="session", session=sid)
+            if len(conn.sessions) >= self.limits.max_sessions_per_connection:
+                raise LimitExceeded("limit.sessions", f"this connection already has max_sessions_per_connection "
+                                    f"({self.limits.max_sessions_per_connection}) sessions", field="session")
+            if self.num_sessions >= self.limits.max_sessions:
+                raise LimitExceeded("limit.sessions", f"the server already has max_sessions "
+                                    f"({self.limits.max_sessions}) sessions", field="session")
+            if msg.program is not None:
+                program = self.registry.get(msg.program)
+                if program is None:
+                    known = ", ".join(self.registry.names()) or "none"
+                    raise p.ProtocolError("unknown_program", f"no program {msg.program!r} is registered "
+                                          f"(registered: {known})", field="program", session=sid)
+                session: Session = ProgramSession(sid, conn, msg, program)
+            else:
+                if msg.args:
+                    raise InvalidRequest("args are for program sessions", field="args")
+                session = ChatSession(sid, conn, msg)
+        except (p.ProtocolError, SgrtError) as exc:
+            await conn.send(error_for(exc, sid))
+            return
+        conn.sessions[sid] = session
+        self.num_sessions += 1
+        tools = [t.name for t in msg.tools]
+        await conn.send(p.Ready(session=sid, program=msg.program, tools=tools, limits=self.limits.to_dict()))
+        await session.on_start()
+
+    # -- idle sessions -------------------------------------------------------------------------
+    async def _reap_idle(self) -> None:
+        timeout = self.limits.idle_timeout_s
+        period = max(0.05, min(1.0, timeout / 4))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for conn in list(self.connections):
+                for session in list(conn.sessions.values()):
+                    if session.idle_for(now) > timeout:
+                        await conn.send(p.Error(
+                            code="limit.idle_timeout", session=session.id,
+                            message=f"session idle for more than idle_timeout_s ({timeout:g} s); closed"))
+                        await conn.close_session(session, "idle_timeout")
+                if not conn.sessions and now - conn.last_active > timeout and not conn.closed:
+                    conn.closed = True
+                    asyncio.get_running_loop().create_task(conn.ws.close(1000, "idle timeout"))
+
+
+async def serve_ws(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                   programs_dir: str | Path | None = None, auth_token: str | None = None,
+                   limits: WsLimits | None = None) -> WsServer:
+    """Start the session server on ``host:port`` (``port=0`` picks a free one) and return it
+    running; ``await server.close()`` stops it, ``await server.serve_forever()`` waits.
+
+    Args:
+        engine: the :class:`sgrt.engine.Engine` (its owner shuts it down).
+        programs_dir: a folder whose modules' ``@sgrt.function`` programs clients may start.
+        auth_token: when set, each connection's first message must carry it.
+        limits: :class:`WsLimits` (defaults there).
+
+    Raises:
+        OSError: the address is in use or cannot be bound.
+        FileNotFoundError: ``programs_dir`` does not exist.
+    """
+    server = WsServer(engine, host=host, port=port, programs_dir=programs_dir, auth_token=auth_token,
+                      limits=limits)
+    return await server.start()
+
+
+def run_ws_server(engine: Any = None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                  programs_dir: str | Path | None = None, auth_token: str | None = None,
+                  limits: WsLimits | None = None, model: str | None = None) -> None:
+    """Serve until interrupted (Ctrl-C); what ``sgrt serve`` runs.
+
+    ``auth_token=None`` falls back to the ``SGRT_AUTH_TOKEN`` environment variable. Without an
+    ``engine`` one is created for ``model`` (the default model when None) and shut down at exit.
+    """
+    if auth_token is None:
+        auth_token = os.environ.get("SGRT_AUTH_TOKEN") or None
+    own = engine is None
+    if own:
+        from sgrt.engine import Engine
+
+        engine = Engine(model=model) if model else Engine()
+
+    async def main() -> None:
+        server = await serve_ws(engine, host, port, programs_dir, auth_token, limits)
+        print(f"sgrt: serving sessions on {server.url}"
+              f" (programs: {', '.join(server.registry.names()) or 'none'})", flush=True)
+        try:
+            await server.serve_forever()
+        finally:
+            await server.close()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if own:
+            engine.shutdown()
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
