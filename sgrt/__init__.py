@@ -11,3 +11,37 @@ from sgrt.errors import (
 )
 
 __version__ = "0.1.0"
+
+# ---- the DSL (sgrt.lang) and its backends; Runtime / LocalBackend load the engine lazily ----
+from sgrt.lang import (  # noqa: E402
+    ChatTemplate,
+    assistant,
+    assistant_begin,
+    assistant_end,
+    flush_cache,
+    function,
+    gen,
+    gen_int,
+    gen_string,
+    get_default_backend,
+    get_server_info,
+    greedy_token_selection,
+    select,
+    set_default_backend,
+    system,
+    system_begin,
+    system_end,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+    user,
+    user_begin,
+    user_end,
+)
+
+
+def __getattr__(name: str):
+    if name in ("Runtime", "LocalBackend"):
+        from sgrt.backends import local
+
+        return getattr(local, name)
+    raise AttributeError(f"module 'sgrt' has no attribute {name!r}")

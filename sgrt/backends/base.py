@@ -1,0 +1,196 @@
+"""The interface every DSL backend implements, and the plain records that cross it.
+
+A backend is where a program's model calls go. The interpreter (``sgrt.lang``) speaks only
+this interface, in text and plain dicts, so that the in-process engine (``LocalBackend``) and a
+remote OpenAI-compatible server (the HTTP backend) are interchangeable:
+
+- prompts are text (the program's transcript, chat template already applied);
+- sampling options are a dict keyed by ``sgrt.engine.SamplingParams`` field names
+  (``max_tokens``, ``temperature``, ``stop``, ``regex``, ...), JSON-serialisable except
+  ``json_schema``, which may be a Pydantic model or dataclass;
+- results are :class:`GenOutput`, :class:`GenChunk` and :class:`ChoiceScore` records whose
+  ``meta_info`` keys follow SGLang's (``prompt_tokens``, ``completion_tokens``,
+  ``cached_tokens``, ``finish_reason``, ``output_token_logprobs`` ...).
+
+Deciding a ``select`` from the scores is the DSL's job (``sgrt.lang.choices``); the backend only
+scores. Nothing here imports the engine.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sgrt.errors import InvalidRequest
+
+#: A sampled token's log-probability as the DSL reports it: ``(logprob, token_id, token_text)``.
+TokenLogprob = tuple[float, int, str]
+
+
+@dataclass
+class GenOutput:
+    """One finished completion.
+
+    ``meta_info`` holds at least ``id``, ``prompt_tokens``, ``completion_tokens``,
+    ``cached_tokens``, ``finish_reason`` (``"stop"`` / ``"length"``), ``matched``,
+    ``e2e_latency`` (s), ``ttft`` (s), ``incomplete`` and ``warnings``; with ``return_logprob``
+    also ``output_token_logprobs`` (list of :data:`TokenLogprob`) and, with
+    ``top_logprobs_num``, ``output_top_logprobs`` (per position, a list of
+    :data:`TokenLogprob`).
+    """
+
+    text: str
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenChunk:
+    """One increment of a streamed completion.
+
+    ``text`` is the new text (may be empty while a multi-byte character is incomplete);
+    ``token_ids`` the tokens that produced it, ``logprobs`` their log-probabilities (when asked
+    for, aligned with ``token_ids``), ``top_logprobs`` per token. The last chunk has
+    ``finished=True`` and ``meta_info`` as :class:`GenOutput` describes it.
+    """
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    top_logprobs: list[list[TokenLogprob]] | None = None
+    finished: bool = False
+    meta_info: dict[str, Any] | None = None
+
+
+@dataclass
+class ChoiceScore:
+    """How likely one ``select`` option is after a prompt.
+
+    ``token_logprobs`` are the log-probabilities of the option's own tokens given the prompt
+    (what ``prompt + choice`` tokenizes to past the prompt's tokens; with token healing the
+    first one may re-cover the prompt's last characters). ``unconditional_logprobs``, when
+    asked for, are those of the option's tokens on their own (first entry ``None``: no
+    context). ``cached_tokens`` is how much of the scoring request came from the prefix cache.
+    """
+
+    choice: str
+    token_ids: list[int]
+    token_logprobs: list[float]
+    token_texts: list[str] = field(default_factory=list)
+    unconditional_logprobs: list[float | None] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class BaseBackend(ABC):
+    """Where a program's calls go. Thread-safe: forks and ``run_batch`` call it concurrently.
+
+    Subclasses implement :meth:`apply_chat_template`, :meth:`generate`,
+    :meth:`generate_stream`, :meth:`score_choices` and :meth:`cache_prefix`; the rest have
+    working defaults built on those.
+    """
+
+    #: An explicit ``sgrt.lang.ChatTemplate`` to use instead of deriving one from
+    #: :meth:`apply_chat_template` (set it for models whose template cannot be probed).
+    chat_template: Any = None
+
+    # ---- chat template --------------------------------------------------------------------
+
+    @abstractmethod
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        """Render OpenAI-style ``messages`` with the model's chat template, as text.
+
+        The DSL calls it only with sentinel contents, to learn each role's prefix and suffix
+        (``sgrt.lang.chat_template.derive_chat_template``).
+
+        Raises:
+            InvalidRequest: the model has no chat template.
+        """
+
+    def bos_token(self) -> str | None:
+        """The text of the BOS token, which role prefixes must not repeat; ``None`` if none."""
+        return None
+
+    # ---- generation -----------------------------------------------------------------------
+
+    @abstractmethod
+    def generate(self, prompt: str, params: dict[str, Any],
+                 request_id: str | None = None) -> GenOutput:
+        """Complete ``prompt`` under ``params`` (SamplingParams field names) and wait.
+
+        Raises:
+            InvalidRequest / GrammarError: a bad parameter or a constraint that cannot compile.
+            ContextLengthExceeded: the prompt does not fit.
+            RequestAborted: the request was aborted or failed (``__cause__`` / message say why).
+        """
+
+    def generate_batch(self, prompts: Sequence[str],
+                       params: Sequence[dict[str, Any]]) -> list[GenOutput]:
+        """Complete several prompts; a backend that can should run them concurrently.
+
+        The default runs them one after another. Errors as :meth:`generate`.
+        """
+        return [self.generate(p, sp) for p, sp in zip(prompts, params)]
+
+    @abstractmethod
+    def generate_stream(self, prompt: str, params: dict[str, Any],
+                        request_id: str | None = None) -> Iterator[GenChunk]:
+        """Complete ``prompt``, yielding :class:`GenChunk` s; the last has ``finished=True``.
+
+        Closing the iterator early aborts the request. Errors as :meth:`generate`, raised from
+        the iteration.
+        """
+
+    # ---- select ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def score_choices(self, prompt: str, choices: Sequence[str],
+                      unconditional: bool = False) -> list[ChoiceScore]:
+        """Score each option of a ``select`` by its tokens' log-probabilities after ``prompt``.
+
+        A backend with a prefix cache prefills the shared ``prompt`` once and then scores all
+        options as one batch of prefill-only requests. With ``unconditional``, also scores each
+        option's tokens without the prompt.
+        """
+
+    # ---- prefix cache ---------------------------------------------------------------------
+
+    @abstractmethod
+    def cache_prefix(self, prompt: str) -> dict[str, Any]:
+        """Prefill ``prompt`` into the prefix cache (a prefill-only request) and wait.
+
+        Returns meta info with ``prompt_tokens`` and ``cached_tokens``. A backend without a
+        prefix cache returns ``{}`` and does nothing.
+        """
+
+    def commit_fork(self, prompt: str, num_branches: int) -> dict[str, Any]:
+        """Make ``prompt`` (the text at a ``fork``) shared by the branches about to start.
+
+        The default caches it (:meth:`cache_prefix`), so that each branch prefills only its own
+        tokens.
+        """
+        return self.cache_prefix(prompt)
+
+    def flush_cache(self) -> None:
+        """Drop everything from the prefix cache (no-op by default)."""
+
+    # ---- control --------------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> None:
+        """Abort a running request; unknown or finished ids are ignored (no-op by default)."""
+
+    def count_tokens(self, text: str) -> int:
+        """How many tokens ``text`` is as a prompt.
+
+        Raises:
+            InvalidRequest: the backend cannot tokenize.
+        """
+        raise InvalidRequest(f"{type(self).__name__} cannot count tokens", field="text")
+
+    def get_server_info(self) -> dict[str, Any]:
+        """Facts about the model and the serving engine (model name, stats)."""
+        return {}
+
+    def shutdown(self) -> None:
+        """Release what the backend holds (no-op by default)."""

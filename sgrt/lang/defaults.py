@@ -1,0 +1,108 @@
+"""The one place where the DSL's defaults live, and how a ``gen`` gets its sampling options.
+
+A ``gen`` option that the call leaves unset is taken from ``run()`` (or ``run_batch()``), and
+one that ``run()`` leaves unset from :data:`GEN_DEFAULTS`. They follow DESIGN.md: greedy
+decoding unless a temperature is given, no stop strings added behind the user's back, and
+``max_tokens=128``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from sgrt.errors import InvalidRequest
+
+#: Sampling options a ``gen`` inherits when neither it nor ``run()`` sets them
+#: (``sgrt.engine.SamplingParams`` field names).
+GEN_DEFAULTS: dict[str, Any] = {
+    "max_tokens": 128,
+    "min_tokens": 0,
+    "temperature": 0.0,  # greedy: SGLang's frontend silently samples at 1.0 here; we do not
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "stop": [],
+    "stop_token_ids": [],
+    "ignore_eos": False,
+    "seed": None,
+    "return_logprob": False,
+    "top_logprobs_num": 0,
+    "logprob_start_len": -1,
+}
+
+#: Options only a ``gen`` may set (one constraint per call); ``run()`` cannot.
+CONSTRAINT_KEYS = ("regex", "json_schema", "grammar")
+
+#: SGLang's ``run()`` spells two options differently from its ``gen()``; ported programs may
+#: use either name in ``run()``.
+RUN_ALIASES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+#: ``run_batch`` prefix hinting caches the common constant prefix only when it is at least this
+#: many characters (shorter prefixes are not worth a request).
+MIN_HINTED_PREFIX_CHARS = 64
+
+#: Threads ``run_batch(num_threads="auto")`` uses at most. On one engine more threads only
+#: queue requests; the engine's continuous batching does the real parallel work.
+AUTO_BATCH_THREADS = 64
+
+
+def dtype_regex(dtype: Any) -> str:
+    """The bounded regex that constrains a ``gen(dtype=...)`` value.
+
+    The regexes live in ``sgrt.constrained.dtypes`` (integers up to 19 digits, strings up to
+    ``DEFAULT_STR_MAX_LENGTH`` characters, quoted); imported on first use, so that programs
+    without a dtype never load the grammar stack.
+
+    Raises:
+        InvalidRequest: (field ``dtype``) not ``int``, ``float``, ``str``, ``bool`` or a name.
+    """
+    from sgrt.constrained.dtypes import dtype_regex as constrained_dtype_regex
+
+    return constrained_dtype_regex(dtype)
+
+
+def parse_dtype_value(dtype: Any, text: str) -> Any:
+    """The Python value of a ``gen(dtype=...)`` result, or ``None`` if it does not parse
+    (the generation was cut short by ``max_tokens``)."""
+    from sgrt.constrained.dtypes import parse_dtype_value as constrained_parse
+
+    try:
+        return constrained_parse(dtype, text)
+    except InvalidRequest:
+        return None
+
+
+def merge_run_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Validate the sampling options given to ``run()``: known names, aliases resolved.
+
+    Raises:
+        TypeError: an unknown option, or an option and its alias both given.
+    """
+    merged: dict[str, Any] = {}
+    for key, value in options.items():
+        name = RUN_ALIASES.get(key, key)
+        if name not in GEN_DEFAULTS:
+            raise TypeError(f"run() got an unexpected keyword argument {key!r}")
+        if name in merged:
+            raise TypeError(f"run() got both {key!r} and its alias for {name!r}")
+        if value is not None:
+            merged[name] = value
+    return merged
+
+
+def resolve_gen_params(run_options: dict[str, Any], gen_params: dict[str, Any],
+                       dtype: Any = None) -> dict[str, Any]:
+    """The complete sampling options of one ``gen``: the call's, then ``run()``'s, then defaults.
+
+    ``dtype`` becomes the ``regex`` constraint. Lists are copied, so callers may mutate them.
+    """
+    params = dict(GEN_DEFAULTS)
+    params.update(run_options)
+    params.update(gen_params)
+    if dtype is not None:
+        params["regex"] = dtype_regex(dtype)
+    for key in ("stop", "stop_token_ids"):
+        value = params[key]
+        params[key] = [value] if isinstance(value, (str, int)) else list(value or [])
+    return params
