@@ -1,0 +1,217 @@
+"""GrammarCompiler: SamplingParams constraint -> per-request Grammar, through an LRU cache.
+
+Compilation is keyed by (backend, kind, spec, options); each key compiles once (concurrent
+requests for the same key wait for the one in flight), results and errors are cached, and every
+request gets a fresh copy. Each compile runs on a worker thread and the caller waits at most
+``compile_timeout_s``: both backends release the GIL while compiling, so a slow grammar never
+stalls the engine's loop, and llguidance's own resource limits (lexer fuel, grammar size) and
+the outlines backend's size check bound the work itself.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any, Callable
+
+from sgrt.constrained.grammar import CompiledGrammar, Grammar
+from sgrt.constrained.options import GrammarOptions
+from sgrt.constrained.schema import load_schema, normalize_schema
+from sgrt.constrained.vocab import Vocab, build_vocab
+from sgrt.errors import GrammarError
+
+BACKENDS = ("llguidance", "outlines")
+GRAMMARS_DIR = Path(__file__).resolve().parents[2] / "grammars"
+_GRAMMAR_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def grammar_files() -> list[str]:
+    """Names of the grammars shipped in ``grammars/`` (``["arithmetic", "json", ...]``)."""
+    return sorted(p.stem for p in GRAMMARS_DIR.glob("*.lark"))
+
+
+def load_grammar_text(grammar: str) -> str:
+    """``grammar`` itself if it is Lark text, else the text of ``grammars/<name>[.lark]``.
+
+    Raises:
+        GrammarError: (field ``grammar``) a bare name with no such file.
+    """
+    if not _GRAMMAR_NAME.match(grammar.strip()):
+        return grammar
+    name = grammar.strip()
+    stem = name[:-5] if name.endswith(".lark") else name
+    path = GRAMMARS_DIR / f"{stem}.lark"
+    if not path.is_file():
+        raise GrammarError(f"no grammar file {name!r} in grammars/ (have: {', '.join(grammar_files())})", field="grammar")
+    return path.read_text(encoding="utf-8")
+
+
+class GrammarCompiler:
+    """Compiles the constraint of a ``SamplingParams`` into a per-request :class:`Grammar`.
+
+    Args:
+        tokenizer: ``sgrt.models.Tokenizer`` or anything with ``.hf``, ``eos_token_ids`` and
+            ``all_token_bytes()`` (a bare transformers fast tokenizer also works).
+        vocab_size: the model's logits width; masks are ``[batch, ceil(vocab_size / 32)]``.
+            Ids past the tokenizer are always forbidden.
+        backend: default backend, ``"llguidance"`` (regex, JSON Schema, Lark) or ``"outlines"``
+            (regex, JSON Schema); a request's ``grammar_backend`` overrides it.
+        options: JSON generation options (:class:`GrammarOptions`); defaults apply if None.
+        compile_timeout_s: how long :meth:`compile` waits for one compilation (seconds).
+        cache_size: how many compiled constraints (and compile errors) to keep, LRU.
+
+    Thread-safe: the engine calls :meth:`compile` from a thread pool.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        backend: str = "llguidance",
+        options: GrammarOptions | None = None,
+        compile_timeout_s: float = 10.0,
+        cache_size: int = 256,
+    ):
+        if backend not in BACKENDS:
+            raise GrammarError(f"grammar_backend must be one of {BACKENDS}, got {backend!r}", field="grammar_backend")
+        self.vocab: Vocab = build_vocab(tokenizer, vocab_size)
+        self.backend = backend
+        self.options = options or GrammarOptions()
+        self.compile_timeout_s = compile_timeout_s
+        self.cache_size = cache_size
+        self._backends: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._backend_lock = threading.Lock()
+        self._cache: OrderedDict[tuple, CompiledGrammar | GrammarError] = OrderedDict()
+        self._inflight: dict[tuple, Future] = {}
+        self.stats = {"hits": 0, "misses": 0, "errors": 0, "timeouts": 0}
+
+    # ---- public ---------------------------------------------------------------------------
+
+    def compile(self, params: Any) -> Grammar | None:
+        """A fresh Grammar for ``params``' constraint (``regex``, ``json_schema`` or ``grammar``),
+        or None if it has none.
+
+        Raises:
+            GrammarError: the constraint is invalid or unsupported (naming the keyword and its
+                JSON pointer for schemas), the backend name is unknown, or compilation took
+                longer than ``compile_timeout_s``.
+        """
+        kind, spec = _constraint_of(params)
+        if kind is None:
+            return None
+        backend = getattr(params, "grammar_backend", None) or self.backend
+        if backend not in BACKENDS:
+            raise GrammarError(f"grammar_backend must be one of {BACKENDS}, got {backend!r}", field="grammar_backend")
+        compiled = self.compile_spec(kind, spec, backend)
+        return compiled.new_grammar()
+
+    def compile_spec(self, kind: str, spec: Any, backend: str | None = None,
+                     options: GrammarOptions | None = None) -> CompiledGrammar:
+        """The cached compiled form of one constraint (``kind``: "regex", "json_schema",
+        "grammar"). Raises GrammarError like :meth:`compile`."""
+        backend = backend or self.backend
+        options = options or self.options
+        if kind == "json_schema":
+            loaded = load_schema(spec)
+            key_spec = json.dumps(loaded, sort_keys=False, default=str)
+            job = lambda: self._compile_json(backend, loaded, options)  # noqa: E731
+        elif kind == "regex":
+            if not isinstance(spec, str):
+                raise GrammarError("regex must be a str", field="regex")
+            key_spec = spec
+            job = lambda: self._get_backend(backend).compile_regex(spec)  # noqa: E731
+        elif kind == "grammar":
+            if not isinstance(spec, str):
+                raise GrammarError("grammar must be a str", field="grammar")
+            text = load_grammar_text(spec)
+            key_spec = text
+            job = lambda: self._get_backend(backend).compile_lark(text)  # noqa: E731
+        else:
+            raise GrammarError(f"unknown constraint kind {kind!r}")
+        key = (backend, kind, key_spec, options if kind == "json_schema" else None)
+        return self._cached(key, job, kind)
+
+    def backend_for(self, name: str) -> Any:
+        """The backend object (``LLGuidanceBackend`` / ``OutlinesBackend``), built on first use."""
+        return self._get_backend(name)
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _compile_json(self, backend: str, schema: Any, options: GrammarOptions) -> CompiledGrammar:
+        normalized = normalize_schema(schema, options, backend)
+        return self._get_backend(backend).compile_json(normalized.schema, options, normalized.warnings)
+
+    def _get_backend(self, name: str) -> Any:
+        with self._backend_lock:
+            b = self._backends.get(name)
+            if b is None:
+                if name == "llguidance":
+                    from sgrt.constrained.llguidance_backend import LLGuidanceBackend
+
+                    b = LLGuidanceBackend(self.vocab)
+                else:
+                    from sgrt.constrained.outlines_backend import OutlinesBackend
+
+                    b = OutlinesBackend(self.vocab, self.compile_timeout_s)
+                self._backends[name] = b
+            return b
+
+    def _cached(self, key: tuple, job: Callable[[], CompiledGrammar], kind: str) -> CompiledGrammar:
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.stats["hits"] += 1
+                return _unwrap(hit)
+            fut = self._inflight.get(key)
+            if fut is None:
+                self.stats["misses"] += 1
+                fut = Future()
+                self._inflight[key] = fut
+                threading.Thread(target=self._run, args=(key, job, fut), name="sgrt-compile", daemon=True).start()
+        try:
+            result = fut.result(timeout=self.compile_timeout_s)
+        except FutureTimeout:
+            with self._lock:
+                self.stats["timeouts"] += 1
+            raise GrammarError(
+                f"{kind} took longer than {self.compile_timeout_s:g} s to compile (compile_timeout_s)", field=kind
+            ) from None
+        return _unwrap(result)
+
+    def _run(self, key: tuple, job: Callable[[], CompiledGrammar], fut: Future) -> None:
+        try:
+            result: CompiledGrammar | GrammarError = job()
+        except GrammarError as e:
+            result = e
+        except Exception as e:  # a backend bug must not kill the request silently
+            result = GrammarError(f"{key[1]} could not be compiled ({key[0]}): {type(e).__name__}: {e}", field=key[1])
+        with self._lock:
+            if isinstance(result, GrammarError):
+                self.stats["errors"] += 1
+            self._cache[key] = result
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+            self._inflight.pop(key, None)
+        fut.set_result(result)
+
+
+def _unwrap(result: CompiledGrammar | GrammarError) -> CompiledGrammar:
+    if isinstance(result, GrammarError):
+        raise GrammarError(str(result), field=result.field, path=result.path)
+    return result
+
+
+def _constraint_of(params: Any) -> tuple[str | None, Any]:
+    found = [(k, getattr(params, k, None)) for k in ("regex", "json_schema", "grammar")]
+    found = [(k, v) for k, v in found if v is not None]
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise GrammarError("set at most one of regex, json_schema and grammar", field=found[1][0])
+    return found[0]

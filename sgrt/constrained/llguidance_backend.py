@@ -1,0 +1,283 @@
+"""The default backend: llguidance (regex, JSON Schema, Lark) through ``LLMatcher``.
+
+The token table is llguidance's own (``LLTokenizer``) built from our raw token bytes
+(:class:`~sgrt.constrained.vocab.Vocab`), not from the HF tokenizer's JSON, so it sees exactly
+the bytes the model's tokens stand for, padded to the logits width. Masks are written by
+llguidance straight into the int32 bitmask; many rows at once go through its thread pool
+(:func:`fill_masks_parallel`). Forced text comes from ``compute_ff_tokens``, which re-tokenizes
+canonically and never ends on a token a longer one could extend.
+
+Reference: llguidance 1.9 Python API (``llguidance/_lib.pyi``) and docs/json_schema.md.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+import llguidance
+import torch
+
+from sgrt.constrained.bitmask import row_view, set_bits
+from sgrt.constrained.grammar import CompiledGrammar, Grammar
+from sgrt.constrained.options import FLEXIBLE_WHITESPACE_MAX, GrammarOptions
+from sgrt.constrained.vocab import Vocab
+from sgrt.errors import GrammarError
+
+_JSON_WS = r"[\x20\x0A\x0D\x09]"
+
+
+class _TokenizerBridge:
+    """What ``llguidance.LLTokenizer`` reads from a Python tokenizer (see its ``TokenizerWrapper``)."""
+
+    is_tokenizer_wrapper = True
+
+    def __init__(self, vocab: Vocab):
+        self.eos_token_id = vocab.eos_token_id
+        self.bos_token_id = None
+        tokens = list(vocab.token_bytes)
+        for i in range(vocab.vocab_size):
+            if i >= vocab.n_tokenizer or not tokens[i]:
+                tokens[i] = b"<|sgrt_unused_%d|>" % i
+        self.tokens = tokens
+        self.special_token_ids = sorted(
+            set(vocab.special_token_ids) | {i for i in range(vocab.vocab_size) if vocab.is_forbidden(i)}
+        )
+        self._encode = vocab.encode
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._encode(text)
+
+
+def json_options(options: GrammarOptions) -> dict[str, Any]:
+    """llguidance JSON compile options (the ``x-guidance`` keys) for our :class:`GrammarOptions`."""
+    opts: dict[str, Any] = {
+        "whitespace_flexible": False,
+        "item_separator": ",",
+        "key_separator": ":",
+        "coerce_one_of": False,
+        "lenient": False,
+        "json_allow_general_unicode_escapes": options.unicode_escapes,
+    }
+    if options.whitespace == "one_space":
+        opts["item_separator"] = ", ?"
+        opts["key_separator"] = ": ?"
+    elif options.whitespace == "flexible":
+        opts["whitespace_pattern"] = f"{_JSON_WS}{{1,{FLEXIBLE_WHITESPACE_MAX}}}"
+    return opts
+
+
+class LLGuidanceBackend:
+    """Compiles constraints for one vocabulary. Thread-safe (llguidance drops the GIL while it
+    builds a grammar); build once per engine, it costs ~0.1-1 s."""
+
+    name = "llguidance"
+
+    def __init__(self, vocab: Vocab, limits: llguidance.LLParserLimits | None = None):
+        self.vocab = vocab
+        self.tokenizer = llguidance.LLTokenizer(_TokenizerBridge(vocab))
+        self.limits = limits
+        self.eos_ids = list(vocab.eos_token_ids)
+        self.row_bytes = 4 * ((vocab.vocab_size + 31) // 32)
+
+    def compile_json(self, schema: Any, options: GrammarOptions, warnings: list[str]) -> "LLCompiled":
+        """``schema``: a normalized schema (:func:`~sgrt.constrained.schema.normalize_schema`)."""
+        if isinstance(schema, dict):
+            schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+        else:
+            schema = {} if schema is True else {"anyOf": []}
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_options(options))
+        return self._build(grammar, "json_schema", warnings, schema)
+
+    def compile_regex(self, regex: str) -> "LLCompiled":
+        """Full-match regex (Rust ``regex`` syntax, no lookaround)."""
+        return self._build(llguidance.LLMatcher.grammar_from_regex(regex), "regex", [])
+
+    def compile_lark(self, text: str) -> "LLCompiled":
+        """A Lark grammar (llguidance's dialect: https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md)."""
+        return self._build(llguidance.LLMatcher.grammar_from_lark(text), "grammar", [])
+
+    def _build(self, grammar: str, field: str, warnings: list[str], schema: Any = None) -> "LLCompiled":
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
+        if matcher.is_error():
+            message = matcher.get_error()
+            path = _guess_path(schema, message) if schema is not None else None
+            raise GrammarError(
+                f"{field} could not be compiled (llguidance): {_first_line(message)}", field=field, path=path
+            )
+        warnings = list(warnings) + [f"llguidance: {w}" for w in matcher.get_grammar_warnings()]
+        return LLCompiled(self, matcher, warnings)
+
+
+class LLCompiled(CompiledGrammar):
+    """A compiled llguidance grammar: the matcher in its start state, copied per request."""
+
+    def __init__(self, backend: LLGuidanceBackend, matcher: llguidance.LLMatcher, warnings: list[str]):
+        self.backend = backend
+        self._template = matcher
+        self._lock = threading.Lock()
+        self.warnings = warnings
+
+    def new_grammar(self) -> "LLGuidanceGrammar":
+        with self._lock:
+            matcher = self._template.deep_copy()
+        return LLGuidanceGrammar(self.backend, matcher, self.warnings)
+
+
+class LLGuidanceGrammar(Grammar):
+    """One request's llguidance matcher (see :class:`~sgrt.constrained.grammar.Grammar`)."""
+
+    backend = "llguidance"
+
+    def __init__(self, backend: LLGuidanceBackend, matcher: llguidance.LLMatcher, warnings: list[str]):
+        super().__init__(warnings)
+        self._b = backend
+        self._m = matcher
+        # One entry per accepted token: True if the matcher consumed it. An EOS accepted after the
+        # matcher stopped is ours alone (llguidance does not record it), so rollback must skip it.
+        self._consumed: list[bool] = []
+        self._ended = False
+
+    @property
+    def _n(self) -> int:
+        return len(self._consumed)
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._ended:
+            return False
+        vocab = self._b.vocab
+        if token_id in vocab.eos_token_ids:
+            if self._m.is_stopped() and not self._m.is_error():
+                self._consumed.append(False)
+                self._ended = True
+                return True
+            if not self._m.is_accepting():
+                return False
+            if self._m.try_consume_tokens([vocab.eos_token_id]) != 1:
+                return False
+            self._consumed.append(True)
+            self._ended = True
+            return True
+        if vocab.is_forbidden(token_id):
+            return False
+        if self._m.try_consume_tokens([token_id]) != 1:
+            return False
+        self._consumed.append(True)
+        return True
+
+    def rollback(self, k: int) -> None:
+        if k < 0 or k > len(self._consumed):
+            raise ValueError(f"cannot roll back {k} tokens: {len(self._consumed)} accepted")
+        if k == 0:
+            return
+        undone = self._consumed[len(self._consumed) - k :]
+        del self._consumed[len(self._consumed) - k :]
+        n = sum(undone)
+        if n and not self._m.rollback(n):
+            raise RuntimeError(f"llguidance could not roll back {n} tokens: {self._m.get_error()}")
+        self._ended = False
+
+    def is_accepting(self) -> bool:
+        return self._ended or self._m.is_accepting()
+
+    def is_terminated(self) -> bool:
+        return self._ended or self._m.is_stopped()
+
+    def fill_vocab_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        _check_bitmask(bitmask, row, self._b.row_bytes)
+        if self._ended:
+            bitmask[row].zero_()
+            set_bits(row_view(bitmask, row), self._b.eos_ids, True)
+            return
+        self._m.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * self._b.row_bytes, self._b.row_bytes)
+        self._fix_eos(bitmask, row)
+
+    def _fix_eos(self, bitmask: torch.Tensor, row: int) -> None:
+        set_bits(row_view(bitmask, row), self._b.eos_ids, self._m.is_accepting() or self._m.is_stopped())
+
+    def forced_tokens(self) -> list[int]:
+        if self.is_terminated():
+            return []
+        return list(self._m.compute_ff_tokens())
+
+    def forced_bytes(self) -> bytes:
+        """The bytes the grammar forces next (may end inside a token); b"" if none."""
+        return b"" if self.is_terminated() else self._m.compute_ff_bytes()
+
+    def copy(self) -> "LLGuidanceGrammar":
+        other = LLGuidanceGrammar(self._b, self._m.deep_copy(), self.warnings)
+        other._consumed = list(self._consumed)
+        other._ended = self._ended
+        return other
+
+
+_EXECUTOR: llguidance.LLExecutor | None = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def fill_masks_parallel(rows: list[tuple[LLGuidanceGrammar, int]], bitmask: torch.Tensor) -> None:
+    """Fill several llguidance rows with llguidance's thread pool (GIL released)."""
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = llguidance.LLExecutor()
+    live = [(g, r) for g, r in rows if not g._ended]
+    if live:
+        row_bytes = live[0][0]._b.row_bytes
+        _check_bitmask(bitmask, 0, row_bytes)
+        _EXECUTOR.unsafe_compute_mask_ptr([(g._m, r) for g, r in live], bitmask.data_ptr(), row_bytes, bitmask.shape[0])
+        for g, r in live:
+            g._fix_eos(bitmask, r)
+    for g, r in rows:
+        if g._ended:
+            g.fill_vocab_mask(bitmask, r)
+
+
+def _check_bitmask(bitmask: torch.Tensor, row: int, row_bytes: int) -> None:
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+        raise ValueError("bitmask must be a contiguous CPU int32 tensor")
+    if bitmask.dim() != 2 or bitmask.shape[1] * 4 != row_bytes:
+        raise ValueError(f"bitmask must be [batch, {row_bytes // 4}], got {tuple(bitmask.shape)}")
+    if not 0 <= row < bitmask.shape[0]:
+        raise ValueError(f"row {row} out of range for batch {bitmask.shape[0]}")
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "unknown error"
+
+
+def _guess_path(schema: Any, message: str) -> str | None:
+    """Best-effort JSON pointer of the keyword an llguidance error message talks about."""
+    m = re.search(r'Unimplemented keys: \["([^"]+)"', message)
+    if m:
+        return _find_key(schema, m.group(1))
+    m = re.search(r"Unknown format: (\S+)", message)
+    if m:
+        return _find_key(schema, "format", m.group(1))
+    for key in ("oneOf", "patternProperties", "minProperties", "maxProperties", "allOf", "pattern"):
+        if key in message:
+            return _find_key(schema, key)
+    return None
+
+
+def _find_key(node: Any, key: str, value: Any = None, path: str = "") -> str | None:
+    if isinstance(node, dict):
+        if key in node and (value is None or node[key] == value):
+            return f"{path}/{key}"
+        items = node.items()
+    elif isinstance(node, list):
+        items = ((str(i), v) for i, v in enumerate(node))
+    else:
+        return None
+    for k, v in items:
+        found = _find_key(v, key, value, f"{path}/{str(k).replace('~', '~0').replace('/', '~1')}")
+        if found:
+            return found
+    return None
+

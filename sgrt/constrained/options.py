@@ -1,0 +1,69 @@
+"""Generation options for JSON Schema constraints (whitespace, closed objects, string caps)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sgrt.errors import GrammarError
+
+WHITESPACE_MODES = ("compact", "one_space", "flexible")
+ADDITIONAL_PROPERTIES_DEFAULTS = ("closed", "open")
+
+# Documented defaults (README / DESIGN): a small model given an unbounded string or unbounded
+# whitespace can loop forever, so both are bounded unless the schema or the caller says otherwise.
+DEFAULT_MAX_STRING_LENGTH = 256
+# "flexible" whitespace: one run of at most this many JSON whitespace characters (a newline and
+# up to 19 spaces of indentation, enough for pretty-printed JSON nested 9 levels deep at 2).
+FLEXIBLE_WHITESPACE_MAX = 20
+
+
+@dataclass(frozen=True)
+class GrammarOptions:
+    """How a JSON Schema is turned into a grammar. Part of the compile-cache key.
+
+    Attributes:
+        whitespace: ``"compact"`` (default: no whitespace outside strings, ``{"a":1,"b":[2]}``),
+            ``"one_space"`` (at most one space after ``,`` and ``:``), or ``"flexible"``
+            (JSON whitespace between tokens, each run at most :data:`FLEXIBLE_WHITESPACE_MAX`
+            characters).
+        additional_properties_default: ``"closed"`` (default): an object schema that lists
+            ``properties`` and says nothing about ``additionalProperties`` allows no other keys
+            (what structured-output users expect); ``"open"`` follows the specification. Object
+            schemas that take part in ``allOf`` / sibling-``$ref`` composition stay open, because
+            closing one branch would forbid the other branch's keys.
+        max_string_length: cap (in characters) put on every ``"type": "string"`` schema that sets
+            no ``maxLength``, ``enum``, ``const`` or ``format``;
+            ``None`` leaves free strings unbounded. Default :data:`DEFAULT_MAX_STRING_LENGTH`.
+            llguidance only: outlines-core's index grows with every bounded character (~0.6 s and
+            ~40 MB per 128 characters of one string field, minutes for a top-level string), so
+            that backend leaves free strings unbounded and honours only the schema's own
+            ``maxLength``.
+            Values allowed by an empty schema (``{}`` / ``true``) are not capped.
+        unicode_escapes: allow ``\\uXXXX`` escapes for any character in strings (default True),
+            not only for control characters.
+    """
+
+    whitespace: str = "compact"
+    additional_properties_default: str = "closed"
+    max_string_length: int | None = DEFAULT_MAX_STRING_LENGTH
+    unicode_escapes: bool = True
+
+    def __post_init__(self) -> None:
+        if self.whitespace not in WHITESPACE_MODES:
+            raise GrammarError(
+                f"whitespace must be one of {WHITESPACE_MODES}, got {self.whitespace!r}", field="whitespace"
+            )
+        if self.additional_properties_default not in ADDITIONAL_PROPERTIES_DEFAULTS:
+            raise GrammarError(
+                "additional_properties_default must be one of "
+                f"{ADDITIONAL_PROPERTIES_DEFAULTS}, got {self.additional_properties_default!r}",
+                field="additional_properties_default",
+            )
+        if self.max_string_length is not None and (
+            isinstance(self.max_string_length, bool)
+            or not isinstance(self.max_string_length, int)
+            or self.max_string_length < 1
+        ):
+            raise GrammarError(
+                f"max_string_length must be None or an int >= 1, got {self.max_string_length!r}",
+                field="max_string_length",
+            )

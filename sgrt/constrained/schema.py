@@ -1,0 +1,569 @@
+"""JSON Schema inputs -> one normalized dict that a grammar backend can compile, or a GrammarError.
+
+Three steps, in order (:func:`normalize_schema`):
+
+1. **Load** (:func:`load_schema`): a dict, JSON text, a Pydantic model class, a msgspec Struct
+   type or a dataclass becomes a plain dict.
+2. **Generation options** (:class:`~sgrt.constrained.options.GrammarOptions`): older drafts are
+   upgraded to 2020-12 forms (``items: [...]`` -> ``prefixItems``, boolean ``exclusiveMinimum``,
+   ``$ref`` siblings dropped before 2019-09); objects are closed by default; free strings get a
+   length cap; unknown ``format`` values are dropped with a warning (an annotation, as 2020-12
+   says); known formats (:data:`~sgrt.constrained.formats.KNOWN_FORMATS`) are kept and enforced.
+3. **Keyword rewrites and checks**: keywords no backend implements are rewritten into ones they
+   do when that is exact (``not`` over types / ``required`` / bounds, ``if``/``then``/``else``,
+   ``dependentRequired`` / ``dependentSchemas`` / ``dependencies``, ``oneOf`` that is provably
+   exclusive or can be made so with negations, ``propertyNames`` on closed objects,
+   ``unevaluated*`` on plain nodes); everything else that would change which instances are valid
+   fails closed: a :class:`~sgrt.errors.GrammarError` naming the keyword and its JSON pointer.
+   Patterns with lookaround or backreferences fail here too.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from sgrt.constrained.formats import FORMAT_REGEXES, KNOWN_FORMATS, LLGUIDANCE_OVERRIDES
+from sgrt.constrained.options import GrammarOptions
+from sgrt.constrained.patterns import UnsupportedPattern, check_pattern, llguidance_pattern
+from sgrt.constrained.schema_algebra import (
+    VALIDATION_KEYWORDS,
+    Inexpressible,
+    Schema,
+    TYPES,
+    constraining_keys,
+    declares_keys,
+    deref,
+    escape_pointer,
+    map_subschemas,
+    negate,
+    provably_disjoint,
+    subschemas,
+    type_set,
+    unescape_pointer,
+)
+from sgrt.errors import GrammarError
+
+_ANNOTATIONS = {
+    "title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+    "writeOnly", "$schema", "$id", "id", "$anchor", "$dynamicAnchor", "$vocabulary",
+    "contentMediaType", "contentEncoding", "contentSchema", "nullable", "discriminator", "xml",
+    "externalDocs", "example", "x-guidance",
+}
+# Keywords that no backend can enforce and that we do not rewrite: fail closed.
+_UNSUPPORTED = {
+    "contains": "arrays that must contain a matching item",
+    "minContains": "arrays that must contain a matching item",
+    "maxContains": "arrays that must contain a matching item",
+    "$dynamicRef": "dynamic references",
+    "$recursiveRef": "recursive references",
+}
+_OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
+_APPLICATORS = ("allOf", "anyOf", "oneOf")
+_OBJECT_KEYS = ("properties", "patternProperties", "additionalProperties", "required",
+                "propertyNames", "minProperties", "maxProperties", "dependentRequired",
+                "dependentSchemas", "dependencies", "unevaluatedProperties")
+
+
+@dataclass
+class NormalizedSchema:
+    """A schema ready for a backend (``schema``) and the warnings collected on the way."""
+
+    schema: Schema
+    warnings: list[str] = field(default_factory=list)
+
+
+def load_schema(spec: Any) -> Schema:
+    """Turn a ``json_schema`` request value into a dict (or a boolean schema).
+
+    Accepts a dict (deep-copied), JSON text, a Pydantic ``BaseModel`` subclass, a msgspec
+    ``Struct`` type, a dataclass type, or a boolean.
+
+    Raises:
+        GrammarError: (field ``json_schema``) invalid JSON text, or a type we cannot read.
+    """
+    if isinstance(spec, bool):
+        return spec
+    if isinstance(spec, dict):
+        return copy.deepcopy(spec)
+    if isinstance(spec, (str, bytes)):
+        try:
+            value = json.loads(spec)
+        except ValueError as e:
+            raise GrammarError(f"json_schema is not valid JSON: {e}", field="json_schema") from e
+        if not isinstance(value, (dict, bool)):
+            raise GrammarError("json_schema must be a JSON object or a boolean", field="json_schema")
+        return value
+    if isinstance(spec, type):
+        if hasattr(spec, "model_json_schema"):  # Pydantic v2
+            return spec.model_json_schema()
+        import msgspec
+
+        if issubclass(spec, msgspec.Struct) or dataclasses.is_dataclass(spec):
+            return msgspec.json.schema(spec)
+    raise GrammarError(
+        "json_schema must be a dict, JSON text, a Pydantic model, a msgspec Struct or a dataclass, "
+        f"got {type(spec).__name__}",
+        field="json_schema",
+    )
+
+
+def normalize_schema(spec: Any, options: GrammarOptions, backend: str = "llguidance") -> NormalizedSchema:
+    """Load ``spec`` and apply options, rewrites and checks (see the module docstring).
+
+    Args:
+        spec: any input :func:`load_schema` accepts.
+        options: generation options.
+        backend: ``"llguidance"`` or ``"outlines"``. The default string cap is not applied for
+            outlines-core: its index grows with every bounded character (see
+            :class:`~sgrt.constrained.options.GrammarOptions`).
+
+    Raises:
+        GrammarError: naming the unsupported keyword and its JSON pointer (``path``).
+    """
+    root = load_schema(spec)
+    if root is False:
+        raise GrammarError("json_schema is `false`: no value is valid", field="json_schema", path="")
+    if root is True:
+        root = {}
+    n = _Normalizer(root, options, backend)
+    schema = n.run()
+    return NormalizedSchema(schema, n.warnings)
+
+
+
+
+class _Normalizer:
+    def __init__(self, root: dict, options: GrammarOptions, backend: str):
+        self.root = root
+        self.options = options
+        self.backend = backend
+        self.warnings: list[str] = []
+        schema_uri = root.get("$schema", "") if isinstance(root, dict) else ""
+        self.old_draft = isinstance(schema_uri, str) and any(d in schema_uri for d in _OLD_DRAFTS)
+        self.root_id = root.get("$id") or root.get("id") if isinstance(root, dict) else None
+        self.anchors: dict[str, str] = {}
+        self._collect_anchors(root, "")
+
+    # ---- entry ----------------------------------------------------------------------------
+
+    def run(self) -> Schema:
+        upgraded = self._upgrade(self.root, "")
+        self.upgraded = upgraded
+        keep_open = self._composed_paths(upgraded) if self.options.additional_properties_default == "closed" else None
+        with_options = self._apply_options(upgraded, "", keep_open, negated=False)
+        self.current = with_options
+        self._rewritten: dict[str, Schema] = {}
+        out = self._rewrite(with_options, "")
+        if self.backend == "llguidance":
+            out = self._llguidance_patterns(out, "")
+        return out
+
+    # ---- references -----------------------------------------------------------------------
+
+    def _collect_anchors(self, node: Schema, path: str) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("$anchor"), str):
+                self.anchors[node["$anchor"]] = path
+            for rel, sub in subschemas(node):
+                self._collect_anchors(sub, path + rel)
+
+    def ref_pointer(self, ref: Any, path: str) -> str:
+        """The JSON pointer (in this document) that ``ref`` names."""
+        if not isinstance(ref, str):
+            raise GrammarError(f"$ref at {path or '/'} must be a string", field="json_schema", path=path + "/$ref")
+        base, _, frag = ref.partition("#")
+        if base and base != self.root_id:
+            raise GrammarError(
+                f"$ref {ref!r} at {path or '/'} points outside this schema; remote references are not supported",
+                field="json_schema", path=path + "/$ref",
+            )
+        if frag and not frag.startswith("/"):
+            if frag in self.anchors:
+                return self.anchors[frag]
+            raise GrammarError(f"$ref {ref!r} at {path or '/'}: unknown anchor", field="json_schema", path=path + "/$ref")
+        return frag
+
+    def lookup(self, tree: Schema, pointer: str, path: str) -> Schema:
+        node = tree
+        for part in pointer.split("/")[1:] if pointer else []:
+            part = unescape_pointer(part)
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                raise GrammarError(
+                    f"$ref '#{pointer}' at {path or '/'} does not resolve", field="json_schema", path=path + "/$ref"
+                )
+        return node
+
+    # ---- step 2a: draft upgrade -------------------------------------------------------------
+
+    def _upgrade(self, node: Schema, path: str) -> Schema:
+        if not isinstance(node, dict):
+            return node
+        node = dict(node)
+        if self.old_draft and "$ref" in node:
+            node = {k: v for k, v in node.items() if k in ("$ref", "$defs", "definitions") or k in _ANNOTATIONS}
+        if isinstance(node.get("items"), list):
+            node["prefixItems"] = node.pop("items")
+            if "additionalItems" in node:
+                node["items"] = node.pop("additionalItems")
+        else:
+            node.pop("additionalItems", None)
+        for key, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if isinstance(node.get(key), bool):
+                if node.pop(key) and bound in node:
+                    node[key] = node.pop(bound)
+        if "dependencies" in node:
+            deps = node.pop("dependencies")
+            if isinstance(deps, dict):
+                for name, dep in deps.items():
+                    if isinstance(dep, list):
+                        node.setdefault("dependentRequired", {})[name] = dep
+                    else:
+                        node.setdefault("dependentSchemas", {})[name] = dep
+        if node.get("uniqueItems") is False:
+            node.pop("uniqueItems")
+        return map_subschemas(node, self._upgrade, path)
+
+    # ---- step 2b: which object schemas must stay open ---------------------------------------
+
+    def _composed_paths(self, tree: Schema) -> set[str]:
+        """Paths of object schemas that are intersected with others that declare more keys
+        (allOf members, anyOf branches under a parent with ``properties``, sibling ``$ref``
+        targets, ...): closing them would forbid the other side's keys."""
+        composed: set[str] = set()
+        pending: list[tuple[Schema, str, bool]] = [(tree, "", False)]
+        seen: set[tuple[str, bool]] = set()
+        while pending:
+            node, path, in_comp = pending.pop()
+            if (path, in_comp) in seen or not isinstance(node, dict):
+                continue
+            seen.add((path, in_comp))
+            own = declares_keys(node)
+            if in_comp or (own and self._members_declare_more(tree, node, path)):
+                composed.add(path)
+            if "$ref" in node and (in_comp or len(constraining_keys(node)) > 1):
+                try:
+                    target = self.ref_pointer(node["$ref"], path)
+                    pending.append((self.lookup(tree, target, path), target, True))
+                except GrammarError:
+                    pass
+            for rel, sub in subschemas(node):
+                key = rel.split("/")[1]
+                if key in ("allOf", "then", "else", "dependentSchemas"):
+                    child_comp = True
+                elif key in ("anyOf", "oneOf"):
+                    child_comp = in_comp or own
+                else:
+                    child_comp = False
+                pending.append((sub, path + rel, child_comp))
+        return composed
+
+    def _members_declare_more(self, tree: Schema, node: dict, path: str, depth: int = 0) -> bool:
+        """Whether an applicator member or ``$ref`` target of ``node`` may allow keys that
+        ``node``'s own ``properties`` do not list."""
+        mine = set(node.get("properties") or {})
+        members: list[Schema] = []
+        for k in _APPLICATORS:
+            if isinstance(node.get(k), list):
+                members.extend(node[k])
+        members.extend(node[k] for k in ("then", "else") if k in node)
+        members.extend((node.get("dependentSchemas") or {}).values())
+        if "$ref" in node:
+            try:
+                members.append(self.lookup(tree, self.ref_pointer(node["$ref"], path), path))
+            except GrammarError:
+                return True
+        for m in members:
+            if not isinstance(m, dict):
+                continue
+            if m.get("patternProperties") or isinstance(m.get("additionalProperties"), dict) \
+                    or m.get("additionalProperties") is True:
+                return True
+            if set(m.get("properties") or {}) - mine:
+                return True
+            if depth < 4 and self._members_declare_more(tree, m, path, depth + 1):
+                return True
+        return False
+
+    # ---- step 2c: closing, string caps, formats ---------------------------------------------
+
+    def _apply_options(self, node: Schema, path: str, keep_open: set[str] | None, negated: bool) -> Schema:
+        if not isinstance(node, dict):
+            return node
+        node = dict(node)
+        fmt = node.get("format")
+        if fmt is not None and (not isinstance(fmt, str) or fmt not in KNOWN_FORMATS):
+            node.pop("format")
+            self.warnings.append(
+                f"unknown format {fmt!r} at {path or '/'} ignored (treated as an annotation, as JSON Schema 2020-12 says)"
+            )
+        elif fmt in LLGUIDANCE_OVERRIDES and self.backend == "llguidance":
+            node.pop("format")
+            rx = f"^{FORMAT_REGEXES[fmt]}$"
+            if "pattern" in node:
+                node["allOf"] = list(node.get("allOf") or []) + [{"pattern": rx}]
+            else:
+                node["pattern"] = rx
+        if not negated:
+            if (
+                keep_open is not None
+                and "properties" in node
+                and "additionalProperties" not in node
+                and "unevaluatedProperties" not in node
+                and path not in keep_open
+            ):
+                node["additionalProperties"] = False
+            cap = self.options.max_string_length
+            ts = type_set({"type": node["type"]}) if "type" in node else None
+            if (
+                cap is not None
+                and ts is not None
+                and "string" in ts
+                and not any(k in node for k in ("maxLength", "enum", "const", "format"))
+                and fmt not in KNOWN_FORMATS
+                and self.backend != "outlines"
+            ):
+                min_len = node.get("minLength", 0)
+                node["maxLength"] = max(cap, min_len if isinstance(min_len, int) else 0)
+
+        def child(sub: Schema, sub_path: str) -> Schema:
+            key = sub_path[len(path):].split("/")[1]
+            return self._apply_options(sub, sub_path, keep_open, negated or key in ("not", "if", "propertyNames", "contains"))
+
+        return map_subschemas(node, child, path)
+
+    # ---- step 3: rewrites and checks --------------------------------------------------------
+
+    def _resolve_current(self, ref: str) -> Schema:
+        pointer = self.ref_pointer(ref, "")
+        return self.lookup(self.current, pointer, "")
+
+    def _rewrite(self, node: Schema, path: str) -> Schema:
+        if not isinstance(node, dict):
+            return node
+        for k in node:
+            if k in _UNSUPPORTED:
+                self._fail(k, path, f"{_UNSUPPORTED[k]} cannot be enforced by a token grammar")
+        if node.get("uniqueItems") is True:
+            if isinstance(node.get("maxItems"), int) and node["maxItems"] <= 1:
+                node = {k: v for k, v in node.items() if k != "uniqueItems"}
+            else:
+                self._fail("uniqueItems", path, "unique array items cannot be enforced by a token grammar")
+        self._check_types(node, path)
+        if "$ref" in node:
+            self.ref_pointer(node["$ref"], path)  # raises for remote / bad refs
+        if "pattern" in node:
+            self._check_pattern(node["pattern"], f"{path}/pattern")
+        for name in (node.get("patternProperties") or {}):
+            self._check_pattern(name, f"{path}/patternProperties/{escape_pointer(name)}")
+        node = map_subschemas(node, self._rewrite, path)
+        for step in (
+            self._rewrite_unevaluated,
+            self._rewrite_property_names,
+            self._rewrite_dependencies,
+            self._rewrite_conditionals,
+            self._rewrite_not,
+            self._rewrite_one_of,
+        ):
+            if not isinstance(node, dict):
+                break
+            node = step(node, path)
+        return node
+
+    def _fail(self, keyword: str, path: str, why: str) -> None:
+        raise GrammarError(
+            f"json_schema keyword {keyword!r} at {path or '/'} is not supported: {why}",
+            field="json_schema",
+            path=f"{path}/{keyword}",
+        )
+
+    def _check_types(self, node: dict, path: str) -> None:
+        t = node.get("type")
+        if t is None:
+            return
+        ts = [t] if isinstance(t, str) else t if isinstance(t, list) else None
+        if ts is None or any(x not in TYPES for x in ts):
+            raise GrammarError(f"bad 'type' {t!r} at {path or '/'}", field="json_schema", path=f"{path}/type")
+
+    def _check_pattern(self, pattern: Any, path: str) -> None:
+        if not isinstance(pattern, str):
+            raise GrammarError(f"pattern at {path} must be a string", field="json_schema", path=path)
+        problem = check_pattern(pattern)
+        if problem is not None:
+            raise GrammarError(
+                f"json_schema pattern {pattern!r} at {path} is not supported: {problem.construct!r}: {problem.reason}",
+                field="json_schema",
+                path=path,
+            )
+
+    def _llguidance_patterns(self, node: Schema, path: str) -> Schema:
+        """Apply :func:`llguidance_pattern` to every pattern of the tree."""
+        if not isinstance(node, dict):
+            return node
+
+        def fix(pattern: str, where: str) -> str:
+            try:
+                return llguidance_pattern(pattern)
+            except UnsupportedPattern as e:
+                raise GrammarError(
+                    f"json_schema pattern {pattern!r} at {where} is not supported: {e}", field="json_schema", path=where
+                ) from None
+
+        node = dict(node)
+        if isinstance(node.get("pattern"), str):
+            node["pattern"] = fix(node["pattern"], f"{path}/pattern")
+        if isinstance(node.get("patternProperties"), dict):
+            node["patternProperties"] = {
+                fix(k, f"{path}/patternProperties/{escape_pointer(k)}"): v for k, v in node["patternProperties"].items()
+            }
+        return map_subschemas(node, self._llguidance_patterns, path)
+
+    def _rewrite_unevaluated(self, node: dict, path: str) -> dict:
+        plain = not any(k in node for k in _APPLICATORS + ("$ref", "if", "dependentSchemas"))
+        for key, target in (("unevaluatedProperties", "additionalProperties"), ("unevaluatedItems", "items")):
+            if key not in node:
+                continue
+            if plain and target not in node:
+                node = dict(node)
+                node[target] = node.pop(key)
+            elif node[key] is True:
+                node = {k: v for k, v in node.items() if k != key}
+            else:
+                self._fail(key, path, "it depends on what other subschemas evaluated")
+        return node
+
+    def _rewrite_property_names(self, node: dict, path: str) -> dict:
+        """``propertyNames``: checked statically against ``properties`` keys; on a map
+        (``additionalProperties``) a pattern / enum / length rule becomes ``patternProperties``
+        / ``properties`` with the map's value schema, and the object is closed."""
+        if "propertyNames" not in node:
+            return node
+        names = node["propertyNames"]
+        node = {k: v for k, v in node.items() if k != "propertyNames"}
+        if names is True or names == {}:
+            return node
+        props = dict(node.get("properties") or {})
+        if props:
+            import jsonschema
+
+            sub = dict(names) if isinstance(names, dict) else names
+            if isinstance(sub, dict):
+                for k in ("$defs", "definitions"):
+                    if k in self.current:
+                        sub[k] = self.current[k]
+            validator = jsonschema.Draft202012Validator(sub)
+            for name in props:
+                if not validator.is_valid(name):
+                    props[name] = False
+            node["properties"] = props
+        if node.get("additionalProperties") is False and not node.get("patternProperties"):
+            return node
+        if node.get("patternProperties") or not isinstance(names, dict):
+            self._fail("propertyNames", path, "key names can be checked only on closed objects or plain maps")
+        rule = {k: v for k, v in names.items() if k in VALIDATION_KEYWORDS}
+        if rule.get("type", "string") != "string" or set(rule) - {"type", "pattern", "enum", "const", "minLength", "maxLength"}:
+            self._fail("propertyNames", path, "only pattern / enum / const / length rules on key names are supported")
+        extra = node.get("additionalProperties", True)
+        node["additionalProperties"] = False
+        if "enum" in rule or "const" in rule:
+            allowed = rule["enum"] if "enum" in rule else [rule["const"]]
+            for name in allowed:
+                if isinstance(name, str) and name not in props:
+                    props[name] = extra
+            node["properties"] = props
+            return node
+        if "pattern" in rule and ("minLength" in rule or "maxLength" in rule):
+            self._fail("propertyNames", path, "a key pattern together with key length bounds")
+        if "pattern" in rule:
+            pattern = rule["pattern"]
+            self._check_pattern(pattern, f"{path}/propertyNames/pattern")
+        else:
+            lo, hi = rule.get("minLength", 0), rule.get("maxLength", "")
+            pattern = f"^[\\s\\S]{{{lo},{hi}}}$"
+        node["patternProperties"] = {pattern: extra}
+        return node
+
+    def _rewrite_dependencies(self, node: dict, path: str) -> dict:
+        extra: list[Schema] = []
+        for name, req in (node.get("dependentRequired") or {}).items():
+            extra.append({"anyOf": [{"properties": {name: False}}, {"required": [name, *req]}]})
+        for name, sub in (node.get("dependentSchemas") or {}).items():
+            extra.append({"anyOf": [{"properties": {name: False}}, {"allOf": [{"required": [name]}, sub]}]})
+        if not extra:
+            return node
+        node = {k: v for k, v in node.items() if k not in ("dependentRequired", "dependentSchemas")}
+        node["allOf"] = list(node.get("allOf") or []) + extra
+        return node
+
+    def _rewrite_conditionals(self, node: dict, path: str) -> dict:
+        if "if" not in node:
+            return {k: v for k, v in node.items() if k not in ("then", "else")}
+        cond = node["if"]
+        then, other = node.get("then", True), node.get("else", True)
+        node = {k: v for k, v in node.items() if k not in ("if", "then", "else")}
+        if then is True and other is True:
+            return node
+        try:
+            neg = negate(cond, self._resolve_current)
+        except Inexpressible as e:
+            self._fail("if", path, f"its condition cannot be negated exactly ({e})")
+        branch = {"anyOf": [{"allOf": [cond, then]}, {"allOf": [neg, other]}]}
+        node["allOf"] = list(node.get("allOf") or []) + [branch]
+        return node
+
+    def _rewrite_not(self, node: dict, path: str) -> dict:
+        if "not" not in node:
+            return node
+        try:
+            neg = negate(node["not"], self._resolve_current)
+        except Inexpressible as e:
+            self._fail("not", path, f"this negation cannot be expressed without `not` ({e})")
+        node = {k: v for k, v in node.items() if k != "not"}
+        if neg is False:
+            return False
+        if neg is not True:
+            node["allOf"] = list(node.get("allOf") or []) + [neg]
+        return node
+
+    def _rewrite_one_of(self, node: dict, path: str) -> dict:
+        branches = node.get("oneOf")
+        if not isinstance(branches, list):
+            return node
+        res = self._resolve_current
+        n = len(branches)
+        overlap = {
+            (i, j)
+            for i in range(n)
+            for j in range(n)
+            if i != j and not provably_disjoint(branches[i], branches[j], res)
+        }
+        node = {k: v for k, v in node.items() if k != "oneOf"}
+        if not overlap:
+            return self._add_any_of(node, branches)
+        if n <= 8:
+            try:
+                expanded = []
+                for i in range(n):
+                    ctx = type_set(deref(branches[i], res))
+                    negs = [negate(branches[j], res, context=ctx) for j in range(n) if (i, j) in overlap]
+                    expanded.append({"allOf": [branches[i], *negs]})
+                return self._add_any_of(node, expanded)
+            except Inexpressible:
+                pass
+        # Leave it to the backend: llguidance accepts oneOf when it can prove exclusivity itself.
+        node["oneOf"] = branches
+        return node
+
+    @staticmethod
+    def _add_any_of(node: dict, branches: list[Schema]) -> dict:
+        if "anyOf" in node:
+            node["allOf"] = list(node.get("allOf") or []) + [{"anyOf": branches}]
+        else:
+            node["anyOf"] = branches
+        return node

@@ -1,0 +1,278 @@
+"""Feed JSON Schema corpora through grammars token by token (used by the tests and the bench).
+
+The corpora are ``../shared/data/jsonschemabench`` (MaskBench format: ``{"schema": ...,
+"tests": [{"valid": bool, "data": ...}]}``) and ``../shared/data/json-schema-test-suite``
+(draft 2020-12: ``[{"schema": ..., "tests": [...]}]``). Each instance is serialized compactly,
+with object keys in the grammar's order (schema ``properties`` order), tokenized canonically and
+fed one token at a time: it is accepted if every token is and the grammar accepts at the end.
+
+A valid instance that is rejected counts as a *departure* (not an error) when it breaks one of
+the generation defaults we chose: it is invalid under the normalized schema (closed objects,
+string caps, formats enforced by :mod:`~sgrt.constrained.formats`).
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import torch
+
+from sgrt.constrained.bitmask import allocate_token_bitmask
+from sgrt.constrained.formats import FORMAT_REGEXES
+from sgrt.constrained.options import GrammarOptions
+from sgrt.constrained.schema import normalize_schema
+from sgrt.errors import GrammarError
+
+DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+@dataclass
+class CorpusCase:
+    """One schema and its labelled instances."""
+
+    source: str
+    name: str
+    schema: Any
+    tests: list[tuple[str, bool, Any]]
+
+
+@dataclass
+class CaseResult:
+    """What happened to one schema on one backend."""
+
+    name: str
+    compiled: bool
+    error: str | None = None
+    compile_s: float = 0.0
+    valid_accepted: int = 0
+    valid_rejected: int = 0
+    departures: int = 0
+    invalid_rejected: int = 0
+    invalid_accepted: int = 0
+    mask_mismatch: int = 0
+    mask_stricter: int = 0
+    mask_times: list[float] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def load_maskbench(root: Path | None = None) -> list[CorpusCase]:
+    """The 313 JSONSchemaBench schemas (manifest order)."""
+    root = root or DATA_DIR / "jsonschemabench"
+    manifest = json.loads((root / "manifest.json").read_text())
+    cases = []
+    for entry in manifest:
+        d = json.loads((root / entry["file"]).read_text())
+        tests = [(t.get("description", ""), bool(t["valid"]), t["data"]) for t in d.get("tests", [])]
+        cases.append(CorpusCase("jsonschemabench", entry["file"], d["schema"], tests))
+    return cases
+
+
+def load_test_suite(root: Path | None = None, files: list[str] | None = None) -> list[CorpusCase]:
+    """JSON Schema Test Suite draft 2020-12 groups (``files``: names like ``"anyOf.json"``;
+    default: every top-level file except remote-reference ones)."""
+    root = root or DATA_DIR / "json-schema-test-suite" / "draft2020-12"
+    paths = [root / f for f in files] if files else sorted(p for p in root.glob("*.json") if "Remote" not in p.name)
+    cases = []
+    for p in paths:
+        for i, group in enumerate(json.loads(p.read_text())):
+            tests = [(t["description"], bool(t["valid"]), t["data"]) for t in group["tests"]]
+            cases.append(CorpusCase("test-suite", f"{p.name}#{i}", group["schema"], tests))
+    return cases
+
+
+def instance_text(data: Any, schema: Any = None) -> str:
+    """Compact JSON for ``data`` with object keys in ``schema``'s ``properties`` order and
+    integral floats written as integers."""
+    if schema is not None:
+        data = order_keys(data, schema, schema)
+    return json.dumps(_compact_numbers(data), separators=(",", ":"), ensure_ascii=False)
+
+
+def _compact_numbers(data: Any) -> Any:
+    """Integral floats as ints (``0.0`` -> ``0``): the same JSON number, written compactly."""
+    if isinstance(data, float) and data.is_integer() and abs(data) < 1e15:
+        return int(data)
+    if isinstance(data, dict):
+        return {k: _compact_numbers(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_compact_numbers(v) for v in data]
+    return data
+
+
+def order_keys(data: Any, node: Any, root: Any, depth: int = 0) -> Any:
+    """``data`` with dict keys reordered to follow the schema's ``properties`` (best effort, as
+    llguidance merges them: own ``properties``, then ``allOf`` members and ``$ref`` targets in
+    order, then the first ``anyOf`` / ``oneOf`` branch that ``data`` validates against; keys
+    named only in ``required`` follow, in that order)."""
+    if depth > 50 or not isinstance(node, dict) or not isinstance(data, (dict, list)):
+        return data
+    parts = _merged_parts(node, root, data, 0)
+    props: dict[str, Any] = {}
+    extra = None
+    items = None
+    prefix: list = []
+    required: list[str] = []
+    for part in parts:
+        for k, v in (part.get("properties") or {}).items():
+            props.setdefault(k, v)
+        required += [k for k in part.get("required") or [] if isinstance(k, str)]
+        if extra is None and isinstance(part.get("additionalProperties"), dict):
+            extra = part["additionalProperties"]
+        if items is None and isinstance(part.get("items"), dict):
+            items = part["items"]
+        if not prefix and isinstance(part.get("prefixItems"), list):
+            prefix = part["prefixItems"]
+    if isinstance(data, dict):
+        keys = [k for k in props if k in data]
+        keys += [k for k in dict.fromkeys(required) if k in data and k not in keys]
+        keys += [k for k in data if k not in keys]
+        return {k: order_keys(data[k], props.get(k, extra), root, depth + 1) for k in keys}
+    return [order_keys(v, prefix[i] if i < len(prefix) else items, root, depth + 1) for i, v in enumerate(data)]
+
+
+def _merged_parts(node: Any, root: Any, data: Any, depth: int) -> list[dict]:
+    node = _deref(node, root)
+    if not isinstance(node, dict) or depth > 8:
+        return []
+    parts = [node]
+    if "$ref" in node:
+        parts += _merged_parts({"$ref": node["$ref"]}, root, data, depth + 1)
+    for m in node.get("allOf") or []:
+        parts += _merged_parts(m, root, data, depth + 1)
+    for key in ("anyOf", "oneOf"):
+        for m in node.get(key) or []:
+            if _validates(root, m, data):
+                parts += _merged_parts(m, root, data, depth + 1)
+                break
+    return parts
+
+
+def _validates(root: Any, schema: Any, data: Any) -> bool:
+    try:
+        base = jsonschema.Draft202012Validator(root if isinstance(root, dict) else {})
+        return base.evolve(schema=schema).is_valid(data)
+    except Exception:
+        return False
+
+
+def _deref(node: Any, root: Any) -> Any:
+    for _ in range(10):
+        ref = node.get("$ref") if isinstance(node, dict) else None
+        if isinstance(ref, str) and len([k for k in node if k not in ("description", "title")]) > 1:
+            return node  # a $ref with siblings: _merged_parts follows it
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            return node
+        target = root
+        for part in ref[1:].split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            else:
+                return node
+        node = target
+    return node
+
+
+def _format_checker() -> jsonschema.FormatChecker:
+    checker = jsonschema.FormatChecker(formats=())
+    for name, rx in FORMAT_REGEXES.items():
+        compiled = re.compile(rx)
+        checker.checks(name)(lambda value, c=compiled: not isinstance(value, str) or c.fullmatch(value) is not None)
+    return checker
+
+
+_CHECKER = _format_checker()
+
+
+def departure_reason(normalized_schema: Any, data: Any) -> str | None:
+    """Why ``data`` breaks the generation defaults (closed objects, string caps, formats), or
+    None if it is valid under the normalized schema."""
+    try:
+        validator = jsonschema.Draft202012Validator(normalized_schema, format_checker=_CHECKER)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+    except Exception:  # a schema jsonschema cannot handle: no departure claimed
+        return None
+    if error is None:
+        return None
+    return {"additionalProperties": "closed object", "maxLength": "string cap", "format": "format"}.get(
+        error.validator, str(error.validator)
+    )
+
+
+def feed_tokens(grammar: Any, token_ids: list[int], bitmask: torch.Tensor | None = None,
+                times: list[float] | None = None, stricter: list[int] | None = None) -> tuple[bool, int]:
+    """Feed ``token_ids``; returns (accepted and accepting at the end, mask mismatches).
+
+    With ``bitmask`` (``[1, W]``), the mask is filled before every token, timed into ``times``,
+    and checked against ``accept_token``: a token the mask allows but ``accept_token`` rejects
+    is a mismatch (a bug: the engine would abort). The reverse (the mask forbids a token that
+    ``accept_token`` takes) is counted in ``stricter``: llguidance masks non-canonical splits of
+    forced text (e.g. ``":`` where ``":"`` is forced), which is by design.
+    """
+    mismatches = 0
+    for t in token_ids:
+        if bitmask is not None:
+            t0 = time.perf_counter()
+            grammar.fill_vocab_mask(bitmask, 0)
+            if times is not None:
+                times.append(time.perf_counter() - t0)
+            allowed = bool((int(bitmask[0, t // 32]) >> (t % 32)) & 1)
+        else:
+            allowed = None
+        ok = grammar.accept_token(t)
+        if allowed and not ok:
+            mismatches += 1
+        elif allowed is False and ok and stricter is not None:
+            stricter[0] += 1
+        if not ok:
+            return False, mismatches
+    return grammar.is_accepting(), mismatches
+
+
+def run_case(compiler: Any, backend: str, case: CorpusCase, options: GrammarOptions | None = None,
+             max_tests: int | None = None, measure_masks: bool = True) -> CaseResult:
+    """Compile ``case.schema`` on ``backend`` and feed every instance (see module docstring)."""
+    options = options or compiler.options
+    result = CaseResult(case.name, compiled=False)
+    t0 = time.perf_counter()
+    try:
+        compiled = compiler.compile_spec("json_schema", case.schema, backend, options)
+    except GrammarError as e:
+        result.error = str(e)
+        result.compile_s = time.perf_counter() - t0
+        return result
+    result.compile_s = time.perf_counter() - t0
+    result.compiled = True
+    try:
+        normalized = normalize_schema(case.schema, options, backend).schema
+    except GrammarError:
+        normalized = case.schema
+    bitmask = allocate_token_bitmask(1, compiler.vocab.vocab_size) if measure_masks else None
+    tests = case.tests if max_tests is None else case.tests[:max_tests]
+    for desc, valid, data in tests:
+        text = instance_text(data, normalized)  # key order as the backend sees the schema
+        grammar = compiled.new_grammar()
+        stricter = [0]
+        accepted, mismatches = feed_tokens(grammar, compiler.vocab.encode(text), bitmask, result.mask_times, stricter)
+        result.mask_mismatch += mismatches
+        result.mask_stricter += stricter[0]
+        if valid and accepted:
+            result.valid_accepted += 1
+        elif valid:
+            reason = departure_reason(normalized, data)
+            if reason is not None:
+                result.departures += 1
+            else:
+                result.valid_rejected += 1
+                result.notes.append(f"valid rejected: {desc}: {text[:200]}")
+        elif accepted:
+            result.invalid_accepted += 1
+            result.notes.append(f"INVALID ACCEPTED: {desc}: {text[:200]}")
+        else:
+            result.invalid_rejected += 1
+    return result
