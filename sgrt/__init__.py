@@ -44,4 +44,8 @@ def __getattr__(name: str):
         from sgrt.backends import local
 
         return getattr(local, name)
+    if name == "RuntimeEndpoint":
+        from sgrt.backends.http import RuntimeEndpoint
+
+        return RuntimeEndpoint
     raise AttributeError(f"module 'sgrt' has no attribute {name!r}")

@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(chat)
     serve = sub.add_parser("serve", help="serve WebSocket agent sessions (and the HTTP API)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8765)
+    serve.add_argument("--port", type=int, default=8765, help="WebSocket sessions port (default: %(default)s)")
+    serve.add_argument("--http-port", type=int, default=8000,
+                       help="OpenAI-compatible HTTP API port (default: %(default)s; -1 disables it)")
     serve.add_argument("--programs", default=None, help="folder of @sgrt.function programs to register")
     serve.add_argument("--auth-token", default=os.environ.get("SGRT_AUTH_TOKEN"),
                        help="required first-message token (default: $SGRT_AUTH_TOKEN)")
@@ -128,7 +130,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = _engine(args)
     try:
-        run_server(engine, host=args.host, port=args.port, programs_dir=args.programs, auth_token=args.auth_token)
+        run_server(engine, host=args.host, port=args.port, http_port=None if args.http_port < 0 else args.http_port,
+                   programs_dir=args.programs, auth_token=args.auth_token, model_name=args.model)
     finally:
         engine.shutdown()
     return 0

@@ -10,7 +10,7 @@ from typing import Any
 
 from sgrt.backends.base import BaseBackend, ChoiceScore, GenChunk, GenOutput
 
-__all__ = ["BaseBackend", "ChoiceScore", "GenChunk", "GenOutput", "LocalBackend", "Runtime"]
+__all__ = ["BaseBackend", "ChoiceScore", "GenChunk", "GenOutput", "LocalBackend", "Runtime", "RuntimeEndpoint"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,4 +18,8 @@ def __getattr__(name: str) -> Any:
         from sgrt.backends import local
 
         return getattr(local, name)
+    if name == "RuntimeEndpoint":
+        from sgrt.backends.http import RuntimeEndpoint
+
+        return RuntimeEndpoint
     raise AttributeError(f"module 'sgrt.backends' has no attribute {name!r}")

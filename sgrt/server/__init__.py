@@ -1,5 +1,6 @@
 """Servers in front of one engine: WebSocket agent sessions (``serve_ws`` / ``run_ws_server``;
-protocol in :mod:`sgrt.server.protocol`).
+protocol in :mod:`sgrt.server.protocol`), the OpenAI-compatible HTTP API (``serve_http``), and
+``run_server``, which runs both (``sgrt serve``).
 
 Names are imported on first use, so ``import sgrt.server`` stays cheap.
 """
@@ -14,6 +15,12 @@ _EXPORTS = {
     "run_ws_server": "sgrt.server.ws_server",
     "ProgramRegistry": "sgrt.server.programs",
     "PROTOCOL_VERSION": "sgrt.server.protocol",
+    "run_server": "sgrt.server.serve",
+    "serve_http": "sgrt.server.http_api",
+    "create_app": "sgrt.server.http_api",
+    "HttpServer": "sgrt.server.http_api",
+    "HttpServerThread": "sgrt.server.http_api",
+    "HttpLimits": "sgrt.server.http_core",
 }
 
 __all__ = sorted(_EXPORTS)

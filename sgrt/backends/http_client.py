@@ -1,0 +1,245 @@
+"""A small thread-safe JSON-over-HTTP client with server-sent events, for :mod:`sgrt.backends.http`.
+
+Standard library only (``http.client``): one keep-alive connection per thread for plain
+requests, a fresh connection per stream (closing the stream closes it, which makes an sgrt
+server abort the request). OpenAI-style error bodies become sgrt's exception types; 429 and 503
+are retried with backoff (``Retry-After`` is honoured) before giving up.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+from sgrt.errors import CapacityError, ContextLengthExceeded, GrammarError, InvalidRequest, RequestAborted
+
+_RETRY_STATUSES = (429, 503)
+
+
+class HttpStatusError(Exception):
+    """A status the caller may want to handle itself (``status``, ``code``, ``param``)."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.param = param
+
+
+def error_for(status: int, body: bytes, url: str) -> Exception:
+    """The sgrt exception for an error answer (OpenAI-style body or not).
+
+    400 -> :class:`InvalidRequest` (``GrammarError`` for code ``grammar_error``,
+    ``ContextLengthExceeded`` for ``context_length_exceeded``) with ``field`` = the ``param``;
+    401/403 -> ``InvalidRequest`` (field ``api_key``); 404/405/413/422 -> ``InvalidRequest``;
+    429 -> :class:`CapacityError`; anything else -> :class:`RequestAborted`.
+    """
+    message, code, param = _parse_error(body)
+    text = f"{url}: HTTP {status}: {message}"
+    if status == 400 or status == 422:
+        if code == "grammar_error":
+            return GrammarError(text, field=param)
+        if code == "context_length_exceeded":
+            return ContextLengthExceeded(text, field=param)
+        return InvalidRequest(text, field=param)
+    if status in (401, 403):
+        return InvalidRequest(f"{text} (check api_key)", field="api_key")
+    if status in (404, 405):
+        return InvalidRequest(f"{text} (the server does not offer this endpoint)", field=None)
+    if status == 413:
+        return InvalidRequest(text, field=param or "prompt")
+    if status == 429:
+        return CapacityError(text)
+    return RequestAborted(text)
+
+
+def _parse_error(body: bytes) -> tuple[str, str | None, str | None]:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace")[:500] or "(no body)", None, None
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message", obj)), err.get("code"), err.get("param")
+    if isinstance(obj, dict) and "message" in obj:  # FastAPI / vLLM style {"message": ..., "code": ...}
+        return str(obj["message"]), None, obj.get("param")
+    if isinstance(obj, dict) and "detail" in obj:
+        return str(obj["detail"]), None, None
+    return str(obj)[:500], None, None
+
+
+class HttpClient:
+    """JSON requests to one base URL (``http://host:port`` plus an optional path prefix).
+
+    Args:
+        base_url: the server's root URL.
+        api_key: sent as ``Authorization: Bearer``.
+        timeout: seconds for connecting and for each read.
+        max_retries: retries of a 429 / 503 answer (exponential backoff from 0.25 s, at most 4 s
+            a wait, or what ``Retry-After`` says).
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
+                 max_retries: int = 4):
+        parts = urllib.parse.urlsplit(base_url if "://" in base_url else f"http://{base_url}")
+        if parts.scheme not in ("http", "https"):
+            raise InvalidRequest(f"base_url must be http:// or https://, got {base_url!r}", field="base_url")
+        self.scheme = parts.scheme
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.prefix = parts.path.rstrip("/")
+        self.base_url = f"{self.scheme}://{parts.netloc}{self.prefix}"
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.headers = {"content-type": "application/json", "accept": "application/json"}
+        if api_key:
+            self.headers["authorization"] = f"Bearer {api_key}"
+        self._local = threading.local()
+        self.last_headers: dict[str, str] = {}
+
+    # ---- connections --------------------------------------------------------------------------
+    def _new_conn(self) -> http.client.HTTPConnection:
+        if self.scheme == "https":
+            return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout,
+                                               context=ssl.create_default_context())
+        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+
+    def _conn(self) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._new_conn()
+        return conn
+
+    def _drop_conn(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def close(self) -> None:
+        """Close this thread's keep-alive connection."""
+        self._drop_conn()
+
+    # ---- requests -----------------------------------------------------------------------------
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        """Send ``body`` (JSON) and return the decoded JSON answer.
+
+        Raises:
+            ConnectionError: the server cannot be reached.
+            InvalidRequest / GrammarError / ContextLengthExceeded / CapacityError /
+            RequestAborted: an error answer (see :func:`error_for`).
+        """
+        status, headers, data = self.request_raw(method, path, body)
+        if status >= 400:
+            raise error_for(status, data, self.base_url + path)
+        try:
+            return json.loads(data) if data else None
+        except ValueError as e:
+            raise RequestAborted(f"{self.base_url}{path}: the answer is not JSON: {e}") from None
+
+    def request_raw(self, method: str, path: str, body: Any = None) -> tuple[int, dict[str, str], bytes]:
+        """Like :meth:`request` but returns ``(status, headers, body bytes)`` for every status
+        (429 / 503 are still retried first)."""
+        payload = None if body is None else json.dumps(body).encode()
+        attempt = 0
+        while True:
+            status, headers, data = self._once(method, path, payload)
+            if status in _RETRY_STATUSES and attempt < self.max_retries:
+                time.sleep(_backoff(attempt, headers))
+                attempt += 1
+                continue
+            self.last_headers = headers
+            return status, headers, data
+
+    def _once(self, method: str, path: str, payload: bytes | None) -> tuple[int, dict[str, str], bytes]:
+        for fresh in (False, True):
+            conn = self._conn()
+            try:
+                conn.request(method, self.prefix + path, body=payload, headers=self.headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                headers = {k.lower(): v for k, v in resp.getheaders()}
+                if resp.will_close:
+                    self._drop_conn()
+                return resp.status, headers, data
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError,
+                    http.client.CannotSendRequest, http.client.ResponseNotReady) as e:
+                # NOTE: a keep-alive connection the server closed meanwhile; retry once on a new one.
+                self._drop_conn()
+                if fresh:
+                    raise ConnectionError(f"{self.base_url}{path}: connection lost: {e}") from e
+            except OSError as e:
+                self._drop_conn()
+                raise ConnectionError(f"cannot reach {self.base_url}{path}: {e}") from e
+        raise AssertionError("unreachable")
+
+    def stream(self, path: str, body: Any) -> Iterator[Any]:
+        """POST ``body`` and yield each server-sent event's JSON (until ``data: [DONE]``).
+
+        Closing the iterator closes the connection (an sgrt server then aborts the request).
+        An ``{"error": ...}`` event raises as :func:`error_for` with status 500 would, unless it
+        carries a 4xx-style code (then as a 400).
+        """
+        payload = json.dumps(body).encode()
+        attempt = 0
+        while True:
+            conn = self._new_conn()
+            try:
+                conn.request("POST", self.prefix + path, body=payload,
+                             headers={**self.headers, "accept": "text/event-stream"})
+                resp = conn.getresponse()
+            except OSError as e:
+                conn.close()
+                raise ConnectionError(f"cannot reach {self.base_url}{path}: {e}") from e
+            if resp.status < 400:
+                break
+            data = resp.read()
+            headers = {k.lower(): v for k, v in resp.getheaders()}
+            conn.close()
+            if resp.status in _RETRY_STATUSES and attempt < self.max_retries:
+                time.sleep(_backoff(attempt, headers))
+                attempt += 1
+                continue
+            raise error_for(resp.status, data, self.base_url + path)
+        try:
+            data_lines: list[bytes] = []
+            while True:
+                line = resp.readline()
+                if not line:
+                    return
+                line = line.rstrip(b"\r\n")
+                if line.startswith(b"data:"):
+                    data_lines.append(line[5:].lstrip(b" "))
+                    continue
+                if line or not data_lines:
+                    continue  # comments, other fields, keep-alive blank lines
+                payload_line = b"\n".join(data_lines)
+                data_lines = []
+                if payload_line.strip() == b"[DONE]":
+                    return
+                event = json.loads(payload_line)
+                if isinstance(event, dict) and isinstance(event.get("error"), dict):
+                    code = event["error"].get("code")
+                    status = 400 if code in ("grammar_error", "context_length_exceeded", "invalid_value") else 500
+                    raise error_for(status, payload_line, self.base_url + path)
+                yield event
+        except OSError as e:
+            raise ConnectionError(f"{self.base_url}{path}: stream broken: {e}") from e
+        finally:
+            conn.close()
+
+
+def _backoff(attempt: int, headers: dict[str, str]) -> float:
+    retry_after = headers.get("retry-after")
+    if retry_after:
+        try:
+            return min(float(retry_after), 30.0)
+        except ValueError:
+            pass
+    return min(0.25 * (2 ** attempt), 4.0) * (0.5 + random.random() / 2)

@@ -1,0 +1,307 @@
+"""The OpenAI-compatible HTTP API in front of one :class:`sgrt.engine.Engine` (Starlette + uvicorn).
+
+Endpoints (all but ``/health`` need ``Authorization: Bearer <token>`` when the server has one):
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions``: OpenAI's fields (``stream`` as
+  server-sent events, ``n``, ``stop``, ``max_tokens`` / ``max_completion_tokens``,
+  ``temperature``, ``top_p``, ``seed``, ``logprobs`` / ``top_logprobs``, ``response_format``,
+  ``tools`` + ``tool_choice``, ``stream_options.include_usage``) and the extras of
+  :mod:`sgrt.server.openai_protocol` (``regex``, ``json_schema``, ``grammar``, ``top_k``,
+  ``min_p``, ``min_tokens``, ...). Defaults are OpenAI's (``temperature=1``), not the engine's.
+- ``GET /v1/models``: the one model; its card has ``owned_by: "sgrt"`` and an ``sgrt`` object
+  (version, native endpoints, context length), which is how clients detect an sgrt server.
+  Every response also carries an ``x-sgrt-version`` header.
+- ``GET /health``: 200 ``{"status": "ok", ...}`` while the engine runs, else 503.
+- Native (:mod:`sgrt.server.http_native`): ``POST /generate`` (text or token ids, one or a
+  batch; prompt log-probabilities; ``max_tokens=0`` is prefill-only), ``/tokenize``,
+  ``/detokenize``, ``/apply_chat_template``, ``/flush_cache``, ``/abort_request``.
+
+Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 400 (``param``
+names the field), 401 (bad or missing token), 404, 413 (body over ``max_body_bytes``), 429
+(more than ``max_queue`` engine requests in flight; ``Retry-After: 1``), 500, 503 (the engine
+is not running or the server is closing). A stream answers errors that happen before its first
+token with the same status codes; later ones arrive as a ``data: {"error": ...}`` event before
+``data: [DONE]``.
+
+A client that disconnects (from a stream or while waiting for a plain response) aborts its
+engine requests, which frees their KV slots.
+
+Serving: :func:`serve_http` (async; returns a running :class:`HttpServer`), or
+:class:`HttpServerThread` (uvicorn on a background thread, for tests and benchmarks). Loopback
+(``127.0.0.1``) and port :data:`DEFAULT_PORT` (8000) by default.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, fields
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from sgrt.server import http_native as native
+from sgrt.server import http_openai
+from sgrt.server.http_core import HttpApi, HttpLimits
+from sgrt.server.http_errors import ApiError, ClientGone, api_error_from
+
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "HttpApi", "HttpLimits", "HttpServer", "HttpServerThread", "create_app",
+           "serve_http"]
+
+logger = logging.getLogger("sgrt.server.http")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+# ==== the app =====================================================================================
+
+
+def create_app(engine: Any, *, model_name: str, auth_token: str | None = None,
+               limits: HttpLimits | None = None, **limit_fields: Any) -> Starlette:
+    """The Starlette app of the HTTP API over ``engine``.
+
+    Args:
+        engine: a running :class:`sgrt.engine.Engine` (not owned: the caller shuts it down).
+        model_name: the model id to report (any requested ``model`` is accepted).
+        auth_token: when set, every endpoint but ``/health`` needs ``Authorization: Bearer``.
+        limits: an :class:`HttpLimits`; or pass its fields as keywords (``max_queue=32``).
+
+    Raises:
+        TypeError: an unknown limit keyword.
+
+    ``app.state.api`` is the :class:`HttpApi` (in-flight counts, ``closing``).
+    """
+    if limit_fields:
+        known = {f.name for f in fields(HttpLimits)}
+        unknown = sorted(set(limit_fields) - known)
+        if unknown:
+            raise TypeError(f"create_app() got unknown limit(s) {unknown}; known: {sorted(known)}")
+        base = asdict(limits or HttpLimits())
+        base.update(limit_fields)
+        limits = HttpLimits(**base)
+    api = HttpApi(engine, model_name=model_name, auth_token=auth_token, limits=limits)
+
+    def route(handler: Callable[[HttpApi, Request], Any], prompt_field: str) -> Callable[[Request], Any]:
+        async def endpoint(request: Request) -> Any:
+            try:
+                return await handler(api, request)
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it; the requests were aborted
+            except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI-style body
+                return api_error_from(exc, prompt_field).response()
+        return endpoint
+
+    table = [  # path, methods, handler(api, request), the field a context-length error names
+        ("/v1/chat/completions", ["POST"], http_openai.chat_completions, "messages"),
+        ("/v1/completions", ["POST"], http_openai.completions, "prompt"),
+        ("/v1/models", ["GET"], HttpApi.models, "prompt"),
+        ("/health", ["GET"], HttpApi.health, "prompt"),
+        ("/generate", ["POST"], native.generate, "prompt"),
+        ("/tokenize", ["POST"], native.tokenize, "prompt"),
+        ("/detokenize", ["POST"], native.detokenize, "prompt"),
+        ("/apply_chat_template", ["POST"], native.apply_chat_template, "messages"),
+        ("/flush_cache", ["POST", "GET"], native.flush_cache, "prompt"),
+        ("/abort_request", ["POST"], native.abort_request, "prompt"),
+    ]
+    routes = [Route(path, route(handler, field), methods=methods) for path, methods, handler, field in table]
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        message = f"no route {request.method} {request.url.path}" if status == 404 else \
+            f"method {request.method} not allowed on {request.url.path}"
+        return ApiError(status, message, code="not_found" if status == 404 else "method_not_allowed").response()
+
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    app.state.api = api
+    return app
+
+
+# ==== serving =====================================================================================
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn's server without its signal handling (the host program owns the signals)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # type: ignore[override]
+        yield
+
+
+class HttpServer:
+    """A running HTTP API (from :func:`serve_http`): ``url``, ``port``, ``serve_forever()``,
+    ``close()``."""
+
+    def __init__(self, app: Starlette, uv_server: Any, task: asyncio.Task, host: str, port: int):
+        self.app = app
+        self.api: HttpApi = app.state.api
+        self._server = uv_server
+        self._task = task
+        self.host = host
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def serve_forever(self) -> None:
+        """Wait until the server stops (``close()`` or a failure)."""
+        await asyncio.shield(self._task)
+
+    async def close(self) -> None:
+        """Stop accepting requests (503 meanwhile), abort the requests still running (their
+        streams end with finish reason ``abort``) and stop (about a second at most)."""
+        self.api.closing = True
+        self.api.abort_all()
+        await asyncio.sleep(0.05)  # let the streams send their last chunks
+        self._server.should_exit = True
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await self._task
+
+
+async def serve_http(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                     auth_token: str | None = None, *, model_name: str | None = None,
+                     log_level: str = "warning", limits: HttpLimits | None = None,
+                     **limit_fields: Any) -> HttpServer:
+    """Start the HTTP API on ``host:port`` (``port=0`` picks a free one) and return it running:
+    ``await server.serve_forever()`` waits, ``await server.close()`` stops it.
+
+    Args:
+        engine: the :class:`sgrt.engine.Engine` (its owner shuts it down).
+        auth_token: when set, requests need ``Authorization: Bearer <auth_token>``.
+        model_name: the model id to report (default: the engine's model source or path).
+        limits, **limit_fields: :class:`HttpLimits` or its fields (``max_queue=...``).
+
+    Raises:
+        OSError: the address is in use or cannot be bound.
+    """
+    if not _is_loopback(host) and not auth_token:
+        logger.warning("serving HTTP on %s without an auth token: anyone who can reach it can use the model",
+                       host)
+    app = create_app(engine, model_name=model_name or default_model_name(engine), auth_token=auth_token,
+                     limits=limits, **limit_fields)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.setblocking(False)
+    config = uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=False,
+                            timeout_graceful_shutdown=1, timeout_keep_alive=30)
+    server = _UvicornServer(config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()  # raises what failed
+            raise OSError(f"the HTTP server on {host}:{port} stopped at start")
+        await asyncio.sleep(0.01)
+    return HttpServer(app, server, task, host, sock.getsockname()[1])
+
+
+def default_model_name(engine: Any) -> str:
+    """The model id to report when none is given: the loaded model's name, source or path."""
+    loaded = getattr(engine, "loaded", None)
+    for attr in ("name", "source", "path"):
+        value = getattr(loaded, attr, None) if loaded is not None else None
+        if value:
+            return str(value) if attr != "path" else str(value).rstrip("/").rsplit("/", 1)[-1]
+    return "sgrt-model"
+
+
+class HttpServerThread:
+    """The HTTP API on a background thread with its own event loop (tests, benchmarks,
+    notebooks). ``start()`` returns once it listens; ``stop()`` shuts it down.
+
+    Args: as :func:`serve_http` (``port=0`` picks a free loopback port).
+    """
+
+    def __init__(self, engine: Any, host: str = DEFAULT_HOST, port: int = 0, **options: Any):
+        self.engine = engine
+        self.host = host
+        self.port = port
+        self.options = options
+        self.server: HttpServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None, "not started"
+        return self.server.url
+
+    @property
+    def api(self) -> HttpApi:
+        assert self.server is not None, "not started"
+        return self.server.api
+
+    def start(self) -> "HttpServerThread":
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+
+            async def main() -> None:
+                try:
+                    self.server = await serve_http(self.engine, self.host, self.port, **self.options)
+                except BaseException as e:  # noqa: BLE001 - reported by start()
+                    self._error = e
+                    ready.set()
+                    return
+                ready.set()
+                await self.server.serve_forever()
+                # NOTE: uvicorn cancels what outlived its graceful timeout without waiting.
+                rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for task in rest:
+                    task.cancel()
+                await asyncio.gather(*rest, return_exceptions=True)
+
+            try:
+                loop.run_until_complete(main())
+            finally:
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name="sgrt-http", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        if self._loop is None or self.server is None or self._thread is None:
+            return
+        fut = asyncio.run_coroutine_threadsafe(self.server.close(), self._loop)
+        with contextlib.suppress(Exception):
+            fut.result(timeout=10)
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> "HttpServerThread":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

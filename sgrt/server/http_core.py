@@ -1,0 +1,221 @@
+"""The state behind the HTTP routes: the engine, limits, auth, request bodies, and in-flight
+accounting of engine requests (submit all or none, 429 over the queue limit, abort what a
+client left behind)."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgspec
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+import sgrt
+from sgrt.engine import SamplingParams, StreamChunk
+from sgrt.errors import InvalidRequest
+from sgrt.server import openai_adapter as oa
+from sgrt.server import openai_protocol as op
+from sgrt.server.http_errors import ApiError, ClientGone, json_response
+from sgrt.server.http_streams import until_disconnect
+
+
+@dataclass
+class HttpLimits:
+    """Per-server limits (sizes in bytes, lengths in tokens). Going over one is a 4xx that names
+    the field and the limit; nothing else changes."""
+
+    max_body_bytes: int = 4 << 20  # one request body
+    max_queue: int = 256  # engine requests from HTTP in flight (running + waiting); over: 429
+    max_n: int = 16  # choices per request (n times the number of prompts)
+    max_tokens_limit: int | None = None  # ceiling on max_tokens (None: the context window)
+    default_max_tokens: int | None = None  # chat without max_tokens (None: the rest of the window)
+    max_tools: int = 64
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class EngineCall:
+    """One engine request of an HTTP request: choice ``index`` of prompt ``prompt_index``."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    index: int
+    prompt_index: int = 0
+    prompt_text: str = ""
+
+
+class HttpApi:
+    """The state behind the routes: the engine, limits, auth, in-flight accounting.
+
+    Args:
+        engine: the :class:`sgrt.engine.Engine` (its owner starts and shuts it down).
+        model_name: the model id reported by ``/v1/models`` and in responses. Requests may
+            name any model; it is not checked.
+        auth_token: when set, requests need ``Authorization: Bearer <auth_token>``.
+        limits: :class:`HttpLimits`.
+    """
+
+    def __init__(self, engine: Any, model_name: str, auth_token: str | None = None,
+                 limits: HttpLimits | None = None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name
+        self.auth_token = auth_token or None
+        self.limits = limits or HttpLimits()
+        self.renderer = oa.ChatRenderer(self.tokenizer)
+        self.texts = oa.TokenTexts(self.tokenizer)
+        self.bos_id = oa.bos_id(self.tokenizer)
+        self.in_flight = 0
+        self.closing = False
+        self.created = int(time.time())
+        self._live: dict[str, Any] = {}  # request id -> handle, for in-flight accounting
+
+    # ---- request plumbing ---------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        """Raises ``ApiError(401)`` unless the Bearer token matches (or none is required)."""
+        if self.auth_token is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.auth_token.encode()):
+            raise ApiError(401, "missing or invalid API key: send Authorization: Bearer <token>",
+                           param="authorization", code="invalid_api_key")
+
+    def check_available(self) -> None:
+        """Raises ``ApiError(503)`` when the engine is not running or the server is closing."""
+        if self.closing:
+            raise ApiError(503, "the server is shutting down", type="service_unavailable", code="closing")
+        if not engine_alive(self.engine):
+            raise ApiError(503, "the engine is not running", type="service_unavailable", code="engine_unavailable")
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, refused with 413 past ``max_body_bytes`` (declared or actual)."""
+        limit = self.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body ({declared} bytes) exceeds max_body_bytes ({limit})",
+                           code="request_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"request body exceeds max_body_bytes ({limit})", code="request_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone() from None
+        return b"".join(chunks)
+
+    async def decode(self, request: Request, kind: type) -> Any:
+        """Auth, availability, body and strict decoding into ``kind``."""
+        self.check_auth(request)
+        body = await self.read_body(request)
+        self.check_available()
+        if not body.strip():
+            raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
+        return msgspec.json.decode(body, type=kind)
+
+    # ---- engine requests ----------------------------------------------------------------------
+    def submit(self, calls: Sequence[EngineCall], rids: Sequence[str | None] | None = None) -> list[Any]:
+        """Submit every call or none: 429 when they would take the in-flight count past
+        ``max_queue``; an engine refusal (InvalidRequest, ...) aborts those already submitted."""
+        limit = self.limits.max_queue
+        if self.in_flight + len(calls) > limit:
+            raise ApiError(429, f"too many requests in flight ({self.in_flight} + {len(calls)} > max_queue "
+                           f"{limit}); retry later", type="rate_limit_error", code="queue_full",
+                           headers={"retry-after": "1"})
+        handles: list[Any] = []
+        try:
+            for i, call in enumerate(calls):
+                rid = rids[i] if rids else None
+                if rid is not None and rid in self._live:
+                    raise InvalidRequest(f"rid {rid!r} is already in flight", field="rid")
+                handle = self.engine.submit(call.prompt_ids, call.params, request_id=rid)
+                self._live[handle.request_id] = handle
+                self.in_flight += 1
+                handles.append(handle)
+        except BaseException:
+            self.release(handles)
+            raise
+        return handles
+
+    def release(self, handles: Sequence[Any]) -> None:
+        """Forget ``handles``; abort those not finished (frees their KV slots). Idempotent."""
+        for handle in handles:
+            if self._live.pop(handle.request_id, None) is None:
+                continue
+            self.in_flight -= 1
+            if not handle.done:
+                self.engine.abort(handle.request_id)
+
+    def abort_all(self) -> None:
+        """Abort every engine request in flight (server shutdown): their streams end with
+        finish reason ``abort``."""
+        for rid, handle in list(self._live.items()):
+            if not handle.done:
+                self.engine.abort(rid)
+
+    async def results(self, request: Request, handles: list[Any]) -> list[Any]:
+        """Await every handle's Result; a client disconnect aborts them all (ClientGone)."""
+        try:
+            return await until_disconnect(request, asyncio.gather(*(h.aresult() for h in handles)))
+        finally:
+            self.release(handles)
+
+    async def prime(self, request: Request, handles: list[Any]) -> list[tuple[StreamChunk, AsyncIterator]]:
+        """Wait for each handle's first chunk (so that an error before the first token, such as
+        a grammar that does not compile, is still answered with a status code)."""
+
+        async def first(handle: Any) -> tuple[StreamChunk, AsyncIterator]:
+            it = handle.astream()
+            return await it.__anext__(), it
+
+        try:
+            return await until_disconnect(request, asyncio.gather(*(first(h) for h in handles)))
+        except BaseException:
+            self.release(handles)
+            raise
+
+    def context_room(self) -> int:
+        """Tokens one request may hold: the smaller of the context window and the KV pool."""
+        return min(self.engine.context_length, self.engine.pool.num_slots)
+
+    # ---- models, health -----------------------------------------------------------------------
+    def model_card(self) -> op.ModelCard:
+        from sgrt.server.http_native import NATIVE_ENDPOINTS
+
+        bos = self.bos_id
+        return op.ModelCard(
+            id=self.model_name, created=self.created, max_model_len=self.engine.context_length,
+            sgrt={"version": sgrt.__version__, "native": list(NATIVE_ENDPOINTS),
+                  "context_length": self.engine.context_length, "max_total_tokens": self.engine.pool.num_slots,
+                  "bos_token": None if bos is None else self.tokenizer.decode([bos], skip_special_tokens=False),
+                  "limits": self.limits.to_dict()})
+
+    async def models(self, request: Request) -> Response:
+        self.check_auth(request)
+        return json_response(op.ModelList(data=[self.model_card()]))
+
+    async def health(self, request: Request) -> Response:
+        if self.closing or not engine_alive(self.engine):
+            return ApiError(503, "the engine is not running", type="service_unavailable",
+                            code="engine_unavailable").response()
+        body: dict[str, Any] = {"status": "ok", "model": self.model_name}
+        try:
+            self.check_auth(request)
+        except ApiError:
+            return json_response(body)
+        body.update(in_flight=self.in_flight, max_queue=self.limits.max_queue, engine=self.engine.stats())
+        return json_response(body)
+
+
+def engine_alive(engine: Any) -> bool:
+    """Whether the engine's loop is running."""
+    return engine.is_alive()

@@ -1,0 +1,253 @@
+"""sgrt's native HTTP endpoints: what the DSL's HTTP backend needs beyond the OpenAI API.
+
+``POST /generate`` (shaped like SGLang's)
+    ``text`` or ``input_ids``: one prompt, or a list of them (a batch, answered by a list).
+    ``sampling_params``: :class:`sgrt.engine.SamplingParams` fields (``max_new_tokens`` is
+    accepted for ``max_tokens``; the engine's defaults apply: greedy, ``max_tokens=128``); one
+    dict for all prompts or one per prompt. ``max_tokens=0`` is a prefill-only request: the
+    prompt goes into the prefix cache and nothing is generated. ``return_logprob``,
+    ``logprob_start_len`` (an int or one per prompt) and ``top_logprobs_num`` may also be given
+    at the top level. ``rid`` names the request(s), for ``/abort_request``. Text prompts are
+    encoded as ``/v1/completions`` encodes them (the tokenizer's BOS, if it adds one).
+
+    Answer: ``{"text", "meta_info"}`` where ``meta_info`` has ``id``, ``prompt_tokens``,
+    ``completion_tokens``, ``cached_tokens``, ``finish_reason`` (``stop`` / ``length`` /
+    ``abort``), ``matched``, ``incomplete``, ``warnings``, ``error``, ``ttft``, ``e2e_latency``
+    (seconds), ``forced_tokens``, ``output_token_ids``; with ``return_logprob`` also
+    ``output_token_logprobs`` and ``input_token_logprobs`` (lists of ``[logprob, token_id,
+    text]``, ``text`` null unless ``return_text_in_logprobs``; the prompt's from
+    ``logprob_start_len``, the first ``logprob`` null at position 0) and with
+    ``top_logprobs_num`` the matching ``output_top_logprobs`` / ``input_top_logprobs``.
+
+    ``stream: true`` (one prompt): server-sent events ``{"text": <new text>, "token_ids",
+    "output_token_logprobs"?, "output_top_logprobs"?, "finished": false}`` and last
+    ``{"text", ..., "finished": true, "meta_info"}``, then ``data: [DONE]``. Unlike SGLang's,
+    ``text`` is the delta, not the text so far.
+``POST /tokenize``
+    ``{"prompt": str | [str]}`` or ``{"messages": [...]}`` -> ``{"tokens", "count",
+    "max_model_len"}`` (a list of those for a list of prompts), as vLLM answers.
+``POST /detokenize``
+    ``{"tokens": [...]}`` -> ``{"prompt": text}`` (special tokens kept).
+``POST /apply_chat_template``
+    ``{"messages", "add_generation_prompt", "tools"?}`` -> ``{"text"}``.
+``POST /flush_cache``
+    Drop every unlocked prefix-cache entry -> ``{"ok": true}``.
+``POST /abort_request``
+    ``{"rid"}``: abort that request (its KV slots are freed) -> ``{"ok": true}``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+
+from sgrt.engine import Result, SamplingParams
+from sgrt.errors import InvalidRequest
+from sgrt.server import openai_adapter as oa
+from sgrt.server import openai_protocol as op
+from sgrt.server.http_core import HttpApi, EngineCall
+from sgrt.server.http_errors import ApiError, api_error_from, json_response
+from sgrt.server.http_streams import SSE_DONE, EventStream, sse
+
+NATIVE_ENDPOINTS = ("/generate", "/tokenize", "/detokenize", "/apply_chat_template", "/flush_cache",
+                    "/abort_request")
+
+
+def _batch(req: op.GenerateRequest, api: HttpApi) -> tuple[list[list[int]], bool]:
+    """Prompt ids of every item and whether the request was a batch (a list)."""
+    if (req.text is None) == (req.input_ids is None):
+        raise InvalidRequest("give exactly one of text and input_ids", field="text")
+    if req.text is not None:
+        texts = [req.text] if isinstance(req.text, str) else list(req.text)
+        if not texts:
+            raise InvalidRequest("text must not be an empty list", field="text")
+        return [oa.encode_text(api.tokenizer, t, api.bos_id) for t in texts], not isinstance(req.text, str)
+    ids = req.input_ids
+    if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        return [list(ids)], False
+    if isinstance(ids, list) and ids and all(
+            isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in ids):
+        return [list(p) for p in ids], True
+    raise InvalidRequest("input_ids must be a non-empty list of token ids or a list of such lists",
+                         field="input_ids")
+
+
+def _per_item(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise InvalidRequest(f"{name} has {len(value)} entries for {n} prompts", field=name)
+        return list(value)
+    return [value] * n
+
+
+def _params(req: op.GenerateRequest, n: int) -> list[SamplingParams]:
+    items = _per_item(req.sampling_params if req.sampling_params is not None else {}, n, "sampling_params")
+    starts = _per_item(req.logprob_start_len, n, "logprob_start_len")
+    out = []
+    for sp, start in zip(items, starts):
+        if not isinstance(sp, dict):
+            raise InvalidRequest("sampling_params must be an object", field="sampling_params")
+        fields = dict(sp)
+        if "max_new_tokens" in fields:
+            if "max_tokens" in fields:
+                raise InvalidRequest("give max_tokens or max_new_tokens, not both", field="sampling_params.max_tokens")
+            fields["max_tokens"] = fields.pop("max_new_tokens")
+        if req.return_logprob is not None:
+            fields["return_logprob"] = req.return_logprob
+        if start is not None:
+            fields["logprob_start_len"] = start
+        if req.top_logprobs_num is not None:
+            fields["top_logprobs_num"] = req.top_logprobs_num
+        if isinstance(fields.get("json_schema"), str):
+            try:
+                fields["json_schema"] = json.loads(fields["json_schema"])
+            except ValueError as e:
+                raise InvalidRequest(f"json_schema is not valid JSON text: {e}",
+                                     field="sampling_params.json_schema") from None
+        try:
+            out.append(SamplingParams.from_dict(fields))
+        except InvalidRequest as e:
+            raise type(e)(str(e), field=f"sampling_params.{e.field}" if e.field else "sampling_params") from None
+    return out
+
+
+def _triples(api: HttpApi, ids: list[int], lps: list[float | None], with_text: bool) -> list[list[Any]]:
+    return [[lp, t, api.texts.text(t) if with_text else None] for lp, t in zip(lps, ids)]
+
+
+def _tops(api: HttpApi, rows: list[list[tuple[int, float]]], with_text: bool) -> list[list[list[Any]]]:
+    return [[[lp, t, api.texts.text(t) if with_text else None] for t, lp in row] for row in rows]
+
+
+def meta_info(api: HttpApi, result: Result, params: SamplingParams, with_text: bool,
+              start: float) -> dict[str, Any]:
+    """``meta_info`` of one finished /generate item (see the module docstring)."""
+    meta: dict[str, Any] = {
+        "id": result.request_id,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "cached_tokens": result.cached_tokens,
+        "finish_reason": result.finish_reason,
+        "matched": result.matched,
+        "incomplete": result.incomplete,
+        "warnings": list(result.warnings),
+        "error": result.error,
+        "ttft": result.ttft,
+        "e2e_latency": time.perf_counter() - start,
+        "forced_tokens": result.forced_tokens,
+        "output_token_ids": list(result.token_ids),
+    }
+    if params.return_logprob:
+        meta["output_token_logprobs"] = _triples(api, result.token_ids, result.output_logprobs or [], with_text)
+        if result.output_top_logprobs:
+            meta["output_top_logprobs"] = _tops(api, result.output_top_logprobs, with_text)
+    if result.prompt_logprobs is not None:
+        start_pos = params.logprob_start_len
+        ids = result.prompt_token_ids[start_pos:]
+        meta["input_token_logprobs"] = _triples(api, ids, result.prompt_logprobs, with_text)
+        if result.prompt_top_logprobs is not None:
+            meta["input_top_logprobs"] = _tops(api, result.prompt_top_logprobs, with_text)
+    return meta
+
+
+async def generate(api: HttpApi, request: Request) -> Any:
+    req: op.GenerateRequest = await api.decode(request, op.GenerateRequest)
+    prompts, is_batch = _batch(req, api)
+    params = _params(req, len(prompts))
+    rids = _per_item(req.rid, len(prompts), "rid") if req.rid is not None else None
+    if req.stream and is_batch:
+        raise InvalidRequest("stream takes one prompt, not a list", field="stream")
+    start = time.perf_counter()
+    calls = [EngineCall(ids, p, i) for i, (ids, p) in enumerate(zip(prompts, params))]
+    handles = api.submit(calls, rids)
+    if req.stream:
+        primed = await api.prime(request, handles)
+        events = _generate_events(api, primed[0], params[0], req.return_text_in_logprobs, start)
+        return EventStream(events, lambda: api.release(handles))
+    results = await api.results(request, handles)
+    out = [{"text": r.text, "meta_info": meta_info(api, r, p, req.return_text_in_logprobs, start)}
+           for r, p in zip(results, params)]
+    return json_response(out if is_batch else out[0])
+
+
+async def _generate_events(api: HttpApi, primed: tuple[Any, AsyncIterator], params: SamplingParams,
+                           with_text: bool, start: float) -> AsyncIterator[bytes]:
+    first, it = primed
+    try:
+        chunk = first
+        while True:
+            event: dict[str, Any] = {"text": chunk.text, "token_ids": list(chunk.token_ids),
+                                     "finished": chunk.finished}
+            if chunk.logprobs is not None:
+                event["output_token_logprobs"] = _triples(api, chunk.token_ids, chunk.logprobs, with_text)
+            if chunk.top_logprobs:
+                event["output_top_logprobs"] = _tops(api, chunk.top_logprobs, with_text)
+            if chunk.finished:
+                event["meta_info"] = meta_info(api, chunk.result, params, with_text, start)
+            yield sse(event)
+            if chunk.finished:
+                break
+            chunk = await it.__anext__()
+    except Exception as exc:  # noqa: BLE001 - reported in-stream
+        yield sse(op.ErrorResponse(error=api_error_from(exc).info))
+    yield SSE_DONE
+
+
+async def tokenize(api: HttpApi, request: Request) -> Any:
+    req: op.TokenizeRequest = await api.decode(request, op.TokenizeRequest)
+    if (req.prompt is None) == (req.messages is None):
+        raise InvalidRequest("give exactly one of prompt and messages", field="prompt")
+    limit = api.engine.context_length
+
+    def one(ids: list[int]) -> dict[str, Any]:
+        return {"tokens": ids, "count": len(ids), "max_model_len": limit}
+
+    if req.messages is not None:
+        text = api.renderer.render(req.messages, oa.ToolPlan())
+        return json_response(one(api.tokenizer.encode(text)))
+    encode = (lambda t: oa.encode_text(api.tokenizer, t, api.bos_id)) if req.add_special_tokens else \
+        (lambda t: api.tokenizer.encode(t))
+    if isinstance(req.prompt, str):
+        return json_response(one(encode(req.prompt)))
+    return json_response([one(encode(p)) for p in req.prompt])
+
+
+async def detokenize(api: HttpApi, request: Request) -> Any:
+    req: op.DetokenizeRequest = await api.decode(request, op.DetokenizeRequest)
+    vocab = api.engine.vocab_size
+    for i, t in enumerate(req.tokens):
+        if not 0 <= t < vocab:
+            raise InvalidRequest(f"token ids must be in [0, {vocab}), got {t}", field=f"tokens[{i}]")
+    return json_response({"prompt": api.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+
+async def apply_chat_template(api: HttpApi, request: Request) -> Any:
+    req: op.ChatTemplateRequest = await api.decode(request, op.ChatTemplateRequest)
+    kwargs: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt}
+    if req.tools is not None:
+        kwargs["tools"] = req.tools
+    try:
+        text = api.tokenizer.apply_chat_template(req.messages, **kwargs)
+    except InvalidRequest as e:
+        raise ApiError(400, str(e), param="chat_template" if "no chat template" in str(e) else e.field,
+                       code="no_chat_template" if "no chat template" in str(e) else "invalid_value") from None
+    except Exception as e:  # noqa: BLE001 - a template error is the caller's messages
+        raise InvalidRequest(f"the chat template failed on these messages: {e}", field="messages") from None
+    return json_response({"text": text})
+
+
+async def flush_cache(api: HttpApi, request: Request) -> Any:
+    api.check_auth(request)
+    api.check_available()
+    await asyncio.to_thread(api.engine.flush_cache)
+    return json_response({"ok": True})
+
+
+async def abort_request(api: HttpApi, request: Request) -> Any:
+    req: op.AbortRequest = await api.decode(request, op.AbortRequest)
+    api.engine.abort(req.rid)
+    return json_response({"ok": True})

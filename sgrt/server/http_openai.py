@@ -1,0 +1,259 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``: OpenAI requests in, engine requests
+out, OpenAI responses (or server-sent event chunks) back. The field handling lives in
+:mod:`sgrt.server.openai_adapter`; the plumbing (auth, limits, aborts) in
+:mod:`sgrt.server.http_core`."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+
+from sgrt.engine import SamplingParams, StreamChunk
+from sgrt.errors import InvalidRequest
+from sgrt.server import openai_adapter as oa
+from sgrt.server import openai_protocol as op
+from sgrt.server.http_core import HttpApi, EngineCall
+from sgrt.server.http_errors import ApiError, api_error_from, json_response
+from sgrt.server.http_streams import SSE_DONE, EventStream, merge_streams, sse
+
+
+# ==== chat ========================================================================================
+async def chat_completions(api: HttpApi, request: Request) -> Any:
+    """``POST /v1/chat/completions``: ``n`` engine requests over the rendered messages; a JSON
+    answer, or an :class:`EventStream` of ``chat.completion.chunk`` events."""
+    req: op.ChatCompletionRequest = await api.decode(request, op.ChatCompletionRequest)
+    check_n(req.n, 1, api.limits.max_n)
+    plan = oa.plan_tools(req, api.limits.max_tools)
+    text = api.renderer.render(req.messages, plan)
+    ids = api.tokenizer.encode(text)
+    fields = oa.sampling_fields(req)
+    if plan.grammar is not None:
+        fields["grammar"] = plan.grammar
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    fields["max_tokens"] = oa.resolve_max_tokens(
+        requested, len(ids), api.context_room(), default=api.limits.default_max_tokens,
+        ceiling=api.limits.max_tokens_limit, field=name)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", field="top_logprobs")
+    fields["return_logprob"] = bool(req.logprobs)
+    fields["top_logprobs_num"] = req.top_logprobs or 0
+    calls = [EngineCall(ids, _params(fields, i, oa.CHAT_FIELD_NAMES), i) for i in range(req.n)]
+    handles = api.submit(calls)
+    rid = oa.new_id("chatcmpl")
+    if req.stream:
+        primed = await api.prime(request, handles)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = _chat_events(api, rid, primed, plan, include_usage, bool(req.logprobs))
+        return EventStream(events, lambda: api.release(handles))
+    results = await api.results(request, handles)
+    choices = []
+    for i, result in enumerate(results):
+        check_result(result)
+        call = oa.tool_call_from(result.text, plan) if result.finish_reason == "stop" else None
+        message = op.ResponseMessage(content=None if call else result.text,
+                                     tool_calls=[call] if call else None)
+        logprobs = None
+        if req.logprobs and not call:
+            logprobs = oa.chat_logprobs(result.token_ids, result.output_logprobs,
+                                        result.output_top_logprobs, api.texts)
+        choices.append(op.ChatChoice(index=i, message=message, logprobs=logprobs,
+                                     finish_reason=oa.finish_reason_of(result, call is not None)))
+    return json_response(op.ChatCompletion(id=rid, created=int(time.time()), model=api.model_name,
+                                           choices=choices, usage=oa.usage_of(results[:1], results)))
+
+async def _chat_events(api: HttpApi, rid: str, primed: list[tuple[StreamChunk, AsyncIterator]], plan: oa.ToolPlan,
+                       include_usage: bool, want_logprobs: bool) -> AsyncIterator[bytes]:
+    created = int(time.time())
+
+    def chunk(choices: list[op.ChatChunkChoice], usage: op.Usage | None = None) -> bytes:
+        return sse(op.ChatCompletionChunk(id=rid, created=created, model=api.model_name, choices=choices,
+                                          usage=usage))
+
+    for i in range(len(primed)):
+        yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(role="assistant", content=""))])
+    is_call: list[bool | None] = [None if plan.may_call else False] * len(primed)
+    held: list[str] = [""] * len(primed)
+    results: list[Any] = [None] * len(primed)
+    try:
+        async for i, c in merge_streams(primed):
+            text = c.text
+            if text and is_call[i] is None:
+                is_call[i] = plan.mode in ("required", "named") or text.lstrip()[:1] == "{"
+            if is_call[i]:
+                held[i] += text
+            elif text or (want_logprobs and c.token_ids):
+                logprobs = None
+                if want_logprobs:
+                    logprobs = oa.chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, api.texts)
+                yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(content=text), logprobs=logprobs)])
+            if not c.finished:
+                continue
+            result = c.result
+            results[i] = result
+            check_result(result)
+            call = oa.tool_call_from(held[i], plan) if is_call[i] and result.finish_reason == "stop" else None
+            if call is not None:
+                delta = op.Delta(tool_calls=[op.ToolCallDelta(
+                    index=0, id=call.id, type="function",
+                    function=op.FunctionCallDelta(name=call.function.name, arguments=call.function.arguments))])
+                yield chunk([op.ChatChunkChoice(index=i, delta=delta)])
+            elif held[i]:
+                yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(content=held[i]))])
+            yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(),
+                                            finish_reason=oa.finish_reason_of(result, call is not None))])
+        if include_usage:
+            yield chunk([], usage=oa.usage_of(results[:1], results))
+    except Exception as exc:  # noqa: BLE001 - reported in-stream: the status line is gone
+        yield sse(op.ErrorResponse(error=api_error_from(exc, "messages").info))
+    yield SSE_DONE
+
+# ==== text completions ============================================================================
+async def completions(api: HttpApi, request: Request) -> Any:
+    """``POST /v1/completions``: ``n`` engine requests per prompt (choice ``i * n + j`` is
+    choice ``j`` of prompt ``i``); ``echo`` prepends the prompt (and its log-probabilities)."""
+    req: op.CompletionRequest = await api.decode(request, op.CompletionRequest)
+    if req.suffix:
+        raise InvalidRequest("suffix is not supported", field="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise InvalidRequest("best_of must equal n (or be omitted)", field="best_of")
+    prompts = completion_prompts(req.prompt)
+    check_n(req.n, len(prompts), api.limits.max_n)
+    fields = oa.sampling_fields(req)
+    if req.logprobs is not None:
+        fields["return_logprob"] = True
+        fields["top_logprobs_num"] = req.logprobs
+    if req.echo and req.logprobs is not None:
+        # NOTE: from position 1: position 0 has no log-probability anyway, and a start of 0
+        # misses a radix-cache hit's positions in the engine (see _completion_logprobs).
+        fields["logprob_start_len"] = 1
+    calls: list[EngineCall] = []
+    for p, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            ids, text = oa.encode_text(api.tokenizer, prompt, api.bos_id), prompt
+        else:
+            ids, text = prompt, (api.tokenizer.decode(prompt, skip_special_tokens=False) if req.echo else "")
+        if not ids:
+            raise InvalidRequest("prompt is empty", field="prompt")
+        f = dict(fields)
+        f["max_tokens"] = oa.resolve_max_tokens(
+            req.max_tokens, len(ids), api.context_room(), default=None,
+            ceiling=api.limits.max_tokens_limit, field="max_tokens")
+        for j in range(req.n):
+            calls.append(EngineCall(ids, _params(f, j, oa.COMPLETION_FIELD_NAMES), p * req.n + j, p, text))
+    handles = api.submit(calls)
+    rid = oa.new_id("cmpl")
+    if req.stream:
+        primed = await api.prime(request, handles)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = _completion_events(api, rid, calls, primed, req, include_usage)
+        return EventStream(events, lambda: api.release(handles))
+    results = await api.results(request, handles)
+    choices = []
+    for call, result in zip(calls, results):
+        check_result(result)
+        text = result.text
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = _completion_logprobs(api, result, call, req.echo)
+        if req.echo:
+            text = call.prompt_text + text
+        choices.append(op.CompletionChoice(index=call.index, text=text, logprobs=logprobs,
+                                           finish_reason=oa.finish_reason_of(result)))
+    firsts = [r for c, r in zip(calls, results) if c.index % req.n == 0]
+    return json_response(op.Completion(id=rid, created=int(time.time()), model=api.model_name,
+                                       choices=choices, usage=oa.usage_of(firsts, results)))
+
+def _completion_logprobs(api: HttpApi, result: Any, call: EngineCall, echo: bool) -> op.CompletionLogprobs:
+    ids = list(result.token_ids)
+    lps: list[float | None] = list(result.output_logprobs or [])
+    tops = list(result.output_top_logprobs or [])
+    if echo:
+        prompt_lps = [None] + list(result.prompt_logprobs or [])  # position 0: no context
+        prompt_tops = [[]] + list(result.prompt_top_logprobs or [])
+        n = len(call.prompt_ids)
+        ids = list(call.prompt_ids) + ids
+        lps = (prompt_lps + [None] * n)[:n] + lps
+        if tops or prompt_tops:
+            tops = (prompt_tops + [[]] * n)[:n] + (tops or [[]] * len(result.token_ids))
+    return oa.completion_logprobs(ids, lps, tops or None, api.texts)
+
+async def _completion_events(api: HttpApi, rid: str, calls: list[EngineCall], primed: list[tuple[StreamChunk, AsyncIterator]],
+                             req: op.CompletionRequest, include_usage: bool) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    offsets = [0] * len(calls)
+
+    def chunk(choices: list[op.CompletionChoice], usage: op.Usage | None = None) -> bytes:
+        return sse(op.Completion(id=rid, created=created, model=api.model_name, choices=choices, usage=usage))
+
+    results: list[Any] = [None] * len(calls)
+    try:
+        if req.echo:
+            for k, call in enumerate(calls):
+                offsets[k] = len(call.prompt_text)
+                yield chunk([op.CompletionChoice(index=call.index, text=call.prompt_text)])
+        async for k, c in merge_streams(primed):
+            call = calls[k]
+            if c.text or (req.logprobs is not None and c.token_ids):
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = oa.completion_logprobs(c.token_ids, list(c.logprobs or []), c.top_logprobs,
+                                                      api.texts, offset=offsets[k])
+                offsets[k] += len(c.text)
+                yield chunk([op.CompletionChoice(index=call.index, text=c.text, logprobs=logprobs)])
+            if c.finished:
+                results[k] = c.result
+                check_result(c.result)
+                yield chunk([op.CompletionChoice(index=call.index, text="",
+                                                 finish_reason=oa.finish_reason_of(c.result))])
+        if include_usage:
+            firsts = [r for c, r in zip(calls, results) if c.index % req.n == 0]
+            yield chunk([], usage=oa.usage_of(firsts, results))
+    except Exception as exc:  # noqa: BLE001 - reported in-stream
+        yield sse(op.ErrorResponse(error=api_error_from(exc).info))
+    yield SSE_DONE
+
+def _params(fields: dict[str, Any], i: int, names: dict[str, str]) -> SamplingParams:
+    f = dict(fields)
+    if i and f.get("seed") is not None:
+        f["seed"] = f["seed"] + i  # NOTE: n choices with one seed still differ, reproducibly
+    return oa.build_params(f, names)
+
+
+def check_n(n: Any, prompts: int, max_n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidRequest(f"n must be an int >= 1, got {n!r}", field="n")
+    if n * prompts > max_n:
+        raise InvalidRequest(f"n ({n}) x prompts ({prompts}) exceeds the server's limit ({max_n} choices)", field="n")
+
+
+def check_result(result: Any) -> None:
+    """Raise for a request that failed inside the engine (an abort with an error)."""
+    if result is not None and result.finish_reason == "abort" and result.error:
+        if "engine shut down" in result.error:
+            raise ApiError(503, f"the engine stopped: {result.error}", type="service_unavailable",
+                           code="engine_unavailable")
+        raise ApiError(500, f"generation failed: {result.error}", type="server_error", code="generation_failed")
+
+
+def completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """``prompt`` as a list of prompts: a string, a list of strings, a list of token ids, or a
+    list of lists of token ids.
+
+    Raises:
+        InvalidRequest: (field ``prompt``) anything else, or an empty list.
+    """
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+               for p in prompt):
+            return [list(p) for p in prompt]
+    raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids or a list of lists "
+                         "of token ids (none empty)", field="prompt")

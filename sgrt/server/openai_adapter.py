@@ -1,0 +1,462 @@
+"""OpenAI requests -> engine prompts and ``SamplingParams``; engine results -> OpenAI objects.
+
+Pure functions over the engine's tokenizer and the wire structs of
+:mod:`sgrt.server.openai_protocol`; the HTTP layer (:mod:`sgrt.server.http_api`) does the I/O.
+
+Tool calls reuse the session server's format (:mod:`sgrt.server.tools`): a call is the JSON
+object ``{"name": <tool>, "arguments": {...}}``, generated under a Lark grammar with one
+``%json`` alternative per tool. ``tool_choice="auto"`` adds a free-text alternative (text that
+does not start with ``{``); ``"required"`` and a named tool leave only calls. Tools are described
+to the model through the chat template's ``tools=`` when it renders them, else in the system
+prompt.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from sgrt.engine import Result, SamplingParams
+from sgrt.errors import ContextLengthExceeded, InvalidRequest
+from sgrt.server import openai_protocol as op
+from sgrt.server.protocol import ToolSpec
+from sgrt.server.tools import (
+    TOOL_NAME,
+    call_schema,
+    parse_tool_call,
+    template_tools,
+    tool_grammar,
+    tools_system_prompt,
+)
+
+#: ``SamplingParams`` field -> request field, where the names differ (for 400s that name the
+#: field the client sent).
+CHAT_FIELD_NAMES = {"top_logprobs_num": "top_logprobs", "return_logprob": "logprobs"}
+COMPLETION_FIELD_NAMES = {"top_logprobs_num": "logprobs", "return_logprob": "logprobs"}
+
+
+# ==== tokens ======================================================================================
+
+
+def encode_text(tokenizer: Any, text: str, bos: int | None) -> list[int]:
+    """Prompt ids of plain text (``/v1/completions``, ``/generate``): special-token text becomes
+    its id, and ``bos`` (from :func:`bos_id`) is put first unless already there, exactly as
+    :meth:`sgrt.backends.local.LocalBackend.encode` does."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if bos is not None and (not ids or ids[0] != bos):
+        ids = [bos] + ids
+    return ids
+
+
+def bos_id(tokenizer: Any) -> int | None:
+    """The BOS id the tokenizer's post-processor adds to plain text, or None (SmolLM2 adds none)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    try:
+        ids = tokenizer.encode("a", add_special_tokens=True)
+    except TypeError:
+        return None
+    return bos if ids and ids[0] == bos else None
+
+
+class TokenTexts:
+    """Per-id token strings and bytes for logprobs (``token_bytes`` decoded, cached)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            if hasattr(self.tokenizer, "token_bytes"):
+                raw = self.tokenizer.token_bytes(token_id)
+            else:  # pragma: no cover - a tokenizer without byte access
+                raw = self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+            hit = (raw.decode("utf-8", errors="replace"), list(raw))
+            self._cache[token_id] = hit
+        return hit
+
+    def text(self, token_id: int) -> str:
+        return self.get(token_id)[0]
+
+
+# ==== sampling ====================================================================================
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def sampling_fields(req: op.SamplingFields) -> dict[str, Any]:
+    """The ``SamplingParams`` fields common to chat and text completions (OpenAI defaults:
+    temperature 1, top_p 1), constraints included; ``max_tokens`` and logprobs are added by the
+    caller.
+
+    Raises:
+        InvalidRequest: unsupported ``logit_bias``, a bad ``response_format``, or two
+            constraints at once (each naming its field).
+    """
+    if req.logit_bias:
+        raise InvalidRequest("logit_bias is not supported", field="logit_bias")
+    out: dict[str, Any] = {
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "stop": _stop_list(req.stop),
+        "seed": req.seed,
+    }
+    optional = {
+        "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "min_tokens": req.min_tokens,
+        "repetition_penalty": req.repetition_penalty,
+        "stop_token_ids": req.stop_token_ids,
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+    }
+    out.update({k: v for k, v in optional.items() if v is not None})
+    constraints = {k: v for k, v in (("regex", req.regex), ("json_schema", req.json_schema),
+                                     ("grammar", req.grammar)) if v is not None}
+    fmt = response_format_schema(req.response_format)
+    if fmt is not None:
+        if constraints:
+            name = next(iter(constraints))
+            raise InvalidRequest(f"set either response_format or {name}, not both", field="response_format")
+        constraints["json_schema"] = fmt
+    if len(constraints) > 1:
+        raise InvalidRequest(f"set at most one of regex, json_schema and grammar (got {sorted(constraints)})",
+                             field=list(constraints)[1])
+    if "json_schema" in constraints and isinstance(constraints["json_schema"], str):
+        try:
+            constraints["json_schema"] = json.loads(constraints["json_schema"])
+        except ValueError as e:
+            raise InvalidRequest(f"json_schema is not valid JSON text: {e}", field="json_schema") from None
+    out.update(constraints)
+    return out
+
+
+def response_format_schema(fmt: op.ResponseFormat | None) -> dict[str, Any] | None:
+    """The JSON Schema a ``response_format`` asks for (None for ``text`` or no format).
+
+    Raises:
+        InvalidRequest: an unknown type, or ``json_schema`` without its object.
+    """
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise InvalidRequest("response_format of type json_schema needs a json_schema object",
+                                 field="response_format.json_schema")
+        schema = fmt.json_schema.schema
+        return {"type": "object"} if schema is None else schema
+    raise InvalidRequest(f"response_format.type must be text, json_object or json_schema, got {fmt.type!r}",
+                         field="response_format.type")
+
+
+def build_params(fields: dict[str, Any], field_names: dict[str, str]) -> SamplingParams:
+    """Validated ``SamplingParams``; an ``InvalidRequest`` names the request's own field."""
+    try:
+        return SamplingParams.from_dict(fields)
+    except InvalidRequest as e:
+        name = field_names.get(e.field or "", e.field)
+        raise type(e)(str(e), field=name) from None
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, context_len: int, *,
+                       default: int | None, ceiling: int | None, field: str) -> int:
+    """``max_tokens`` for one request: the client's, else ``default``, else the rest of the
+    context window (OpenAI's behaviour). ``context_len`` is the smaller of the model's window
+    and the KV pool.
+
+    Raises:
+        InvalidRequest: over ``ceiling`` (the server's limit) or negative (field ``field``).
+        ContextLengthExceeded: the prompt leaves no room (field ``messages`` / ``prompt``).
+    """
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
+            raise InvalidRequest(f"{field} must be an int >= 0, got {requested!r}", field=field)
+        if ceiling is not None and requested > ceiling:
+            raise InvalidRequest(f"{field} ({requested}) exceeds the server's limit ({ceiling})", field=field)
+        return requested
+    room = context_len - prompt_len
+    if room <= 0:
+        raise ContextLengthExceeded(
+            f"the prompt ({prompt_len} tokens) fills the context window ({context_len} tokens)",
+            field="prompt")
+    value = room if default is None else min(default, room)
+    return value if ceiling is None else min(value, ceiling)
+
+
+# ==== chat prompts and tools ======================================================================
+
+
+@dataclass
+class ToolPlan:
+    """How a chat request uses its tools.
+
+    ``mode`` is ``none``, ``auto``, ``required`` or ``named``; ``grammar`` constrains the reply
+    (None for ``none``); ``specs`` are the tools offered.
+    """
+
+    specs: list[ToolSpec] = field(default_factory=list)
+    mode: str = "none"
+    grammar: str | None = None
+
+    @property
+    def may_call(self) -> bool:
+        return self.mode != "none" and bool(self.specs)
+
+
+def plan_tools(req: op.ChatCompletionRequest, max_tools: int) -> ToolPlan:
+    """Check ``tools`` / ``tool_choice`` and pick the grammar.
+
+    Raises:
+        InvalidRequest: a bad tool (``tools[i]...``), an unknown named tool, a bad
+            ``tool_choice``, or tools combined with another constraint.
+    """
+    tools = req.tools or []
+    choice = req.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise InvalidRequest("tool_choice needs tools", field="tool_choice")
+        return ToolPlan()
+    if len(tools) > max_tools:
+        raise InvalidRequest(f"{len(tools)} tools exceed the server's limit ({max_tools})", field="tools")
+    specs: list[ToolSpec] = []
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        if tool.type != "function":
+            raise InvalidRequest(f"tools[{i}].type must be 'function', got {tool.type!r}", field=f"tools[{i}].type")
+        fn = tool.function
+        if not TOOL_NAME.match(fn.name):
+            raise InvalidRequest(f"tool name {fn.name!r} must match {TOOL_NAME.pattern}",
+                                 field=f"tools[{i}].function.name")
+        if fn.name in seen:
+            raise InvalidRequest(f"duplicate tool name {fn.name!r}", field=f"tools[{i}].function.name")
+        seen.add(fn.name)
+        if fn.parameters.get("type", "object") != "object":
+            raise InvalidRequest("tool parameters must be an object schema",
+                                 field=f"tools[{i}].function.parameters")
+        specs.append(ToolSpec(name=fn.name, description=fn.description or "", parameters=fn.parameters))
+    if choice is None or choice == "auto":
+        mode, chosen = "auto", specs
+    elif choice == "none":
+        return ToolPlan(specs=specs, mode="none")
+    elif choice == "required":
+        mode, chosen = "required", specs
+    elif isinstance(choice, op.NamedToolChoice):
+        chosen = [s for s in specs if s.name == choice.function.name]
+        if not chosen:
+            raise InvalidRequest(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                                 field="tool_choice.function.name")
+        mode = "named"
+    else:
+        raise InvalidRequest(f"tool_choice must be none, auto, required or a named function, got {choice!r}",
+                             field="tool_choice")
+    for name in ("regex", "json_schema", "grammar", "response_format"):
+        value = getattr(req, name)
+        if value is not None and not (name == "response_format" and value.type == "text"):
+            raise InvalidRequest(f"{name} cannot be combined with tools (unless tool_choice is 'none')",
+                                 field=name)
+    grammar = tool_grammar(chosen) if mode == "auto" else calls_only_grammar(chosen)
+    return ToolPlan(specs=specs, mode=mode, grammar=grammar)
+
+
+def calls_only_grammar(specs: list[ToolSpec]) -> str:
+    """Lark grammar (llguidance syntax) of exactly one call of one of ``specs``."""
+    names = [f"call_{i}" for i in range(len(specs))]
+    lines = ["start: " + " | ".join(names)]
+    lines += [f"{n}: %json {json.dumps(call_schema(s))}" for n, s in zip(names, specs)]
+    return "\n".join(lines) + "\n"
+
+
+class ChatRenderer:
+    """Renders ``messages`` (+ tools) with the model's chat template, as the session server
+    does: tools through ``tools=`` when the template renders them, else in the system prompt;
+    assistant tool calls as their JSON text; ``tool`` messages as the ``tool`` role, or as a
+    user message when the template refuses that role."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._renders_tools: bool | None = None
+
+    def renders_tools(self) -> bool:
+        if self._renders_tools is None:
+            probe = [{"role": "user", "content": "x"}]
+            tmpl = [{"type": "function", "function": {"name": "f", "description": "d",
+                                                      "parameters": {"type": "object"}}}]
+            try:
+                with_tools = self.tokenizer.apply_chat_template(probe, add_generation_prompt=True, tools=tmpl)
+                plain = self.tokenizer.apply_chat_template(probe, add_generation_prompt=True)
+                self._renders_tools = with_tools != plain
+            except Exception:  # noqa: BLE001 - a template that rejects tools= does not render them
+                self._renders_tools = False
+        return self._renders_tools
+
+    def messages(self, msgs: list[op.ChatMessage]) -> list[dict[str, Any]]:
+        """Plain dict messages for the template.
+
+        Raises:
+            InvalidRequest: an unknown role or content part (``messages[i]...``).
+        """
+        if not msgs:
+            raise InvalidRequest("messages must not be empty", field="messages")
+        call_names: dict[str, str] = {}
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(msgs):
+            text = _content_text(m.content, i)
+            role = m.role
+            if role == "developer":
+                role = "system"
+            if role in ("system", "user"):
+                out.append({"role": role, "content": text})
+            elif role == "assistant":
+                calls = []
+                for j, call in enumerate(m.tool_calls or []):
+                    try:
+                        args = json.loads(call.function.arguments or "{}")
+                    except ValueError:
+                        raise InvalidRequest("tool call arguments must be JSON text",
+                                             field=f"messages[{i}].tool_calls[{j}].function.arguments") from None
+                    if call.id:
+                        call_names[call.id] = call.function.name
+                    calls.append(json.dumps({"name": call.function.name, "arguments": args}))
+                if calls:
+                    text = "\n".join(([text] if text else []) + calls)
+                out.append({"role": "assistant", "content": text})
+            elif role == "tool":
+                name = call_names.get(m.tool_call_id or "", m.name or "tool")
+                out.append({"role": "tool", "name": name, "content": text})
+            else:
+                raise InvalidRequest(
+                    f"role must be system, developer, user, assistant or tool, got {m.role!r}",
+                    field=f"messages[{i}].role")
+        return out
+
+    def render(self, msgs: list[op.ChatMessage], plan: ToolPlan) -> str:
+        """The prompt text (generation prompt added).
+
+        Raises:
+            InvalidRequest: (field ``messages``) bad messages, or the template failed on them.
+        """
+        messages = self.messages(msgs)
+        tools_arg = None
+        if plan.specs:
+            if self.renders_tools():
+                tools_arg = template_tools(plan.specs)
+            else:
+                desc = tools_system_prompt(plan.specs)
+                if messages[0]["role"] == "system":
+                    messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{desc}"}
+                else:
+                    messages.insert(0, {"role": "system", "content": desc})
+        try:
+            return self._apply(messages, tools_arg)
+        except InvalidRequest:
+            raise
+        except Exception as first:  # noqa: BLE001 - e.g. a template that refuses the "tool" role
+            if any(m["role"] == "tool" for m in messages):
+                as_user = [{"role": "user", "content": f"Tool result ({m['name']}): {m['content']}"}
+                           if m["role"] == "tool" else m for m in messages]
+                try:
+                    return self._apply(as_user, tools_arg)
+                except Exception:  # noqa: BLE001
+                    pass
+            raise InvalidRequest(f"the chat template failed on these messages: {first}", field="messages") from None
+
+    def _apply(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> str:
+        if tools is None:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+
+
+def _content_text(content: str | list[op.ContentPart] | None, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise InvalidRequest(f"only text content parts are supported, got {part.type!r}",
+                                 field=f"messages[{i}].content[{j}].type")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def tool_call_from(text: str, plan: ToolPlan) -> op.ToolCallOut | None:
+    """The tool call ``text`` holds, if the request could call tools and it is one."""
+    if not plan.may_call:
+        return None
+    parsed = parse_tool_call(text, plan.specs)
+    if parsed is None:
+        return None
+    name, args = parsed
+    return op.ToolCallOut(id=f"call_{uuid.uuid4().hex[:24]}",
+                          function=op.FunctionCallOut(name=name, arguments=json.dumps(args)))
+
+
+# ==== results -> responses ========================================================================
+
+
+def usage_of(prompt_results: list[Result], all_results: list[Result]) -> op.Usage:
+    """Usage of a request: prompt and cached tokens once per prompt (from ``prompt_results``,
+    its first choice), completion tokens summed over every choice."""
+    prompt = sum(r.prompt_tokens for r in prompt_results)
+    completion = sum(r.completion_tokens for r in all_results)
+    return op.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                    prompt_tokens_details=op.PromptTokensDetails(
+                        cached_tokens=sum(r.cached_tokens for r in prompt_results)))
+
+
+def finish_reason_of(result: Result, called: bool = False) -> str:
+    """OpenAI's finish reason: ``tool_calls`` for a call, else the engine's ``stop`` /
+    ``length``, or ``abort`` for a request aborted without an error (``/abort_request``, server
+    shutdown; one that failed is answered as an error by the caller)."""
+    if called:
+        return "tool_calls"
+    return result.finish_reason if result.finish_reason in ("length", "abort") else "stop"
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[float] | None,
+                  tops: list[list[tuple[int, float]]] | None, texts: TokenTexts) -> op.ChoiceLogprobs:
+    """Chat ``logprobs.content`` for generated tokens."""
+    content = []
+    for i, (tid, lp) in enumerate(zip(token_ids, logprobs or [])):
+        tok, raw = texts.get(tid)
+        top = []
+        for t, l in (tops[i] if tops and i < len(tops) else []):
+            ttok, traw = texts.get(t)
+            top.append(op.TopLogprob(token=ttok, logprob=l, bytes=traw))
+        content.append(op.TokenLogprob(token=tok, logprob=lp, bytes=raw, top_logprobs=top))
+    return op.ChoiceLogprobs(content=content)
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[float | None],
+                        tops: list[list[tuple[int, float]]] | None, texts: TokenTexts,
+                        offset: int = 0) -> op.CompletionLogprobs:
+    """Legacy completion ``logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``,
+    ``text_offset`` from ``offset``, in characters)."""
+    out = op.CompletionLogprobs()
+    pos = offset
+    for i, (tid, lp) in enumerate(zip(token_ids, logprobs)):
+        tok = texts.text(tid)
+        out.tokens.append(tok)
+        out.token_logprobs.append(lp)
+        row = tops[i] if tops and i < len(tops) else None
+        out.top_logprobs.append(None if lp is None and not row else {texts.text(t): l for t, l in (row or [])})
+        out.text_offset.append(pos)
+        pos += len(tok)
+    return out
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
