@@ -167,10 +167,15 @@ class Function:
     def trace(self, *, backend: Any = None, **kwargs: Any) -> TracedProgram:
         """Record the program's graph without a model (see ``sgrt.lang.tracer``).
 
-        Arguments given in ``kwargs`` (or bound) are used as values; the others become
-        placeholders. The chat template comes from ``backend`` (or the default backend; plain
-        role markers if there is none).
+        Arguments given in ``kwargs`` (or bound, or left at their default values) are used as
+        values; the others become placeholders. The chat template comes from ``backend`` (or the
+        default backend; plain role markers if there is none).
         """
+        return self._trace(backend, kwargs, varying=set())
+
+    def _trace(self, backend: Any, kwargs: dict[str, Any], varying: set[str]) -> TracedProgram:
+        """Trace with ``kwargs``, bound values and defaults; names in ``varying`` stay placeholders
+        even if they have a default (their value differs between the items of a batch)."""
         from sgrt.lang.api import get_default_backend
 
         backend = backend if backend is not None else get_default_backend()
@@ -178,7 +183,11 @@ class Function:
         for k in kwargs:
             if k not in self.arg_names:
                 raise TypeError(f"{self.__name__}() has no argument {k!r}")
-        return trace_program(self.func, template, self.arg_names, {**self.bound, **kwargs})
+        defaults = {
+            name: p.default for name, p in self._signature.parameters.items()
+            if name in self.arg_names and p.default is not inspect.Parameter.empty and name not in varying
+        }
+        return trace_program(self.func, template, self.arg_names, {**defaults, **self.bound, **kwargs})
 
     def cache(self, backend: Any = None, **kwargs: Any) -> dict[str, Any]:
         """Put the program's constant prefix into the backend's prefix cache now.
@@ -193,8 +202,9 @@ class Function:
 
     def _hint_prefix(self, backend: Any, batch_kwargs: list[dict[str, Any]]) -> None:
         common = _common_kwargs(batch_kwargs)
+        varying = {k for kw in batch_kwargs for k in kw} - set(common)
         try:
-            prefix = self.trace(backend=backend, **common).prefix
+            prefix = self._trace(backend, common, varying).prefix
         except Exception:  # noqa: BLE001 - a hint must never fail the batch
             return
         if len(prefix) >= MIN_HINTED_PREFIX_CHARS:

@@ -113,3 +113,15 @@ def test_cache_hints_the_prefix():
 
 def test_chatml_template_constant():
     assert CHATML.prefix_and_suffix("assistant") == ("<|im_start|>assistant\n", "<|im_end|>\n")
+
+
+def test_trace_uses_default_argument_values_unless_a_batch_varies_them():
+    import sgrt
+
+    @sgrt.function
+    def greet(s, name, greeting="Hello"):
+        s += greeting + ", " + name + "! "
+        s += sgrt.gen("reply", max_tokens=4)
+
+    assert greet.trace().prefix == "Hello, "
+    assert greet._trace(None, {}, varying={"greeting"}).prefix == ""
