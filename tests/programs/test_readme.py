@@ -51,14 +51,14 @@ def test_readme_example_runs(runtime, monkeypatch, capsys):
     assert "prompt tokens of a tip came from the cache" in out
 
 
-def test_readme_lists_every_program_and_placeholders():
+def test_readme_lists_every_program_and_the_commands():
     text = README.read_text(encoding="utf-8")
     programs = [p.stem for p in (README.parent / "programs").glob("*.py")
                 if not p.name.startswith("_") and p.stem != "echo_summary"]
     for name in programs:
         assert f"| `{name}` |" in text, name
-    for section in ("<!-- numbers", "<!-- http-api", "make demo", "make test", "SGRT_CACHE_DIR",
-                    "sgrt serve --programs programs/"):
+    for section in ("make demo", "make test", "SGRT_CACHE_DIR", "sgrt serve --programs programs/",
+                    "--http-port", "RuntimeEndpoint"):
         assert section in text, section
 
 
