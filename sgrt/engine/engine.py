@@ -29,6 +29,7 @@ from sgrt.engine.request import Req, ReqStatus
 from sgrt.engine.sampler import sample, top_logprobs
 from sgrt.engine.sampling_params import SamplingParams
 from sgrt.engine.scheduler import Row, Scheduler, SchedulerConfig
+from sgrt.engine.speculative import SpecDecoder
 from sgrt.errors import CapacityError, ContextLengthExceeded, InvalidRequest
 
 logger = logging.getLogger("sgrt.engine")
@@ -46,6 +47,20 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     grammar_backend: str = "llguidance"
     log_interval: float = 0.0  # 0 = no periodic stats log
+    compile: bool = False  # torch.compile decode batches (sgrt/engine/compiled_decode.py)
+    # Speculative decoding and jump-forward (sgrt/engine/speculative.py): the drafter for
+    # requests that set none ("ngram", "draft" or None), the most draft tokens per request and
+    # step, the draft model (a spec for load_model or a LoadedModel with the same tokenizer)
+    # and its KV pool size (default max_total_tokens + 16 * max_running_requests), the forward
+    # cost model (switch, per_token) that sets draft lengths and turns speculation off as the
+    # batch grows (None: measured CPU figures, or a CUDA estimate), and the longest forced run
+    # one jump-forward takes.
+    speculative: str | None = None
+    num_draft_tokens: int = 8
+    draft_model: Any = None
+    draft_max_total_tokens: int | None = None
+    speculative_cost: tuple[float, float] | None = None
+    max_jump_forward_tokens: int = 16
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -57,6 +72,8 @@ class Engine:
             path or an HF folder) or an already loaded :class:`sgrt.models.LoadedModel`.
         dtype: ``"float32"`` or ``"bfloat16"`` (ignored for a LoadedModel).
         device: ``"cpu"`` or ``"cuda"`` (ignored for a LoadedModel).
+        quantization: ``"none"``, ``"int8"`` or ``"int4"`` weight-only linear layers (see
+            :mod:`sgrt.models.quant`; ignored for a LoadedModel).
         **options: fields of :class:`EngineConfig`.
 
     Raises:
@@ -64,11 +81,13 @@ class Engine:
         TypeError: an unknown option.
     """
 
-    def __init__(self, model: Any = "smollm2-135m-instruct", dtype: str = "float32", device: str = "cpu", **options: Any):
+    def __init__(self, model: Any = "smollm2-135m-instruct", dtype: str = "float32", device: str = "cpu",
+                 quantization: str = "none", **options: Any):
         from sgrt.models import LoadedModel, load_model
 
         self.config = EngineConfig(**options)
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(
+            model, dtype=dtype, device=device, quantization=quantization)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         cfg = self.loaded.config
@@ -89,7 +108,9 @@ class Engine:
             self.pool,
             self.cache,
         )
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = ModelRunner(self.model, self.pool, compile=self.config.compile)
+        self.spec = SpecDecoder(self.config, self.pool, self.cache, self.loaded, set(self.tokenizer.eos_token_ids),
+                                self.context_length, self._append_token)
         self.metrics = EngineMetrics()
         self.eos_ids: set[int] = set(self.tokenizer.eos_token_ids)
         self._grammar_compiler = None
@@ -166,6 +187,10 @@ class Engine:
         self._inbox.put(("flush", done))
         done.wait()
 
+    def is_alive(self) -> bool:
+        """True while the loop thread runs and :meth:`shutdown` has not been called."""
+        return not self._stopped and self._thread.is_alive()
+
     def stats(self) -> dict[str, Any]:
         """Engine-wide metrics: throughput, queue sizes, KV pool usage, cache hit rate."""
         return self.metrics.snapshot(
@@ -211,6 +236,7 @@ class Engine:
         elif not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams or dict, got {type(params).__name__}", field="params")
         params.validate(self.vocab_size)
+        self.spec.check_params(params)
         return params
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -301,7 +327,9 @@ class Engine:
 
     def _step(self) -> None:
         self._collect_compiled_grammars()
+        self.spec.jump_forward_text(self.scheduler.running)
         rows = self.scheduler.schedule()
+        self.spec.prepare(rows)  # rows about to sample may become verify rows (drafts)
         if not rows:
             if self.scheduler.waiting and not self.scheduler.running:
                 time.sleep(0.002)  # waiting only on grammar compilation
@@ -338,7 +366,7 @@ class Engine:
                 if next_pos <= j + 1 < prompt_len:
                     offsets.append(j - row.start)
         if row.completes_fill and req.params.max_tokens > 0:
-            offsets.append(row.n - 1)
+            offsets.extend(range(row.n - 1 - len(row.draft), row.n))  # + one per draft token
         return offsets
 
     def _record_prompt_logprobs(self, row: Row, row_logits: torch.Tensor) -> int:
@@ -360,6 +388,12 @@ class Engine:
         return len(positions)
 
     def _sample_and_append(self, sample_rows: list[tuple[Row, torch.Tensor]]) -> None:
+        verify_rows = [(row, lg) for row, lg in sample_rows if row.draft]
+        if verify_rows:
+            self.spec.verify_rows(verify_rows)
+            sample_rows = [(row, lg) for row, lg in sample_rows if not row.draft]
+            if not sample_rows:
+                return
         reqs = [row.req for row, _ in sample_rows]
         logits = torch.cat([lg[-1:] for _, lg in sample_rows], dim=0)
         bitmask = None
@@ -441,6 +475,7 @@ class Engine:
         if req.finished:
             return
         self.scheduler.finish(req)
+        self.spec.release(req)
         self._reqs.pop(req.request_id, None)
         req.finish_reason = reason
         req.matched = matched
@@ -486,6 +521,7 @@ class Engine:
         assert len(everything) == self.pool.num_slots, (
             f"{self.pool.num_slots - len(everything)} KV slots are lost"
         )
+        self.spec.check_integrity()
 
     def _maybe_log(self) -> None:
         interval = self.config.log_interval

@@ -37,7 +37,10 @@ class EngineMetrics:
         self.steps += 1
         self.forward_seconds += seconds
         for row in rows:
-            if row.n == 1 and row.req.output_ids:
+            if row.draft:  # a verify row: the last token and its draft
+                self.decode_tokens += 1 + len(row.draft)
+                self.prefill_tokens += row.n - 1 - len(row.draft)
+            elif row.n == 1 and row.req.output_ids:
                 self.decode_tokens += 1
             else:
                 self.prefill_tokens += row.n

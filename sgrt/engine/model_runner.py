@@ -14,12 +14,19 @@ class ModelRunner:
     Args:
         model: a :class:`sgrt.models.llama.LlamaForCausalLM`.
         pool: the KV pool the attention reads and writes.
+        compile: run decode batches (every row one token) through ``torch.compile``
+            (:mod:`sgrt.engine.compiled_decode`; off by default: no gain measured at batch 1).
     """
 
-    def __init__(self, model, pool: KVPool):
+    def __init__(self, model, pool: KVPool, compile: bool = False):
         self.model = model
         self.pool = pool
         self.device = model.device
+        self.compiled = None
+        if compile:
+            from sgrt.engine.compiled_decode import CompiledDecode
+
+            self.compiled = CompiledDecode(model, pool)
 
     @torch.inference_mode()
     def forward(self, rows: list[Row], logit_offsets: list[list[int]]) -> list[torch.Tensor]:
@@ -35,14 +42,17 @@ class ModelRunner:
         picks: list[int] = []
         base = 0
         for row, offsets in zip(rows, logit_offsets):
-            fill = row.req.fill_ids
-            ids.extend(fill[row.start: row.start + row.n])
+            ids.extend(row.input_ids())
             positions.extend(range(row.start, row.start + row.n))
             specs.append(RowSpec(row.req.slots[: row.start + row.n], row.n))
             picks.extend(base + o for o in offsets)
             base += row.n
         dev = self.device
         attn = PagedAttention(self.pool, specs)
+        if self.compiled is not None and base == len(rows) and all(o == [0] for o in logit_offsets):
+            logits = self.compiled(torch.tensor(ids, dtype=torch.long, device=dev),
+                                   torch.tensor(positions, dtype=torch.long, device=dev), attn)
+            return [logits[i: i + 1] for i in range(len(rows))]
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

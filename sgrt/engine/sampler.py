@@ -37,11 +37,34 @@ def apply_penalties(logits: torch.Tensor, req: Req) -> None:
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def process_row(row: torch.Tensor, req: Req, eos_ids: set[int]) -> None:
+    """In place on one masked logits row ``[V]``: penalties, then the ban of EOS and stop ids
+    while fewer than ``min_tokens`` were generated. ``req`` needs only ``params``,
+    ``output_ids`` and ``fill_ids`` (the speculative verifier passes a view that includes the
+    draft tokens before the position it scores)."""
+    p = req.params
+    if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+        apply_penalties(row, req)
+    if len(req.output_ids) < p.min_tokens:
+        banned = [t for t in (eos_ids | set(p.stop_token_ids)) if t < row.shape[0]]
+        if banned:
+            row[banned] = float("-inf")
+
+
 def sample_row(logits: torch.Tensor, req: Req) -> int:
     """Draw one token from a processed logits row ``[V]`` (float32)."""
     p = req.params
     if p.temperature == 0.0:
         return int(torch.argmax(logits))
+    return int(torch.multinomial(sampling_probs(logits, p), 1, generator=req.generator))
+
+
+def sampling_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """The distribution a sampled (``temperature > 0``) row draws from: temperature, top-k,
+    softmax, min-p, top-p, in that order, on a processed logits row ``[V]``. Returns ``[V]``
+    float32 weights, not renormalised after min-p / top-p (``torch.multinomial`` does not need
+    it; the speculative verifier divides by the sum)."""
+    p = params
     logits = logits / p.temperature
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
@@ -55,7 +78,7 @@ def sample_row(logits: torch.Tensor, req: Req) -> int:
         drop = (cum - sorted_probs) > p.top_p  # keep the smallest prefix reaching top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=req.generator))
+    return probs
 
 
 def sample(
@@ -82,13 +105,7 @@ def sample(
     tokens: list[int] = []
     for i, req in enumerate(reqs):
         row = processed[i]
-        p = req.params
-        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
-            apply_penalties(row, req)
-        if len(req.output_ids) < p.min_tokens:
-            banned = [t for t in (eos_ids | set(p.stop_token_ids)) if t < row.shape[0]]
-            if banned:
-                row[banned] = float("-inf")
+        process_row(row, req, eos_ids)
         tokens.append(sample_row(row, req))
     logprobs: list[float] = []
     tops: list[list[tuple[int, float]]] = []

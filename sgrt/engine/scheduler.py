@@ -9,7 +9,7 @@ re-prefill later), as SGLang and vLLM preempt by recomputation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sgrt.engine.kv_pool import KVPool
 from sgrt.engine.radix_cache import RadixCache
@@ -31,16 +31,26 @@ class SchedulerConfig:
 
 @dataclass
 class Row:
-    """One request's part of a forward: feed ``fill_ids[start:start + n]``."""
+    """One request's part of a forward: feed ``fill_ids[start:start + n]``.
+
+    A verify row (speculative decoding, exact jump-forward) also feeds ``draft``: then ``n``
+    counts the draft too, the fed tokens are ``fill_ids[start:] + draft``, and the request's
+    slots already hold KV slots for the draft (``sgrt.engine.speculative``)."""
 
     req: Req
     start: int
     n: int
+    draft: list[int] = field(default_factory=list)
 
     @property
     def completes_fill(self) -> bool:
         """After this row the request's KV covers all its tokens, so it samples next."""
-        return self.start + self.n == self.req.num_fill
+        return self.start + self.n - len(self.draft) == self.req.num_fill
+
+    def input_ids(self) -> list[int]:
+        """The token ids this row feeds (``n`` of them)."""
+        fill = self.req.fill_ids
+        return fill[self.start: self.start + self.n - len(self.draft)] + self.draft
 
 
 class Scheduler:
@@ -123,8 +133,10 @@ class Scheduler:
         # At least one token must run through the model to get logits; prompt log-probabilities
         # from position p need the logits at p - 1, so those positions must be recomputed.
         limit = req.num_fill - 1
-        if req.params.logprob_start_len >= 0 and len(req.prompt_logprobs) == 0:
-            limit = min(limit, max(req.params.logprob_start_len - 1, 0))
+        if req.params.logprob_start_len >= 0:
+            next_pos = req.params.logprob_start_len + len(req.prompt_logprobs)  # first not yet scored
+            if next_pos < len(req.prompt_ids):
+                limit = min(limit, max(next_pos - 1, 0))
         return max(limit, 0)
 
     def _shares_uncached_prefix(self, req: Req, matched: int, others: list[Req]) -> bool:
@@ -172,6 +184,10 @@ class Scheduler:
     def release(self, req: Req, insert: bool) -> None:
         """Give back a request's KV: optionally insert it into the radix cache first, then
         unlock its prefix and free what the cache does not keep."""
+        if len(req.slots) > req.num_fill:
+            # NOTE: KV of speculative drafts never verified (a forward failed in between).
+            self.pool.free(req.slots[req.num_fill:])
+            del req.slots[req.num_fill:]
         if insert and req.slots:
             self.cache_prefix(req)
         own = req.slots[req.cached_len:]

@@ -122,6 +122,11 @@ def test_prompt_logprobs_match_a_full_forward(engine, loaded_model):
     for got, want in zip(r.prompt_logprobs[1:], expected[1:]):
         assert abs(got - want) < 1e-4
     # From a later start, with the prompt now cached: same values, recomputed.
+    # From position 0 again, now that the prompt is cached: recomputed, same values.
+    r1 = engine.generate(ids, SamplingParams(max_tokens=0, return_logprob=True, logprob_start_len=0))
+    assert len(r1.prompt_logprobs) == len(ids)
+    for got, want in zip(r1.prompt_logprobs[1:], expected[1:]):
+        assert abs(got - want) < 1e-4
     r2 = engine.generate(ids, SamplingParams(max_tokens=0, return_logprob=True, logprob_start_len=4))
     assert len(r2.prompt_logprobs) == len(ids) - 4
     for got, want in zip(r2.prompt_logprobs, expected[4:]):
