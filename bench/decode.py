@@ -1,11 +1,20 @@
-"""Batch-1 decode speed: sgrt vs HF transformers ``generate()`` on the same model and prompt.
+"""Decode speed: sgrt vs HF transformers ``generate()`` on the same model and prompt, unquantized
+and with int8 / int4 weight-only linear layers (issue 10).
 
-Same weights (the default model's converted HF folder), a ~60-token prompt, 128 new tokens with
-EOS ignored, 2 threads, greedy, median of 3, for float32 and bfloat16. Decode tok/s excludes the
-prefill: sgrt reports it per request (tokens after the first / time after the first); for
-transformers it is 127 / (time of 128 new tokens - time of 1 new token).
+Same weights (the default model's converted HF folder; int4 takes the GGUF's Q4_1 blocks as they
+are), a ~60-token prompt, 128 new tokens with EOS ignored, 2 threads, greedy, median of 3.
 
-Run: ``python bench/decode.py [--dtypes float32,bfloat16] [--runs 3] [--threads 2]``
+- Batch 1, for float32 and bfloat16 (against transformers in the same dtype) and for int8 / int4
+  (bfloat16 activations; against our bfloat16 and transformers' bfloat16). Decode tok/s excludes
+  the prefill: sgrt reports it per request (tokens after the first / time after the first); for
+  transformers it is 127 / (time of 128 new tokens - time of 1 new token). Weight MB counts
+  parameters and packed weights (the bfloat16 input embedding, 56.6 MB, included everywhere).
+- Batch 16: 16 requests submitted at once (the same prompt, radix cache off, so each prefills),
+  128 new tokens each; throughput = 16 * 128 / wall time, for bfloat16, int8 and int4.
+  Targets: int4 >= 2.5x our bfloat16 at batch 1; at batch 16 no worse than bfloat16.
+
+Run: ``python bench/decode.py [--dtypes float32,bfloat16] [--quantizations int8,int4]
+[--batch 16] [--runs 3] [--threads 2]``
 """
 from __future__ import annotations
 
@@ -39,6 +48,26 @@ def sgrt_decode_tps(loaded, prompt_ids: list[int], runs: int) -> float:
         engine.shutdown()
 
 
+def sgrt_batch_tps(loaded, prompt_ids: list[int], batch: int, runs: int) -> float:
+    """Output tok/s of ``batch`` concurrent requests (prefills included in the wall time)."""
+    from sgrt.engine import Engine, SamplingParams
+
+    engine = Engine(model=loaded, max_total_tokens=(len(prompt_ids) + NEW_TOKENS) * batch + 64,
+                    enable_radix_cache=False, max_running_requests=batch)
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    try:
+        engine.generate_batch([prompt_ids] * batch, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+
+        def one() -> float:
+            seconds, results = timed(lambda: engine.generate_batch([prompt_ids] * batch, params))
+            assert sum(r.completion_tokens for r in results) == batch * NEW_TOKENS
+            return batch * NEW_TOKENS / seconds
+
+        return median_of(runs, one)
+    finally:
+        engine.shutdown()
+
+
 def hf_decode_tps(path: Path, dtype: torch.dtype, prompt_ids: list[int], runs: int) -> float:
     import transformers
 
@@ -63,27 +92,64 @@ def hf_decode_tps(path: Path, dtype: torch.dtype, prompt_ids: list[int], runs: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--quantizations", default="int8,int4", help="comma list; empty for none")
+    ap.add_argument("--batch", type=int, default=16, help="batch-size row (0: skip)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from sgrt.models import load_model
+    from sgrt.models.quant import weight_bytes
 
-    rows, figures = [], {}
-    for name in args.dtypes.split(","):
-        loaded = load_model(args.model, dtype=name)
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    quants = [q for q in args.quantizations.split(",") if q]
+    if quants and "bfloat16" not in dtypes:
+        dtypes.append("bfloat16")  # the quantized rows' baseline
+    rows, batch_rows, figures = [], [], {}
+    batch_tps: dict[str, float] = {}
+    prompt_ids: list[int] = []
+    for name in dtypes + quants:
+        quantized = name in quants
+        loaded = load_model(args.model, dtype="bfloat16" if quantized else name,
+                            quantization=name if quantized else "none")
         prompt_ids = loaded.tokenizer.encode(PROMPT)
+        mb = weight_bytes(loaded.model) / 1e6
         ours = sgrt_decode_tps(loaded, prompt_ids, args.runs)
-        theirs = hf_decode_tps(loaded.path, getattr(torch, name), prompt_ids, args.runs)
-        rows.append([name, len(prompt_ids), ours, theirs, ours / theirs])
         figures[f"{name}_sgrt_tok_s"] = round(ours, 2)
-        figures[f"{name}_hf_tok_s"] = round(theirs, 2)
-        figures[f"{name}_ratio"] = round(ours / theirs, 3)
+        figures[f"{name}_weight_mb"] = round(mb, 1)
+        if not quantized:
+            theirs = hf_decode_tps(loaded.path, getattr(torch, name), prompt_ids, args.runs)
+            figures[f"{name}_hf_tok_s"] = round(theirs, 2)
+            figures[f"{name}_ratio"] = round(ours / theirs, 3)
+        if args.batch and (quantized or name == "bfloat16"):
+            batch_tps[name] = sgrt_batch_tps(loaded, prompt_ids, args.batch, args.runs)
+            figures[f"batch{args.batch}_{name}_tok_s"] = round(batch_tps[name], 2)
+        rows.append([name, mb, ours, figures.get(f"{name}_hf_tok_s", "-"), figures.get(f"{name}_ratio", "-")])
         del loaded
-    print(f"batch-1 decode, {NEW_TOKENS} new tokens, {args.threads} threads, median of {args.runs}")
-    print_table(["dtype", "prompt tokens", "sgrt tok/s", "transformers tok/s", "ratio"], rows)
-    emit_json("decode", threads=args.threads, new_tokens=NEW_TOKENS, runs=args.runs, **figures)
+    bf16, hf_bf16 = figures.get("bfloat16_sgrt_tok_s"), figures.get("bfloat16_hf_tok_s")
+    for row in rows:
+        name = row[0]
+        vs_ours = figures[f"{name}_sgrt_tok_s"] / bf16 if bf16 else None
+        vs_hf = figures[f"{name}_sgrt_tok_s"] / hf_bf16 if hf_bf16 else None
+        if name in quants:
+            figures[f"{name}_vs_bfloat16"] = round(vs_ours, 3) if vs_ours else None
+            figures[f"{name}_vs_hf_bfloat16"] = round(vs_hf, 3) if vs_hf else None
+        row += [vs_ours if vs_ours else "-", vs_hf if vs_hf else "-"]
+    for name, tps in batch_tps.items():
+        ratio = tps / batch_tps["bfloat16"] if "bfloat16" in batch_tps else None
+        if name in quants and ratio:
+            figures[f"batch{args.batch}_{name}_vs_bfloat16"] = round(ratio, 3)
+        batch_rows.append([name, tps, ratio if ratio else "-"])
+    print(f"batch-1 decode, {len(prompt_ids)}-token prompt, {NEW_TOKENS} new tokens, {args.threads} threads, "
+          f"median of {args.runs} (int8 / int4: bfloat16 activations)")
+    print_table(["weights", "weight MB", "sgrt tok/s", "transformers tok/s (same dtype)", "ratio",
+                 "vs sgrt bf16", "vs transformers bf16"], rows)
+    if batch_rows:
+        print(f"\nbatch {args.batch}: {args.batch} concurrent requests x {NEW_TOKENS} new tokens, output tok/s "
+              f"(prefills included), median of {args.runs}")
+        print_table(["weights", "sgrt tok/s", "vs sgrt bf16"], batch_rows)
+    emit_json("decode", threads=args.threads, new_tokens=NEW_TOKENS, runs=args.runs, batch=args.batch, **figures)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,8 @@ class PagedAttention:
         return _Group(len(rows), q_len, max_kv, padded.view(-1).to(device), token_index, mask, causal)
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` -> ``[T, H*D]``; stores k/v in the pool first."""
+        """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (possibly strided views) -> ``[T, H*D]``; stores
+        k/v in the pool first."""
         pool = self.pool
         pool.write(layer_id, self.out_slots, k, v)
         t, n_heads, head_dim = q.shape
@@ -100,18 +101,47 @@ class PagedAttention:
             keys = k_layer.index_select(0, g.kv_index).view(g.size, g.max_kv, n_kv, head_dim)
             values = v_layer.index_select(0, g.kv_index).view(g.size, g.max_kv, n_kv, head_dim)
             qg = q if g.token_index is None else q.index_select(0, g.token_index)
-            o = F.scaled_dot_product_attention(
-                qg.view(g.size, g.q_len, n_heads, head_dim).transpose(1, 2),
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=g.mask,
-                is_causal=g.causal,
-                enable_gqa=True,
-            )  # [size, H, q_len, D]
-            o = o.transpose(1, 2).reshape(g.size * g.q_len, n_heads * head_dim)
+            if g.q_len == 1:
+                o = decode_attention(qg, keys, values, g.mask)
+            else:
+                o = F.scaled_dot_product_attention(
+                    qg.reshape(g.size, g.q_len, n_heads, head_dim).transpose(1, 2),
+                    keys.transpose(1, 2),
+                    values.transpose(1, 2),
+                    attn_mask=g.mask,
+                    is_causal=g.causal,
+                    enable_gqa=True,
+                )  # [size, H, q_len, D]
+                o = o.transpose(1, 2).reshape(g.size * g.q_len, n_heads * head_dim)
             if g.token_index is None:
                 return o  # the only group
             if out is None:
                 out = q.new_empty(t, n_heads * head_dim)
             out.index_copy_(0, g.token_index, o)
         return out
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of rows with one query each.
+
+    q ``[B, H, D]``; keys / values ``[B, max_kv, Hkv, D]`` (padded); mask ``[B, 1, 1, max_kv]``
+    bool or None -> ``[B, H*D]``.
+    """
+    b, n_heads, head_dim = q.shape
+    n_kv = keys.shape[2]
+    if q.dtype != torch.float32:
+        # NOTE: one query per row: the n_heads / n_kv query heads sharing a kv head become that
+        # head's query positions, and SDPA needs no GQA expansion. 2-8x faster than enable_gqa in
+        # bfloat16 on CPU (64-1000 keys) and bit-identical there; float32 keeps the general call,
+        # where this would move logits by ~1e-7.
+        o = F.scaled_dot_product_attention(
+            q.reshape(b, n_kv, n_heads // n_kv, head_dim), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask,
+        )  # [B, Hkv, H / Hkv, D]
+        return o.reshape(b, n_heads * head_dim)
+    o = F.scaled_dot_product_attention(
+        q.reshape(b, 1, n_heads, head_dim).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=mask, enable_gqa=True,
+    )  # [B, H, 1, D]
+    return o.transpose(1, 2).reshape(b, n_heads * head_dim)

@@ -84,7 +84,7 @@ class LoadedModel:
 
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               cache_dir: str | Path | None = None) -> LoadedModel:
+               cache_dir: str | Path | None = None, quantization: str = "none") -> LoadedModel:
     """Load a Llama-family model by name, GGUF path or HF folder (see the module docstring).
 
     Args:
@@ -93,6 +93,10 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
             ``torch.dtype``: the dtype of the model's parameters.
         device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``).
         cache_dir: where GGUF conversions live; default ``$SGRT_CACHE_DIR`` or ``~/.cache/sgrt``.
+        quantization: ``"none"``, ``"int8"`` or ``"int4"``: weight-only quantized linear layers and
+            LM head (:mod:`sgrt.models.quant`). int4 takes a GGUF's Q4_1 tensors as they are and
+            quantizes anything else at load (groups of 32, min/max); int8 quantizes per channel
+            at load. Pair it with ``dtype="bfloat16"``, the kernels' activation dtype.
 
     Returns:
         A :class:`LoadedModel`.
@@ -100,12 +104,14 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
     Raises:
         ModelLoadError: the spec names no file or folder we can find (the message lists every
             place looked), the architecture is not Llama-family, or the files are incomplete.
-        InvalidRequest: ``dtype`` is not one of the names above.
+        InvalidRequest: ``dtype`` or ``quantization`` is not one of the names above.
     """
     from sgrt.models.llama import LlamaForCausalLM
+    from sgrt.models.quant import parse_quantization, quantize_model
 
     start = time.perf_counter()
     torch_dtype = parse_dtype(dtype)
+    quantization = parse_quantization(quantization)
     kind, src = resolve_spec(spec)
     converted = False
     if kind == "gguf":
@@ -120,6 +126,13 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
         model.load_weights(state)
     except (KeyError, RuntimeError) as e:  # missing weight / shape mismatch
         raise ModelLoadError(f"model {spec!r}: weights in {folder} do not fit the config: {e}") from e
+    if quantization != "none":
+        q4_1 = None
+        if quantization == "int4" and kind == "gguf":
+            from sgrt.models.gguf_raw import load_q4_1
+
+            q4_1 = load_q4_1(src, folder, spec)
+        quantize_model(model, quantization, state, q4_1)
     del state
     model.eval()
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=folder,

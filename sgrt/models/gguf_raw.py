@@ -1,0 +1,160 @@
+"""Raw quantized blocks of a GGUF file, for kernels that run on them without a float round trip.
+
+llama.cpp's Q4_1 block (``block_q4_1`` in ggml's ``ggml-common.h``) covers 32 consecutive weights
+of one row in 20 bytes: ``d`` (float16 scale), ``m`` (float16 minimum), then 16 bytes whose low
+nibbles are weights 0..15 and high nibbles weights 16..31. A weight is ``w = d * q + m`` with
+``q`` in 0..15 (this is what ``gguf.quants.dequantize`` computes, in float32).
+
+:func:`read_q4_1` returns, per HF parameter name, the codes and per-block ``d`` / ``m``, with
+llama.cpp's q/k row permutation undone on whole rows (the same
+:func:`sgrt.models.loader.unpermute_rotary` the float conversion uses), so row ``i`` here is row
+``i`` of the converted float weight. Parsing a GGUF's metadata takes seconds (the tokenizer's
+100k strings), so :func:`load_q4_1` keeps the blocks beside the float conversion in its cache
+folder (``q4_1.safetensors``: codes two a byte, ``d``, ``m``) and reads them from there next time.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sgrt.errors import ModelLoadError
+
+Q4_1_GROUP = 32  # weights per block
+_Q4_1_BLOCK_BYTES = 20  # 2 (d) + 2 (m) + 16 (codes)
+Q4_1_CACHE_FILE = "q4_1.safetensors"
+
+
+@dataclass
+class Q4_1Weight:
+    """One Q4_1 weight matrix ``[rows, cols]`` (HF layout: ``[out_features, in_features]``).
+
+    Attributes:
+        codes: ``[rows, cols]`` uint8, values 0..15.
+        d: ``[rows, cols // 32]`` float16 scale of each block.
+        m: ``[rows, cols // 32]`` float16 minimum of each block.
+    """
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)  # type: ignore[return-value]
+
+    def dequantize(self) -> torch.Tensor:
+        """``d * q + m`` in float32, ``[rows, cols]``: the file's weights, bit for bit."""
+        rows, cols = self.codes.shape
+        q = self.codes.view(rows, cols // Q4_1_GROUP, Q4_1_GROUP).float()
+        w = self.d.float().unsqueeze(-1) * q + self.m.float().unsqueeze(-1)
+        return w.view(rows, cols)
+
+    @staticmethod
+    def cat(parts: list["Q4_1Weight"]) -> "Q4_1Weight":
+        """Concatenate along rows (output features), as the fused qkv / gate_up layers need."""
+        return Q4_1Weight(torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]),
+                          torch.cat([p.m for p in parts]))
+
+
+def unpack_q4_1(blocks: np.ndarray, rows: int, cols: int) -> Q4_1Weight:
+    """Raw bytes ``[rows, cols // 32 * 20]`` uint8 of one tensor -> :class:`Q4_1Weight`."""
+    if cols % Q4_1_GROUP:
+        raise ValueError(f"Q4_1 row length {cols} is not a multiple of {Q4_1_GROUP}")
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows, cols // Q4_1_GROUP, _Q4_1_BLOCK_BYTES)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]
+    m = b[..., 2:4].copy().view(np.float16)[..., 0]
+    qs = b[..., 4:]  # [rows, blocks, 16]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
+    return Q4_1Weight(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(d.copy()),
+                      torch.from_numpy(m.copy()))
+
+
+def read_q4_1(gguf_path: str | Path, spec: str = "", reader: Any = None,
+              names: set[str] | None = None) -> dict[str, Q4_1Weight]:
+    """Every Q4_1 tensor of a Llama GGUF, keyed by HF parameter name
+    (``model.layers.0.self_attn.q_proj.weight``), q/k rows unpermuted.
+
+    Tensors of other types are left out (the caller quantizes those from float weights).
+
+    Args:
+        reader: an open ``gguf.GGUFReader`` of the file (parsing one takes seconds).
+        names: only these HF names (default: all).
+
+    Raises:
+        ModelLoadError: the file cannot be read, or a tensor has no Llama counterpart.
+    """
+    import gguf
+
+    from sgrt.models.loader import gguf_config, hf_name, unpermute_rotary
+
+    if reader is None:
+        try:
+            reader = gguf.GGUFReader(str(gguf_path))
+        except Exception as e:  # gguf raises ValueError / struct.error on a corrupt file
+            raise ModelLoadError(f"model {spec!r}: cannot read GGUF {gguf_path}: {e}") from e
+    config, _ = gguf_config(reader, spec)
+    out: dict[str, Q4_1Weight] = {}
+    for t in reader.tensors:
+        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+            continue
+        name = hf_name(t.name)
+        if name is None:
+            raise ModelLoadError(f"model {spec!r}: GGUF tensor {t.name!r} has no Llama counterpart")
+        if names is not None and name not in names:
+            continue
+        cols, rows = (int(x) for x in t.shape)  # GGUF lists dims innermost first
+        w = unpack_q4_1(t.data, rows, cols)
+        n_heads = _rotary_heads(t.name, config)
+        if n_heads is not None:
+            w = Q4_1Weight(*(unpermute_rotary(x, n_heads).contiguous() for x in (w.codes, w.d, w.m)))
+        out[name] = w
+    return out
+
+
+def load_q4_1(gguf_path: str | Path, cache_folder: str | Path | None, spec: str = "") -> dict[str, Q4_1Weight]:
+    """:func:`read_q4_1`, through ``cache_folder / q4_1.safetensors`` (the GGUF's conversion
+    cache entry, whose name already digests the file's contents): read from it when present,
+    else read the GGUF and write it there (atomically; skipped if the folder is read-only)."""
+    from safetensors.torch import load_file, save_file
+
+    cached = Path(cache_folder) / Q4_1_CACHE_FILE if cache_folder is not None else None
+    if cached is not None and cached.is_file():
+        flat = load_file(str(cached))
+        names = {k.rsplit(".", 1)[0] for k in flat}
+        return {n: Q4_1Weight(_unpack_nibbles(flat[n + ".codes"]), flat[n + ".d"], flat[n + ".m"])
+                for n in sorted(names)}
+    out = read_q4_1(gguf_path, spec)
+    if cached is not None:
+        flat = {}
+        for n, w in out.items():
+            flat[n + ".codes"] = (w.codes[:, 0::2] | (w.codes[:, 1::2] << 4)).contiguous()
+            flat[n + ".d"], flat[n + ".m"] = w.d, w.m
+        tmp = cached.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{cached.name}")
+        try:
+            save_file(flat, str(tmp), metadata={"format": "sgrt-q4_1", "source": str(gguf_path)})
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+            os.replace(tmp, cached)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    return out
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """``[rows, cols // 2]`` uint8, even column in the low nibble -> ``[rows, cols]`` codes."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(packed.shape[0], -1)
+
+
+def _rotary_heads(gguf_name: str, config: Any) -> int | None:
+    if gguf_name.endswith("attn_q.weight"):
+        return config.num_attention_heads
+    if gguf_name.endswith("attn_k.weight"):
+        return config.num_key_value_heads
+    return None
