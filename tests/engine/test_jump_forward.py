@@ -65,7 +65,6 @@ def test_exact_jump_forward_is_token_identical(engine, without):
         assert jf.forced_tokens > 0 and plain.forced_tokens == 0
         assert jf.spec_drafted == 0  # forced runs are not counted as speculation
     assert_valid(exact)
-    # Fewer forward steps for the same tokens is the point of it.
     engine.flush_cache()
     engine.check_integrity()
     assert engine.pool.num_free == engine.pool.num_slots
