@@ -144,7 +144,9 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, self.device
         )
         # A quantized copy of the LM head (sgrt.models.quant); the embedding stays a lookup table.
+        # It serves batches of up to logits_head_max_rows rows; larger ones use the float head.
         self.logits_head: nn.Module | None = None
+        self.logits_head_max_rows = 1 << 62
         self.quantization = "none"
         self.requires_grad_(False)
         self.eval()
@@ -186,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, hidden]`` -> logits ``[N, vocab]`` float32."""
-        if self.logits_head is not None:
+        if self.logits_head is not None and hidden.shape[0] <= self.logits_head_max_rows:
             return self.logits_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

@@ -13,11 +13,13 @@ inside the matmul kernel is where the speed comes from. Activations stay floatin
   same real number for every ``q``. A GGUF's Q4_1 tensors are loaded as they are (codes, ``d``,
   ``m``: see :mod:`sgrt.models.gguf_raw`); any other projection (an HF folder, a non-Q4_1
   tensor) is quantized at load the same way, min/max per group of 32.
-- **LM head**: its own quantized copy (the tied embedding stays a float lookup table for the
-  input side); int8 in both modes, unless the file stores the head in Q4_1. Measured on the
+- **LM head**: its own quantized copy, int8 in both modes unless the file stores the head in
+  Q4_1 (the tied embedding stays a float lookup table for the input side). Measured on the
   default model (tied Q8_0 embedding), teacher-forced over 200 tokens: an int4 head quantized at
   load drops top-1 agreement with bfloat16 to 84-90% (mean KL ~0.06), an int8 head keeps 96-98.5%
-  (mean KL ~0.003).
+  (mean KL ~0.003). A tied model uses it for up to 4 logit rows a forward (decode of small
+  batches) and its float embedding table past that, where the int8 kernel is the slower one; so
+  logits may differ in the last bits with the batch size, as they do across dtypes.
 
 NOTE (exactness): the fast kernels want bfloat16 activations *and* bfloat16 scales/zeros (CPU:
 float32 or float16 scales are accepted, but only with float32 / float16 activations, and those
@@ -26,9 +28,15 @@ paths are 40-50x slower on this CPU: measured). So the 4-bit codes are exactly t
 most 2**-8; the exact mapping is checked in float32 by ``tests/models/test_quantization.py``).
 
 Layers whose shapes the kernels cannot take keep their float weights (CPU int4: ``out % 16``,
-``in % 32``; CPU int8: ``in % 16``, below which the kernel crashes the process). A model whose
-dtype is not bfloat16 still works: each quantized layer casts its input to bfloat16 and its output
-back (extra copies; use ``dtype="bfloat16"`` with quantization).
+``in % 32``; int8: ``in % 16``, as the CPU kernel crashes the process on other widths). A model
+whose dtype is not bfloat16 still works: each quantized layer casts its input to bfloat16 and its
+output back (extra copies; use ``dtype="bfloat16"`` with quantization).
+
+Speed (CPU, 1 thread, 49152 x 576 and the layer shapes of the default model): at 1-4 rows the
+packed kernels read 4 / 8 bits a weight and win (int4 ~3.5x, int8 ~2x over bfloat16); at 16 rows
+they are compute-bound (int4 about even with bfloat16, int8 1.3-2x slower) and at 64+ rows
+(prefill chunks) 2-4x slower. The CUDA paths are written to torch's documented layouts but
+untested here: the first layer of each kind is checked against its dequantized weights at load.
 """
 from __future__ import annotations
 
@@ -36,7 +44,6 @@ import logging
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sgrt.errors import InvalidRequest
@@ -47,6 +54,8 @@ QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32
 # The packed kernels' activation and scale dtype (CPU and CUDA).
 KERNEL_DTYPE = torch.bfloat16
+# Logit rows up to which a tied model's int8 LM head beats its float one (see quantize_model).
+INT8_HEAD_MAX_ROWS = 4
 
 
 def parse_quantization(quantization: str | None) -> str:
@@ -60,6 +69,34 @@ def parse_quantization(quantization: str | None) -> str:
         raise InvalidRequest(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}",
                              field="quantization")
     return name
+
+
+_CHECKED: set[tuple[str, str]] = set()
+
+
+def _check_kernel(mod: nn.Module, w_ref: torch.Tensor, kind: str) -> None:
+    """Once per (kernel, device type) off the CPU, where our tests do not run: compare a small
+    matmul with ``w_ref`` ``[N, K]`` float32, and fail loudly rather than serve wrong logits.
+
+    Raises:
+        ModelLoadError: the kernel is missing or disagrees (names the kernel and the device).
+    """
+    from sgrt.errors import ModelLoadError
+
+    device = w_ref.device
+    if device.type == "cpu" or (kind, device.type) in _CHECKED:
+        return
+    x = torch.randn(3, w_ref.shape[1], device=device).to(KERNEL_DTYPE)
+    try:
+        got = mod(x).float()
+    except RuntimeError as e:
+        raise ModelLoadError(f"quantization {kind!r}: torch's packed kernel failed on {device}: {e}") from e
+    ref = x.float() @ w_ref.t()
+    err = ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+    if not err < 2e-2:
+        raise ModelLoadError(f"quantization {kind!r}: torch's packed kernel on {device} is off by "
+                             f"{err:.3g} (relative) from the dequantized weights; use quantization='none'")
+    _CHECKED.add((kind, device.type))
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
@@ -92,6 +129,7 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scales", scales.to(KERNEL_DTYPE).contiguous())
+        _check_kernel(self, self.dequantize(), "int8")
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, device: torch.device | str = "cpu") -> "Int8Linear":
@@ -186,6 +224,9 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(device=device, dtype=KERNEL_DTYPE).contiguous())
         self._mm = (torch.ops.aten._weight_int4pack_mm_for_cpu if device.type == "cpu"
                     else torch.ops.aten._weight_int4pack_mm)
+        if device.type != "cpu":
+            sz = self.scales_and_zeros.float().transpose(0, 1).repeat_interleave(group_size, dim=1)  # [N, K, 2]
+            _check_kernel(self, (codes.to(device).float() - 8) * sz[..., 0] + sz[..., 1], "int4")
 
     @classmethod
     def from_q4_1(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
@@ -288,6 +329,11 @@ def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
         # head quantized at load cuts top-1 agreement with bfloat16 to ~85% on the default model
         # (whose tied embedding is Q8_0), against ~97% with an int8 head (see the module docstring).
         model.logits_head = build([head], None, "int4" if head in blocks else "int8")
+        if model.lm_head is None and isinstance(model.logits_head, Int8Linear):
+            # NOTE: the int8 kernel is compute-bound past a few rows (CPU, 1 thread, 49152 x 576:
+            # 4.9 ms at 1 row vs 10.5 bfloat16; 7.4 vs 10.6 at 4; 35 vs 13 at 16), and a tied model
+            # keeps its float embedding table anyway: larger batches use that as the head.
+            model.logits_head_max_rows = INT8_HEAD_MAX_ROWS
         if model.lm_head is not None and model.logits_head is not None:
             model.lm_head = None  # NOTE: its float copy is no longer used; free it.
     model.quantization = method

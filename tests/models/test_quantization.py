@@ -50,7 +50,13 @@ def bf16_model() -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def quantized() -> dict[str, LoadedModel]:
-    return {q: load_model(MODEL, dtype="bfloat16", quantization=q) for q in ("int8", "int4")}
+    models = {q: load_model(MODEL, dtype="bfloat16", quantization=q) for q in ("int8", "int4")}
+    for lm in models.values():
+        # Score every position with the quantized LM head, as decode batches of <= 4 rows do
+        # (past that the model switches to its bfloat16 embedding table).
+        assert lm.model.logits_head_max_rows == quant.INT8_HEAD_MAX_ROWS
+        lm.model.logits_head_max_rows = N_TOKENS
+    return models
 
 
 @pytest.fixture(scope="module")
