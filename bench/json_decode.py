@@ -28,12 +28,19 @@ Figures, median of ``--runs`` (default 3) after one warm-up run each; the runs a
 
 Targets: sgrt (exact) >= 2x outlines' tok/s; mask share <= 10%. Noisy on a shared CPU.
 
+NOTE: ``OMP_WAIT_POLICY`` defaults to ``PASSIVE`` here (set it to override). On a CPU shared with
+other busy processes, OpenMP's default active spin-wait made transformers' forward 4-7x slower
+(about 770 ms instead of about 105 ms per token, measured on 2 shared cores) whenever only one
+Python thread in the process ran torch ops; sgrt, whose engine thread and main thread both run
+torch ops, was not affected. Passive waiting removes that artefact for both systems.
+
 Run: ``.venv/bin/python bench/json_decode.py [--runs 3] [--threads 2] [--skip-outlines]``
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -42,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see the docstring
 
 import torch  # noqa: E402
 
@@ -52,7 +60,8 @@ TEXT = (
     "landscape architect at a small studio near the river, and you can reach her at "
     "maria.gonzalez@example.com. She joined the city's cycling club in May and rides every weekend."
 )
-QUESTION = "Extract the person's details from this text as JSON with the fields name, age, email, city, occupation and member (is she a club member?).\n\n" + TEXT
+QUESTION = ("Extract the person's details from this text as JSON with the fields name, age, email, city, "
+            "occupation and member (is she a club member?).\n\n" + TEXT)
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -266,7 +275,7 @@ def main() -> None:
     cols = ["tokens", "forced", "forwards", "e2e_s", "tok_s", "decode_tok_s", "step_ms", "fwd1_ms", "fwdk_ms",
             "mask_ms_per_token", "mask_share", "grammar_share"]
     print(f"JSON extraction, 6 fields, {prompt_tokens}-token prompt, <= {MAX_TOKENS} new tokens, greedy, float32, "
-          f"{args.threads} threads, median of {args.runs}")
+          f"{args.threads} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, median of {args.runs}")
     print_table(["system"] + cols, [[name] + [fig[c] for c in cols] for name, fig in results.items()])
     identical = ours.token_ids["exact"] == ours.token_ids["none"]
     print(f"sgrt (exact): {ours.texts['exact']}   (token-identical to no jump-forward: {identical})")
@@ -274,7 +283,8 @@ def main() -> None:
     if theirs:
         print(f"outlines:     {theirs.text}   (schema compile {theirs.compile_s:.2f} s, not in the times)")
     figures: dict[str, Any] = {"runs": args.runs, "threads": args.threads, "max_tokens": MAX_TOKENS,
-                               "prompt_tokens": prompt_tokens, "exact_identical_to_none": identical}
+                               "prompt_tokens": prompt_tokens, "exact_identical_to_none": identical,
+                               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     for name, fig in results.items():
         for c in cols:
             figures[f"{name}_{c}"] = round(fig[c], 4)

@@ -154,8 +154,8 @@ def test_12_max_tokens_cuts_the_value(engine, backend):
 
 
 def test_grammar_file_output_is_accepted(engine, compiler):
-    r = engine.generate(chat(engine, "Write a SQL query that selects the names of users older than 30 from the table users."),
-                        SamplingParams(max_tokens=48, grammar="sql_select.lark"))
+    question = "Write a SQL query that selects the names of users older than 30 from the table users."
+    r = engine.generate(chat(engine, question), SamplingParams(max_tokens=48, grammar="sql_select.lark"))
     assert (r.finish_reason, r.matched) == ("stop", "grammar"), (r.text, r.error)
     assert r.text.startswith("SELECT ")
     # The same grammar, fresh, takes the text's canonical tokenization.
