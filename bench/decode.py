@@ -19,10 +19,14 @@ Run: ``python bench/decode.py [--dtypes float32,bfloat16] [--quantizations int8,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# NOTE: before torch loads OpenMP. Spinning OpenMP workers slow whichever side runs alone on a
+# shared CPU (seen: transformers alone at ~770 ms a token); passive waits keep the two fair.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
