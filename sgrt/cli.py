@@ -19,6 +19,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="default model name, a .gguf file or a local HF folder (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of the linear layers (use with --dtype bfloat16)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -65,7 +67,7 @@ def _engine(args: argparse.Namespace):
     from sgrt.engine import Engine
 
     t0 = time.perf_counter()
-    engine = Engine(model=args.model, dtype=args.dtype, device=args.device)
+    engine = Engine(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
     print(f"[sgrt] loaded {args.model} ({args.dtype}, {args.device}) in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     return engine

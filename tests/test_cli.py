@@ -28,3 +28,5 @@ def test_bad_value_is_a_clear_error(capsys):
 def test_parser_defaults_are_greedy():
     args = build_parser().parse_args(["generate", "x"])
     assert args.temperature == 0.0 and args.model == "smollm2-135m-instruct"
+    assert args.quantization == "none"
+    assert build_parser().parse_args(["chat", "--quantization", "int4"]).quantization == "int4"
