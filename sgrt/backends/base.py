@@ -194,3 +194,13 @@ class BaseBackend(ABC):
 
     def shutdown(self) -> None:
         """Release what the backend holds (no-op by default)."""
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token-id sequences (select scores each option
+    from where its tokens stop matching the shared prefix's)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

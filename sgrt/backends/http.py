@@ -43,7 +43,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from sgrt.backends.base import BaseBackend, ChoiceScore, GenChunk, GenOutput
+from sgrt.backends.base import BaseBackend, ChoiceScore, GenChunk, GenOutput, common_prefix_len
 from sgrt.backends.http_client import HttpClient
 from sgrt.errors import InvalidRequest, RequestAborted
 
@@ -86,14 +86,6 @@ def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
     if out.get("json_schema") is not None:
         out["json_schema"] = schema_dict(out["json_schema"])
     return out
-
-
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class RuntimeEndpoint(BaseBackend):
@@ -415,7 +407,7 @@ class RuntimeEndpoint(BaseBackend):
         prefix_ids, full = ids[0], ids[1:1 + len(choices)]
         alone = ids[1 + len(choices):]
         self._prefill_ids(prefix_ids)
-        starts = [min(_common_prefix_len(prefix_ids, f), len(f) - 1) for f in full]
+        starts = [min(common_prefix_len(prefix_ids, f), len(f) - 1) for f in full]
         body = {"input_ids": full + alone, "sampling_params": {"max_tokens": 0}, "return_logprob": True,
                 "logprob_start_len": starts + [1] * len(alone), "return_text_in_logprobs": True}
         outs = self.client.request("POST", "/generate", body)

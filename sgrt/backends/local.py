@@ -14,17 +14,9 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from sgrt.backends.base import BaseBackend, ChoiceScore, GenChunk, GenOutput
+from sgrt.backends.base import BaseBackend, ChoiceScore, GenChunk, GenOutput, common_prefix_len
 from sgrt.engine import Result, SamplingParams, StreamChunk
 from sgrt.errors import RequestAborted
-
-
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class LocalBackend(BaseBackend):
@@ -182,7 +174,7 @@ class LocalBackend(BaseBackend):
         prefix_ids = self.encode(prompt)
         self._prefill(prefix_ids)
         full = [self.encode(prompt + c) for c in choices]
-        starts = [min(_common_prefix_len(prefix_ids, ids), len(ids) - 1) for ids in full]
+        starts = [min(common_prefix_len(prefix_ids, ids), len(ids) - 1) for ids in full]
         handles = [
             self.engine.submit(ids, SamplingParams(max_tokens=0, return_logprob=True,
                                                    logprob_start_len=start))
