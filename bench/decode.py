@@ -19,14 +19,15 @@ Run: ``python bench/decode.py [--dtypes float32,bfloat16] [--quantizations int8,
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-# NOTE: before torch loads OpenMP. Spinning OpenMP workers slow whichever side runs alone on a
-# shared CPU (seen: transformers alone at ~770 ms a token); passive waits keep the two fair.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# NOTE: OpenMP's wait policy is left as the environment sets it (libgomp's default: workers spin
+# ~3 ms before sleeping), the same for both sides. Each side runs alone: transformers on this
+# thread, sgrt on its engine thread, whose Engine frees this thread's idle pool so that libgomp
+# does not throttle the spinning (sgrt/engine/openmp.py). OMP_WAIT_POLICY=PASSIVE makes every
+# small matmul wake a sleeping worker and slows both sides (measured: sgrt ~20 vs ~29 tok/s).
 
 import torch  # noqa: E402
 

@@ -11,8 +11,11 @@ chat-templated prompt and JSON Schema everywhere.
   ``outlines.Generator(model, outlines.json_schema(SCHEMA))`` (its default JSON backend,
   outlines-core, and its default whitespace). Grammar compilation is timed once, apart.
 
-Figures, median of ``--runs`` (default 3) after one warm-up run each; the runs are interleaved
-(exact, text, none, outlines, then again), so drift in a shared machine's load hits all alike:
+Figures, median of ``--runs`` (default 3) after one warm-up run each. The three sgrt modes are
+interleaved (exact, text, none, then again), so drift in a shared machine's load hits them alike;
+outlines runs after the engine has shut down, each system alone in the process, because libgomp
+throttles the spinning of every OpenMP pool while two threads' pools exist (see
+``sgrt/engine/openmp.py``), which would slow both sides:
 - ``tok/s``: output tokens / end-to-end seconds (submit to result; prefill included);
 - ``decode tok/s``: tokens after the first / time after the first (sgrt: ``Result.output_tok_per_s``;
   outlines: timestamps from a transformers streamer);
@@ -28,11 +31,8 @@ Figures, median of ``--runs`` (default 3) after one warm-up run each; the runs a
 
 Targets: sgrt (exact) >= 2x outlines' tok/s; mask share <= 10%. Noisy on a shared CPU.
 
-NOTE: ``OMP_WAIT_POLICY`` defaults to ``PASSIVE`` here (set it to override). On a CPU shared with
-other busy processes, OpenMP's default active spin-wait made transformers' forward 4-7x slower
-(about 770 ms instead of about 105 ms per token, measured on 2 shared cores) whenever only one
-Python thread in the process ran torch ops; sgrt, whose engine thread and main thread both run
-torch ops, was not affected. Passive waiting removes that artefact for both systems.
+NOTE: ``OMP_WAIT_POLICY`` is left as the environment sets it (libgomp's default: short spinning),
+the same for both systems. PASSIVE makes every small matmul wake a sleeping worker and slows both.
 
 Run: ``.venv/bin/python bench/json_decode.py [--runs 3] [--threads 2] [--skip-outlines]``
 """
@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see the docstring
 
 import torch  # noqa: E402
 
@@ -255,21 +254,20 @@ def main() -> None:
     prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
     prompt_tokens = len(loaded.tokenizer.encode(prompt))
     ours = SgrtSystem(loaded, prompt)
-    theirs = None if args.skip_outlines else OutlinesSystem(loaded.path, prompt)
     ours.warm_up()
-    if theirs:
-        theirs.warm_up()
-    # Interleaved (one run of each system per round), so drift in a shared machine's load
-    # spreads over all of them.
+    # The modes interleaved (one run of each per round), so drift in load spreads over all.
     runs: dict[str, list[dict[str, float]]] = defaultdict(list)
     try:
         for _ in range(args.runs):
             for label, mode in MODES:
                 runs[label].append(ours.one(label, mode))
-            if theirs:
-                runs["outlines"].append(theirs.one())
     finally:
-        ours.close()
+        ours.close()  # its engine thread, and that thread's OpenMP pool, end here
+    theirs = None if args.skip_outlines else OutlinesSystem(loaded.path, prompt)
+    if theirs:
+        theirs.warm_up()
+        for _ in range(args.runs):
+            runs["outlines"].append(theirs.one())
     results = {name: medians(r) for name, r in runs.items()}
 
     cols = ["tokens", "forced", "forwards", "e2e_s", "tok_s", "decode_tok_s", "step_ms", "fwd1_ms", "fwdk_ms",

@@ -23,6 +23,7 @@ from sgrt.engine.handle import RequestHandle
 from sgrt.engine.kv_pool import KVPool
 from sgrt.engine.metrics import EngineMetrics
 from sgrt.engine.model_runner import ModelRunner
+from sgrt.engine.openmp import release_caller_pool
 from sgrt.engine.outputs import Result, StreamChunk
 from sgrt.engine.radix_cache import RadixCache
 from sgrt.engine.request import Req, ReqStatus
@@ -120,6 +121,10 @@ class Engine:
         self._ids = itertools.count()
         self._stopped = False
         self._last_log = time.monotonic()
+        if self.model.device.type == "cpu":
+            # NOTE: the loop thread runs every forward; the caller's idle OpenMP pool would
+            # throttle its workers' spinning (see sgrt/engine/openmp.py).
+            release_caller_pool()
         self._thread = threading.Thread(target=self._loop, name="sgrt-engine", daemon=True)
         self._thread.start()
 

@@ -84,7 +84,7 @@ class LoadedModel:
 
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               cache_dir: str | Path | None = None, quantization: str = "none") -> LoadedModel:
+               cache_dir: str | Path | None = None, quantization: str = "none", prepack: bool = True) -> LoadedModel:
     """Load a Llama-family model by name, GGUF path or HF folder (see the module docstring).
 
     Args:
@@ -97,6 +97,9 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
             LM head (:mod:`sgrt.models.quant`). int4 takes a GGUF's Q4_1 tensors as they are and
             quantizes anything else at load (groups of 32, min/max); int8 quantizes per channel
             at load. Pair it with ``dtype="bfloat16"``, the kernels' activation dtype.
+        prepack: on CPU, hold the float projections in oneDNN's prepacked layout
+            (:mod:`sgrt.models.packed`: 1.2-3x faster matmuls; float32 results differ from
+            ``F.linear`` in the last bits). ``False`` keeps plain ``nn.Linear`` layers.
 
     Returns:
         A :class:`LoadedModel`.
@@ -106,7 +109,8 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
             place looked), the architecture is not Llama-family, or the files are incomplete.
         InvalidRequest: ``dtype`` or ``quantization`` is not one of the names above.
     """
-    from sgrt.models.llama import LlamaForCausalLM
+    from sgrt.models.llama import FUSED_PROJECTIONS, LlamaForCausalLM
+    from sgrt.models.packed import pack_linear_layers
     from sgrt.models.quant import parse_quantization, quantize_model
 
     start = time.perf_counter()
@@ -134,6 +138,8 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
             q4_1 = load_q4_1(src, folder, spec)
         quantize_model(model, quantization, state, q4_1)
     del state
+    if prepack:
+        pack_linear_layers(model, tuple(FUSED_PROJECTIONS))
     model.eval()
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=folder,
                        source=f"{kind}:{src}", load_seconds=time.perf_counter() - start,

@@ -1,0 +1,82 @@
+"""Paged attention over the KV pool (sgrt/engine/attention.py): cascade attention for decode rows
+that share a prefix equals attention over each row's whole context."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sgrt.engine import Engine, SamplingParams
+from sgrt.engine import attention as attention_mod
+from sgrt.engine.attention import CASCADE_MIN_PREFIX, PagedAttention, RowSpec
+from sgrt.engine.kv_pool import KVPool
+
+from .conftest import assert_same_greedy
+
+
+def _pool(dtype: torch.dtype) -> KVPool:
+    pool = KVPool(4000, 2, 3, 64, dtype, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=gen))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=gen))
+    return pool
+
+
+def _decode_rows(prefix_len: int, n: int, rng: random.Random) -> list[RowSpec]:
+    prefix = list(range(1, prefix_len + 1))
+    return [RowSpec(prefix + list(range(2000 + 60 * i, 2000 + 60 * i + rng.randint(1, 50))), 1) for i in range(n)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_cascade_equals_attention_over_the_whole_context(dtype, tol):
+    rng = random.Random(1)
+    pool = _pool(dtype)
+    rows = _decode_rows(CASCADE_MIN_PREFIX + 100, 6, rng)
+    q, k, v = (torch.randn(6, h, 64).to(dtype) for h in (9, 3, 3))
+    cascade = PagedAttention(pool, rows, cascade=True)
+    (group,) = cascade.groups
+    assert group.shared_index is not None and len(group.shared_index) == CASCADE_MIN_PREFIX + 100
+    got = cascade.forward(0, q, k, v).float()
+    pool_plain = _pool(dtype)
+    want = PagedAttention(pool_plain, rows, cascade=False).forward(0, q, k, v).float()
+    assert got.shape == (6, 9 * 64)
+    assert (got - want).abs().max().item() <= tol
+    # The new K/V were written to the pool all the same.
+    assert torch.equal(pool.k[0, [r.slots[-1] for r in rows]], k)
+
+
+def test_cascade_needs_a_long_shared_prefix_and_leaves_every_row_a_suffix():
+    pool = _pool(torch.float32)
+    short = _decode_rows(CASCADE_MIN_PREFIX - 1, 4, random.Random(2))
+    assert PagedAttention(pool, short).groups[0].shared_index is None
+    alone = _decode_rows(CASCADE_MIN_PREFIX + 10, 1, random.Random(3))
+    assert PagedAttention(pool, alone).groups[0].shared_index is None
+    # Identical contexts: the newest slot of each row still goes through its own suffix.
+    same = [RowSpec(list(range(1, CASCADE_MIN_PREFIX + 20)), 1)] * 3
+    (group,) = PagedAttention(pool, same).groups
+    assert len(group.shared_index) == CASCADE_MIN_PREFIX + 18 and group.max_kv == 1
+    # Extend rows never cascade.
+    extend = [RowSpec(list(range(1, CASCADE_MIN_PREFIX + 20)) + [3000 + i, 3100 + i], 2) for i in range(3)]
+    assert PagedAttention(pool, extend).groups[0].shared_index is None
+
+
+def test_batched_requests_on_one_long_prefix_match_their_runs_alone(loaded_model, monkeypatch):
+    calls = []
+    real = attention_mod.cascade_decode_attention
+    monkeypatch.setattr(attention_mod, "cascade_decode_attention", lambda *a: calls.append(1) or real(*a))
+    shared = "You are a careful assistant who answers in one short sentence. " * 20
+    prompts = [shared + f"Question {i}: name a colour that starts with the letter {c}." for i, c in enumerate("BGRY")]
+    params = SamplingParams(max_tokens=12, return_logprob=True, top_logprobs_num=5)
+    eng = Engine(model=loaded_model, max_total_tokens=8192)
+    try:
+        assert len(eng.tokenizer.encode(shared)) >= CASCADE_MIN_PREFIX
+        alone = [eng.generate(p, params) for p in prompts]
+        assert not calls  # one row at a time: plain attention
+        eng.flush_cache()
+        batched = eng.generate_batch(prompts, params)
+        assert calls  # the four decode rows shared the prefix
+    finally:
+        eng.shutdown()
+    for a, b in zip(alone, batched):
+        assert_same_greedy(a, b)
