@@ -344,6 +344,7 @@ class Engine:
         logits = self.runner.forward(rows, offsets)
         self.metrics.record_forward(rows, time.monotonic() - t0)
         sample_rows: list[tuple[Row, torch.Tensor]] = []
+        cache_after: list[Req] = []
         for row, row_logits in zip(rows, logits):
             req = row.req
             n_prompt_lp = self._record_prompt_logprobs(row, row_logits)
@@ -351,13 +352,21 @@ class Engine:
                 self.scheduler.cache_prefix(req)
                 continue
             if not req.output_ids:
-                self.scheduler.cache_prefix(req)  # the whole prompt is now shareable
+                # The whole prompt is now shareable. A row that also verified a draft holds
+                # slots for draft tokens not yet in fill_ids: cache once they are resolved.
+                if row.draft:
+                    cache_after.append(req)
+                else:
+                    self.scheduler.cache_prefix(req)
             if req.params.max_tokens == 0:
                 self._finish(req, "length")
                 continue
             sample_rows.append((row, row_logits[n_prompt_lp:]))
         if sample_rows:
             self._sample_and_append(sample_rows)
+        for req in cache_after:
+            if not req.finished:
+                self.scheduler.cache_prefix(req)
 
     def _logit_offsets(self, row: Row) -> list[int]:
         req = row.req

@@ -265,6 +265,28 @@ class SpecDecoder:
                 if req.finished:
                     break
 
+    def _exact_forced_draft(self, grammar: Any) -> list[int]:
+        """The draft of exact jump-forward: the forced tokens, or, when the grammar forces more
+        bytes than they cover (``compute_ff_tokens`` stops before a token that a longer one
+        could extend, such as '":"' before a string value), the tokenizer's encoding of all
+        the forced bytes. Verification keeps this exact: where the model prefers another
+        token, the draft is cut there and the model's token is taken."""
+        tokens = grammar.forced_tokens()
+        forced = grammar.forced_bytes()
+        if self._token_bytes is None:
+            self._token_bytes = self.tokenizer.all_token_bytes()
+        covered = sum(len(self._token_bytes[t]) for t in tokens)
+        if len(forced) <= covered:
+            return tokens
+        try:
+            text = forced.decode("utf-8")
+        except UnicodeDecodeError:  # ends inside a character: keep the safe tokens
+            return tokens
+        ids = self.tokenizer.encode(text)
+        if b"".join(self._token_bytes[t] for t in ids) != forced:
+            return tokens
+        return ids
+
     def _extendable(self, grammar: Any, token: int) -> bool:
         """Whether the grammar, in its current state, allows a token whose bytes strictly
         extend ``token``'s bytes."""
@@ -288,7 +310,10 @@ class SpecDecoder:
         """Turn rows that sample this step into verify rows where a draft is worth it."""
         self._pending.clear()
         sampling = [r for r in rows if r.completes_fill and r.req.params.max_tokens > 0]
-        candidates = [r for r in sampling if r.req.output_ids and not r.draft and self._room(r.req) > 0]
+        # NOTE: exact jump-forward also drafts the first output tokens, verified by the prefill
+        # forward itself (e.g. '{"name":"' of a JSON object); speculation waits for one output.
+        candidates = [r for r in sampling if not r.draft and self._room(r.req) > 0
+                      and (r.req.output_ids or self.jump_forward_mode(r.req) == "exact")]
         if not candidates:
             return
         drafts: list[tuple[Row, Draft]] = []
@@ -296,11 +321,11 @@ class SpecDecoder:
         for row in candidates:
             req = row.req
             if self.jump_forward_mode(req) == "exact":
-                forced = req.grammar.forced_tokens()[: self.config.max_jump_forward_tokens]
+                forced = self._exact_forced_draft(req.grammar)[: self.config.max_jump_forward_tokens]
                 if forced:
                     drafts.append((row, Draft(tokens=forced, num_forced=len(forced))))
                     continue
-            if self.mode(req) is None:
+            if self.mode(req) is None or not req.output_ids:
                 continue
             state = self._states.get(req.request_id)
             if state is None:

@@ -143,8 +143,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, self.device
         )
-        # A quantized copy of the LM head (sgrt.models.quant); the embedding stays a lookup table.
-        # It serves batches of up to logits_head_max_rows rows; larger ones use the float head.
+        # A quantized (sgrt.models.quant) or oneDNN-prepacked (sgrt.models.packed) copy of the LM head;
+        # the embedding stays a lookup table. It serves batches of up to logits_head_max_rows rows;
+        # larger ones use the plain float head.
         self.logits_head: nn.Module | None = None
         self.logits_head_max_rows = 1 << 62
         self.quantization = "none"

@@ -110,7 +110,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
         InvalidRequest: ``dtype`` or ``quantization`` is not one of the names above.
     """
     from sgrt.models.llama import FUSED_PROJECTIONS, LlamaForCausalLM
-    from sgrt.models.packed import pack_linear_layers
+    from sgrt.models.packed import pack_lm_head, pack_linear_layers
     from sgrt.models.quant import parse_quantization, quantize_model
 
     start = time.perf_counter()
@@ -140,6 +140,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
     del state
     if prepack:
         pack_linear_layers(model, tuple(FUSED_PROJECTIONS))
+        pack_lm_head(model)
     model.eval()
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=folder,
                        source=f"{kind}:{src}", load_seconds=time.perf_counter() - start,

@@ -16,6 +16,12 @@ bfloat16   19 -> 16 ms 21 -> 15 ms 29 -> 20 ms 356 -> 340 ms
 bfloat16 results are bit-identical to ``F.linear``; float32 ones differ by float32 rounding
 (another summation order; relative differences around 1e-6).
 
+The LM head gains the most where it scores several rows (a speculative or jump-forward verify,
+a decode batch): on the default model in float32, scoring 2 rows with ``F.linear`` took ~12 ms
+more than 1 row. :func:`pack_lm_head` gives an unquantized model a packed copy of its head;
+a tied model keeps its embedding table for the input lookup, so that copy costs the table's
+size again (57 MB in bfloat16, 113 MB in float32 on the default model).
+
 The packed weight is an opaque mkldnn tensor of the same size; :attr:`PackedLinear.weight`
 unpacks a dense copy for inspection. Layers stay as they are where oneDNN is missing, on other
 devices and dtypes, or if the packed result disagrees with ``F.linear`` at load.
@@ -95,3 +101,26 @@ def pack_linear_layers(model: nn.Module, names: tuple[str, ...]) -> int:
                 setattr(layer, name, packed)
                 count += 1
     return count
+
+
+def pack_lm_head(model: nn.Module) -> bool:
+    """Give an unquantized model (``model.logits_head`` None) a :class:`PackedLinear` copy of its
+    LM head for every batch size; True if done. An untied model's plain head is then freed."""
+    if model.logits_head is not None:
+        return False
+    weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    if not can_pack(weight):
+        return False
+    try:
+        with torch.no_grad():
+            head = PackedLinear(weight)
+            if not _agrees(head, weight):
+                logger.warning("oneDNN prepacked LM head disagrees with F.linear; keeping the plain head")
+                return False
+    except RuntimeError as e:
+        logger.warning("oneDNN prepacking of the LM head failed (%s); keeping the plain head", e)
+        return False
+    model.logits_head = head
+    model.logits_head_max_rows = 1 << 62
+    model.lm_head = None
+    return True
