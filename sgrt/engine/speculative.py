@@ -7,9 +7,11 @@ The engine calls four hooks (DESIGN.md, "Draft / verify" and "Jump-forward"):
   longer allowed token could extend); their KV is computed by the next forward like a prefill
   chunk.
 * :meth:`SpecDecoder.prepare` after scheduling: a row that is about to sample becomes a *verify
-  row* of ``k + 1`` tokens: the grammar's forced run (*exact* jump-forward, constrained requests)
-  or a drafter's proposal (``speculative="ngram" | "draft"``), cut at the first token the grammar
-  forbids, with ``k`` KV slots allocated for it.
+  row* of ``k + 1`` tokens: the grammar's forced text, tokenized (*exact* jump-forward,
+  constrained requests; also before the first output token, when the prompt's last prefill
+  chunk verifies it), or a drafter's proposal (``speculative="ngram" | "draft"``, from the
+  second output token), cut at the first token the grammar forbids, with ``k`` KV slots
+  allocated for it.
 * :meth:`SpecDecoder.verify_rows` after the forward: :func:`sgrt.engine.verify.verify` keeps the
   accepted prefix plus one target token; rejected drafts give back their KV slots; the tokens go
   through ``Engine._append_token`` one by one, so stop strings, EOS, ``max_tokens`` and grammar

@@ -35,7 +35,9 @@ output back (extra copies; use ``dtype="bfloat16"`` with quantization).
 Speed (CPU, 1 thread, 49152 x 576 and the layer shapes of the default model): at 1-4 rows the
 packed kernels read 4 / 8 bits a weight and win (int4 ~3.5x, int8 ~2x over bfloat16); at 16 rows
 they are compute-bound (int4 about even with bfloat16, int8 1.3-2x slower) and at 64+ rows
-(prefill chunks) 2-4x slower. The CUDA paths are written to torch's documented layouts but
+(prefill chunks) 2-4x slower. So from :data:`DENSE_MIN_ROWS` rows a layer dequantizes its
+weight to bfloat16 (int4: unpacked from the CPU kernel's own layout, no second copy kept) and
+runs one dense matmul. The CUDA paths are written to torch's documented layouts but
 untested here: the first layer of each kind is checked against its dequantized weights at load.
 """
 from __future__ import annotations
@@ -44,6 +46,7 @@ import logging
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sgrt.errors import InvalidRequest
@@ -56,6 +59,11 @@ INT4_GROUP_SIZE = 32
 KERNEL_DTYPE = torch.bfloat16
 # Logit rows up to which a tied model's int8 LM head beats its float one (see quantize_model).
 INT8_HEAD_MAX_ROWS = 4
+# Rows from which a quantized layer dequantizes its weight to bfloat16 for one dense matmul
+# instead of calling the packed kernel, which is compute-bound there (prefill chunks). Measured
+# on the default model's shapes, 2 threads, 512 rows: int8 kernel 2.6x and int4 kernel 2.2x the
+# bfloat16 matmul's time, dequantize + matmul 1.2-1.4x.
+DENSE_MIN_ROWS = 128
 
 
 def parse_quantization(quantization: str | None) -> str:
@@ -141,9 +149,13 @@ class Int8Linear(nn.Module):
         return in_features % 16 == 0  # NOTE: the CPU kernel segfaults on other widths (torch 2.13)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == KERNEL_DTYPE:  # the model's own calls: no reshapes
+        if x.dim() == 2 and x.dtype == KERNEL_DTYPE and x.shape[0] < DENSE_MIN_ROWS:  # decode: no reshapes
             return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
-        y = torch.ops.aten._weight_int8pack_mm(_as_2d(x), self.qweight, self.scales)
+        x2 = _as_2d(x)
+        if x2.shape[0] >= DENSE_MIN_ROWS:
+            y = F.linear(x2, self.qweight.to(KERNEL_DTYPE) * self.scales.unsqueeze(1))
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
@@ -194,6 +206,42 @@ def _inner_k_tiles(k: int) -> int:
     raise ValueError(f"int4 kernels need in_features divisible by 32, got {k}")
 
 
+def unpack_int4_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Codes ``[N, K]`` uint8 back from ``_convert_weight_to_int4pack_for_cpu``'s output
+    (``[N, K // 2]`` uint8), for ``N % 64 == 0``.
+
+    The layout (torch 2.13, AVX-512 build; read off the kernel's output, not documented): rows
+    in blocks of 64; each block holds, for every input index ``k``, 32 bytes whose low nibbles
+    are rows 0-31 of the block and high nibbles rows 32-63. :func:`_cpu_layout_understood`
+    checks this against the real packing before any layer relies on it.
+    """
+    blocks = packed.view(n // 64, k, 32)
+    both = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [N / 64, K, 64]
+    return both.transpose(1, 2).reshape(n, k)
+
+
+_layout_ok: bool | None = None  # unpack_int4_cpu checked against this torch's packing (once)
+
+
+def _cpu_layout_understood(n: int, k: int) -> bool:
+    """Whether :func:`unpack_int4_cpu` inverts this torch's CPU packing (checked once, on random
+    codes of a 128 x 64 weight); shapes with ``N % 64 != 0`` always use the kernel."""
+    global _layout_ok
+    if n % 64:
+        return False
+    if _layout_ok is None:
+        codes = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+        try:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+            _layout_ok = (packed.shape == (128, 32) and packed.dtype == torch.uint8
+                          and torch.equal(unpack_int4_cpu(packed, 128, 64), codes.to(torch.uint8)))
+        except RuntimeError:
+            _layout_ok = False
+        if not _layout_ok:
+            logger.warning("int4: unknown CPU packing layout; prefill chunks use the packed kernel")
+    return _layout_ok
+
+
 class Int4Linear(nn.Module):
     """``y = x @ W.T`` with ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]``,
     ``g = k // group_size``; 4-bit codes packed for torch's kernels.
@@ -224,6 +272,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(device=device, dtype=KERNEL_DTYPE).contiguous())
         self._mm = (torch.ops.aten._weight_int4pack_mm_for_cpu if device.type == "cpu"
                     else torch.ops.aten._weight_int4pack_mm)
+        self._unpackable = device.type == "cpu" and _cpu_layout_understood(self.out_features, self.in_features)
         if device.type != "cpu":
             sz = self.scales_and_zeros.float().transpose(0, 1).repeat_interleave(group_size, dim=1)  # [N, K, 2]
             _check_kernel(self, (codes.to(device).float() - 8) * sz[..., 0] + sz[..., 1], "int4")
@@ -248,10 +297,21 @@ class Int4Linear(nn.Module):
         return out_features % (16 if device.type == "cpu" else 8) == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == KERNEL_DTYPE:  # the model's own calls: no reshapes
+        if x.dim() == 2 and x.dtype == KERNEL_DTYPE and x.shape[0] < DENSE_MIN_ROWS:  # decode: no reshapes
             return self._mm(x, self.packed, self.group_size, self.scales_and_zeros)
-        y = self._mm(_as_2d(x), self.packed, self.group_size, self.scales_and_zeros)
+        x2 = _as_2d(x)
+        if x2.shape[0] >= DENSE_MIN_ROWS and self._unpackable:
+            y = F.linear(x2, self._dense_bf16())
+        else:
+            y = self._mm(x2, self.packed, self.group_size, self.scales_and_zeros)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def _dense_bf16(self) -> torch.Tensor:
+        """``W`` ``[N, K]`` in bfloat16, unpacked from the CPU layout (see :func:`unpack_int4_cpu`)."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        codes = unpack_int4_cpu(self.packed, n, k).view(n, k // g, g).to(KERNEL_DTYPE) - 8
+        sz = self.scales_and_zeros.transpose(0, 1)  # [N, K // g, 2]
+        return torch.addcmul(sz[..., 1:], codes, sz[..., :1]).reshape(n, k)  # one rounding to bfloat16
 
     def dequantize(self) -> torch.Tensor:
         """The weight the kernel multiplies by, ``[N, K]`` float32, read back through the kernel

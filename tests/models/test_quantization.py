@@ -222,6 +222,32 @@ def test_quantized_linear_matches_its_dequantized_weight(cls):
         assert (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
+@pytest.mark.parametrize("cls", [quant.Int8Linear, quant.Int4Linear])
+def test_prefill_sized_inputs_take_the_dense_path_with_the_same_weights(cls, monkeypatch):
+    """From DENSE_MIN_ROWS rows the layer multiplies by its weight dequantized to bfloat16
+    (for int4: unpacked from the CPU kernel's layout) instead of calling the packed kernel."""
+    torch.manual_seed(1)
+    w = torch.randn(128, 192) * 0.05
+    mod = cls.from_float(w)
+    if cls is quant.Int4Linear:
+        assert mod._unpackable
+        codes, _ = quant.quantize_int4(w)
+        assert torch.equal(quant.unpack_int4_cpu(mod.packed, 128, 192), codes)
+    calls = []
+    kernel = torch.ops.aten._weight_int8pack_mm if cls is quant.Int8Linear else mod._mm
+    x = torch.randn(quant.DENSE_MIN_ROWS + 5, 192).bfloat16()
+    ref = x.float() @ mod.dequantize().t()
+    if cls is quant.Int8Linear:
+        monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(1) or kernel(*a))
+    else:
+        mod._mm = lambda *a: calls.append(1) or kernel(*a)
+    y = mod(x)
+    assert not calls  # dense path
+    assert (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max()
+    mod(x[:4])
+    assert calls  # decode-sized inputs keep the kernel
+
+
 def test_tiny_model_quantizes_at_load_and_keeps_unsupported_shapes_in_float():
     """The HF-folder path (no Q4_1 source): every projection quantized at load, except one whose
     width the int8 kernel cannot take."""
@@ -288,7 +314,11 @@ def test_quantization_name_is_checked():
 
 
 def test_weight_memory(bf16_model, quantized):
-    mb = {"bf16": quant.weight_bytes(bf16_model.model) / 1e6}
+    model = bf16_model.model
+    head = model.logits_head  # the oneDNN-prepacked copy of the tied LM head (sgrt/models/packed.py)
+    head_mb = head.packed.numel() * head.packed.element_size() / 1e6
+    assert abs(head_mb - model.embed_tokens.weight.numel() * 2 / 1e6) < 0.1
+    mb = {"bf16": quant.weight_bytes(model) / 1e6 - head_mb}
     mb.update({q: quant.weight_bytes(lm.model) / 1e6 for q, lm in quantized.items()})
     # 134.5M parameters: bf16 2 bytes each; the bf16 input embedding (56.6 MB) stays in all three.
     assert 265 < mb["bf16"] < 275
