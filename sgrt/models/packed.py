@@ -22,8 +22,9 @@ more than 1 row. :func:`pack_lm_head` gives an unquantized model a packed copy o
 a tied model keeps its embedding table for the input lookup, so that copy costs the table's
 size again (57 MB in bfloat16, 113 MB in float32 on the default model).
 
-The packed weight is an opaque mkldnn tensor of the same size; :attr:`PackedLinear.weight`
-unpacks a dense copy for inspection. Layers stay as they are where oneDNN is missing, on other
+The packed weight is an opaque mkldnn tensor of the same size, held as the parameter
+``packed`` (so ``parameters()`` still counts it; ``state_dict()`` holds it in the mkldnn
+layout); :attr:`PackedLinear.weight` unpacks a dense copy for inspection. Layers stay as they are where oneDNN is missing, on other
 devices and dtypes, or if the packed result disagrees with ``F.linear`` at load.
 """
 from __future__ import annotations
@@ -51,7 +52,9 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT))
+        # A parameter (not a buffer) so that parameters() and state_dict() still hold the weight.
+        self.packed = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT),
+                                   requires_grad=False)
 
     @property
     def weight(self) -> torch.Tensor:
