@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from functools import lru_cache
+
+import torch
 
 logger = logging.getLogger("sgrt.engine")
 
@@ -37,7 +40,9 @@ def _libgomp() -> ctypes.CDLL | None:
             paths = {line.split()[-1] for line in f if "libgomp" in line and "/" in line}
     except OSError:
         return None
-    for path in sorted(paths):
+    # torch's own copy first: another library may have loaded a second libgomp.
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for path in sorted(paths, key=lambda p: (not p.startswith(torch_lib), p)):
         try:
             lib = ctypes.CDLL(path)
         except OSError:
