@@ -11,7 +11,7 @@ chat-templated prompt and JSON Schema everywhere.
   ``outlines.Generator(model, outlines.json_schema(SCHEMA))`` (its default JSON backend,
   outlines-core, and its default whitespace). Grammar compilation is timed once, apart.
 
-Figures, median of ``--runs`` (default 3) after one warm-up run each. The three sgrt modes are
+Figures, median of ``--runs`` (default 5) after one warm-up run each. The three sgrt modes are
 interleaved (exact, text, none, then again), so drift in a shared machine's load hits them alike;
 outlines runs after the engine has shut down, each system alone in the process, because libgomp
 throttles the spinning of every OpenMP pool while two threads' pools exist (see
@@ -242,7 +242,7 @@ class OutlinesSystem:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--skip-outlines", action="store_true", help="run sgrt only")
