@@ -19,52 +19,17 @@ the grammar only guarantees that when it does, the call is well formed.
 from __future__ import annotations
 
 import argparse
-import ast
 import asyncio
-import operator
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from programs.react import calculator  # noqa: E402  (the ReAct program's safe arithmetic tool)
 from sgrt.client import Client, ServerError, Tool  # noqa: E402
 
 NOTES = Path(__file__).with_name("ws_agent_notes.txt")
-
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
-           ast.Pow: operator.pow}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-
-
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression (numbers, + - * / // % **, parentheses).
-
-    Raises:
-        ValueError: anything else (names, calls, attributes...), or a too large power.
-    """
-    if len(expression) > 200:
-        raise ValueError("expression longer than 200 characters")
-
-    def ev(node: ast.AST) -> float:
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-            left, right = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > 100:
-                raise ValueError("exponent larger than 100")
-            return _BINARY[type(node.op)](left, right)
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-            return _UNARY[type(node.op)](ev(node.operand))
-        raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
-
-    value = ev(ast.parse(expression.replace("^", "**"), mode="eval"))
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return str(value)
 
 
 def search_notes(query: str, limit: int = 2) -> str:

@@ -38,6 +38,7 @@ from sgrt.constrained.grammar import CompiledGrammar, Grammar
 from sgrt.constrained.options import FLEXIBLE_WHITESPACE_MAX, GrammarOptions
 from sgrt.constrained.outlines_schema import bounded_repetitions, patch_regex, prepare
 from sgrt.constrained.outlines_worker import IndexWorker
+from sgrt.constrained.patterns import chars_outside_classes
 from sgrt.constrained.vocab import Vocab
 from sgrt.errors import GrammarError
 
@@ -118,19 +119,8 @@ def _strip_anchors(regex: str, field: str) -> str:
     body = regex[1:] if regex.startswith("^") else regex
     if body.endswith("$") and not body.endswith("\\$"):
         body = body[:-1]
-    i, in_class = 0, False
-    while i < len(body):
-        c = body[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-        elif c in "^$":
-            raise GrammarError(f"{field}: anchors inside the regex are not supported by the outlines backend", field=field)
-        i += 1
+    if any(c in "^$" for _, c in chars_outside_classes(body)):
+        raise GrammarError(f"{field}: anchors inside the regex are not supported by the outlines backend", field=field)
     return body
 
 

@@ -14,6 +14,7 @@ them literally, and ``\\uXXXX`` escapes are never produced.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 # A character that may appear raw inside a JSON string and that needs no escape.
 _SAFE_EXCLUDE = r'"\\\x00-\x1F\x7F-\x9F'
@@ -103,9 +104,10 @@ def _escaped_at(s: str, i: int) -> bool:
     return k % 2 == 1
 
 
-def _split_top_level(p: str) -> list[str]:
-    """Split ``p`` at ``|`` outside groups and classes."""
-    parts, depth, in_class, i, last = [], 0, False, 0, 0
+def chars_outside_classes(p: str) -> Iterator[tuple[int, str]]:
+    """``(index, char)`` of each character of regex ``p`` that is neither escaped (``\\x``,
+    skipped whole) nor inside a character class (``[...]``, brackets included)."""
+    i, in_class = 0, False
     while i < len(p):
         c = p[i]
         if c == "\\":
@@ -115,14 +117,22 @@ def _split_top_level(p: str) -> list[str]:
             in_class = c != "]"
         elif c == "[":
             in_class = True
-        elif c == "(":
+        else:
+            yield i, c
+        i += 1
+
+
+def _split_top_level(p: str) -> list[str]:
+    """Split ``p`` at ``|`` outside groups and classes."""
+    parts, depth, last = [], 0, 0
+    for i, c in chars_outside_classes(p):
+        if c == "(":
             depth += 1
         elif c == ")":
             depth -= 1
         elif c == "|" and depth == 0:
             parts.append(p[last:i])
             last = i + 1
-        i += 1
     parts.append(p[last:])
     return parts
 
