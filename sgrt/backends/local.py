@@ -81,20 +81,7 @@ class LocalBackend(BaseBackend):
         return SamplingParams.from_dict(params)
 
     def _meta(self, result: Result, start: float) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": result.request_id,
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens,
-            "cached_tokens": result.cached_tokens,
-            "finish_reason": result.finish_reason,
-            "matched": result.matched,
-            "e2e_latency": time.perf_counter() - start,
-            "ttft": result.ttft,
-            "incomplete": result.incomplete,
-            "warnings": list(result.warnings),
-            "output_token_ids": list(result.token_ids),
-            "forced_tokens": result.forced_tokens,
-        }
+        meta = result.meta_info(time.perf_counter() - start)
         if result.output_logprobs is not None:
             meta["output_token_logprobs"] = [
                 (lp, t, self._token_text(t))

@@ -49,6 +49,24 @@ class Result:
             return 0.0
         return (self.completion_tokens - 1) / decode_time
 
+    def meta_info(self, e2e_latency: float) -> dict[str, Any]:
+        """The scalar part of SGLang's ``meta_info`` for this result (the DSL's
+        ``get_meta_info`` and the native ``/generate`` response add log-probabilities to it)."""
+        return {
+            "id": self.request_id,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finish_reason,
+            "matched": self.matched,
+            "incomplete": self.incomplete,
+            "warnings": list(self.warnings),
+            "ttft": self.ttft,
+            "e2e_latency": e2e_latency,
+            "forced_tokens": self.forced_tokens,
+            "output_token_ids": list(self.token_ids),
+        }
+
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
 

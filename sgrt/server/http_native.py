@@ -126,21 +126,8 @@ def _tops(api: HttpApi, rows: list[list[tuple[int, float]]], with_text: bool) ->
 def meta_info(api: HttpApi, result: Result, params: SamplingParams, with_text: bool,
               start: float) -> dict[str, Any]:
     """``meta_info`` of one finished /generate item (see the module docstring)."""
-    meta: dict[str, Any] = {
-        "id": result.request_id,
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "cached_tokens": result.cached_tokens,
-        "finish_reason": result.finish_reason,
-        "matched": result.matched,
-        "incomplete": result.incomplete,
-        "warnings": list(result.warnings),
-        "error": result.error,
-        "ttft": result.ttft,
-        "e2e_latency": time.perf_counter() - start,
-        "forced_tokens": result.forced_tokens,
-        "output_token_ids": list(result.token_ids),
-    }
+    meta = result.meta_info(time.perf_counter() - start)
+    meta["error"] = result.error
     if params.return_logprob:
         meta["output_token_logprobs"] = _triples(api, result.token_ids, result.output_logprobs or [], with_text)
         if result.output_top_logprobs:
