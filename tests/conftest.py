@@ -28,3 +28,17 @@ def tokenizer():
     from sgrt.models import load_tokenizer
 
     return load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def runtime(loaded_model):
+    """``sgrt.Runtime`` over the session's loaded default model, set as the default backend
+    (the DSL's and the programs' tests)."""
+    import sgrt
+
+    rt = sgrt.Runtime(model=loaded_model, max_total_tokens=8192)
+    previous = sgrt.get_default_backend()
+    sgrt.set_default_backend(rt)
+    yield rt
+    sgrt.set_default_backend(previous)
+    rt.shutdown()

@@ -12,6 +12,7 @@ import re
 import pytest
 
 import sgrt
+from sgrt.backends.base import common_prefix_len
 from sgrt.errors import GrammarError
 
 FEW_SHOT = (
@@ -20,15 +21,6 @@ FEW_SHOT = (
     "Q: What is the capital of Germany?\nA: Berlin\n"
     "Q: What is the capital of Italy?\nA: Rome\n"
 )
-
-
-def common_prefix_len(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @sgrt.function
