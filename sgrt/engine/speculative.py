@@ -182,7 +182,6 @@ class SpecDecoder:
             self.drafter = self._load_drafter(config, loaded)
             self.context_length = min(context_length, self.drafter.context_length)
         self.tokenizer = loaded.tokenizer
-        self._token_bytes: list[bytes] | None = None  # raw bytes per token id (text jump-forward)
         self._longer: dict[int, list[int]] = {}  # token -> ids whose bytes strictly extend it
         self._states: dict[str, SpecState] = {}
         self._pending: dict[str, Draft] = {}
@@ -273,19 +272,19 @@ class SpecDecoder:
         could extend, such as '":"' before a string value), the tokenizer's encoding of all
         the forced bytes. Verification keeps this exact: where the model prefers another
         token, the draft is cut there and the model's token is taken."""
-        tokens = grammar.forced_tokens()
         forced = grammar.forced_bytes()
-        if self._token_bytes is None:
-            self._token_bytes = self.tokenizer.all_token_bytes()
-        covered = sum(len(self._token_bytes[t]) for t in tokens)
-        if len(forced) <= covered:
+        if not forced:  # the common case inside free text: one grammar query, not two
+            return []
+        tokens = grammar.forced_tokens()
+        token_bytes = self.tokenizer.all_token_bytes()  # computed once, cached by the tokenizer
+        if len(forced) <= sum(len(token_bytes[t]) for t in tokens):
             return tokens
         try:
             text = forced.decode("utf-8")
         except UnicodeDecodeError:  # ends inside a character: keep the safe tokens
             return tokens
         ids = self.tokenizer.encode(text)
-        if b"".join(self._token_bytes[t] for t in ids) != forced:
+        if b"".join(token_bytes[t] for t in ids) != forced:
             return tokens
         return ids
 
@@ -294,10 +293,9 @@ class SpecDecoder:
         extend ``token``'s bytes."""
         longer = self._longer.get(token)
         if longer is None:
-            if self._token_bytes is None:
-                self._token_bytes = self.tokenizer.all_token_bytes()
-            prefix = self._token_bytes[token]
-            longer = [i for i, b in enumerate(self._token_bytes) if len(b) > len(prefix) and b.startswith(prefix)]
+            token_bytes = self.tokenizer.all_token_bytes()
+            prefix = token_bytes[token]
+            longer = [i for i, b in enumerate(token_bytes) if len(b) > len(prefix) and b.startswith(prefix)]
             self._longer[token] = longer
         if not longer:
             return False
