@@ -112,6 +112,31 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.dtype == KERNEL_DTYPE else x2.to(KERNEL_DTYPE)
 
 
+class _QuantizedLinear(nn.Module):
+    """What int8 and int4 layers share: the choice between the packed kernel (decode-sized
+    inputs) and a dense matmul over the dequantized weight (from :data:`DENSE_MIN_ROWS` rows).
+
+    Input ``[..., K]`` of any float dtype; output ``[..., N]`` in the input's dtype.
+    """
+
+    out_features: int
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        """The packed kernel on ``[M, K]`` bfloat16 -> ``[M, N]`` bfloat16."""
+        raise NotImplementedError
+
+    def _dense_weight(self) -> torch.Tensor | None:
+        """``W`` ``[N, K]`` bfloat16 for a dense matmul, or None where it cannot be built."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        own = x.dim() == 2 and x.dtype == KERNEL_DTYPE  # the model's own calls: no reshapes
+        x2 = x if own else _as_2d(x)
+        weight = self._dense_weight() if x2.shape[0] >= DENSE_MIN_ROWS else None
+        y = self._kernel(x2) if weight is None else F.linear(x2, weight)
+        return y if own else y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
 # ---- int8 ---------------------------------------------------------------------------------------
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +151,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_QuantizedLinear):
     """``y = x @ (q * scale).T`` with int8 weights ``q`` ``[N, K]`` and per-row scales ``[N]``.
 
     Input ``[..., K]`` of any float dtype; output ``[..., N]`` in the input's dtype.
@@ -148,15 +173,11 @@ class Int8Linear(nn.Module):
     def supports(out_features: int, in_features: int, device: torch.device) -> bool:
         return in_features % 16 == 0  # NOTE: the CPU kernel segfaults on other widths (torch 2.13)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == KERNEL_DTYPE and x.shape[0] < DENSE_MIN_ROWS:  # decode: no reshapes
-            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
-        x2 = _as_2d(x)
-        if x2.shape[0] >= DENSE_MIN_ROWS:
-            y = F.linear(x2, self.qweight.to(KERNEL_DTYPE) * self.scales.unsqueeze(1))
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+
+    def _dense_weight(self) -> torch.Tensor:
+        return self.qweight.to(KERNEL_DTYPE) * self.scales.unsqueeze(1)
 
     def dequantize(self) -> torch.Tensor:
         """The weight the kernel multiplies by, ``[N, K]`` float32."""
@@ -242,7 +263,7 @@ def _cpu_layout_understood(n: int, k: int) -> bool:
     return _layout_ok
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_QuantizedLinear):
     """``y = x @ W.T`` with ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]``,
     ``g = k // group_size``; 4-bit codes packed for torch's kernels.
 
@@ -296,18 +317,14 @@ class Int4Linear(nn.Module):
             return False
         return out_features % (16 if device.type == "cpu" else 8) == 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == KERNEL_DTYPE and x.shape[0] < DENSE_MIN_ROWS:  # decode: no reshapes
-            return self._mm(x, self.packed, self.group_size, self.scales_and_zeros)
-        x2 = _as_2d(x)
-        if x2.shape[0] >= DENSE_MIN_ROWS and self._unpackable:
-            y = F.linear(x2, self._dense_bf16())
-        else:
-            y = self._mm(x2, self.packed, self.group_size, self.scales_and_zeros)
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        return self._mm(x2, self.packed, self.group_size, self.scales_and_zeros)
 
-    def _dense_bf16(self) -> torch.Tensor:
-        """``W`` ``[N, K]`` in bfloat16, unpacked from the CPU layout (see :func:`unpack_int4_cpu`)."""
+    def _dense_weight(self) -> torch.Tensor | None:
+        """Unpacked from the CPU layout (see :func:`unpack_int4_cpu`); None off the CPU or where
+        that layout is not the one checked."""
+        if not self._unpackable:
+            return None
         n, k, g = self.out_features, self.in_features, self.group_size
         codes = unpack_int4_cpu(self.packed, n, k).view(n, k // g, g).to(KERNEL_DTYPE) - 8
         sz = self.scales_and_zeros.transpose(0, 1)  # [N, K // g, 2]
