@@ -82,27 +82,39 @@ def _agrees(layer: PackedLinear, weight: torch.Tensor) -> bool:
     return bool(((got - want).norm() / want.norm().clamp_min(1e-12)) <= tol)
 
 
+def _packed_or_none(weight: torch.Tensor, what: str, check: bool) -> PackedLinear | None:
+    """A :class:`PackedLinear` of ``weight``, or None where :func:`can_pack` says no, packing
+    fails, or (with ``check``) its result disagrees with ``F.linear`` (both logged)."""
+    if not can_pack(weight):
+        return None
+    with torch.no_grad():
+        try:
+            layer = PackedLinear(weight)
+        except RuntimeError as e:
+            logger.warning("oneDNN prepacking of %s failed (%s); keeping it plain", what, e)
+            return None
+        if check and not _agrees(layer, weight):
+            logger.warning("oneDNN prepacked %s disagrees with F.linear; keeping it plain", what)
+            return None
+    return layer
+
+
 def pack_linear_layers(model: nn.Module, names: tuple[str, ...]) -> int:
     """Replace each decoder layer's plain ``nn.Linear`` projections named in ``names`` by
-    :class:`PackedLinear`, in place; returns how many were packed (0 where :func:`can_pack` says
-    no, or when the first packed layer disagrees with ``F.linear``: logged, nothing changed)."""
+    :class:`PackedLinear`, in place; returns how many were packed. Stops at the first layer that
+    cannot be packed (:func:`can_pack` depends only on the dtype, the device and this torch) and
+    packs nothing if the first packed layer disagrees with ``F.linear``."""
     count = 0
-    with torch.no_grad():
-        for layer in model.layers:
-            for name in names:
-                current = getattr(layer, name)
-                if type(current) is not nn.Linear or current.bias is not None or not can_pack(current.weight):
-                    continue
-                try:
-                    packed = PackedLinear(current.weight)
-                    if count == 0 and not _agrees(packed, current.weight):
-                        logger.warning("oneDNN prepacked linear disagrees with F.linear; keeping plain layers")
-                        return 0
-                except RuntimeError as e:
-                    logger.warning("oneDNN prepacking failed (%s); keeping the remaining layers plain", e)
-                    return count
-                setattr(layer, name, packed)
-                count += 1
+    for i, layer in enumerate(model.layers):
+        for name in names:
+            current = getattr(layer, name)
+            if type(current) is not nn.Linear or current.bias is not None:
+                continue
+            packed = _packed_or_none(current.weight, f"layers.{i}.{name}", check=count == 0)
+            if packed is None:
+                return count
+            setattr(layer, name, packed)
+            count += 1
     return count
 
 
@@ -111,17 +123,9 @@ def pack_lm_head(model: nn.Module) -> bool:
     LM head for every batch size; True if done. An untied model's plain head is then freed."""
     if model.logits_head is not None:
         return False
-    weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    if not can_pack(weight):
-        return False
-    try:
-        with torch.no_grad():
-            head = PackedLinear(weight)
-            if not _agrees(head, weight):
-                logger.warning("oneDNN prepacked LM head disagrees with F.linear; keeping the plain head")
-                return False
-    except RuntimeError as e:
-        logger.warning("oneDNN prepacking of the LM head failed (%s); keeping the plain head", e)
+    head = _packed_or_none(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight,
+                           "the LM head", check=True)
+    if head is None:
         return False
     model.logits_head = head
     model.logits_head_max_rows = 1 << 62
