@@ -52,6 +52,7 @@ class _Group:
     # Cascade (decode groups only): the slots every row starts with; kv_index / mask / max_kv
     # then cover each row's remaining suffix only.
     shared_index: torch.Tensor | None = None  # [P] slot ids
+    kv_lens: torch.Tensor | None = None  # [size] int64 context lengths (decode groups, native path)
 
 
 class PagedAttention:
@@ -61,10 +62,15 @@ class PagedAttention:
         pool: the KV pool to write new K/V into and to read context from.
         rows: one :class:`RowSpec` per batch row, in the order the tokens are laid out.
         cascade: let decode rows that share a long prefix attend to it once (module docstring).
+        native: store K/V and attend decode rows with the fused CPU operators
+            ``torch.ops.sgrt_layer.store_kv_`` / ``decode_attention`` (:mod:`sgrt.kernels.layer_ops`;
+            the latter reads keys and values from their pool slots without gathering a copy);
+            the caller checks that they are loaded.
     """
 
-    def __init__(self, pool: KVPool, rows: list[RowSpec], cascade: bool = True):
+    def __init__(self, pool: KVPool, rows: list[RowSpec], cascade: bool = True, native: bool = False):
         self.pool = pool
+        self.native = native
         device = pool.k.device
         offsets, new_slots = [], []
         total = 0
@@ -108,42 +114,56 @@ class PagedAttention:
             start = kv_len_t - q_len  # absolute position of the row's first new token
             allowed = (k_pos <= start + q_pos) & (k_pos < kv_len_t)
             mask = allowed.unsqueeze(1).to(device)
-        return _Group(len(rows), q_len, max_kv, padded.view(-1).to(device), token_index, mask, causal, shared_index)
+        kv_lens_t = torch.tensor(kv_lens, dtype=torch.long, device=device) if q_len == 1 else None
+        return _Group(len(rows), q_len, max_kv, padded.view(-1).to(device), token_index, mask, causal, shared_index,
+                      kv_lens_t)
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (possibly strided views) -> ``[T, H*D]``; stores
         k/v in the pool first."""
         pool = self.pool
-        pool.write(layer_id, self.out_slots, k, v)
         t, n_heads, head_dim = q.shape
-        n_kv = k.shape[1]
         k_layer, v_layer = pool.k[layer_id], pool.v[layer_id]
+        if self.native:
+            torch.ops.sgrt_layer.store_kv_(k_layer, v_layer, self.out_slots, k, v)
+        else:
+            pool.write(layer_id, self.out_slots, k, v)
         out = None
         for g in self.groups:
-            keys = k_layer.index_select(0, g.kv_index).view(g.size, g.max_kv, n_kv, head_dim)
-            values = v_layer.index_select(0, g.kv_index).view(g.size, g.max_kv, n_kv, head_dim)
             qg = q if g.token_index is None else q.index_select(0, g.token_index)
-            if g.shared_index is not None:
-                o = cascade_decode_attention(qg, k_layer.index_select(0, g.shared_index),
-                                             v_layer.index_select(0, g.shared_index), keys, values, g.mask)
-            elif g.q_len == 1:
-                o = decode_attention(qg, keys, values, g.mask)
+            if self.native and g.q_len == 1 and g.shared_index is None:
+                o = torch.ops.sgrt_layer.decode_attention(qg, k_layer, v_layer, g.kv_index.view(g.size, g.max_kv),
+                                                          g.kv_lens)
             else:
-                o = F.scaled_dot_product_attention(
-                    qg.reshape(g.size, g.q_len, n_heads, head_dim).transpose(1, 2),
-                    keys.transpose(1, 2),
-                    values.transpose(1, 2),
-                    attn_mask=g.mask,
-                    is_causal=g.causal,
-                    enable_gqa=True,
-                )  # [size, H, q_len, D]
-                o = o.transpose(1, 2).reshape(g.size * g.q_len, n_heads * head_dim)
+                o = self._attend_gathered(g, qg, k_layer, v_layer)
             if g.token_index is None:
                 return o  # the only group
             if out is None:
                 out = q.new_empty(t, n_heads * head_dim)
             out.index_copy_(0, g.token_index, o)
         return out
+
+    @staticmethod
+    def _attend_gathered(g: _Group, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
+        """One group in PyTorch ops: gather its keys / values by slot, then SDPA (or cascade)."""
+        _, n_heads, head_dim = q.shape
+        n_kv = k_layer.shape[1]
+        keys = k_layer.index_select(0, g.kv_index).view(g.size, g.max_kv, n_kv, head_dim)
+        values = v_layer.index_select(0, g.kv_index).view(g.size, g.max_kv, n_kv, head_dim)
+        if g.shared_index is not None:
+            return cascade_decode_attention(q, k_layer.index_select(0, g.shared_index),
+                                            v_layer.index_select(0, g.shared_index), keys, values, g.mask)
+        if g.q_len == 1:
+            return decode_attention(q, keys, values, g.mask)
+        o = F.scaled_dot_product_attention(
+            q.reshape(g.size, g.q_len, n_heads, head_dim).transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=g.mask,
+            is_causal=g.causal,
+            enable_gqa=True,
+        )  # [size, H, q_len, D]
+        return o.transpose(1, 2).reshape(g.size * g.q_len, n_heads * head_dim)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

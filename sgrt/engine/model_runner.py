@@ -48,7 +48,9 @@ class ModelRunner:
             picks.extend(base + o for o in offsets)
             base += row.n
         dev = self.device
-        attn = PagedAttention(self.pool, specs, cascade=self.compiled is None)  # the graph has no cascade
+        # The compiled graph has neither cascade nor the native operators' attention.
+        attn = PagedAttention(self.pool, specs, cascade=self.compiled is None,
+                              native=self.compiled is None and self.model.native_ops)
         if self.compiled is not None and base == len(rows) and all(o == [0] for o in logit_offsets):
             logits = self.compiled(torch.tensor(ids, dtype=torch.long, device=dev),
                                    torch.tensor(positions, dtype=torch.long, device=dev), attn)

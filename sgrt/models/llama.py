@@ -65,15 +65,50 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[T]`` int64 -> cos, sin ``[T, 1, head_dim]`` in ``dtype``."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """positions ``[T]`` int64 -> cos, sin ``[T, head_dim]`` in ``dtype``."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[T, heads, head_dim]``; cos/sin ``[T, 1, head_dim]``."""
+    """x ``[T, heads, head_dim]``; cos/sin ``[T, head_dim]`` -> a new ``[T, heads, head_dim]``."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+class LayerOps:
+    """A decoder layer's non-matmul steps in plain PyTorch: the reference, and the path on CUDA."""
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add then RMSNorm: ``x + delta`` (or ``x`` when ``delta`` is None) and its norm."""
+        if delta is not None:
+            x = x + delta
+        return x, norm(x)
+
+    def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """qk ``[T, heads, head_dim]`` (may be a view into the QKV output) -> rotated."""
+        return apply_rotary(qk, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``[T, 2I]`` -> ``silu(gate) * up`` ``[T, I]``."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class NativeLayerOps(LayerOps):
+    """The same steps as fused CPU operators (:mod:`sgrt.kernels.layer_ops`), one call each;
+    ``x`` is updated in place by the residual add. Same rounding points as :class:`LayerOps`."""
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        if delta is None:
+            return x, torch.ops.sgrt_layer.rms_norm(x, norm.weight, norm.eps)
+        return x, torch.ops.sgrt_layer.add_rms_norm_(x, delta, norm.weight, norm.eps)
+
+    def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return torch.ops.sgrt_layer.rotary_(qk, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.ops.sgrt_layer.silu_mul(gate_up)
 
 
 class DecoderLayer(nn.Module):
@@ -99,22 +134,26 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        delta: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn: AttentionBackend,
-    ) -> torch.Tensor:
+        ops: LayerOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream ``[T, hidden]``; delta: the previous layer's output, not yet
+        added to it (None for the first layer); cos/sin ``[T, head_dim]``.
+        Returns the new (x, delta): adding each layer's output is left to the next layer's norm,
+        where the fused path does both in one call."""
         t = x.shape[0]
-        h = self.input_layernorm(x)
+        x, h = ops.add_norm(x, delta, self.input_layernorm)
         qkv = self.qkv_proj(h)
         qk_size = self.q_size + self.kv_size
-        # q and k rotate together: one set of elementwise ops for both (q, k: strided views).
-        qk = apply_rotary(qkv[:, :qk_size].view(t, self.n_heads + self.n_kv_heads, self.head_dim), cos, sin)
+        # q and k rotate together: one call for both (q, k: strided views).
+        qk = ops.rotary(qkv[:, :qk_size].view(t, self.n_heads + self.n_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(t, self.n_kv_heads, self.head_dim)
-        x = x + self.o_proj(attn.forward(self.layer_id, q, k, v))
-        h = self.post_attention_layernorm(x)
-        gate, up = self.gate_up_proj(h).split(self.intermediate_size, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        x, h = ops.add_norm(x, self.o_proj(attn.forward(self.layer_id, q, k, v)), self.post_attention_layernorm)
+        return x, self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,6 +188,8 @@ class LlamaForCausalLM(nn.Module):
         self.logits_head: nn.Module | None = None
         self.logits_head_max_rows = 1 << 62
         self.quantization = "none"
+        # Fused CPU operators for the non-matmul steps (sgrt.kernels.layer_ops), where they load.
+        self.layer_ops: LayerOps = LayerOps()
         self.requires_grad_(False)
         self.eval()
 
@@ -183,9 +224,28 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions ``[T]`` int64 -> final hidden states ``[T, hidden]`` (model dtype)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        ops = self.layer_ops
+        delta = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, delta = layer(x, delta, cos, sin, attn, ops)
+        return ops.add_norm(x, delta, self.norm)[1]
+
+    def use_native_ops(self, enable: bool = True) -> bool:
+        """Run the non-matmul steps (and decode attention, see :mod:`sgrt.engine.attention`)
+        through the fused CPU operators of :mod:`sgrt.kernels.layer_ops`, which compile on first
+        use. Returns whether they are now in use: False off the CPU, for dtypes other than
+        float32 / bfloat16, or where the operators cannot be built (a warning says why)."""
+        from sgrt.kernels import layer_ops
+
+        native = (enable and self.device.type == "cpu" and self.dtype in layer_ops.DTYPES
+                  and layer_ops.available())
+        self.layer_ops = NativeLayerOps() if native else LayerOps()
+        return native
+
+    @property
+    def native_ops(self) -> bool:
+        """Whether the fused CPU operators are in use (:meth:`use_native_ops`)."""
+        return isinstance(self.layer_ops, NativeLayerOps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, hidden]`` -> logits ``[N, vocab]`` float32."""

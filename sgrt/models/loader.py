@@ -84,7 +84,8 @@ class LoadedModel:
 
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               cache_dir: str | Path | None = None, quantization: str = "none", prepack: bool = True) -> LoadedModel:
+               cache_dir: str | Path | None = None, quantization: str = "none", prepack: bool = True,
+               native_ops: bool = True) -> LoadedModel:
     """Load a Llama-family model by name, GGUF path or HF folder (see the module docstring).
 
     Args:
@@ -100,6 +101,9 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
         prepack: on CPU, hold the float projections in oneDNN's prepacked layout
             (:mod:`sgrt.models.packed`: 1.2-3x faster matmuls; float32 results differ from
             ``F.linear`` in the last bits). ``False`` keeps plain ``nn.Linear`` layers.
+        native_ops: on CPU, run the layers' non-matmul steps and decode attention through sgrt's
+            fused C++ operators (:mod:`sgrt.kernels.layer_ops`, compiled on first use and cached;
+            same rounding as the PyTorch ops). ``False``, or a build failure, keeps PyTorch ops.
 
     Returns:
         A :class:`LoadedModel`.
@@ -141,6 +145,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
     if prepack:
         pack_linear_layers(model, tuple(FUSED_PROJECTIONS))
         pack_lm_head(model)
+    model.use_native_ops(native_ops)
     model.eval()
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=folder,
                        source=f"{kind}:{src}", load_seconds=time.perf_counter() - start,

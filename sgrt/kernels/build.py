@@ -1,0 +1,117 @@
+"""Compile-on-first-use loading of sgrt's native CPU operator libraries.
+
+Each library is one C++ file that registers its operators with ``TORCH_LIBRARY`` (no Python
+module, so compilation is quick: 10-40 s on 2 cores). :func:`load_library` builds it with
+``torch.utils.cpp_extension.load`` into ``$SGRT_CACHE_DIR/kernels/<hash>`` (default
+``~/.cache/sgrt/kernels/<hash>``); the hash covers the source, torch's version, the flags and
+the CPU's feature flags (the flags may target this CPU), so a later process, or another
+checkout of the same source, loads the cached ``.so`` in milliseconds. torch's builder holds a
+lock file in the build directory, so concurrent first uses build once.
+
+``SGRT_NATIVE_KERNELS=0`` in the environment disables every library (the callers then use their
+plain-PyTorch paths).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("sgrt.kernels")
+
+# at::parallel_for's OpenMP body is inline in torch's headers: -fopenmp compiles it, and since the
+# library links no OpenMP runtime of its own, the symbols resolve to the libgomp that torch has
+# already loaded (the same thread pool as torch's own ops).
+BASE_CFLAGS = ["-O3", "-std=c++20", "-fopenmp", "-fopenmp-simd"]
+
+_lock = threading.Lock()
+_loaded: dict[str, str | None] = {}  # library name -> None (loaded) or the reason it is not
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where that cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cache_dir() -> Path:
+    """Where compiled libraries live: ``$SGRT_CACHE_DIR/kernels`` or ``~/.cache/sgrt/kernels``."""
+    root = os.environ.get("SGRT_CACHE_DIR") or Path.home() / ".cache" / "sgrt"
+    return Path(root) / "kernels"
+
+
+def disabled() -> bool:
+    """Whether ``SGRT_NATIVE_KERNELS=0`` turns the native libraries off."""
+    return os.environ.get("SGRT_NATIVE_KERNELS", "").strip() == "0"
+
+
+def load_library(name: str, source: Path, cflags: list[str], required_cpu_flags: tuple[str, ...] = ()) -> str | None:
+    """Compile (or reuse) ``source`` as library ``name`` and load it into this process.
+
+    Returns None once the library's operators are registered, else the reason they are not
+    (disabled, a missing CPU feature, or the build / load error); the first failure per library
+    is logged as a warning. Never raises. Cached per process.
+    """
+    if name in _loaded:
+        return _loaded[name]
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        reason = _try_load(name, source, cflags, required_cpu_flags)
+        if reason is not None:
+            logger.warning("native library %s unavailable: %s", name, reason)
+        _loaded[name] = reason
+        return reason
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; the ``ninja`` package installs it beside this
+    interpreter, which is not on PATH when the virtualenv is not activated."""
+    bindir = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=bindir):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
+def _try_load(name: str, source: Path, cflags: list[str], required: tuple[str, ...]) -> str | None:
+    if disabled():
+        return "disabled by SGRT_NATIVE_KERNELS=0"
+    flags = cpu_flags()
+    missing = [f for f in required if f not in flags]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    h = hashlib.sha256(source.read_bytes())
+    for part in (torch.__version__, " ".join(BASE_CFLAGS + cflags), " ".join(sorted(flags))):
+        h.update(part.encode())
+    digest = h.hexdigest()[:16]
+    ext = f"{name}_{digest}"
+    build_dir = cache_dir() / digest
+    so = build_dir / f"{ext}.so"
+    t0 = time.perf_counter()
+    try:
+        if so.is_file():
+            torch.ops.load_library(str(so))
+            logger.debug("loaded cached %s in %.3f s", so, time.perf_counter() - t0)
+            return None
+        build_dir.mkdir(parents=True, exist_ok=True)
+        _put_ninja_on_path()
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(name=ext, sources=[str(source)], extra_cflags=BASE_CFLAGS + cflags,
+                           build_directory=str(build_dir), is_python_module=False, verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build or load failure leaves the plain-PyTorch path
+        return f"building or loading {source.name} failed: {type(e).__name__}: {e}"
+    logger.info("compiled %s in %.1f s (%s)", source.name, time.perf_counter() - t0, build_dir)
+    return None

@@ -1,0 +1,481 @@
+// Fused CPU operators for the decoder layer's elementwise work and for decode attention.
+//
+// Each replaces a chain of 4-8 eager PyTorch ops (RMSNorm, rotary embedding, SiLU gating,
+// residual add, gather + SDPA for one-query rows) whose per-op dispatch cost dominates the
+// non-matmul time of a decode step on a CPU. Every op reproduces the rounding points of the
+// eager code it replaces (sgrt/models/llama.py): values are computed in float32 and rounded to
+// the tensor dtype (bfloat16, round-to-nearest-even) exactly where the eager ops round, so
+// results match eager up to the reduction order of sums (a few float32 ulps before rounding).
+// Build flags include -ffp-contract=off so that the compiler does not fuse a*b+c into one FMA
+// where the eager code rounds in between.
+//
+// Registered as torch.ops.sgrt_layer.*; loaded by sgrt/kernels/native.py.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+using at::Tensor;
+
+namespace {
+
+// Scalar types the ops accept: float32 (no rounding) and bfloat16 (rounds to bfloat16).
+// float <-> bfloat16 written out (branch-free, so that loops over them vectorize); the same
+// results as c10::BFloat16's conversions: round to nearest even, NaN kept a (quiet) NaN.
+inline float bits_to_f(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint16_t f_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
+}
+
+// The kernels work on raw storage: float, or the uint16_t bits of a bfloat16 (a struct type
+// would keep GCC from vectorizing the loops). raw<T> maps a tensor's scalar type to it.
+template <typename T>
+using raw = std::conditional_t<std::is_same_v<T, c10::BFloat16>, uint16_t, float>;
+
+template <typename T>
+inline raw<T>* raw_ptr(const Tensor& t) {
+  return reinterpret_cast<raw<T>*>(t.data_ptr<T>());
+}
+
+inline float to_f(float v) { return v; }
+inline float to_f(uint16_t v) { return bits_to_f(static_cast<uint32_t>(v) << 16); }
+
+template <typename R>
+inline R from_f(float v);
+template <>
+inline float from_f<float>(float v) { return v; }
+template <>
+inline uint16_t from_f<uint16_t>(float v) { return f_to_bf16_bits(v); }
+
+// v rounded to R's precision, kept as float.
+template <typename R>
+inline float round_as(float v) { return to_f(from_f<R>(v)); }
+
+// Calls f.template operator()<T>() with T = c10::BFloat16 or float (the types check_cpu_float admits).
+template <typename F>
+void dispatch_float(at::ScalarType type, F&& f) {
+  if (type == at::kBFloat16) {
+    f.template operator()<c10::BFloat16>();
+  } else {
+    f.template operator()<float>();
+  }
+}
+
+void check_cpu_float(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+// exp(x) for float32, vectorizable (no branches, no calls): Cody-Waite range reduction
+// x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for exp(r) (Cephes expf's
+// coefficients), and 2^n built in the exponent bits. Within 2 ulp of expf over the range the
+// ops use; inputs below -87 flush to 0, above 88 saturate (never reached: softmax inputs are
+// <= 0, SiLU clamps).
+inline float fast_exp(float x) {
+  x = std::min(88.f, std::max(-87.f, x));
+  // Round to nearest integer by adding and subtracting 1.5 * 2^23 (exact for |x log2 e| < 2^22).
+  float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// ---- RMSNorm (Zhang & Sennrich, arXiv:1910.07467), HF Llama semantics ----------------------
+// out = weight * to_dtype(x * rsqrt(mean(x^2) + eps)), statistics in float32.
+
+template <typename T>
+void rms_norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < h; ++i) {
+    float v = to_f(x[i]);
+    ss += v * v;
+  }
+  float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+  for (int64_t i = 0; i < h; ++i) {
+    float normed = round_as<T>(to_f(x[i]) * inv);
+    out[i] = from_f<T>(to_f(w[i]) * normed);
+  }
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  check_cpu_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [T, hidden]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  weight.is_contiguous(),
+              "weight must be contiguous [hidden] in x's dtype");
+  Tensor out = at::empty_like(x);
+  int64_t t = x.size(0), h = x.size(1);
+  dispatch_float(x.scalar_type(), [&]<typename scalar_t>() {
+    using R = raw<scalar_t>;
+    const R* xp = raw_ptr<scalar_t>(x);
+    const R* wp = raw_ptr<scalar_t>(weight);
+    R* op = raw_ptr<scalar_t>(out);
+    at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) rms_norm_row(xp + r * h, wp, op + r * h, h, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// x += delta (rounded to x's dtype, as the eager residual add), then RMSNorm of the new x.
+Tensor add_rms_norm_(Tensor x, const Tensor& delta, const Tensor& weight, double eps) {
+  check_cpu_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && delta.sizes() == x.sizes() && delta.is_contiguous() &&
+                  delta.scalar_type() == x.scalar_type(),
+              "x and delta must be contiguous [T, hidden] tensors of one dtype");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  weight.is_contiguous(),
+              "weight must be contiguous [hidden] in x's dtype");
+  Tensor out = at::empty_like(x);
+  int64_t t = x.size(0), h = x.size(1);
+  dispatch_float(x.scalar_type(), [&]<typename scalar_t>() {
+    using R = raw<scalar_t>;
+    R* xp = raw_ptr<scalar_t>(x);
+    const R* dp = raw_ptr<scalar_t>(delta);
+    const R* wp = raw_ptr<scalar_t>(weight);
+    R* op = raw_ptr<scalar_t>(out);
+    at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        R* row = xp + r * h;
+        const R* d = dp + r * h;
+        for (int64_t i = 0; i < h; ++i) row[i] = from_f<R>(to_f(row[i]) + to_f(d[i]));
+        rms_norm_row(row, wp, op + r * h, h, static_cast<float>(eps));
+      }
+    });
+  });
+  return out;
+}
+
+// ---- rotary embedding (Su et al., arXiv:2104.09864), HF "rotate half" -----------------------
+// In place on qk [T, heads, D] (any strides with a contiguous last dim); cos / sin [T, D] in
+// qk's dtype: x' = x * cos + rotate_half(x) * sin, each product rounded, then the sum.
+
+Tensor rotary_(Tensor qk, const Tensor& cos, const Tensor& sin) {
+  check_cpu_float(qk, "qk");
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1, "qk must be [T, heads, head_dim] with a contiguous last dim");
+  int64_t t = qk.size(0), heads = qk.size(1), d = qk.size(2), half = d / 2;
+  TORCH_CHECK(d % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(cos.sizes() == at::IntArrayRef({t, d}) && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.scalar_type() == qk.scalar_type() &&
+                  sin.scalar_type() == qk.scalar_type(),
+              "cos and sin must be contiguous [T, head_dim] in qk's dtype");
+  dispatch_float(qk.scalar_type(), [&]<typename scalar_t>() {
+    using R = raw<scalar_t>;
+    R* base = raw_ptr<scalar_t>(qk);
+    const R* cp = raw_ptr<scalar_t>(cos);
+    const R* sp = raw_ptr<scalar_t>(sin);
+    int64_t st = qk.stride(0), sh = qk.stride(1);
+    at::parallel_for(0, t * heads, 64, [&](int64_t b, int64_t e) {
+      std::vector<float> x(d);
+      for (int64_t i = b; i < e; ++i) {
+        int64_t r = i / heads, hd = i % heads;
+        R* p = base + r * st + hd * sh;
+        const R* c = cp + r * d;
+        const R* s = sp + r * d;
+        for (int64_t j = 0; j < d; ++j) x[j] = to_f(p[j]);
+        for (int64_t j = 0; j < d; ++j) {
+          float rot = j < half ? -x[j + half] : x[j - half];
+          float a = round_as<R>(x[j] * to_f(c[j]));
+          float bb = round_as<R>(rot * to_f(s[j]));
+          p[j] = from_f<R>(a + bb);
+        }
+      }
+    });
+  });
+  return qk;
+}
+
+// ---- SwiGLU gating ------------------------------------------------------------------------
+// gate_up [T, 2I] -> silu(gate) * up [T, I], silu rounded before the product.
+
+template <typename T>
+void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = in + r * 2 * n;
+    const T* up = gate + n;
+    T* o = out + r * n;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      float g = to_f(gate[j]);
+      float s = round_as<T>(g / (1.f + fast_exp(-g)));
+      o[j] = from_f<T>(s * to_f(up[j]));
+    }
+  }
+}
+
+Tensor silu_mul(const Tensor& gate_up) {
+  check_cpu_float(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be contiguous [T, 2 * intermediate]");
+  int64_t t = gate_up.size(0), n = gate_up.size(1) / 2;
+  Tensor out = at::empty({t, n}, gate_up.options());
+  dispatch_float(gate_up.scalar_type(), [&]<typename scalar_t>() {
+    using R = raw<scalar_t>;
+    const R* in = raw_ptr<scalar_t>(gate_up);
+    R* op = raw_ptr<scalar_t>(out);
+    at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) { silu_mul_rows(in + b * 2 * n, op + b * n, e - b, n); });
+  });
+  return out;
+}
+
+// ---- decode attention over the KV pool -------------------------------------------------------
+// One query per row: q [B, H, D]; k_cache / v_cache [S, Hkv, D] (one layer of the pool);
+// slots [B, L] int64 (row b's context is slots[b, :kv_lens[b]]); -> [B, H * D] in q's dtype.
+// Softmax attention with scale 1/sqrt(D), scores and sums in float32; the H / Hkv query heads
+// of a kv head read its keys once (grouped-query attention, Ainslie et al., arXiv:2305.13245).
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t d) {
+#pragma omp simd
+  for (int64_t j = 0; j < d; ++j) dst[j] = to_f(src[j]);
+}
+
+#if defined(__AVX512F__)
+// 16 floats from 16 floats, or from 16 bfloat16 bit patterns (widened exactly).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// scores[i * stride + j] = q_i . k_j for the g query rows qf (g x d floats, already scaled) and
+// the keys of one kv head at slots rs[0..len) (key j starts at kbase + rs[j] * row).
+template <typename R, int DC>
+void score_keys(const float* qf, int64_t g, int64_t d, const R* kbase, const int64_t* rs, int64_t len,
+                int64_t row, float* scores, int64_t stride) {
+#if defined(__AVX512F__)
+  if constexpr (DC > 0 && DC % 16 == 0) {
+    constexpr int NV = DC / 16;
+    for (int64_t j = 0; j < len; ++j) {
+      const R* kr = kbase + rs[j] * row;
+      __m512 kv[NV];
+      for (int v = 0; v < NV; ++v) kv[v] = load16(kr + 16 * v);
+      for (int64_t i = 0; i < g; ++i) {
+        const float* qi = qf + i * DC;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qi), kv[0]);
+        for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * v), kv[v], a);
+        scores[i * stride + j] = _mm512_reduce_add_ps(a);
+      }
+    }
+    return;
+  }
+#endif
+  std::vector<float> kf(d);
+  for (int64_t j = 0; j < len; ++j) {
+    load_row(kbase + rs[j] * row, kf.data(), d);
+    for (int64_t i = 0; i < g; ++i) {
+      const float* qi = qf + i * d;
+      const float* kk = kf.data();
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t c = 0; c < d; ++c) s += qi[c] * kk[c];
+      scores[i * stride + j] = s;
+    }
+  }
+}
+
+// acc[i * d + c] += sum_j p[i * stride + j] * v_j[c], values of one kv head at slots rs[0..len).
+template <typename R, int DC>
+void accumulate_values(const float* p, int64_t g, int64_t d, const R* vbase, const int64_t* rs, int64_t len,
+                       int64_t row, int64_t stride, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (DC > 0 && DC % 16 == 0) {
+    constexpr int NV = DC / 16;
+    for (int64_t j = 0; j < len; ++j) {
+      const R* vr = vbase + rs[j] * row;
+      __m512 vv[NV];
+      for (int v = 0; v < NV; ++v) vv[v] = load16(vr + 16 * v);
+      for (int64_t i = 0; i < g; ++i) {
+        __m512 w = _mm512_set1_ps(p[i * stride + j]);
+        float* ai = acc + i * DC;
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ai + 16 * v, _mm512_fmadd_ps(w, vv[v], _mm512_loadu_ps(ai + 16 * v)));
+      }
+    }
+    return;
+  }
+#endif
+  std::vector<float> vf(d);
+  for (int64_t j = 0; j < len; ++j) {
+    load_row(vbase + rs[j] * row, vf.data(), d);
+    const float* vv = vf.data();
+    for (int64_t i = 0; i < g; ++i) {
+      float w = p[i * stride + j];
+      float* ai = acc + i * d;
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) ai[c] += w * vv[c];
+    }
+  }
+}
+
+// DC: head_dim known at compile time (64, 128: AVX-512 paths whose loops over it unroll), or 0
+// for any other head_dim (portable loops).
+template <typename T, int DC>
+void attend_rows(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const int64_t* sl, const int64_t* ln,
+                 int64_t max_kv, Tensor& out) {
+  const int64_t d = DC > 0 ? DC : q.size(2);
+  int64_t b = q.size(0), h = q.size(1), hkv = k_cache.size(1), g = h / hkv;
+  float scale = 1.f / std::sqrt(static_cast<float>(d));
+  using R = raw<T>;
+  const R* qp = raw_ptr<T>(q);
+  const R* kp = raw_ptr<T>(k_cache);
+  const R* vp = raw_ptr<T>(v_cache);
+  R* op = raw_ptr<T>(out);
+  int64_t qs0 = q.stride(0), qs1 = q.stride(1), row = hkv * d;
+  at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(g * d), scores(g * max_kv), acc(g * d), sums(g);
+    for (int64_t item = begin; item < end; ++item) {
+      int64_t r = item / hkv, kh = item % hkv, len = ln[r];
+      const int64_t* rs = sl + r * max_kv;
+      for (int64_t i = 0; i < g; ++i) {
+        float* qi = qf.data() + i * d;
+        load_row(qp + r * qs0 + (kh * g + i) * qs1, qi, d);
+        for (int64_t c = 0; c < d; ++c) qi[c] *= scale;
+      }
+      score_keys<R, DC>(qf.data(), g, d, kp + kh * d, rs, len, row, scores.data(), max_kv);
+      for (int64_t i = 0; i < g; ++i) {
+        float* si = scores.data() + i * max_kv;
+        float m = *std::max_element(si, si + len);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < len; ++j) {
+          si[j] = fast_exp(si[j] - m);
+          total += si[j];
+        }
+        sums[i] = total;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      accumulate_values<R, DC>(scores.data(), g, d, vp + kh * d, rs, len, row, max_kv, acc.data());
+      for (int64_t i = 0; i < g; ++i) {
+        R* o = op + r * h * d + (kh * g + i) * d;
+        float inv = 1.f / sums[i];
+        for (int64_t c = 0; c < d; ++c) o[c] = from_f<R>(acc[i * d + c] * inv);
+      }
+    }
+  });
+}
+
+Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
+                        const Tensor& kv_lens) {
+  check_cpu_float(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, heads, head_dim] with a contiguous last dim");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "k_cache and v_cache must be contiguous [slots, kv_heads, head_dim] in q's dtype");
+  int64_t b = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == d && h % hkv == 0, "head_dim must match and heads must be a multiple of kv_heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) == b && slots.is_contiguous(),
+              "slots must be contiguous int64 [B, max_kv]");
+  TORCH_CHECK(kv_lens.scalar_type() == at::kLong && kv_lens.dim() == 1 && kv_lens.size(0) == b,
+              "kv_lens must be int64 [B]");
+  int64_t max_kv = slots.size(1), num_slots = k_cache.size(0), g = h / hkv;
+  const int64_t* sl = slots.const_data_ptr<int64_t>();
+  Tensor lens = kv_lens.contiguous();
+  const int64_t* ln = lens.const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < b; ++r) {
+    TORCH_CHECK(ln[r] >= 1 && ln[r] <= max_kv, "kv_lens[", r, "] = ", ln[r], " outside 1..", max_kv);
+    for (int64_t j = 0; j < ln[r]; ++j) {
+      int64_t s = sl[r * max_kv + j];
+      TORCH_CHECK(s >= 0 && s < num_slots, "slot ", s, " outside the pool's ", num_slots, " slots");
+    }
+  }
+  Tensor out = at::empty({b, h * d}, q.options());
+  dispatch_float(q.scalar_type(), [&]<typename scalar_t>() {
+    using R = raw<scalar_t>;
+    if (d == 64) {
+      attend_rows<scalar_t, 64>(q, k_cache, v_cache, sl, ln, max_kv, out);
+    } else if (d == 128) {
+      attend_rows<scalar_t, 128>(q, k_cache, v_cache, sl, ln, max_kv, out);
+    } else {
+      attend_rows<scalar_t, 0>(q, k_cache, v_cache, sl, ln, max_kv, out);
+    }
+  });
+  return out;
+}
+
+// ---- KV pool write -----------------------------------------------------------------------------
+// k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] for every new token t (both caches in place);
+// k / v [T, Hkv, D] may be strided views (the QKV projection's output) with a contiguous last dim.
+
+void store_kv_(Tensor k_cache, Tensor v_cache, const Tensor& slots, const Tensor& k, const Tensor& v) {
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache and v_cache must be contiguous [slots, kv_heads, head_dim] of one dtype");
+  int64_t num_slots = k_cache.size(0), hkv = k_cache.size(1), d = k_cache.size(2);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "slots must be int64 [T]");
+  int64_t t = slots.size(0);
+  for (const Tensor* x : {&k, &v}) {
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == t && x->size(1) == hkv && x->size(2) == d && x->stride(2) == 1 &&
+                    x->scalar_type() == k_cache.scalar_type(),
+                "k and v must be [T, kv_heads, head_dim] in the cache's dtype with a contiguous last dim");
+  }
+  const int64_t* sl = slots.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < num_slots, "slot ", sl[i], " outside the pool's ", num_slots, " slots");
+  }
+  size_t bytes = static_cast<size_t>(d) * k_cache.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.const_data_ptr());
+  const char* vp = static_cast<const char*>(v.const_data_ptr());
+  int64_t es = k_cache.element_size();
+  for (int64_t i = 0; i < t; ++i) {
+    for (int64_t hd = 0; hd < hkv; ++hd) {
+      size_t dst = (static_cast<size_t>(sl[i]) * hkv + hd) * bytes;
+      std::memcpy(kc + dst, kp + (i * k.stride(0) + hd * k.stride(1)) * es, bytes);
+      std::memcpy(vc + dst, vp + (i * v.stride(0) + hd * v.stride(1)) * es, bytes);
+    }
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sgrt_layer, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_(Tensor(a!) qk, Tensor cos, Tensor sin) -> Tensor(a!)");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor kv_lens) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sgrt_layer, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("add_rms_norm_", add_rms_norm_);
+  m.impl("rotary_", rotary_);
+  m.impl("silu_mul", silu_mul);
+  m.impl("store_kv_", store_kv_);
+  m.impl("decode_attention", decode_attention);
+}

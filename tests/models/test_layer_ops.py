@@ -1,0 +1,163 @@
+"""The fused CPU layer operators (sgrt/kernels/layer_ops_cpu.cpp) against the PyTorch code they
+replace: same values (bit-identical or within float32 rounding of sums), errors that name the
+argument, and the default model giving the same logits and greedy text with and without them."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sgrt.engine.attention import decode_attention
+from sgrt.kernels import layer_ops
+from sgrt.models.llama import LayerOps, NativeLayerOps, RMSNorm, apply_rotary
+
+pytestmark = pytest.mark.skipif(not layer_ops.available(), reason="sgrt_layer operators could not be built here")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """bfloat16: at most one bfloat16 step apart, and 99% of values identical (a float32 sum in a
+    different order can move a value across a rounding boundary); float32: a few ulps."""
+    if dtype == torch.bfloat16:
+        diff = (got.float() - ref.float()).abs()
+        step = ref.float().abs().clamp_min(1e-30) * 2.0 ** -7
+        assert bool((diff <= step).all()), float((diff / step).max())
+        assert (got == ref).float().mean().item() >= 0.99
+    else:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def _norm(weight: torch.Tensor) -> RMSNorm:
+    norm = RMSNorm(weight.shape[0], 1e-5)
+    norm.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_residual_add_match_eager(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 576, generator=g) * 3).to(dtype)
+    delta = torch.randn(5, 576, generator=g).to(dtype)
+    norm = _norm((torch.rand(576, generator=g) + 0.5).to(dtype))
+    _close(NativeLayerOps().add_norm(x, None, norm)[1], LayerOps().add_norm(x, None, norm)[1], dtype)
+    ref_x, ref_h = LayerOps().add_norm(x, delta, norm)
+    x_native = x.clone()
+    out_x, out_h = NativeLayerOps().add_norm(x_native, delta, norm)
+    assert out_x is x_native and torch.equal(x_native, ref_x)  # the residual add is in place and exact
+    _close(out_h, ref_h, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_matches_eager_and_leaves_v(dtype):
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(4, 960, generator=g).to(dtype)
+    pos = torch.tensor([0, 5, 77, 2047])
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    freqs = torch.outer(pos.float(), inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    ref = apply_rotary(qkv[:, :768].view(4, 12, 64), cos, sin)
+    work = qkv.clone()
+    out = NativeLayerOps().rotary(work[:, :768].view(4, 12, 64), cos, sin)
+    assert out.data_ptr() == work.data_ptr()
+    assert torch.equal(out, ref)  # elementwise: same roundings, bit-identical
+    assert torch.equal(work[:, 768:], qkv[:, 768:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_eager(dtype):
+    gate_up = (torch.randn(3, 2 * 1536, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).to(dtype)  # exp range ends
+    _close(NativeLayerOps().silu_mul(gate_up), LayerOps().silu_mul(gate_up), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 32])  # 64 / 128: AVX-512 paths; 32: portable loops
+def test_decode_attention_matches_gather_and_sdpa(dtype, head_dim):
+    g = torch.Generator().manual_seed(3)
+    slots_n, n_heads, n_kv = 512, 9, 3
+    k_cache = torch.randn(slots_n, n_kv, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(slots_n, n_kv, head_dim, generator=g).to(dtype)
+    lens = torch.tensor([1, 37, 200, 5])
+    max_kv = int(lens.max())
+    slots = torch.zeros(4, max_kv, dtype=torch.long)
+    for i, n in enumerate(lens.tolist()):
+        slots[i, :n] = torch.randperm(slots_n, generator=g)[:n]
+    q = torch.randn(4, n_heads, head_dim, generator=g).to(dtype)
+    mask = (torch.arange(max_kv).view(1, -1) < lens.view(-1, 1)).view(4, 1, 1, max_kv)
+    keys = k_cache.index_select(0, slots.view(-1)).view(4, max_kv, n_kv, head_dim)
+    values = v_cache.index_select(0, slots.view(-1)).view(4, max_kv, n_kv, head_dim)
+    ref = decode_attention(q, keys, values, mask)
+    got = torch.ops.sgrt_layer.decode_attention(q, k_cache, v_cache, slots, lens)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+    # one row alone gives the same bits as in the batch (no cross-row state)
+    alone = torch.ops.sgrt_layer.decode_attention(q[2:3], k_cache, v_cache, slots[2:3], lens[2:3])
+    assert torch.equal(alone, got[2:3])
+
+
+def test_decode_attention_reads_a_strided_query():
+    qkv = torch.randn(2, 960)
+    q = qkv[:, :576].view(2, 9, 64)  # a view into the projection's output, as in the model
+    k_cache, v_cache = torch.randn(16, 3, 64), torch.randn(16, 3, 64)
+    slots, lens = torch.tensor([[3, 4, 9], [1, 0, 0]]), torch.tensor([3, 1])
+    got = torch.ops.sgrt_layer.decode_attention(q, k_cache, v_cache, slots, lens)
+    assert torch.equal(got, torch.ops.sgrt_layer.decode_attention(q.contiguous(), k_cache, v_cache, slots, lens))
+
+
+def test_store_kv_writes_slots_and_rejects_bad_ones():
+    k_cache, v_cache = torch.zeros(10, 3, 64), torch.zeros(10, 3, 64)
+    qkv = torch.randn(2, 960)
+    k, v = qkv[:, 576:768].view(2, 3, 64), qkv[:, 768:].view(2, 3, 64)
+    torch.ops.sgrt_layer.store_kv_(k_cache, v_cache, torch.tensor([7, 2]), k, v)
+    ref_k, ref_v = torch.zeros(10, 3, 64), torch.zeros(10, 3, 64)
+    ref_k.index_copy_(0, torch.tensor([7, 2]), k)
+    ref_v.index_copy_(0, torch.tensor([7, 2]), v)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    before = k_cache.clone()
+    with pytest.raises(RuntimeError, match="slot 10 outside the pool's 10 slots"):
+        torch.ops.sgrt_layer.store_kv_(k_cache, v_cache, torch.tensor([1, 10]), k, v)
+    assert torch.equal(k_cache, before)  # checked before any write
+
+
+def test_errors_name_the_argument():
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
+        torch.ops.sgrt_layer.rms_norm(x.double(), torch.ones(8).double(), 1e-5)
+    with pytest.raises(RuntimeError, match="weight must be contiguous \\[hidden\\]"):
+        torch.ops.sgrt_layer.rms_norm(x, torch.ones(9), 1e-5)
+    with pytest.raises(RuntimeError, match="kv_lens\\[0\\] = 4 outside 1..3"):
+        torch.ops.sgrt_layer.decode_attention(torch.randn(1, 2, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8),
+                                              torch.zeros(1, 3, dtype=torch.long), torch.tensor([4]))
+    with pytest.raises(RuntimeError, match="slot 9 outside the pool's 4 slots"):
+        torch.ops.sgrt_layer.decode_attention(torch.randn(1, 2, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8),
+                                              torch.tensor([[0, 9]]), torch.tensor([2]))
+
+
+def test_default_model_same_logits_and_greedy_text(loaded_model):
+    """float32: the native path's logits within float32 rounding of the PyTorch path's, and the
+    engine's greedy continuation identical."""
+    from sgrt.engine import Engine, SamplingParams
+
+    model = loaded_model.model
+    assert model.native_ops  # load_model's default where the operators build
+    ids = torch.tensor(loaded_model.tokenizer.encode("The three primary colours are red, yellow and"))
+    native = model.forward_simple(ids)
+    texts = {}
+    prompt = loaded_model.tokenizer.encode("Write one sentence about the sea.")
+    try:
+        model.use_native_ops(False)
+        eager = model.forward_simple(ids)
+        for native_on in (False, True):
+            model.use_native_ops(native_on)
+            engine = Engine(model=loaded_model, max_total_tokens=512)
+            try:
+                texts[native_on] = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True)).token_ids
+            finally:
+                engine.shutdown()
+    finally:
+        model.use_native_ops(True)
+    torch.testing.assert_close(native, eager, rtol=0, atol=1e-3)
+    assert torch.equal(native.argmax(-1), eager.argmax(-1))
+    assert texts[True] == texts[False] and len(texts[True]) == 24
