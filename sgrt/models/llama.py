@@ -144,16 +144,17 @@ class DecoderLayer(nn.Module):
         added to it (None for the first layer); cos/sin ``[T, head_dim]``.
         Returns the new (x, delta): adding each layer's output is left to the next layer's norm,
         where the fused path does both in one call."""
+        # NOTE: submodules' forward() is called directly: nn.Module.__call__ (hook dispatch) costs
+        # ~1.5 us a call, 5 calls a layer, 150 a decode step. Module hooks do not run here.
         t = x.shape[0]
         x, h = ops.add_norm(x, delta, self.input_layernorm)
-        qkv = self.qkv_proj(h)
-        qk_size = self.q_size + self.kv_size
-        # q and k rotate together: one call for both (q, k: strided views).
-        qk = ops.rotary(qkv[:, :qk_size].view(t, self.n_heads + self.n_kv_heads, self.head_dim), cos, sin)
+        qkv = self.qkv_proj.forward(h).view(t, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        # q and k rotate together: one call for both (q, k, v: views into qkv).
+        qk = ops.rotary(qkv[:, : self.n_heads + self.n_kv_heads], cos, sin)
         q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
-        v = qkv[:, qk_size:].view(t, self.n_kv_heads, self.head_dim)
-        x, h = ops.add_norm(x, self.o_proj(attn.forward(self.layer_id, q, k, v)), self.post_attention_layernorm)
-        return x, self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
+        v = qkv[:, self.n_heads + self.n_kv_heads:]
+        x, h = ops.add_norm(x, self.o_proj.forward(attn.forward(self.layer_id, q, k, v)), self.post_attention_layernorm)
+        return x, self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(h)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -227,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         ops = self.layer_ops
         delta = None
         for layer in self.layers:
-            x, delta = layer(x, delta, cos, sin, attn, ops)
+            x, delta = layer.forward(x, delta, cos, sin, attn, ops)  # (see DecoderLayer.forward's NOTE)
         return ops.add_norm(x, delta, self.norm)[1]
 
     def use_native_ops(self, enable: bool = True) -> bool:
