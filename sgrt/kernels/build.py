@@ -31,8 +31,11 @@ logger = logging.getLogger("sgrt.kernels")
 # already loaded (the same thread pool as torch's own ops).
 BASE_CFLAGS = ["-O3", "-std=c++20", "-fopenmp", "-fopenmp-simd"]
 
+STALE_LOCK_S = 600  # a build lock older than this was left by a process that died
+
 _lock = threading.Lock()
 _loaded: dict[str, str | None] = {}  # library name -> None (loaded) or the reason it is not
+_warned: set[tuple[str, str]] = set()
 
 
 def cpu_flags() -> set[str]:
@@ -62,19 +65,27 @@ def load_library(name: str, source: Path, cflags: list[str], required_cpu_flags:
     """Compile (or reuse) ``source`` as library ``name`` and load it into this process.
 
     Returns None once the library's operators are registered, else the reason they are not
-    (disabled, a missing CPU feature, or the build / load error); the first failure per library
-    is logged as a warning. Never raises. Cached per process.
+    (disabled, a missing CPU feature, or the build / load error), logged once as a warning.
+    Never raises. The outcome is cached per process, except that ``SGRT_NATIVE_KERNELS=0`` is
+    looked up on every call.
     """
+    if disabled():  # checked on every call, so that setting it later turns the libraries off too
+        _warn_once(name, "disabled by SGRT_NATIVE_KERNELS=0")
+        return "disabled by SGRT_NATIVE_KERNELS=0"
     if name in _loaded:
         return _loaded[name]
     with _lock:
-        if name in _loaded:
-            return _loaded[name]
-        reason = _try_load(name, source, cflags, required_cpu_flags)
-        if reason is not None:
-            logger.warning("native library %s unavailable: %s", name, reason)
-        _loaded[name] = reason
-        return reason
+        if name not in _loaded:
+            _loaded[name] = _try_load(name, source, cflags, required_cpu_flags)
+            if _loaded[name] is not None:
+                _warn_once(name, _loaded[name])
+        return _loaded[name]
+
+
+def _warn_once(name: str, reason: str) -> None:
+    if (name, reason) not in _warned:
+        _warned.add((name, reason))
+        logger.warning("native library %s unavailable: %s", name, reason)
 
 
 def _put_ninja_on_path() -> None:
@@ -86,8 +97,6 @@ def _put_ninja_on_path() -> None:
 
 
 def _try_load(name: str, source: Path, cflags: list[str], required: tuple[str, ...]) -> str | None:
-    if disabled():
-        return "disabled by SGRT_NATIVE_KERNELS=0"
     flags = cpu_flags()
     missing = [f for f in required if f not in flags]
     if missing:
@@ -100,11 +109,24 @@ def _try_load(name: str, source: Path, cflags: list[str], required: tuple[str, .
     build_dir = cache_dir() / digest
     so = build_dir / f"{ext}.so"
     t0 = time.perf_counter()
+    # While a process builds, torch's builder holds build_dir/lock (and others wait on it
+    # forever): a lock older than any build was left by a process that died, and is removed.
+    lock = build_dir / "lock"
     try:
-        if so.is_file():
-            torch.ops.load_library(str(so))
-            logger.debug("loaded cached %s in %.3f s", so, time.perf_counter() - t0)
-            return None
+        building = time.time() - lock.stat().st_mtime < STALE_LOCK_S
+        if not building:
+            lock.unlink()
+            logger.info("removed a stale build lock %s", lock)
+    except FileNotFoundError:
+        building = False
+    try:
+        if so.is_file() and not building:  # a finished build: load it without running ninja
+            try:
+                torch.ops.load_library(str(so))
+                logger.debug("loaded cached %s in %.3f s", so, time.perf_counter() - t0)
+                return None
+            except OSError as e:
+                logger.info("cached %s did not load (%s): rebuilding", so, e)
         build_dir.mkdir(parents=True, exist_ok=True)
         _put_ninja_on_path()
         from torch.utils import cpp_extension

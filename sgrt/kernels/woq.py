@@ -1,0 +1,196 @@
+"""Weight-only quantized linear layers with group-wise scales: a native AVX-512 BF16 CPU kernel.
+
+``y = x @ W.T`` with ``W[n, k] = scale[n, g] * code[n, k] + offset[n, g]`` (``g = k // group``):
+the asymmetric blocks of llama.cpp's Q4_1 (``block_q4_1`` in ggml's ``ggml-common.h``: ``code``
+0..15, ``scale = d``, ``offset = m``, float16, groups of 32), and the same form with 8-bit codes
+0..255 ("Q8_1-style" in the sense of a per-group float16 scale *and* offset; llama.cpp's own
+``block_q8_1`` holds ``d`` and ``s = d * sum(q)`` for symmetric codes, which maps to this form
+with ``offset = -128 d`` after shifting the codes by 128). Activations ``x`` and the result are
+bfloat16; sums are fp32 (a group's partial sum, then ``scale * partial + offset * sum(x over
+the group)`` with fp32 FMAs), rounded to bfloat16 once (round to nearest even).
+
+The kernel (``woq_cpu.cpp``) widens codes to bfloat16 exactly and multiplies with ``vdpbf16ps``
+(Intel's AVX512_BF16 instruction ``_mm512_dpbf16_ps``: 16 fp32 lanes, each adding the products
+of one pair of bf16), 16 output features a vector and one x pair broadcast per instruction; each
+widened weight vector serves a tile of up to 16 rows of ``x``. torch's thread pool
+(``at::parallel_for``) splits the output features. The scales are transposed to the kernel's
+order per call (16 x 8 blocks, ``vpermt2w``), the rows of ``x`` regrouped per tile.
+
+Packed layout (:func:`pack`): blocks of 16 output features; a block's whole K is contiguous
+(``16 * K * bits / 8`` bytes), as 32-word vectors, one per pair of consecutive inputs ("k-pair"):
+word ``w`` of k-pair ``p``'s vector is ``code[16 * block + w // 2, 2 * p + w % 2]``.
+
+- ``bits=8``: one byte per word, the vectors in k order (32 bytes a k-pair).
+- ``bits=4``: 64-byte chunks of 4 vectors (k-pairs ``4c .. 4c+3``); byte ``16 L + 8 s + i`` of a
+  chunk holds word ``8 L + i`` of vector ``s`` in its low nibble and of vector ``2 + s`` in its
+  high nibble, the order in which ``vpunpcklbw`` / ``vpunpckhbw`` (per 128-bit lane ``L``)
+  interleave the masked nibbles with the byte ``0x43``: the bf16 bit pattern ``0x4300 | q`` is
+  ``128 + q``, corrected by ``-128 * scale * sum(x)`` per group.
+
+The layout does not depend on the group size. Requirements: ``N % 16 == 0``, ``K % group == 0``,
+``group`` in 32 / 64 / 128; any number of rows ``M >= 0``. A row's result does not depend on the
+other rows of the batch or on the thread count (bitwise): every output is computed by the same
+instructions in the same order. It can differ in the last bit between CPU models, as
+``vdpbf16ps``'s internal rounding is the CPU's.
+
+Speed (``bench/woq_kernel.py``; 2 threads of an AMD EPYC with AVX-512 BF16, 120 layers = 30
+copies of the default model's 4 projection shapes, ~106 M weights a pass, ms a pass; one run on
+a shared machine, where absolute times move by up to 20% between runs and the ratios less):
+
+====  =========  =========  ==========  ==========  =====  ============  =========
+rows  ours int4  ours int8  torch int4  torch int8  bf16   int4 / torch  int4/bf16
+====  =========  =========  ==========  ==========  =====  ============  =========
+1     3.4        6.0        4.0         8.3         13.6   0.84          0.25
+2     3.8        6.2        4.9         10.1        14.3   0.78          0.27
+4     4.7        6.7        6.4         11.7        13.1   0.73          0.36
+8     6.6        8.5        11.2        22.5        14.5   0.59          0.46
+16    10.7       11.4       21.8        33.5        17.1   0.49          0.62
+====  =========  =========  ==========  ==========  =====  ============  =========
+
+LM head (49152 x 576, one copy): 1 row 0.73 ms (torch int4 0.89, bf16 2.6), 4 rows 0.98 ms
+(1.48, 2.2). Where other tenants halve the memory bandwidth, the memory-bound 1-4 row cases
+lose the most (one such run: int4 / torch int4 0.99 at 1 row, 1.1 at 2-4 rows).
+
+At 1 row both 4-bit kernels stream ~0.63 bytes a weight from memory. From 2 rows torch's int4
+kernel is bound by widening its codes again for each 4 rows; this one widens each weight vector
+once per 16 rows, is memory-bound up to ~4 rows and then bound by ``vdpbf16ps`` throughput
+(~82% of its peak on one core at 16 rows; the per-group scale and offset FMAs take 1/9).
+
+Build: compiled on first use with ``torch.utils.cpp_extension.load`` (~10 s on 2 cores, mostly
+torch's headers) into ``$SGRT_CACHE_DIR/kernels/<hash>`` (default ``~/.cache/sgrt/kernels/<hash>``),
+the hash covering the source, torch's version and the flags; a later process loads that ``.so``
+directly (~0.05 s). ``SGRT_NATIVE_KERNELS=0`` disables it (:func:`available` is then False).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sgrt.kernels.build import disabled, load_library
+
+SOURCE = Path(__file__).with_name("woq_cpu.cpp")
+BLOCK_N = 16
+GROUP_SIZES = (32, 64, 128)
+BITS = (4, 8)
+# Checked before the library is built or loaded: its code is AVX-512 throughout, and loading it on
+# another CPU could crash the process.
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma", "f16c")
+CFLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"]
+
+_state: dict[str, object] = {}
+
+
+def available() -> bool:
+    """Whether the native kernel can run here: an AVX-512 BF16 CPU (``REQUIRED_CPU_FLAGS`` in
+    ``/proc/cpuinfo``), ``SGRT_NATIVE_KERNELS`` not ``0``, and the library compiled and loaded
+    (:func:`sgrt.kernels.build.load_library`: ~10 s on the first call, cached on disk after).
+    Never raises: a warning says why not. Cached per process."""
+    if "op" in _state and not disabled():
+        return True
+    _state.pop("op", None)
+    if load_library("sgrt_woq", SOURCE, CFLAGS, REQUIRED_CPU_FLAGS) is not None:
+        return False
+    overload = torch.ops.sgrt_woq.linear.default
+    # the overload's C++ callable where torch exposes it: ~0.3 us less a call than
+    # OpOverload.__call__ (a Python frame), 120 calls a decode step
+    _state["op"] = getattr(overload, "_op", overload)
+    return True
+
+
+def _check_codes(codes: torch.Tensor, bits: int) -> tuple[int, int]:
+    if bits not in BITS:
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.dim() != 2:
+        raise ValueError(f"codes must be a 2-D uint8 tensor [N, K], got "
+                         f"{getattr(codes, 'dtype', type(codes).__name__)} {tuple(getattr(codes, 'shape', ()))}")
+    n, k = codes.shape
+    if n == 0 or n % BLOCK_N:
+        raise ValueError(f"codes: N (output features) must be a positive multiple of {BLOCK_N}, got {n}")
+    if k == 0 or k % 32:
+        raise ValueError(f"codes: K (input features) must be a positive multiple of 32, got {k}")
+    return n, k
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``[N, K]`` uint8 (0..15 for ``bits=4``, 0..255 for ``bits=8``) -> the kernel's packed
+    weight: 1-D uint8 of ``N * K * bits / 8`` bytes (layout in the module docstring).
+
+    Raises:
+        ValueError: ``bits`` not 4 / 8, ``codes`` not 2-D uint8, ``N % 16``, ``K % 32``, or a
+            4-bit code above 15.
+    """
+    n, k = _check_codes(codes, bits)
+    codes = codes.cpu()
+    # word w of k-pair p in block b: code[16 b + w // 2, 2 p + w % 2]  -> [blocks, K/2, 32]
+    vec = codes.reshape(n // BLOCK_N, BLOCK_N, k // 2, 2).permute(0, 2, 1, 3).reshape(n // BLOCK_N, k // 2, 32)
+    if bits == 8:
+        return vec.contiguous().reshape(-1)
+    if int(codes.max()) > 15:
+        raise ValueError(f"codes: bits=4 needs codes in 0..15, got a maximum of {int(codes.max())}")
+    # chunks of 4 vectors: [blocks, K/8, vector v, lane L, i]; byte (L, s, i) = v=s | v=2+s << 4
+    v = vec.reshape(n // BLOCK_N, k // 8, 4, 4, 8)
+    lo = v[:, :, 0:2].permute(0, 1, 3, 2, 4)
+    hi = v[:, :, 2:4].permute(0, 1, 3, 2, 4)
+    return (lo | (hi << 4)).contiguous().reshape(-1)
+
+
+def unpack(packed: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
+    """The inverse of :func:`pack`: codes ``[n, k]`` uint8.
+
+    Raises:
+        ValueError: ``packed`` not uint8 with ``n * k * bits / 8`` elements, or bad ``n``/``k``/``bits``.
+    """
+    if bits not in BITS:
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+    if n <= 0 or n % BLOCK_N or k <= 0 or k % 32:
+        raise ValueError(f"n must be a positive multiple of {BLOCK_N} and k of 32, got n={n}, k={k}")
+    if packed.dtype != torch.uint8 or packed.numel() != n * k * bits // 8:
+        raise ValueError(f"packed must be uint8 with n*k*bits/8={n * k * bits // 8} elements, "
+                         f"got {packed.dtype} with {packed.numel()}")
+    if bits == 8:
+        vec = packed.reshape(n // BLOCK_N, k // 2, 32)
+    else:
+        b = packed.reshape(n // BLOCK_N, k // 8, 4, 2, 8)  # [blocks, K/8, L, s, i]
+        lo = (b & 0x0F).permute(0, 1, 3, 2, 4)  # [blocks, K/8, s, L, i]
+        hi = (b >> 4).permute(0, 1, 3, 2, 4)
+        vec = torch.cat([lo, hi], dim=2).reshape(n // BLOCK_N, k // 2, 32)
+    return vec.reshape(n // BLOCK_N, k // 2, BLOCK_N, 2).permute(0, 2, 1, 3).reshape(n, k).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+           n: int, k: int, bits: int, group: int = 32) -> torch.Tensor:
+    """``y[m, n] = sum_k x[m, k] * (scales[n, k // group] * code[n, k] + offsets[n, k // group])``.
+
+    Args:
+        x: ``[M, k]`` bfloat16, contiguous, any ``M >= 0``.
+        packed: :func:`pack`'s output for the codes ``[n, k]``.
+        scales, offsets: ``[n, k // group]`` float16, contiguous (Q4_1's ``d`` and ``m``).
+        n, k: output / input features (``n % 16 == 0``, ``k % group == 0``).
+        bits: 4 or 8. group: 32, 64 or 128 inputs per scale.
+
+    Returns:
+        ``[M, n]`` bfloat16, in the units of ``x @ W.T`` (nothing rescaled): fp32 sums rounded
+        to nearest even once, so within ``2**-8 |y|`` plus float32 summation error of the exact
+        result (``tests/models/test_woq_kernel.py`` states and checks the bound). A row's
+        result does not depend on the other rows or the thread count (bitwise).
+
+    Raises:
+        RuntimeError: from the kernel, naming the argument and the limit (dtype, shape,
+            contiguity, ``n % 16``, ``k % group``, bits / group values).
+        RuntimeError: :func:`available` is False.
+    """
+    op = _state.get("op")
+    if op is None:
+        if not available():
+            raise RuntimeError("sgrt.kernels.woq: the native kernel is unavailable (see the log)")
+        op = _state["op"]
+    return op(x, packed, scales, offsets, n, k, bits, group)
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: int, k: int, bits: int,
+               group: int = 32, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The dense weight ``[n, k]`` (computed in float32, then cast to ``dtype``), for a dense path."""
+    codes = unpack(packed, n, k, bits).float().reshape(n, k // group, group)
+    w = codes * scales.float().unsqueeze(-1) + offsets.float().unsqueeze(-1)
+    return w.reshape(n, k).to(dtype)

@@ -1,0 +1,265 @@
+"""The native weight-only quantized linear kernel (sgrt/kernels/woq.py, woq_cpu.cpp): results
+against a float64 reference, the packed layout, argument errors, and batch independence.
+
+Error bound (``_check``), per output element ``y[m, n]`` against the exact float64 ``ref``:
+
+    |y - ref| <= 2**-8 * |ref| + (group + 2 G + 4) * 2**-24 * A[m, n]
+
+- ``2**-8 |ref|``: the final rounding to bfloat16 (8 significant bits, round to nearest: at most
+  half an ulp, 2**-8 relative), applied to a float32 value that is itself within the second term.
+- The second term bounds float32 accumulation (unit roundoff 2**-24): a group's partial sum
+  takes ``group`` roundings (vdpbf16ps: two per pair), the group's sum of x as many, and each of
+  the ``G = K / group`` groups adds two FMA roundings to the running sum (standard
+  ``gamma_n ~ n u`` bound). ``A[m, n] = sum_k (|scale| (code + c) + |offset| + c |scale|) |x|``
+  with ``c = 128`` for 4-bit codes (the kernel sums ``128 + code`` and subtracts ``128 scale
+  sum(x)``), else 0: the magnitudes that are rounded.
+
+For the shapes here the second term is ~0.3-1% of a typical |ref|, while the smallest mistakes
+the test must catch change a result by several percent: :func:`test_bound_rejects_wrong_weights`
+checks that a wrong scale, a scale from the wrong group, a swapped pair of codes or a missing
+row each fail it. An RMS check (``rms(err) <= 2**-8 rms(ref)``) backs it up with a bound that
+does not loosen where ``A`` is large.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import pytest
+import torch
+
+from sgrt.kernels import woq
+
+if not woq.available():
+    pytest.skip("the native kernel is unavailable here (needs an AVX-512 BF16 CPU and a C++ "
+                "compiler; SGRT_NATIVE_KERNELS=0 disables it)", allow_module_level=True)
+
+SHAPES = [(16, 32), (960, 576), (576, 1536), (3072, 576)]
+ROWS = [1, 2, 3, 4, 5, 8, 11, 12, 13, 16, 17, 33]
+
+
+@functools.lru_cache(maxsize=None)
+def _layer(n: int, k: int, bits: int, group: int, seed: int = 0):
+    """Random codes / scales / offsets of realistic size (Q4_1-like: scale 1e-3..1e-2, offset
+    ~ -8 scale for 4 bits, ~ -128 scale for 8), the packed weight and the exact W (float64)."""
+    g = torch.Generator().manual_seed(seed * 1000 + n + k + bits + group)
+    codes = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(n, k // group, generator=g) * 9e-3 + 1e-3).half()
+    mid = 8 if bits == 4 else 128
+    offsets = (-mid * scales.double() * (1 + 0.2 * torch.randn(n, k // group, generator=g,
+                                                                 dtype=torch.float64))).half()
+    w = _weight(codes, scales, offsets, group)
+    return codes, woq.pack(codes, bits), scales, offsets, w
+
+
+def _weight(codes, scales, offsets, group):
+    n, k = codes.shape
+    w = codes.double().reshape(n, k // group, group) * scales.double()[..., None] + offsets.double()[..., None]
+    return w.reshape(n, k)
+
+
+def _x(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 7 * m + k)).bfloat16()
+
+
+def _bound(x, codes, scales, offsets, bits, group):
+    """Per-element allowed |y - ref| (see the module docstring) and ref itself, float64."""
+    n, k = codes.shape
+    c = 128.0 if bits == 4 else 0.0
+    s = scales.double().abs()[..., None]
+    o = offsets.double().abs()[..., None]
+    mag = (s * (codes.double().reshape(n, k // group, group) + c) + o + c * s).reshape(n, k)
+    a = x.double().abs() @ mag.T
+    return (group + 2 * (k // group) + 4) * 2.0 ** -24 * a
+
+
+def _check(y, ref, bound) -> None:
+    err = (y.double() - ref).abs()
+    allowed = 2.0 ** -8 * ref.abs() + bound
+    worst = (err - allowed).max().item()
+    assert worst <= 0, (f"error {err.max().item():.3g} exceeds the bound by {worst:.3g} "
+                        f"(max |ref| {ref.abs().max().item():.3g})")
+    rms_err = err.pow(2).mean().sqrt().item()
+    rms_ref = ref.pow(2).mean().sqrt().item()
+    assert rms_err <= 2.0 ** -8 * rms_ref, f"rms error {rms_err:.3g} vs rms(ref) {rms_ref:.3g}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_matches_float64_reference(bits, shape):
+    n, k = shape
+    codes, packed, scales, offsets, w = _layer(n, k, bits, 32)
+    for m in ROWS:
+        x = _x(m, k)
+        y = woq.linear(x, packed, scales, offsets, n, k, bits, 32)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        _check(y, x.double() @ w.T, _bound(x, codes, scales, offsets, bits, 32))
+
+
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_larger_groups(bits, group):
+    for n, k in [(960, 576), (576, 1536)]:
+        if k % group:
+            continue
+        codes, packed, scales, offsets, w = _layer(n, k, bits, group)
+        for m in (1, 5, 16, 17):
+            x = _x(m, k)
+            y = woq.linear(x, packed, scales, offsets, n, k, bits, group)
+            _check(y, x.double() @ w.T, _bound(x, codes, scales, offsets, bits, group))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bound_rejects_wrong_weights(bits):
+    """The check is tight enough to see the mistakes a layout or epilogue bug makes: each of
+    these wrong weights, used as the reference, makes the (correct) kernel output fail it."""
+    n, k, group = 576, 1536, 32
+    codes, packed, scales, offsets, w = _layer(n, k, bits, group)
+    x = _x(16, k)
+    y = woq.linear(x, packed, scales, offsets, n, k, bits, group)
+    bound = _bound(x, codes, scales, offsets, bits, group)
+    _check(y, x.double() @ w.T, bound)  # the right weights pass
+
+    wrong_scale = scales.clone()
+    wrong_scale[:, 5] *= 1.05  # one group's scale 5% off
+    shifted = torch.roll(scales, 1, dims=1)  # every group takes its neighbour's scale
+    swapped = codes.clone()
+    swapped[:, [2, 3]] = swapped[:, [3, 2]]  # one pair of k swapped, every row
+    cases = {
+        "wrong scale": _weight(codes, wrong_scale, offsets, group),
+        "wrong group": _weight(codes, shifted, offsets, group),
+        "swapped pair": _weight(swapped, scales, offsets, group),
+    }
+    ref = x.double() @ w.T
+    missing_row = ref.clone()
+    missing_row[7] = 0.0
+    for name, wrong in cases.items():
+        with pytest.raises(AssertionError):
+            _check(y, x.double() @ wrong.T, bound)
+    with pytest.raises(AssertionError):
+        _check(y, missing_row, bound)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_do_not_depend_on_the_batch(bits):
+    """Row i of a batch equals row i computed alone, bitwise (any M, any tile split, any thread
+    split)."""
+    n, k = 960, 576
+    _, packed, scales, offsets, _ = _layer(n, k, bits, 32)
+    x = _x(40, k)
+    alone = torch.cat([woq.linear(x[i:i + 1], packed, scales, offsets, n, k, bits, 32) for i in range(40)])
+    for m in (2, 3, 5, 8, 12, 16, 17, 31, 33, 40):
+        assert torch.equal(woq.linear(x[:m], packed, scales, offsets, n, k, bits, 32), alone[:m]), m
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(woq.linear(x, packed, scales, offsets, n, k, bits, 32), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_empty_batch():
+    _, packed, scales, offsets, _ = _layer(16, 32, 4, 32)
+    y = woq.linear(torch.empty(0, 32, dtype=torch.bfloat16), packed, scales, offsets, 16, 32, 4, 32)
+    assert y.shape == (0, 16) and y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 96), (960, 576)])
+def test_pack_unpack_round_trip(bits, shape):
+    n, k = shape
+    codes = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    packed = woq.pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (n * k * bits // 8,)
+    assert torch.equal(woq.unpack(packed, n, k, bits), codes)
+
+
+def test_packed_layout_as_documented():
+    """Spot checks of the layout in the module docstring (block 1, k-pair 5 / chunk 1)."""
+    n, k = 32, 64
+    codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    p8 = woq.pack(codes, 8)
+    block = 16 * k  # bytes per 16 output rows
+    for w in range(32):  # word w of k-pair 5 in block 1
+        assert p8[block + 5 * 32 + w] == codes[16 + w // 2, 10 + w % 2]
+    c4 = codes & 15
+    p4 = woq.pack(c4, 4)
+    block = 16 * k // 2
+    chunk = p4[block + 64: block + 128]  # block 1, chunk 1 (k-pairs 4..7)
+    for lane in range(4):
+        for s in range(2):
+            for i in range(8):
+                byte = int(chunk[16 * lane + 8 * s + i])
+                w = 8 * lane + i
+                assert byte & 15 == c4[16 + w // 2, 2 * (4 + s) + w % 2]
+                assert byte >> 4 == c4[16 + w // 2, 2 * (4 + 2 + s) + w % 2]
+
+
+def test_dequantize():
+    codes, packed, scales, offsets, w = _layer(960, 576, 4, 32)
+    dense = woq.dequantize(packed, scales, offsets, 960, 576, 4, 32, dtype=torch.float32)
+    assert torch.allclose(dense.double(), w, rtol=2 ** -23, atol=0)
+
+
+def test_pack_errors():
+    ok = torch.zeros(16, 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        woq.pack(ok, 3)
+    with pytest.raises(ValueError, match="uint8"):
+        woq.pack(ok.to(torch.int32), 4)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        woq.pack(torch.zeros(8, 32, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        woq.pack(torch.zeros(16, 48, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match="0..15"):
+        woq.pack(torch.full((16, 32), 16, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match="elements"):
+        woq.unpack(torch.zeros(10, dtype=torch.uint8), 16, 32, 4)
+
+
+def test_linear_errors():
+    n, k = 32, 64
+    _, packed, scales, offsets, _ = _layer(n, k, 4, 32)
+    x = _x(2, k)
+
+    def call(**kw):
+        args = dict(x=x, packed=packed, scales=scales, offsets=offsets, n=n, k=k, bits=4, group=32)
+        args.update(kw)
+        return woq.linear(**args)
+
+    cases = [
+        (dict(x=x.float()), "x must be bfloat16"),
+        (dict(x=_x(2, 32)), r"x must be \[M, k=64\]"),
+        (dict(x=_x(64, 2).T), "x must be contiguous"),
+        (dict(scales=scales.float()), "scales must be float16"),
+        (dict(offsets=offsets[:16]), r"offsets must be \[n=32, k/group=2\]"),
+        (dict(packed=packed[:-1]), "packed must be contiguous with n\\*k\\*bits/8=1024 bytes"),
+        (dict(packed=packed.view(torch.int8)), "packed must be uint8"),
+        (dict(n=24), "n \\(output features\\) must be a positive multiple of 16"),
+        (dict(k=48, x=_x(2, 48)), "k \\(input features\\) must be a positive multiple of group=32"),
+        (dict(group=16), "group must be 32, 64 or 128"),
+        (dict(bits=2), "bits must be 4 or 8"),
+    ]
+    for kw, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call(**kw)
+
+
+def test_disabled_by_environment(monkeypatch, caplog):
+    """SGRT_NATIVE_KERNELS=0: available() is False, with one warning, and linear() raises."""
+    saved = dict(woq._state)
+    monkeypatch.setenv("SGRT_NATIVE_KERNELS", "0")
+    try:
+        woq._state.clear()
+        with caplog.at_level(logging.WARNING, logger="sgrt.kernels"):
+            assert woq.available() is False
+            assert woq.available() is False
+        warnings = [r for r in caplog.records if r.name == "sgrt.kernels" and r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "SGRT_NATIVE_KERNELS=0" in warnings[0].getMessage()
+        with pytest.raises(RuntimeError, match="unavailable"):
+            woq.linear(_x(1, 32), *_layer(16, 32, 4, 32)[1:4], 16, 32, 4, 32)
+    finally:
+        woq._state.clear()
+        woq._state.update(saved)
+    assert os.environ["SGRT_NATIVE_KERNELS"] == "0"  # (monkeypatch restores it after the test)
