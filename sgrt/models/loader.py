@@ -96,8 +96,9 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
         cache_dir: where GGUF conversions live; default ``$SGRT_CACHE_DIR`` or ``~/.cache/sgrt``.
         quantization: ``"none"``, ``"int8"`` or ``"int4"``: weight-only quantized linear layers and
             LM head (:mod:`sgrt.models.quant`). int4 takes a GGUF's Q4_1 tensors as they are and
-            quantizes anything else at load (groups of 32, min/max); int8 quantizes per channel
-            at load. Pair it with ``dtype="bfloat16"``, the kernels' activation dtype.
+            quantizes anything else at load (groups of 32, min/max); int8 quantizes at load, per
+            group of 32 on sgrt's native CPU kernel (AVX-512 BF16 CPUs), per channel on torch's
+            kernels elsewhere. Pair it with ``dtype="bfloat16"``, the kernels' activation dtype.
         prepack: on CPU, hold the float projections in oneDNN's prepacked layout
             (:mod:`sgrt.models.packed`: 1.2-3x faster matmuls; float32 results differ from
             ``F.linear`` in the last bits). ``False`` keeps plain ``nn.Linear`` layers.

@@ -1,44 +1,56 @@
-"""Weight-only int8 / int4 linear layers on torch's packed kernels, and the pass that installs them.
+"""Weight-only int8 / int4 linear layers, and the pass that installs them.
 
 Batch-1 decode is bound by reading the weights, so storing them in 8 or 4 bits and dequantizing
-inside the matmul kernel is where the speed comes from. Activations stay floating point.
+inside the matmul kernel is where the speed comes from. Activations stay bfloat16.
 
-- **int8** (:class:`Int8Linear`): per-output-channel symmetric, quantized at load:
-  ``scale[n] = max|W[n, :]| / 127``, ``q = round(W / scale)`` in -127..127, and
-  ``y = (x @ q.T) * scale`` (``torch.ops.aten._weight_int8pack_mm``, CPU and CUDA).
-- **int4** (:class:`Int4Linear`): groups of 32 along the input dimension, asymmetric, the layout
-  of llama.cpp's Q4_1: ``w = d * q + m`` with ``q`` in 0..15. torch's kernels
-  (``_weight_int4pack_mm_for_cpu`` / ``_weight_int4pack_mm`` on CUDA, "tinygemm") dequantize
-  ``w = (q - 8) * scale + zero``, so a Q4_1 block maps to ``scale = d``, ``zero = m + 8 d``: the
-  same real number for every ``q``. A GGUF's Q4_1 tensors are loaded as they are (codes, ``d``,
-  ``m``: see :mod:`sgrt.models.gguf_raw`); any other projection (an HF folder, a non-Q4_1
-  tensor) is quantized at load the same way, min/max per group of 32.
-- **LM head**: its own quantized copy, int8 in both modes unless the file stores the head in
-  Q4_1 (the tied embedding stays a float lookup table for the input side). Measured on the
-  default model (tied Q8_0 embedding), teacher-forced over 200 tokens: an int4 head quantized at
-  load drops top-1 agreement with bfloat16 to 84-90% (mean KL ~0.06), an int8 head keeps 96-98.5%
-  (mean KL ~0.003). A tied model uses it for up to 4 logit rows a forward (decode of small
-  batches) and its float embedding table past that, where the int8 kernel is the slower one; so
-  logits may differ in the last bits with the batch size, as they do across dtypes.
+Two kernel families; :func:`quantize_model` takes the first that runs here:
 
-NOTE (exactness): the fast kernels want bfloat16 activations *and* bfloat16 scales/zeros (CPU:
-float32 or float16 scales are accepted, but only with float32 / float16 activations, and those
-paths are 40-50x slower on this CPU: measured). So the 4-bit codes are exactly the file's, and
-``scale`` / ``zero`` are the file's ``d`` and ``m + 8 d`` rounded to bfloat16 (relative error at
-most 2**-8; the exact mapping is checked in float32 by ``tests/models/test_quantization.py``).
+1. **sgrt's native CPU kernel** (:class:`GroupLinear`, :mod:`sgrt.kernels.woq`; AVX-512 BF16
+   CPUs, compiled on first use): ``W[n, k] = scale[n, g] * code[n, k] + offset[n, g]`` per group
+   of 32 inputs, float16 scale and offset, float32 sums.
 
-Layers whose shapes the kernels cannot take keep their float weights (CPU int4: ``out % 16``,
-``in % 32``; int8: ``in % 16``, as the CPU kernel crashes the process on other widths). A model
-whose dtype is not bfloat16 still works: each quantized layer casts its input to bfloat16 and its
-output back (extra copies; use ``dtype="bfloat16"`` with quantization).
+   - **int4**: a GGUF's Q4_1 tensors as they are (codes, ``d``, ``m``: the file's weights bit
+     for bit, see :mod:`sgrt.models.gguf_raw`); anything else quantized at load, min/max per
+     group (:func:`quantize_groups`).
+   - **int8**: quantized at load the same way with 8-bit codes (Q4_1's asymmetric form with 256
+     levels). Per group rather than per channel: on the default model, whose weights are 4-bit
+     groups, a per-channel grid (one step of ``max|row| / 127``) re-rounds them and top-1
+     agreement with bfloat16 falls to 94-96%; per group it is 97.5% (teacher-forced, 200 tokens).
 
-Speed (CPU, 1 thread, 49152 x 576 and the layer shapes of the default model): at 1-4 rows the
-packed kernels read 4 / 8 bits a weight and win (int4 ~3.5x, int8 ~2x over bfloat16); at 16 rows
-they are compute-bound (int4 about even with bfloat16, int8 1.3-2x slower) and at 64+ rows
-(prefill chunks) 2-4x slower. So from :data:`DENSE_MIN_ROWS` rows a layer dequantizes its
-weight to bfloat16 (int4: unpacked from the CPU kernel's own layout, no second copy kept) and
-runs one dense matmul. The CUDA paths are written to torch's documented layouts but
-untested here: the first layer of each kind is checked against its dequantized weights at load.
+2. **torch's packed kernels** (CUDA, and CPUs without AVX-512 BF16):
+
+   - **int8** (:class:`Int8Linear`): per-output-channel symmetric, ``scale[n] = max|W[n, :]| /
+     127``, ``q = round(W / scale)`` in -127..127, ``y = (x @ q.T) * scale``
+     (``torch.ops.aten._weight_int8pack_mm``).
+   - **int4** (:class:`Int4Linear`): Q4_1 groups of 32 on torch's kernels
+     (``_weight_int4pack_mm_for_cpu`` / ``_weight_int4pack_mm`` on CUDA, "tinygemm"), which
+     compute ``(q - 8) * scale + zero``: a Q4_1 block maps to ``scale = d``, ``zero = m + 8 d``.
+     The fast kernels want bfloat16 scales and zeros (float32 ones only with float32
+     activations, 40-50x slower on this CPU: measured), so these are the file's values rounded
+     to bfloat16 (relative error at most 2**-8; checked in ``tests/models/test_quantization.py``).
+
+**LM head**: its own quantized copy, int8 in both modes unless the file stores the head in Q4_1
+(the tied embedding stays a float lookup table for the input side). Measured on the default
+model (tied Q8_0 embedding), teacher-forced over 200 tokens: an int4 head quantized at load drops
+top-1 agreement with bfloat16 to 84-90% (mean KL ~0.06), an int8 head keeps 96-98.5%. A tied
+model uses it for logit batches of up to :data:`GROUP_HEAD_MAX_ROWS` rows (native) or
+:data:`INT8_HEAD_MAX_ROWS` (torch's int8 kernel, compute-bound past a few rows) and its float
+embedding table past that; so logits may differ in the last bits with the batch size, as they
+do across dtypes.
+
+Layers whose shapes a kernel cannot take keep their float weights (native: ``out % 16``,
+``in % 32``; torch's CPU int4 the same; its int8: ``in % 16``, as the CPU kernel crashes the
+process on other widths). A model whose dtype is not bfloat16 still works: each quantized layer
+casts its input to bfloat16 and its output back (use ``dtype="bfloat16"`` with quantization).
+
+Speed (2 threads, the default model's 120 projections, ms a pass; ``bench/woq_kernel.py``): at
+1 row native int4 3.4, int8 6.0, torch's int4 4.0, int8 8.3, bfloat16 (oneDNN) 13.6; at 16 rows
+10.7 / 11.4 / 21.8 / 33.5 / 17.1. torch's kernels are compute-bound from a few rows and 2-4x
+slower than bfloat16 on prefill chunks, so from :data:`DENSE_MIN_ROWS` rows their layers
+dequantize the weight to bfloat16 (int4: unpacked from the CPU kernel's own layout, no second
+copy kept) for one dense matmul; the native kernel stays within 1.3x of bfloat16 there and
+always runs. The CUDA paths are written to torch's documented layouts but untested here: the
+first layer of each kind is checked against its dequantized weights at load.
 """
 from __future__ import annotations
 
@@ -57,8 +69,10 @@ QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32
 # The packed kernels' activation and scale dtype (CPU and CUDA).
 KERNEL_DTYPE = torch.bfloat16
-# Logit rows up to which a tied model's int8 LM head beats its float one (see quantize_model).
+# Logit rows up to which a tied model's quantized LM head beats its float one (see quantize_model):
+# torch's int8 kernel / the native group-wise kernel.
 INT8_HEAD_MAX_ROWS = 4
+GROUP_HEAD_MAX_ROWS = 32
 # Rows from which a quantized layer dequantizes its weight to bfloat16 for one dense matmul
 # instead of calling the packed kernel, which is compute-bound there (prefill chunks). Measured
 # on the default model's shapes, 2 threads, 512 rows: int8 kernel 2.6x and int4 kernel 2.2x the
@@ -347,7 +361,109 @@ class Int4Linear(_QuantizedLinear):
                 f"int4 group_size={self.group_size}")
 
 
+# ---- group-wise, on sgrt's native CPU kernel ------------------------------------------------------
+
+def quantize_groups(weight: torch.Tensor, bits: int, group_size: int = INT4_GROUP_SIZE
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric quantization per group of ``group_size`` inputs, min/max like llama.cpp's Q4_1
+    (``bits=4``) and the same with 8 bits: weight ``[N, K]`` float -> (codes ``[N, K]`` uint8 in
+    0..2**bits-1, scales ``[N, K // group]`` float16, offsets ``[N, K // group]`` float16) with
+    ``w ~ scale * code + offset``: ``scale = (max - min) / (2**bits - 1)``, ``offset = min``,
+    both rounded to float16 first and the codes rounded against the stored values, so the
+    error is at most half a step plus float16's rounding of ``offset``.
+
+    Raises:
+        ValueError: a weight beyond float16's range (the caller keeps such a layer in float).
+    """
+    levels = (1 << bits) - 1
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group_size, group_size)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale, offset = ((hi - lo) / levels).half(), lo.half()
+    if not (torch.isfinite(scale).all() and torch.isfinite(offset).all()):
+        raise ValueError("weights beyond float16's range")
+    step = torch.where(scale == 0, torch.ones_like(scale), scale).float().unsqueeze(-1)
+    codes = torch.round((w - offset.float().unsqueeze(-1)) / step).clamp_(0, levels).to(torch.uint8)
+    return codes.reshape(n, k), scale, offset
+
+
+class GroupLinear(_QuantizedLinear):
+    """``y = x @ W.T`` with ``W[n, k] = scale[n, g] * code[n, k] + offset[n, g]``,
+    ``g = k // group_size``, 4- or 8-bit codes, on the native CPU kernel
+    (:mod:`sgrt.kernels.woq`: AVX-512 BF16, bfloat16 activations, float32 sums).
+
+    Input ``[..., K]`` of any float dtype; output ``[..., N]`` in the input's dtype.
+
+    Args:
+        codes: ``[N, K]`` uint8 (0..15 for ``bits=4``, 0..255 for ``bits=8``).
+        scales, offsets: ``[N, K // group_size]``, stored as float16 (a Q4_1 block's ``d`` and
+            ``m`` are float16 in the file, so they are kept exactly).
+        bits: 4 or 8. group_size: 32, 64 or 128.
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
+                 group_size: int = INT4_GROUP_SIZE):
+        super().__init__()
+        from sgrt.kernels import woq
+
+        self.out_features, self.in_features = codes.shape
+        self.bits, self.group_size = bits, group_size
+        self.register_buffer("packed", woq.pack(codes, bits))
+        self.register_buffer("scales", scales.to(torch.float16).contiguous())
+        self.register_buffer("offsets", offsets.to(torch.float16).contiguous())
+        self._linear = woq.linear
+
+    @classmethod
+    def from_q4_1(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> "GroupLinear":
+        """From Q4_1 blocks (``d``, ``m``: ``[N, K // 32]`` float16), all three as they are."""
+        return cls(codes, d, m, 4, INT4_GROUP_SIZE)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bits: int, group_size: int = INT4_GROUP_SIZE) -> "GroupLinear":
+        """Quantize a float weight ``[N, K]`` at load (:func:`quantize_groups`).
+
+        Raises:
+            ValueError: a weight beyond float16's range.
+        """
+        return cls(*quantize_groups(weight, bits, group_size), bits, group_size)
+
+    @staticmethod
+    def supports(out_features: int, in_features: int, device: torch.device) -> bool:
+        return device.type == "cpu" and out_features % 16 == 0 and in_features % INT4_GROUP_SIZE == 0
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        return self._linear(x2, self.packed, self.scales, self.offsets, self.out_features, self.in_features,
+                            self.bits, self.group_size)
+
+    def _dense_weight(self) -> None:
+        # NOTE: no dense path: at prefill sizes the kernel is within 1.2-1.3x of a bfloat16 matmul
+        # (2 threads, 512 rows, the default model's shapes), while dequantizing a weight alone
+        # costs 2-10x that matmul.
+        return None
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, ``[N, K]`` float32 (exact: float16 scales and
+        offsets times small integer codes)."""
+        from sgrt.kernels import woq
+
+        return woq.dequantize(self.packed, self.scales, self.offsets, self.out_features, self.in_features,
+                              self.bits, self.group_size, torch.float32)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int{self.bits} group_size={self.group_size}, native kernel")
+
+
 # ---- installing them ----------------------------------------------------------------------------
+
+def native_kernel_available() -> bool:
+    """Whether sgrt's group-wise CPU kernel (:mod:`sgrt.kernels.woq`) runs here (compiles on the
+    first call; False on CPUs without AVX-512 BF16, with ``SGRT_NATIVE_KERNELS=0``, or if the
+    build fails)."""
+    from sgrt.kernels import woq
+
+    return woq.available()
+
 
 def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
                    q4_1: dict[str, Any] | None = None) -> dict[str, int]:
@@ -379,23 +495,35 @@ def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
     blocks = {k.removeprefix("model."): v for k, v in (q4_1 or {}).items()} if method == "int4" else {}
     device = model.device
 
+    native = device.type == "cpu" and native_kernel_available()
+
     def build(names: list[str], current: nn.Module | None, kind: str) -> nn.Module | None:
-        cls = Int8Linear if kind == "int8" else Int4Linear
+        bits = 8 if kind == "int8" else 4
         if all(n in blocks for n in names):
             from sgrt.models.gguf_raw import Q4_1Weight
 
             b = Q4_1Weight.cat([blocks[n] for n in names])
+            if native and GroupLinear.supports(*b.shape, device):
+                counts["q4_1"] += 1
+                return GroupLinear.from_q4_1(b.codes, b.d, b.m)
             if Int4Linear.supports(*b.shape, device):
                 counts["q4_1"] += 1
                 return Int4Linear.from_q4_1(b.codes, b.d, b.m, device)
         w = torch.cat([sd[n] for n in names]) if len(names) > 1 else sd[names[0]]
-        if not cls.supports(*w.shape, device):
-            counts["float"] += 1
+        cls = GroupLinear if native else (Int8Linear if kind == "int8" else Int4Linear)
+        if cls.supports(*w.shape, device):
+            try:
+                layer = GroupLinear.from_float(w, bits) if native else cls.from_float(w, device)
+            except ValueError as e:  # float16 scales cannot hold this weight
+                logger.warning("%s: %s kept in float (%s)", method, "+".join(names), e)
+            else:
+                counts["quantized"] += 1
+                return layer
+        else:
             logger.warning("%s: %s kept in float (shape %s not supported by the %s kernel)",
                            method, "+".join(names), tuple(w.shape), kind)
-            return current
-        counts["quantized"] += 1
-        return cls.from_float(w, device)
+        counts["float"] += 1
+        return current
 
     with torch.no_grad():
         for i, layer in enumerate(model.layers):
@@ -411,6 +539,10 @@ def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
             # 4.9 ms at 1 row vs 10.5 bfloat16; 7.4 vs 10.6 at 4; 35 vs 13 at 16), and a tied model
             # keeps its float embedding table anyway: larger batches use that as the head.
             model.logits_head_max_rows = INT8_HEAD_MAX_ROWS
+        elif model.lm_head is None and isinstance(model.logits_head, GroupLinear):
+            # NOTE: the native kernel stays ahead of bfloat16 further (2 threads, the default
+            # model's layers: 0.6x bfloat16's time at 16 rows, 0.75x at 32, 0.9x at 64).
+            model.logits_head_max_rows = GROUP_HEAD_MAX_ROWS
         if model.lm_head is not None and model.logits_head is not None:
             model.lm_head = None  # NOTE: its float copy is no longer used; free it.
     model.quantization = method

@@ -31,16 +31,26 @@ TEXT = (
 N_TOKENS = 200
 
 # Thresholds, from measurements on this text (2-core AVX512-BF16 CPU, torch 2.13):
-#   float32 vs bfloat16 (the noise floor: same weights, other rounding): top-1 97.0%, KL 0.00085
-#   int4 (Q4_1 codes as in the file, int8 LM head):                    top-1 97.0%, KL 0.0022
-#   int8 (per channel, LM head too):                                   top-1 94.0%, KL 0.0050
-# Issue 10 asks for >= 90% (int4) and >= 97% (int8). int4 passes with room. int8 misses 97%: the
-# default model's weights *are* 4-bit Q4_1 groups, which bfloat16 holds almost exactly while a
-# per-channel int8 grid re-rounds them (a step of max|row| / 127), and at 200 positions one token
-# is 0.5%; even float32 only reaches 97.0% here. The bounds below keep 2 tokens of margin on
-# agreement and ~2x on KL, so a real regression (an int4 LM head: 84%, KL 0.06) fails them.
-MIN_TOP1 = {"int8": 0.93, "int4": 0.95}
-MAX_MEAN_KL = {"int8": 0.01, "int4": 0.005}
+#   float32 vs bfloat16 (the noise floor: same weights, other rounding): top-1 97.0%, KL 0.00081
+#   native kernel (sgrt/kernels/woq.py), int8 LM head in both modes:
+#     int4 (Q4_1 codes, d and m exactly as in the file):              top-1 99.5%, KL 0.00062
+#     int8 (groups of 32, scale and offset, quantized at load):        top-1 97.5%, KL 0.00154
+#   torch's kernels (CUDA, CPUs without AVX512-BF16), int8 LM head:
+#     int4 (Q4_1 codes, scale and zero rounded to bfloat16):            top-1 96.0%, KL 0.0023
+#     int8 (per channel):                                              top-1 96.0%, KL 0.0054
+#     (earlier, before the fused layer operators moved bfloat16 roundings: 97.0% / 94.0%)
+# Issue 10 asks for >= 97% (int8) and >= 90% (int4): the native path meets both, and the int4 bound
+# below is stricter. torch's per-channel int8 misses 97%: the default model's weights *are* 4-bit
+# Q4_1 groups, which bfloat16 holds almost exactly while a per-channel grid re-rounds them (a
+# step of max|row| / 127); its bounds keep 2 tokens of margin. KL bounds are ~2x the measurements,
+# so a real regression (an int4 LM head quantized at load: 84%, KL 0.06) fails them.
+MIN_TOP1 = {"int8": 0.97, "int4": 0.95}
+MAX_MEAN_KL = {"int8": 0.004, "int4": 0.002}
+MIN_TOP1_TORCH = {"int8": 0.93, "int4": 0.95}
+MAX_MEAN_KL_TORCH = {"int8": 0.01, "int4": 0.005}
+
+NATIVE = quant.native_kernel_available()
+needs_native = pytest.mark.skipif(not NATIVE, reason="the native kernel needs an AVX512-BF16 CPU and a compiler")
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +58,27 @@ def bf16_model() -> LoadedModel:
     return load_model(MODEL, dtype="bfloat16")
 
 
+def _load_quantized(q: str) -> LoadedModel:
+    lm = load_model(MODEL, dtype="bfloat16", quantization=q)
+    # Score every position with the quantized LM head, as decode batches of up to
+    # logits_head_max_rows rows do (past that the model switches to its bfloat16 embedding table).
+    assert lm.model.logits_head_max_rows in (quant.INT8_HEAD_MAX_ROWS, quant.GROUP_HEAD_MAX_ROWS)
+    lm.model.logits_head_max_rows = N_TOKENS
+    return lm
+
+
 @pytest.fixture(scope="module")
 def quantized() -> dict[str, LoadedModel]:
-    models = {q: load_model(MODEL, dtype="bfloat16", quantization=q) for q in ("int8", "int4")}
-    for lm in models.values():
-        # Score every position with the quantized LM head, as decode batches of <= 4 rows do
-        # (past that the model switches to its bfloat16 embedding table).
-        assert lm.model.logits_head_max_rows == quant.INT8_HEAD_MAX_ROWS
-        lm.model.logits_head_max_rows = N_TOKENS
-    return models
+    """int8 and int4 models on the kernels this machine uses (the native one where it builds)."""
+    return {q: _load_quantized(q) for q in ("int8", "int4")}
+
+
+@pytest.fixture(scope="module")
+def quantized_torch() -> dict[str, LoadedModel]:
+    """int8 and int4 models on torch's packed kernels, the path off the native kernel."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quant, "native_kernel_available", lambda: False)
+        return {q: _load_quantized(q) for q in ("int8", "int4")}
 
 
 @pytest.fixture(scope="module")
@@ -81,21 +103,40 @@ def _agreement_and_kl(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, floa
 
 # ---- accuracy -----------------------------------------------------------------------------------
 
-def test_accuracy_against_bfloat16(bf16_model, quantized, loaded_model, capsys):
+def _accuracy(bf16_model, models, loaded_model, title) -> dict[str, tuple[float, float]]:
     ids = torch.tensor(bf16_model.tokenizer.encode(TEXT)[:N_TOKENS])
     assert len(ids) == N_TOKENS
     ref = _logits(bf16_model, ids)
     rows = {"float32": _agreement_and_kl(ref, _logits(loaded_model, ids))}
-    for q, lm in quantized.items():
+    for q, lm in models.items():
         rows[q] = _agreement_and_kl(ref, _logits(lm, ids))
+    print(f"\nteacher-forced over {N_TOKENS} tokens, against bfloat16 ({title}):")
+    for name, (top1, kl) in rows.items():
+        print(f"  {name:8s} top-1 agreement {top1:6.1%}  mean KL {kl:.5f}")
+    return rows
+
+
+def test_accuracy_against_bfloat16(bf16_model, quantized, loaded_model, capsys):
     with capsys.disabled():
-        print(f"\nteacher-forced over {N_TOKENS} tokens, against bfloat16:")
-        for name, (top1, kl) in rows.items():
-            print(f"  {name:8s} top-1 agreement {top1:6.1%}  mean KL {kl:.5f}")
+        rows = _accuracy(bf16_model, quantized, loaded_model, "native kernel" if NATIVE else "torch's kernels")
+    min_top1, max_kl = (MIN_TOP1, MAX_MEAN_KL) if NATIVE else (MIN_TOP1_TORCH, MAX_MEAN_KL_TORCH)
     for q in ("int8", "int4"):
         top1, kl = rows[q]
-        assert top1 >= MIN_TOP1[q], f"{q}: top-1 agreement {top1:.1%} < {MIN_TOP1[q]:.0%}"
-        assert kl <= MAX_MEAN_KL[q], f"{q}: mean KL {kl:.5f} > {MAX_MEAN_KL[q]}"
+        assert top1 >= min_top1[q], f"{q}: top-1 agreement {top1:.1%} < {min_top1[q]:.0%}"
+        assert kl <= max_kl[q], f"{q}: mean KL {kl:.5f} > {max_kl[q]}"
+
+
+@needs_native
+def test_accuracy_on_torchs_kernels(bf16_model, quantized_torch, loaded_model, capsys):
+    """The fallback path, where the native kernel does not build."""
+    for lm in quantized_torch.values():
+        assert isinstance(lm.model.layers[0].qkv_proj, (quant.Int8Linear, quant.Int4Linear))
+    with capsys.disabled():
+        rows = _accuracy(bf16_model, quantized_torch, loaded_model, "torch's kernels")
+    for q in ("int8", "int4"):
+        top1, kl = rows[q]
+        assert top1 >= MIN_TOP1_TORCH[q], f"{q}: top-1 agreement {top1:.1%} < {MIN_TOP1_TORCH[q]:.0%}"
+        assert kl <= MAX_MEAN_KL_TORCH[q], f"{q}: mean KL {kl:.5f} > {MAX_MEAN_KL_TORCH[q]}"
 
 
 def test_quantized_engine_answers(quantized):
@@ -159,25 +200,35 @@ def test_int4_mapping_of_q4_1_is_exact(gguf_reader, raw_blocks):
         assert torch.equal(w_t.t(), expected), key
 
 
-def test_int4_model_uses_the_files_codes(quantized, gguf_reader, raw_blocks):
-    """The loaded int4 model: codes exactly the file's; scale and zero the file's d and m + 8 d
-    rounded to bfloat16 (what the fast kernel takes), so every weight is within
-    2**-8 * (8 |d| + |m + 8 d|) of the file's."""
-    model = quantized["int4"].model
-    for key, parts in _FUSED.items():
-        _, layer, proj = key.split(".")
-        mod = getattr(model.layers[int(layer)], proj)
-        assert isinstance(mod, quant.Int4Linear)
-        b = raw_blocks[key]
-        expected = _file_weights(gguf_reader, int(layer), parts)
-        got = mod.dequantize()  # (q - 8) * scale + zero, float32, through the kernel
-        sz = mod.scales_and_zeros.float()  # [G, N, 2]
-        scale = sz[..., 0].t().repeat_interleave(quant.INT4_GROUP_SIZE, dim=1)
-        zero = sz[..., 1].t().repeat_interleave(quant.INT4_GROUP_SIZE, dim=1)
-        assert torch.equal(torch.round((got - zero) / scale) + 8, b.codes.float()), key
-        assert torch.equal(sz, quant.q4_1_scales_and_zeros(b.d, b.m).float()), key
-        bound = 2.0 ** -8 * (8 * scale.abs() + zero.abs()) * 1.01
-        assert ((got - expected).abs() <= bound).all(), key
+def test_int4_model_uses_the_files_codes(quantized, quantized_torch, gguf_reader, raw_blocks):
+    """The loaded int4 models. Native kernel: codes, d and m exactly the file's, so the weights
+    are bit-identical to gguf.quants.dequantize. torch's kernel: codes the file's; scale and
+    zero the file's d and m + 8 d rounded to bfloat16 (what the fast kernel takes), so every
+    weight is within 2**-8 * (8 |d| + |m + 8 d|) of the file's."""
+    from sgrt.kernels import woq
+
+    models = [quantized_torch["int4"].model] + ([quantized["int4"].model] if NATIVE else [])
+    for model in models:
+        for key, parts in _FUSED.items():
+            _, layer, proj = key.split(".")
+            mod = getattr(model.layers[int(layer)], proj)
+            b = raw_blocks[key]
+            expected = _file_weights(gguf_reader, int(layer), parts)
+            if isinstance(mod, quant.GroupLinear):
+                assert mod.bits == 4 and mod.group_size == quant.INT4_GROUP_SIZE
+                assert torch.equal(woq.unpack(mod.packed, *b.shape, 4), b.codes), key
+                assert torch.equal(mod.scales, b.d) and torch.equal(mod.offsets, b.m), key
+                assert torch.equal(mod.dequantize(), expected), key
+                continue
+            assert isinstance(mod, quant.Int4Linear)
+            got = mod.dequantize()  # (q - 8) * scale + zero, float32, through the kernel
+            sz = mod.scales_and_zeros.float()  # [G, N, 2]
+            scale = sz[..., 0].t().repeat_interleave(quant.INT4_GROUP_SIZE, dim=1)
+            zero = sz[..., 1].t().repeat_interleave(quant.INT4_GROUP_SIZE, dim=1)
+            assert torch.equal(torch.round((got - zero) / scale) + 8, b.codes.float()), key
+            assert torch.equal(sz, quant.q4_1_scales_and_zeros(b.d, b.m).float()), key
+            bound = 2.0 ** -8 * (8 * scale.abs() + zero.abs()) * 1.01
+            assert ((got - expected).abs() <= bound).all(), key
 
 
 def test_q4_1_cache_file_round_trips(tmp_path):
@@ -267,11 +318,16 @@ def test_tiny_model_quantizes_at_load_and_keeps_unsupported_shapes_in_float():
         model.load_weights(state)
         counts = quant.quantize_model(model, method, state)
         assert model.quantization == method
-        # down_proj (in_features 104) fits neither kernel (int8: in % 16, int4: in % 32).
+        # down_proj (in_features 104) fits no kernel (torch's int8: in % 16, int4 and the native one: in % 32).
         assert counts == {"q4_1": 0, "quantized": 2 * 3 + 1, "float": 2}, counts
         assert type(model.layers[0].down_proj) is torch.nn.Linear
-        assert isinstance(model.layers[0].gate_up_proj, quant.Int8Linear if method == "int8" else quant.Int4Linear)
-        assert isinstance(model.logits_head, quant.Int8Linear)  # int8 head in both modes
+        if NATIVE:
+            assert isinstance(model.layers[0].gate_up_proj, quant.GroupLinear)
+            assert model.layers[0].gate_up_proj.bits == (8 if method == "int8" else 4)
+            assert isinstance(model.logits_head, quant.GroupLinear) and model.logits_head.bits == 8
+        else:
+            assert isinstance(model.layers[0].gate_up_proj, quant.Int8Linear if method == "int8" else quant.Int4Linear)
+            assert isinstance(model.logits_head, quant.Int8Linear)  # int8 head in both modes
         rel = ((model.forward_simple(ids) - ref).norm() / ref.norm()).item()
         print(f"{method}: relative logit error {rel:.4f}")
         assert rel < MAX_TINY_REL_ERR[method]
@@ -321,5 +377,44 @@ def test_weight_memory(bf16_model, quantized):
     mb = {"bf16": quant.weight_bytes(model) / 1e6 - head_mb}
     mb.update({q: quant.weight_bytes(lm.model) / 1e6 for q, lm in quantized.items()})
     # 134.5M parameters: bf16 2 bytes each; the bf16 input embedding (56.6 MB) stays in all three.
+    # Native kernel: int4 0.625 bytes a weight, int8 1.125 (a float16 scale and offset per 32).
     assert 265 < mb["bf16"] < 275
-    assert mb["int4"] < 0.6 * mb["bf16"] and mb["int8"] < 0.75 * mb["bf16"]
+    assert mb["int4"] < 0.6 * mb["bf16"] and mb["int8"] < 0.8 * mb["bf16"]
+
+
+# ---- the native kernel's group-wise layers ---------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_groups_error_is_half_a_step(bits):
+    torch.manual_seed(2)
+    w = torch.randn(64, 96) * 0.05
+    codes, scale, offset = quant.quantize_groups(w, bits)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 2 ** bits - 1
+    assert scale.dtype == offset.dtype == torch.float16 and scale.shape == (64, 3)
+    deq = (codes.float().view(64, 3, 32) * scale.float()[..., None] + offset.float()[..., None]).view(64, 96)
+    g = w.view(64, 3, 32)
+    step = ((g.amax(-1) - g.amin(-1)) / (2 ** bits - 1)).repeat_interleave(32, dim=1)
+    # half a step, plus float16's rounding of the step and the offset (2**-11 relative)
+    slack = 2.0 ** -10 * (step * (2 ** bits - 1) + w.abs().amax())
+    assert ((deq - w).abs() <= step / 2 + slack).all()
+    with pytest.raises(ValueError, match="float16"):
+        quant.quantize_groups(torch.full((16, 32), 1e6), bits)
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [4, 8])
+def test_group_linear_matches_its_dequantized_weight_at_any_batch(bits):
+    torch.manual_seed(3)
+    w = torch.randn(96, 128) * 0.05
+    mod = quant.GroupLinear.from_float(w, bits)
+    w_deq = mod.dequantize()
+    calls = []
+    real = mod._linear
+    mod._linear = lambda *a: calls.append(1) or real(*a)
+    inputs = (torch.randn(3, 128), torch.randn(2, 5, 128).bfloat16(), torch.randn(quant.DENSE_MIN_ROWS + 5, 128))
+    for x in inputs:  # any dtype and rank; prefill-sized inputs use the kernel too (no dense path)
+        y = mod(x)
+        assert y.shape == (*x.shape[:-1], 96) and y.dtype == x.dtype
+        ref = x.bfloat16().float() @ w_deq.t()
+        assert (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max()
+    assert len(calls) == len(inputs)
