@@ -61,13 +61,20 @@ def test_cascade_needs_a_long_shared_prefix_and_leaves_every_row_a_suffix():
     assert PagedAttention(pool, extend).groups[0].shared_index is None
 
 
-def test_batched_requests_on_one_long_prefix_match_their_runs_alone(loaded_model, monkeypatch):
+@pytest.mark.parametrize("native", [False, True])
+def test_batched_requests_on_one_long_prefix_match_their_runs_alone(loaded_model, monkeypatch, native):
+    """PyTorch path: the batched decode rows share the prefix through cascade attention. Native
+    operators: they read it in place, no cascade. Either way each output equals its run alone."""
     calls = []
     real = attention_mod.cascade_decode_attention
     monkeypatch.setattr(attention_mod, "cascade_decode_attention", lambda *a: calls.append(1) or real(*a))
     shared = "You are a careful assistant who answers in one short sentence. " * 20
     prompts = [shared + f"Question {i}: name a colour that starts with the letter {c}." for i, c in enumerate("BGRY")]
     params = SamplingParams(max_tokens=12, return_logprob=True, top_logprobs_num=5)
+    was_native = loaded_model.model.native_ops
+    if native and not was_native:
+        pytest.skip("the native layer operators are not built here")
+    loaded_model.model.use_native_ops(native)
     eng = Engine(model=loaded_model, max_total_tokens=8192)
     try:
         assert len(eng.tokenizer.encode(shared)) >= CASCADE_MIN_PREFIX
@@ -75,8 +82,9 @@ def test_batched_requests_on_one_long_prefix_match_their_runs_alone(loaded_model
         assert not calls  # one row at a time: plain attention
         eng.flush_cache()
         batched = eng.generate_batch(prompts, params)
-        assert calls  # the four decode rows shared the prefix
+        assert bool(calls) == (not native)  # cascade only on the PyTorch path
     finally:
         eng.shutdown()
+        loaded_model.model.use_native_ops(was_native)
     for a, b in zip(alone, batched):
         assert_same_greedy(a, b)
