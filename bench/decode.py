@@ -2,7 +2,7 @@
 and with int8 / int4 weight-only linear layers (issue 10).
 
 Same weights (the default model's converted HF folder; int4 takes the GGUF's Q4_1 blocks as they
-are), a ~60-token prompt, 128 new tokens with EOS ignored, 2 threads, greedy, median of 3.
+are), a ~60-token prompt, 128 new tokens with EOS ignored, 2 threads, greedy, median of 5.
 
 - Batch 1, for float32 and bfloat16 (against transformers in the same dtype) and for int8 / int4
   (bfloat16 activations; against our bfloat16 and transformers' bfloat16). Decode tok/s excludes
@@ -12,13 +12,17 @@ are), a ~60-token prompt, 128 new tokens with EOS ignored, 2 threads, greedy, me
 - Batch 16: 16 requests submitted at once (the same prompt, radix cache off, so each prefills),
   128 new tokens each; throughput = 16 * 128 / wall time, for bfloat16, int8 and int4.
   Targets: int4 >= 2.5x our bfloat16 at batch 1; at batch 16 no worse than bfloat16.
+- All models are loaded first; then the sgrt runs alternate between them (one engine at a time,
+  a fresh engine per run), so that the machine's drift lands on every row alike: on a shared
+  machine the memory-bound quantized rows move most (10-25% between runs minutes apart).
 
 Run: ``python bench/decode.py [--dtypes float32,bfloat16] [--quantizations int8,int4]
-[--batch 16] [--runs 3] [--threads 2]``
+[--batch 16] [--runs 5] [--threads 2]``
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -41,20 +45,21 @@ PROMPT = (
 NEW_TOKENS = 128
 
 
-def sgrt_decode_tps(loaded, prompt_ids: list[int], runs: int) -> float:
+def sgrt_decode_tps(loaded, prompt_ids: list[int]) -> float:
+    """One timed batch-1 generation on a fresh engine (after a short warm-up)."""
     from sgrt.engine import Engine, SamplingParams
 
     engine = Engine(model=loaded, max_total_tokens=1024, enable_radix_cache=False)
-    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     try:
         engine.generate(prompt_ids, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-        return median_of(runs, lambda: engine.generate(prompt_ids, params).output_tok_per_s)
+        return engine.generate(prompt_ids, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)).output_tok_per_s
     finally:
         engine.shutdown()
 
 
-def sgrt_batch_tps(loaded, prompt_ids: list[int], batch: int, runs: int) -> float:
-    """Output tok/s of ``batch`` concurrent requests (prefills included in the wall time)."""
+def sgrt_batch_tps(loaded, prompt_ids: list[int], batch: int) -> float:
+    """Output tok/s of ``batch`` concurrent requests (prefills included in the wall time), one
+    timed run on a fresh engine after a short warm-up."""
     from sgrt.engine import Engine, SamplingParams
 
     engine = Engine(model=loaded, max_total_tokens=(len(prompt_ids) + NEW_TOKENS) * batch + 64,
@@ -62,15 +67,22 @@ def sgrt_batch_tps(loaded, prompt_ids: list[int], batch: int, runs: int) -> floa
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     try:
         engine.generate_batch([prompt_ids] * batch, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-
-        def one() -> float:
-            seconds, results = timed(lambda: engine.generate_batch([prompt_ids] * batch, params))
-            assert sum(r.completion_tokens for r in results) == batch * NEW_TOKENS
-            return batch * NEW_TOKENS / seconds
-
-        return median_of(runs, one)
+        seconds, results = timed(lambda: engine.generate_batch([prompt_ids] * batch, params))
+        assert sum(r.completion_tokens for r in results) == batch * NEW_TOKENS
+        return batch * NEW_TOKENS / seconds
     finally:
         engine.shutdown()
+
+
+def interleaved_medians(models: dict[str, object], runs: int, measure) -> dict[str, float]:
+    """``measure(model)`` for every model in turn, ``runs`` rounds, median per model. Rounds
+    alternate the models so that a slow drift of the shared machine (other tenants' memory
+    traffic moves the quantized rows most) lands on all of them alike. One engine at a time."""
+    samples: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(runs):
+        for name, loaded in models.items():
+            samples[name].append(measure(loaded))
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def hf_decode_tps(path: Path, dtype: torch.dtype, prompt_ids: list[int], runs: int) -> float:
@@ -99,7 +111,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--quantizations", default="int8,int4", help="comma list; empty for none")
     ap.add_argument("--batch", type=int, default=16, help="batch-size row (0: skip)")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     args = ap.parse_args()
@@ -112,26 +124,29 @@ def main() -> None:
     if quants and "bfloat16" not in dtypes:
         dtypes.append("bfloat16")  # the quantized rows' baseline
     rows, batch_rows, figures = [], [], {}
-    batch_tps: dict[str, float] = {}
-    prompt_ids: list[int] = []
+    models, hf_paths = {}, {}
     for name in dtypes + quants:
         quantized = name in quants
-        loaded = load_model(args.model, dtype="bfloat16" if quantized else name,
-                            quantization=name if quantized else "none")
-        prompt_ids = loaded.tokenizer.encode(PROMPT)
-        mb = weight_bytes(loaded.model) / 1e6
-        ours = sgrt_decode_tps(loaded, prompt_ids, args.runs)
-        figures[f"{name}_sgrt_tok_s"] = round(ours, 2)
-        figures[f"{name}_weight_mb"] = round(mb, 1)
+        models[name] = load_model(args.model, dtype="bfloat16" if quantized else name,
+                                  quantization=name if quantized else "none")
+        figures[f"{name}_weight_mb"] = round(weight_bytes(models[name].model) / 1e6, 1)
         if not quantized:
-            theirs = hf_decode_tps(loaded.path, getattr(torch, name), prompt_ids, args.runs)
-            figures[f"{name}_hf_tok_s"] = round(theirs, 2)
-            figures[f"{name}_ratio"] = round(ours / theirs, 3)
-        if args.batch and (quantized or name == "bfloat16"):
-            batch_tps[name] = sgrt_batch_tps(loaded, prompt_ids, args.batch, args.runs)
+            hf_paths[name] = models[name].path
+    prompt_ids = next(iter(models.values())).tokenizer.encode(PROMPT)
+    # transformers first, on this thread; then sgrt, whose engines free this thread's OpenMP pool.
+    for name, path in hf_paths.items():
+        figures[f"{name}_hf_tok_s"] = round(hf_decode_tps(path, getattr(torch, name), prompt_ids, args.runs), 2)
+    ours = interleaved_medians(models, args.runs, lambda lm: sgrt_decode_tps(lm, prompt_ids))
+    batch_models = {n: m for n, m in models.items() if n in quants or n == "bfloat16"} if args.batch else {}
+    batch_tps = interleaved_medians(batch_models, args.runs, lambda lm: sgrt_batch_tps(lm, prompt_ids, args.batch))
+    for name in models:
+        figures[f"{name}_sgrt_tok_s"] = round(ours[name], 2)
+        if name in hf_paths:
+            figures[f"{name}_ratio"] = round(ours[name] / figures[f"{name}_hf_tok_s"], 3)
+        if name in batch_tps:
             figures[f"batch{args.batch}_{name}_tok_s"] = round(batch_tps[name], 2)
-        rows.append([name, mb, ours, figures.get(f"{name}_hf_tok_s", "-"), figures.get(f"{name}_ratio", "-")])
-        del loaded
+        rows.append([name, figures[f"{name}_weight_mb"], ours[name], figures.get(f"{name}_hf_tok_s", "-"),
+                     figures.get(f"{name}_ratio", "-")])
     bf16, hf_bf16 = figures.get("bfloat16_sgrt_tok_s"), figures.get("bfloat16_hf_tok_s")
     for row in rows:
         name = row[0]

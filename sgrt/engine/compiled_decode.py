@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from sgrt.engine.attention import PagedAttention, decode_attention
+from sgrt.models.llama import LayerOps
 
 
 @torch.library.custom_op("sgrt::paged_decode_attention", mutates_args=("k_pool", "v_pool"))
@@ -71,7 +72,9 @@ class CompiledDecode:
 
     def _forward(self, input_ids, positions, k_pool, v_pool, out_slots, kv_index, mask):
         attn = _GraphAttention(k_pool, v_pool, out_slots, kv_index, mask)
-        return self.model.compute_logits(self.model(input_ids, positions, attn))
+        # The PyTorch layer ops, which Inductor fuses itself (the native operators mutate their
+        # inputs in place and return aliases, which the graph cannot take).
+        return self.model.compute_logits(self.model(input_ids, positions, attn, LayerOps()))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
         (group,) = attn.groups

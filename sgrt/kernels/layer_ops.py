@@ -23,6 +23,7 @@ with fake implementations, so ``torch.compile`` treats them as opaque calls.
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ SOURCE = Path(__file__).with_name("layer_ops_cpu.cpp")
 CFLAGS = ["-march=native", "-ffp-contract=off"]
 DTYPES = (torch.float32, torch.bfloat16)
 
+_fakes_lock = threading.Lock()
 _fakes_registered = False
 
 
@@ -42,8 +44,10 @@ def available() -> bool:
     global _fakes_registered
     ok = load_library("sgrt_layer", SOURCE, CFLAGS) is None
     if ok and not _fakes_registered:
-        _register_fakes()
-        _fakes_registered = True
+        with _fakes_lock:
+            if not _fakes_registered:
+                _register_fakes()
+                _fakes_registered = True
     return ok
 
 

@@ -158,6 +158,19 @@ def unpack(packed: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
     return vec.reshape(n // BLOCK_N, k // 2, BLOCK_N, 2).permute(0, 2, 1, 3).reshape(n, k).contiguous()
 
 
+def kernel():
+    """The registered operator itself, with :func:`linear`'s signature (positional arguments),
+    for callers that check :func:`available` once and call it many times (one Python frame
+    less a call).
+
+    Raises:
+        RuntimeError: :func:`available` is False.
+    """
+    if not available():
+        raise RuntimeError("sgrt.kernels.woq: the native kernel is unavailable (see the log)")
+    return _state["op"]
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
            n: int, k: int, bits: int, group: int = 32) -> torch.Tensor:
     """``y[m, n] = sum_k x[m, k] * (scales[n, k // group] * code[n, k] + offsets[n, k // group])``.

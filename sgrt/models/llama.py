@@ -221,11 +221,13 @@ class LlamaForCausalLM(nn.Module):
                     getattr(layer, fused).weight.copy_(torch.cat([take(p + part) for part in parts]))
 
     # -- forward -----------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions ``[T]`` int64 -> final hidden states ``[T, hidden]`` (model dtype)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                ops: LayerOps | None = None) -> torch.Tensor:
+        """input_ids, positions ``[T]`` int64 -> final hidden states ``[T, hidden]`` (model dtype).
+        ``ops``: the layers' non-matmul steps, default the model's own (:meth:`use_native_ops`)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        ops = self.layer_ops
+        ops = self.layer_ops if ops is None else ops
         delta = None
         for layer in self.layers:
             x, delta = layer.forward(x, delta, cos, sin, attn, ops)  # (see DecoderLayer.forward's NOTE)
