@@ -77,6 +77,10 @@ class PagedAttention:
     def __init__(self, pool: KVPool, rows: list[RowSpec], cascade: bool = True, native: bool = False):
         self.pool = pool
         self.native = native
+        if native:
+            from sgrt.kernels import layer_ops
+
+            self._store_kv, self._decode_attention = layer_ops.op("store_kv_"), layer_ops.op("decode_attention")
         device = pool.k.device
         offsets, new_slots = [], []
         total = 0
@@ -97,6 +101,11 @@ class PagedAttention:
             self._group([rows[i] for i in members], [offsets[i] for i in members], total, device, cascade)
             for members in by_q.values()
         ]
+        # A decode-only forward on the native path (every decode step): one operator call a layer.
+        g = self.groups[0]
+        self._native_decode = None
+        if native and len(self.groups) == 1 and g.q_len == 1 and g.token_index is None:
+            self._native_decode = (g.kv_index.view(g.size, g.max_kv), g.kv_lens)
 
     @staticmethod
     def _group(rows: list[RowSpec], offsets: list[int], total: int, device: torch.device,
@@ -132,18 +141,20 @@ class PagedAttention:
         """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (possibly strided views) -> ``[T, H*D]``; stores
         k/v in the pool first."""
         pool = self.pool
+        k_layer, v_layer = pool.k_layers[layer_id], pool.v_layers[layer_id]
+        if self._native_decode is not None:
+            self._store_kv(k_layer, v_layer, self.out_slots, k, v)
+            return self._decode_attention(q, k_layer, v_layer, *self._native_decode)
         t, n_heads, head_dim = q.shape
-        k_layer, v_layer = pool.k[layer_id], pool.v[layer_id]
         if self.native:
-            torch.ops.sgrt_layer.store_kv_(k_layer, v_layer, self.out_slots, k, v)
+            self._store_kv(k_layer, v_layer, self.out_slots, k, v)
         else:
             pool.write(layer_id, self.out_slots, k, v)
         out = None
         for g in self.groups:
             qg = q if g.token_index is None else q.index_select(0, g.token_index)
             if self.native and g.q_len == 1 and g.shared_index is None:
-                o = torch.ops.sgrt_layer.decode_attention(qg, k_layer, v_layer, g.kv_index.view(g.size, g.max_kv),
-                                                          g.kv_lens)
+                o = self._decode_attention(qg, k_layer, v_layer, g.kv_index.view(g.size, g.max_kv), g.kv_lens)
             else:
                 o = self._attend_gathered(g, qg, k_layer, v_layer)
             if g.token_index is None:

@@ -35,6 +35,9 @@ class KVPool:
         shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # One layer's view of each, made once (indexing k[layer] is an op, twice a layer a step).
+        self.k_layers: list[torch.Tensor] = list(self.k.unbind(0))
+        self.v_layers: list[torch.Tensor] = list(self.v.unbind(0))
         # Free slots are 1..num_slots; popped from the end so recently freed slots are reused.
         self._free: list[int] = list(range(num_slots, 0, -1))
 
@@ -70,5 +73,5 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v ``[T, num_kv_heads, head_dim]`` at ``slots`` ``[T]`` for one layer."""
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        self.k_layers[layer].index_copy_(0, slots, k)
+        self.v_layers[layer].index_copy_(0, slots, v)

@@ -5,8 +5,9 @@ module, so compilation is quick: 10-40 s on 2 cores). :func:`load_library` build
 ``torch.utils.cpp_extension.load`` into ``$SGRT_CACHE_DIR/kernels/<hash>`` (default
 ``~/.cache/sgrt/kernels/<hash>``); the hash covers the source, torch's version, the flags and
 the CPU's feature flags (the flags may target this CPU), so a later process, or another
-checkout of the same source, loads the cached ``.so`` in milliseconds. torch's builder holds a
-lock file in the build directory, so concurrent first uses build once.
+checkout of the same source, loads the cached ``.so`` in milliseconds. A lock file holding the
+builder's PID makes concurrent first uses build once (a lock whose process died is taken over),
+and a checksum written after each successful build keeps a truncated ``.so`` from being loaded.
 
 ``SGRT_NATIVE_KERNELS=0`` in the environment disables every library (the callers then use their
 plain-PyTorch paths).
@@ -31,7 +32,7 @@ logger = logging.getLogger("sgrt.kernels")
 # already loaded (the same thread pool as torch's own ops).
 BASE_CFLAGS = ["-O3", "-std=c++20", "-fopenmp", "-fopenmp-simd"]
 
-STALE_LOCK_S = 600  # a build lock older than this was left by a process that died
+BUILD_WAIT_S = 600.0  # the longest a process waits for another one's build (then PyTorch ops)
 
 _lock = threading.Lock()
 _loaded: dict[str, str | None] = {}  # library name -> None (loaded) or the reason it is not
@@ -109,31 +110,92 @@ def _try_load(name: str, source: Path, cflags: list[str], required: tuple[str, .
     build_dir = cache_dir() / digest
     so = build_dir / f"{ext}.so"
     t0 = time.perf_counter()
-    # While a process builds, torch's builder holds build_dir/lock (and others wait on it
-    # forever): a lock older than any build was left by a process that died, and is removed.
-    lock = build_dir / "lock"
     try:
-        building = time.time() - lock.stat().st_mtime < STALE_LOCK_S
-        if not building:
-            lock.unlink()
-            logger.info("removed a stale build lock %s", lock)
-    except FileNotFoundError:
-        building = False
-    try:
-        if so.is_file() and not building:  # a finished build: load it without running ninja
-            try:
-                torch.ops.load_library(str(so))
-                logger.debug("loaded cached %s in %.3f s", so, time.perf_counter() - t0)
-                return None
-            except OSError as e:
-                logger.info("cached %s did not load (%s): rebuilding", so, e)
         build_dir.mkdir(parents=True, exist_ok=True)
-        _put_ninja_on_path()
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(name=ext, sources=[str(source)], extra_cflags=BASE_CFLAGS + cflags,
-                           build_directory=str(build_dir), is_python_module=False, verbose=False)
+        with _BuildLock(build_dir / "sgrt-build.lock"):
+            if not _verified(so):
+                _build(ext, source, cflags, build_dir, so)
+                logger.info("compiled %s in %.1f s (%s)", source.name, time.perf_counter() - t0, build_dir)
+            torch.ops.load_library(str(so))
     except Exception as e:  # noqa: BLE001 - any build or load failure leaves the plain-PyTorch path
         return f"building or loading {source.name} failed: {type(e).__name__}: {e}"
-    logger.info("compiled %s in %.1f s (%s)", source.name, time.perf_counter() - t0, build_dir)
     return None
+
+
+def _verified(so: Path) -> bool:
+    """Whether ``so`` is a complete build: its checksum file, written after a build succeeded,
+    matches it. A ``.so`` cut short (a build killed while linking) would crash the process on
+    loading (SIGBUS), so it is never loaded unchecked."""
+    marker = so.with_suffix(".sha256")
+    try:
+        return marker.read_text().strip() == hashlib.sha256(so.read_bytes()).hexdigest()
+    except OSError:
+        return False
+
+
+def _build(ext: str, source: Path, cflags: list[str], build_dir: Path, so: Path) -> None:
+    """Compile and link with torch's builder (ninja), then write the checksum file."""
+    for leftover in (so, so.with_suffix(".sha256"), build_dir / "lock"):
+        # torch's own lock is only ever taken under ours, so one here was left by a killed build.
+        leftover.unlink(missing_ok=True)
+    _put_ninja_on_path()
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(name=ext, sources=[str(source)], extra_cflags=BASE_CFLAGS + cflags,
+                       build_directory=str(build_dir), is_python_module=False, verbose=False)
+    # NOTE: cpp_extension.load also loaded the library into this process; loading it again
+    # below is a no-op.
+    so.with_suffix(".sha256").write_text(hashlib.sha256(so.read_bytes()).hexdigest())
+
+
+class _BuildLock:
+    """An exclusive lock file holding the owner's PID, so that one process builds a library at a
+    time. A lock whose process is gone (killed mid-build) is taken over; a live owner is waited
+    for, at most :data:`BUILD_WAIT_S` seconds (then :class:`TimeoutError`, and the caller keeps
+    its PyTorch path), never forever."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self) -> "_BuildLock":
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                if not _owner_alive(self.path):
+                    self.path.unlink(missing_ok=True)
+                    logger.info("removed the build lock %s of a process that is gone", self.path)
+                    continue
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building for over {BUILD_WAIT_S} s "
+                                       f"(lock {self.path})") from None
+                time.sleep(0.5)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _owner_alive(lock: Path) -> bool:
+    try:
+        pid = int(lock.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return True  # being written right now, or unreadable: treat as held
+    if pid <= 0:
+        # An empty lock: its owner is between creating and writing it, or died there; give it
+        # the benefit of the doubt while it is young.
+        try:
+            return time.time() - lock.stat().st_mtime < 5
+        except OSError:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -49,6 +50,20 @@ def available() -> bool:
                 _register_fakes()
                 _fakes_registered = True
     return ok
+
+
+_callables: dict[str, Callable] = {}
+
+
+def op(name: str) -> Callable:
+    """The callable behind ``torch.ops.sgrt_layer.<name>``'s default overload (its C++ entry
+    where torch exposes it): two Python frames less a call than ``torch.ops.sgrt_layer.<name>``,
+    for the per-layer calls of a decode step. Call after :func:`available` returned True."""
+    fn = _callables.get(name)
+    if fn is None:
+        overload = getattr(torch.ops.sgrt_layer, name).default
+        fn = _callables[name] = getattr(overload, "_op", overload)
+    return fn
 
 
 def _register_fakes() -> None:

@@ -89,10 +89,10 @@ void check_cpu_float(const Tensor& t, const char* name) {
 // exp(x) for float32, vectorizable (no branches, no calls): Cody-Waite range reduction
 // x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for exp(r) (Cephes expf's
 // coefficients), and 2^n built in the exponent bits. Within 2 ulp of expf over the range the
-// ops use; inputs below -87 flush to 0, above 88 saturate (never reached: softmax inputs are
-// <= 0, SiLU clamps).
+// ops use; inputs below -87 give exp(-87) (~1.6e-38, not 0), above 88 saturate; NaN gives NaN.
 inline float fast_exp(float x) {
-  x = std::min(88.f, std::max(-87.f, x));
+  // NOTE: written so that a NaN stays NaN (std::min / std::max would turn it into a bound).
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
   // Round to nearest integer by adding and subtracting 1.5 * 2^23 (exact for |x log2 e| < 2^22).
   float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
   float r = x - n * 0.693359375f;
@@ -104,7 +104,7 @@ inline float fast_exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  int32_t bits = static_cast<int32_t>(static_cast<uint32_t>(static_cast<int32_t>(n == n ? n : 0.f) + 127) << 23);
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
@@ -395,6 +395,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
                   v_cache.scalar_type() == q.scalar_type(),
               "k_cache and v_cache must be contiguous [slots, kv_heads, head_dim] in q's dtype");
   int64_t b = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1);
+  TORCH_CHECK(h > 0 && hkv > 0 && d > 0, "heads, kv_heads and head_dim must be positive, got ", h, ", ", hkv, ", ", d);
   TORCH_CHECK(k_cache.size(2) == d && h % hkv == 0, "head_dim must match and heads must be a multiple of kv_heads");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) == b && slots.is_contiguous(),
               "slots must be contiguous int64 [B, max_kv]");

@@ -97,18 +97,25 @@ class LayerOps:
 
 class NativeLayerOps(LayerOps):
     """The same steps as fused CPU operators (:mod:`sgrt.kernels.layer_ops`), one call each;
-    ``x`` is updated in place by the residual add. Same rounding points as :class:`LayerOps`."""
+    ``x`` is updated in place by the residual add. Same rounding points as :class:`LayerOps`.
+    Build it after ``sgrt.kernels.layer_ops.available()`` returned True."""
+
+    def __init__(self) -> None:
+        from sgrt.kernels.layer_ops import op
+
+        self._rms_norm, self._add_rms_norm = op("rms_norm"), op("add_rms_norm_")
+        self._rotary, self._silu_mul = op("rotary_"), op("silu_mul")
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         if delta is None:
-            return x, torch.ops.sgrt_layer.rms_norm(x, norm.weight, norm.eps)
-        return x, torch.ops.sgrt_layer.add_rms_norm_(x, delta, norm.weight, norm.eps)
+            return x, self._rms_norm(x, norm.weight, norm.eps)
+        return x, self._add_rms_norm(x, delta, norm.weight, norm.eps)
 
     def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return torch.ops.sgrt_layer.rotary_(qk, cos, sin)
+        return self._rotary(qk, cos, sin)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return torch.ops.sgrt_layer.silu_mul(gate_up)
+        return self._silu_mul(gate_up)
 
 
 class DecoderLayer(nn.Module):

@@ -161,3 +161,25 @@ def test_default_model_same_logits_and_greedy_text(loaded_model):
     torch.testing.assert_close(native, eager, rtol=0, atol=1e-3)
     assert torch.equal(native.argmax(-1), eager.argmax(-1))
     assert texts[True] == texts[False] and len(texts[True]) == 24
+
+
+def test_nan_propagates_as_in_pytorch():
+    """A NaN input gives NaN outputs where PyTorch's ops give NaN, not a finite value."""
+    q = torch.randn(2, 9, 64)
+    k_cache, v_cache = torch.randn(8, 3, 64), torch.randn(8, 3, 64)
+    slots, lens = torch.tensor([[1, 2, 3], [4, 5, 0]]), torch.tensor([3, 2])
+    q[0, 0, 0] = float("nan")
+    out = torch.ops.sgrt_layer.decode_attention(q, k_cache, v_cache, slots, lens)
+    assert torch.isnan(out[0, :64]).all() and not torch.isnan(out[1]).any()
+    k_cache[5, 1, 3] = float("nan")  # a key of row 1, kv head 1
+    out = torch.ops.sgrt_layer.decode_attention(q, k_cache, v_cache, slots, lens)
+    assert torch.isnan(out[1, 3 * 64: 6 * 64]).all() and not torch.isnan(out[1, :3 * 64]).any()
+    gate_up = torch.randn(1, 8)
+    gate_up[0, 1] = float("nan")
+    assert torch.isnan(torch.ops.sgrt_layer.silu_mul(gate_up)[0, 1])
+
+
+def test_zero_kv_heads_is_an_error_not_a_crash():
+    with pytest.raises(RuntimeError, match="kv_heads and head_dim must be positive"):
+        torch.ops.sgrt_layer.decode_attention(torch.randn(1, 4, 64), torch.randn(10, 0, 64), torch.randn(10, 0, 64),
+                                              torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
