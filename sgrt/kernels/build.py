@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -52,9 +53,18 @@ def cpu_flags() -> set[str]:
 
 
 def cache_dir() -> Path:
-    """Where compiled libraries live: ``$SGRT_CACHE_DIR/kernels`` or ``~/.cache/sgrt/kernels``."""
-    root = os.environ.get("SGRT_CACHE_DIR") or Path.home() / ".cache" / "sgrt"
-    return Path(root) / "kernels"
+    """Where compiled libraries live: ``kernels/`` under sgrt's cache root
+    (:func:`sgrt.models.loader.cache_root`: ``$SGRT_CACHE_DIR`` or ``~/.cache/sgrt``)."""
+    from sgrt.models.loader import cache_root
+
+    return cache_root() / "kernels"
+
+
+def operator_entry(overload: Any) -> Callable:
+    """The C++ entry behind a registered operator overload (``torch.ops.<lib>.<op>.default``),
+    where torch exposes it: two Python frames less a call than ``torch.ops.<lib>.<op>(...)``,
+    for operators called many times a decode step. Falls back to the overload itself."""
+    return getattr(overload, "_op", overload)
 
 
 def disabled() -> bool:

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from sgrt.kernels.build import load_library
+from sgrt.kernels.build import load_library, operator_entry
 
 SOURCE = Path(__file__).with_name("layer_ops_cpu.cpp")
 # -ffp-contract=off: no fused multiply-add where the eager code rounds between the two.
@@ -56,13 +56,11 @@ _callables: dict[str, Callable] = {}
 
 
 def op(name: str) -> Callable:
-    """The callable behind ``torch.ops.sgrt_layer.<name>``'s default overload (its C++ entry
-    where torch exposes it): two Python frames less a call than ``torch.ops.sgrt_layer.<name>``,
+    """``torch.ops.sgrt_layer.<name>``'s C++ entry (:func:`sgrt.kernels.build.operator_entry`),
     for the per-layer calls of a decode step. Call after :func:`available` returned True."""
     fn = _callables.get(name)
     if fn is None:
-        overload = getattr(torch.ops.sgrt_layer, name).default
-        fn = _callables[name] = getattr(overload, "_op", overload)
+        fn = _callables[name] = operator_entry(getattr(torch.ops.sgrt_layer, name).default)
     return fn
 
 

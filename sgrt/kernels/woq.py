@@ -56,10 +56,9 @@ kernel is bound by widening its codes again for each 4 rows; this one widens eac
 once per 16 rows, is memory-bound up to ~4 rows and then bound by ``vdpbf16ps`` throughput
 (~82% of its peak on one core at 16 rows; the per-group scale and offset FMAs take 1/9).
 
-Build: compiled on first use with ``torch.utils.cpp_extension.load`` (~10 s on 2 cores, mostly
-torch's headers) into ``$SGRT_CACHE_DIR/kernels/<hash>`` (default ``~/.cache/sgrt/kernels/<hash>``),
-the hash covering the source, torch's version and the flags; a later process loads that ``.so``
-directly (~0.05 s). ``SGRT_NATIVE_KERNELS=0`` disables it (:func:`available` is then False).
+Build: compiled on first use (~10 s on 2 cores, mostly torch's headers) and cached by
+:func:`sgrt.kernels.build.load_library`, which a later process loads from (~0.05 s).
+``SGRT_NATIVE_KERNELS=0`` disables it (:func:`available` is then False).
 """
 from __future__ import annotations
 
@@ -67,7 +66,7 @@ from pathlib import Path
 
 import torch
 
-from sgrt.kernels.build import disabled, load_library
+from sgrt.kernels.build import disabled, load_library, operator_entry
 
 SOURCE = Path(__file__).with_name("woq_cpu.cpp")
 BLOCK_N = 16
@@ -91,10 +90,7 @@ def available() -> bool:
     _state.pop("op", None)
     if load_library("sgrt_woq", SOURCE, CFLAGS, REQUIRED_CPU_FLAGS) is not None:
         return False
-    overload = torch.ops.sgrt_woq.linear.default
-    # the overload's C++ callable where torch exposes it: ~0.3 us less a call than
-    # OpOverload.__call__ (a Python frame), 120 calls a decode step
-    _state["op"] = getattr(overload, "_op", overload)
+    _state["op"] = operator_entry(torch.ops.sgrt_woq.linear.default)  # 120 calls a decode step
     return True
 
 
@@ -193,12 +189,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets:
             contiguity, ``n % 16``, ``k % group``, bits / group values).
         RuntimeError: :func:`available` is False.
     """
-    op = _state.get("op")
-    if op is None:
-        if not available():
-            raise RuntimeError("sgrt.kernels.woq: the native kernel is unavailable (see the log)")
-        op = _state["op"]
-    return op(x, packed, scales, offsets, n, k, bits, group)
+    return kernel()(x, packed, scales, offsets, n, k, bits, group)
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: int, k: int, bits: int,
