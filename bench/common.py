@@ -16,6 +16,17 @@ def median_of(n: int, fn: Callable[[], float]) -> float:
     return statistics.median(fn() for _ in range(n))
 
 
+def interleaved_medians(items: dict[str, Any], runs: int, measure: Callable[[Any], float]) -> dict[str, float]:
+    """``measure(item)`` for every item in turn, ``runs`` rounds, the median per item. Rounds
+    alternate the items, so that a drift of the shared machine (load, clock, other tenants'
+    memory traffic) lands on all of them alike."""
+    samples: dict[str, list[float]] = {name: [] for name in items}
+    for _ in range(runs):
+        for name, item in items.items():
+            samples[name].append(measure(item))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn()

@@ -22,7 +22,6 @@ Run: ``python bench/decode.py [--dtypes float32,bfloat16] [--quantizations int8,
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.common import emit_json, median_of, print_table, timed  # noqa: E402
+from bench.common import emit_json, interleaved_medians, median_of, print_table, timed  # noqa: E402
 
 PROMPT = (
     "You are a helpful assistant. Read the following note and continue it in the same style. "
@@ -72,17 +71,6 @@ def sgrt_batch_tps(loaded, prompt_ids: list[int], batch: int) -> float:
         return batch * NEW_TOKENS / seconds
     finally:
         engine.shutdown()
-
-
-def interleaved_medians(models: dict[str, object], runs: int, measure) -> dict[str, float]:
-    """``measure(model)`` for every model in turn, ``runs`` rounds, median per model. Rounds
-    alternate the models so that a slow drift of the shared machine (other tenants' memory
-    traffic moves the quantized rows most) lands on all of them alike. One engine at a time."""
-    samples: dict[str, list[float]] = {name: [] for name in models}
-    for _ in range(runs):
-        for name, loaded in models.items():
-            samples[name].append(measure(loaded))
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def hf_decode_tps(path: Path, dtype: torch.dtype, prompt_ids: list[int], runs: int) -> float:

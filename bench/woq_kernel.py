@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.common import emit_json, print_table  # noqa: E402
+from bench.common import emit_json, interleaved_medians, print_table  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LM_HEAD = (49152, 576)
@@ -105,14 +104,10 @@ def time_passes(by_method: dict[str, list], xs: dict[int, torch.Tensor], ks: lis
             layer(xs[k])
         return (time.perf_counter() - t0) * 1e3
 
-    times: dict[str, list[float]] = {m: [] for m in by_method}
     with torch.inference_mode():
         for layers in by_method.values():
             one(layers)  # warm-up (oneDNN primitives, page faults)
-        for _ in range(passes):
-            for method, layers in by_method.items():
-                times[method].append(one(layers))
-    return {m: statistics.median(t) for m, t in times.items()}
+        return interleaved_medians(by_method, passes, one)
 
 
 def main() -> None:
