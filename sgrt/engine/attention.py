@@ -153,7 +153,7 @@ class PagedAttention:
         out = None
         for g in self.groups:
             qg = q if g.token_index is None else q.index_select(0, g.token_index)
-            if self.native and g.q_len == 1 and g.shared_index is None:
+            if self.native and g.q_len == 1:  # (no cascade groups on the native path)
                 o = self._decode_attention(qg, k_layer, v_layer, g.kv_index.view(g.size, g.max_kv), g.kv_lens)
             else:
                 o = self._attend_gathered(g, qg, k_layer, v_layer)

@@ -136,7 +136,6 @@ class DecoderLayer(nn.Module):
         self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
         self.gate_up_proj = nn.Linear(hidden, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
-        self.intermediate_size = config.intermediate_size
 
     def forward(
         self,
