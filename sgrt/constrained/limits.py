@@ -418,7 +418,7 @@ def _skip_class(regex: str, i: int) -> int:
 
 def check_lark(text: str, limits: GrammarLimits) -> None:
     """Size, rule count and repetition bounds of a Lark grammar; its ``/regex/`` terminals are
-    checked as regexes.
+    checked as regexes and its ``%json`` schemas as schemas.
 
     Raises:
         GrammarError: (field ``grammar``) ``max_grammar_bytes``, ``max_grammar_rules``,
@@ -436,3 +436,18 @@ def check_lark(text: str, limits: GrammarLimits) -> None:
             raise _refuse("grammar", "repetition bound", bound, "max_repeat", limits.max_repeat)
     for m in re.finditer(r"(?<![\w\"])/((?:[^/\\\n]|\\.)+)/[imsux]*", text):
         check_regex(m.group(1), limits, field="grammar")
+    decoder = json.JSONDecoder()
+    for m in re.finditer(r"%json\s*", text):
+        # An embedded JSON Schema (tool calls are written this way): the schema limits apply.
+        start = m.end()
+        try:
+            schema, _ = decoder.raw_decode(text, start)
+        except RecursionError:
+            raise _refuse("grammar", "%json schema nesting depth", _text_depth(text[start:]), "max_schema_depth",
+                          limits.max_schema_depth) from None
+        except ValueError:
+            continue  # not JSON: llguidance reports it
+        try:
+            check_schema(schema, limits)
+        except GrammarError as e:
+            raise GrammarError(f"grammar: %json schema: {str(e).split(': ', 1)[-1]}", field="grammar") from None

@@ -177,3 +177,115 @@ def test_schema_with_no_finite_instance_is_refused_at_compile_time(compiler, sch
 ])
 def test_recursive_schema_with_a_base_case_compiles(compiler, schema):
     assert compiler.compile(SamplingParams(json_schema=schema)) is not None
+
+
+# ---- a served process survives every attack class (HTTP and WebSocket) --------------------------
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _http(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.fixture(scope="module")
+def served():
+    """``sgrt serve`` as a process on free ports: (process, ws_port, http_port)."""
+    import time
+    import urllib.error
+
+    ws_port, http_port = _free_ports(2)
+    proc = subprocess.Popen([sys.executable, "-m", "sgrt.cli", "serve", "--port", str(ws_port), "--http-port",
+                             str(http_port), "--max-total-tokens", "4096", "--quiet"], cwd=ROOT,
+                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while True:
+        assert proc.poll() is None, f"sgrt serve exited early: {proc.stderr.read()[-2000:]}"
+        try:
+            if _http(http_port, "GET", "/health")[0] == 200:
+                break
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        assert time.monotonic() < deadline, "sgrt serve did not come up"
+        time.sleep(0.5)
+    yield proc, ws_port, http_port
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def _chat(schema_holder: dict) -> dict:
+    return {"model": "default", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **schema_holder}
+
+
+def _tool(schema: dict) -> dict:
+    return {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}
+
+
+def _json_format(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+HTTP_ATTACKS = [  # (path, body, what the error names)
+    ("/v1/chat/completions", _chat(_json_format(ref_chain(5000))), "max_definitions"),
+    ("/v1/chat/completions", _chat(_json_format(ref_chain(900))), "max_ref_depth"),
+    ("/v1/chat/completions", _chat(_json_format(ref_chain(800, through_object=True))), "max_schema_depth"),
+    ("/v1/chat/completions", _chat(_tool({"type": "object", "properties": {"a": ref_chain(900)}})), "max_ref_depth"),
+    ("/v1/chat/completions", _chat(_json_format({"type": "array", "items": {"$ref": "#"}, "minItems": 1})),
+     "no finite instance"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "json_schema": nested_objects(400)}},
+     "max_schema_depth"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "grammar": lark_chain(5000)}},
+     "max_grammar_rules"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "regex": "((a{1,100}){1,100}){1,100}"}},
+     "max_repeat_product"),
+]
+
+
+def test_served_process_survives_every_attack_class(served):
+    import asyncio
+
+    from websockets.asyncio.client import connect
+
+    proc, ws_port, http_port = served
+    for path, body, names in HTTP_ATTACKS:
+        status, answer = _http(http_port, "POST", path, body)
+        assert 400 <= status < 500 and names in json.dumps(answer), (path, names, status, str(answer)[:500])
+        assert proc.poll() is None, f"the server died on {path} ({names})"
+
+    async def ws_attack(schema: dict) -> dict:
+        async with connect(f"ws://127.0.0.1:{ws_port}", max_size=None) as ws:
+            await ws.send(json.dumps({"type": "session.start", "session": "s",
+                                      "tools": [{"name": "f", "description": "x", "parameters": schema}]}))
+            return json.loads(await asyncio.wait_for(ws.recv(), 120))
+
+    for schema, names in [({"type": "object", "properties": {"a": ref_chain(900)}}, "max_ref_depth"),
+                          ({"type": "object", "properties": {"a": ref_chain(800, through_object=True)}},
+                           "max_schema_depth")]:
+        reply = asyncio.run(ws_attack(schema))
+        assert reply["type"] == "error" and names in reply["message"], reply
+        assert proc.poll() is None, f"the server died on a WebSocket tool schema ({names})"
+    assert _http(http_port, "GET", "/health")[0] == 200
+    # ... and a well-formed constrained request still gets its answer.
+    status, answer = _http(http_port, "POST", "/v1/chat/completions", _chat(_json_format(
+        {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})))
+    assert status == 200 and isinstance(json.loads(answer["choices"][0]["message"]["content"])["n"], int)
