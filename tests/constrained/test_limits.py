@@ -233,6 +233,12 @@ def served():
     proc.wait(timeout=60)
 
 
+def tool_params(chain: dict) -> dict:
+    """An object schema whose property starts ``chain`` (its ``$defs`` at the root, where the
+    pointers point)."""
+    return {"type": "object", "$defs": chain["$defs"], "properties": {"a": {"$ref": chain["$ref"]}}}
+
+
 def _chat(schema_holder: dict) -> dict:
     return {"model": "default", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **schema_holder}
 
@@ -246,10 +252,11 @@ def _json_format(schema: dict) -> dict:
 
 
 HTTP_ATTACKS = [  # (path, body, what the error names)
-    ("/v1/chat/completions", _chat(_json_format(ref_chain(5000))), "max_definitions"),
+    ("/v1/chat/completions", _chat(_json_format(ref_chain(5000))), "max_schema_bytes"),
     ("/v1/chat/completions", _chat(_json_format(ref_chain(900))), "max_ref_depth"),
-    ("/v1/chat/completions", _chat(_json_format(ref_chain(800, through_object=True))), "max_schema_depth"),
-    ("/v1/chat/completions", _chat(_tool({"type": "object", "properties": {"a": ref_chain(900)}})), "max_ref_depth"),
+    ("/v1/chat/completions", _chat(_json_format(ref_chain(1200, through_object=True))), "max_definitions"),
+    ("/v1/chat/completions", _chat(_json_format(ref_chain(60, through_object=True))), "max_schema_depth"),
+    ("/v1/chat/completions", _chat(_tool(nested_objects(140))), "max_schema_depth"),
     ("/v1/chat/completions", _chat(_json_format({"type": "array", "items": {"$ref": "#"}, "minItems": 1})),
      "no finite instance"),
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "json_schema": nested_objects(400)}},
@@ -278,9 +285,9 @@ def test_served_process_survives_every_attack_class(served):
                                       "tools": [{"name": "f", "description": "x", "parameters": schema}]}))
             return json.loads(await asyncio.wait_for(ws.recv(), 120))
 
-    for schema, names in [({"type": "object", "properties": {"a": ref_chain(900)}}, "max_ref_depth"),
-                          ({"type": "object", "properties": {"a": ref_chain(800, through_object=True)}},
-                           "max_schema_depth")]:
+    for schema, names in [(tool_params(ref_chain(5000)), "max_schema_bytes"),
+                          (tool_params(ref_chain(900)), "max_ref_depth"),
+                          (tool_params(ref_chain(60, through_object=True)), "max_schema_depth")]:
         reply = asyncio.run(ws_attack(schema))
         assert reply["type"] == "error" and names in reply["message"], reply
         assert proc.poll() is None, f"the server died on a WebSocket tool schema ({names})"
