@@ -1,54 +1,127 @@
 """The ``sgrt`` command: ``generate``, ``chat`` and ``serve``.
 
 Defaults match the engine's (DESIGN.md): greedy unless ``--temperature`` is given.
+``generate`` applies the model's chat template to TEXT unless ``--raw`` (as ``ollama run`` and
+``llama-cli`` do). Arguments are checked before the model loads (a bad ``--json-schema`` is
+refused at once); every error is one ``sgrt: error: ...`` line and a non-zero status. Long waits
+show a progress line on a terminal (``--quiet`` or a non-terminal stderr: none).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import os
 import sys
 import time
-from typing import Sequence
+from typing import Any, NoReturn, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one ``sgrt: error: ...`` line (no usage block) and status 2 on bad input."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"sgrt: error: {message} (see sgrt {self._command()}--help)\n")
+
+    def _command(self) -> str:
+        parts = self.prog.split()[1:]
+        return " ".join(parts) + " " if parts else ""
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default."""
+
+
+def _version() -> str:
+    from sgrt import __version__
+
+    return f"sgrt {__version__}"
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="default model name, a .gguf file or a local HF folder (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+                   help="default model name, a .gguf file or a local HF folder")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight and activation dtype")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
                    help="weight-only quantization of the linear layers (use with --dtype bfloat16)")
+    p.add_argument("--max-total-tokens", type=int, default=16384,
+                   help="KV pool size in tokens (all requests' prompt + output at once)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines and no timing lines on stderr")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="level of sgrt's log messages on stderr")
+    _grammar_limit_args(p)
+
+
+def _grammar_limit_args(p: argparse.ArgumentParser) -> None:
+    from sgrt.constrained.limits import GrammarLimits
+
+    group = p.add_argument_group("grammar limits", "checked before a constraint is compiled (DESIGN.md, "
+                                 "\"Grammar compile limits and isolation\")")
+    group.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                       help="seconds one grammar compilation may take")
+    for f in dataclasses.fields(GrammarLimits):
+        group.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
+                           dest=f"limit_{f.name}", metavar="N", help=_LIMIT_HELP.get(f.name, f.name.replace("_", " ")))
+
+
+_LIMIT_HELP = {
+    "max_schema_bytes": "largest JSON Schema, bytes of JSON text",
+    "max_schema_depth": "deepest nesting of a JSON Schema, following $ref",
+    "max_ref_depth": "longest chain of $ref hops in a JSON Schema",
+    "max_definitions": "most $defs/definitions entries in a JSON Schema",
+    "max_properties": "most properties entries in a JSON Schema",
+    "max_grammar_bytes": "largest Lark grammar, bytes",
+    "max_grammar_rules": "most rules and terminals in a Lark grammar",
+    "max_regex_bytes": "largest regex (also schema patterns), bytes",
+    "max_repeat": "largest bound of one counted repetition {n,m}",
+    "max_repeat_product": "largest product of nested counted repetition bounds in a regex",
+    "compile_stack_mb": "stack of the grammar compile thread, MiB",
+    "llguidance_max_items_in_row": "llguidance: largest grammar row",
+    "llguidance_initial_lexer_fuel": "llguidance: lexer fuel to build a grammar",
+    "llguidance_step_lexer_fuel": "llguidance: lexer fuel per mask step",
+    "llguidance_step_max_items": "llguidance: Earley items per mask step",
+    "llguidance_max_lexer_states": "llguidance: most lexer states",
+    "llguidance_max_grammar_size": "llguidance: most grammar symbols",
+}
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate per answer")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible sampling)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sgrt", description="sgrt: a structured-generation runtime")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    gen = sub.add_parser("generate", help="stream a completion of TEXT to stdout")
-    gen.add_argument("text")
-    gen.add_argument("--chat", action="store_true", help="wrap TEXT as a user message (chat template)")
+    parser = _Parser(prog="sgrt", description="sgrt: a structured-generation runtime", formatter_class=_Help)
+    parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    gen = sub.add_parser("generate", help="stream an answer to TEXT to stdout", formatter_class=_Help,
+                         description="Stream the model's answer to TEXT (as a user message in the "
+                         "model's chat template; --raw: a plain completion of TEXT).")
+    gen.add_argument("text", help="the message (or, with --raw, the text to complete)")
+    gen.add_argument("--raw", action="store_true", help="complete TEXT as is, without the chat template")
+    gen.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
+    gen.add_argument("--system", default=None, help="system prompt (chat template only)")
     gen.add_argument("--json-schema", default=None, help="constrain the output to this JSON Schema (JSON text)")
     gen.add_argument("--regex", default=None, help="constrain the output to this regex")
+    gen.add_argument("--grammar", default=None, help="constrain the output to this Lark grammar (text or a "
+                     "name from grammars/)")
     _model_args(gen)
     _sampling_args(gen)
-    chat = sub.add_parser("chat", help="interactive chat with the chat template applied")
+    chat = sub.add_parser("chat", help="interactive chat with the chat template applied", formatter_class=_Help)
     chat.add_argument("--system", default=None, help="system prompt")
     _model_args(chat)
     _sampling_args(chat)
-    serve = sub.add_parser("serve", help="serve WebSocket agent sessions (and the HTTP API)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8765, help="WebSocket sessions port (default: %(default)s)")
+    serve = sub.add_parser("serve", help="serve WebSocket agent sessions (and the HTTP API)", formatter_class=_Help)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind")
+    serve.add_argument("--port", type=int, default=8765, help="WebSocket sessions port")
     serve.add_argument("--http-port", type=int, default=8000,
-                       help="OpenAI-compatible HTTP API port (default: %(default)s; -1 disables it)")
+                       help="OpenAI-compatible HTTP API port (-1 disables it)")
     serve.add_argument("--programs", default=None, help="folder of @sgrt.function programs to register")
     serve.add_argument("--auth-token", default=os.environ.get("SGRT_AUTH_TOKEN"),
                        help="required first-message token (default: $SGRT_AUTH_TOKEN)")
@@ -63,24 +136,110 @@ def _params(args: argparse.Namespace, **extra):
                           seed=args.seed, **extra)
 
 
+def _grammar_limits(args: argparse.Namespace):
+    from sgrt.constrained.limits import GrammarLimits
+
+    return GrammarLimits(**{f.name: getattr(args, f"limit_{f.name}") for f in dataclasses.fields(GrammarLimits)})
+
+
+def _constraint(args: argparse.Namespace) -> dict[str, Any]:
+    found = {k: getattr(args, k, None) for k in ("json_schema", "regex", "grammar")}
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Everything that can be checked without the model, so that a typo fails in a second, not
+    after the model load: sampling values, the engine's sizes, the grammar limits, and the
+    constraint (parsed, checked against the limits and the schema rewrites).
+
+    Raises:
+        InvalidRequest / GrammarError: naming the flag's field.
+    """
+    from sgrt.errors import InvalidRequest
+
+    if getattr(args, "max_tokens", None) is not None:
+        constraint = _constraint(args)
+        if len(constraint) > 1:
+            raise InvalidRequest("give at most one of --json-schema, --regex and --grammar", field="constraint")
+        _params(args, **constraint).validate()
+        if constraint:
+            _check_constraint(args, *next(iter(constraint.items())))
+    if args.max_total_tokens < 1:
+        raise InvalidRequest(f"--max-total-tokens must be >= 1, got {args.max_total_tokens}", field="max_total_tokens")
+    if args.grammar_compile_timeout <= 0:
+        raise InvalidRequest(f"--grammar-compile-timeout must be > 0, got {args.grammar_compile_timeout}",
+                             field="grammar_compile_timeout")
+    _grammar_limits(args)
+
+
+def _check_constraint(args: argparse.Namespace, kind: str, spec: str) -> None:
+    """The checks of GrammarCompiler.compile_spec that need no tokenizer, then llguidance's own
+    validation of the grammar (no tokenizer either)."""
+    import llguidance
+
+    from sgrt.constrained import GrammarOptions, limits, load_grammar_text, normalize_schema
+    from sgrt.constrained.llguidance_backend import json_options
+    from sgrt.constrained.satisfiable import check_satisfiable
+    from sgrt.errors import GrammarError
+
+    lim = _grammar_limits(args)
+    if kind == "json_schema":
+        limits.check_schema_spec(spec, lim)
+        normalized = normalize_schema(spec, GrammarOptions())
+        limits.check_schema(normalized.schema, lim)
+        check_satisfiable(normalized.schema)
+        schema = normalized.schema if isinstance(normalized.schema, dict) else {}
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            {k: v for k, v in schema.items() if k != "x-guidance"}, overrides=json_options(GrammarOptions()))
+    elif kind == "regex":
+        limits.check_regex(spec, lim)
+        grammar = llguidance.LLMatcher.grammar_from_regex(spec)
+    else:
+        text = load_grammar_text(spec)
+        limits.check_lark(text, lim)
+        grammar = llguidance.LLMatcher.grammar_from_lark(text)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, limits=lim.llguidance_limits())
+    if is_error:
+        first = messages[0].strip().splitlines()[0] if messages and messages[0].strip() else "invalid"
+        raise GrammarError(f"--{kind.replace('_', '-')} is not a valid constraint: {first}", field=kind)
+
+
+def _setup_output(args: argparse.Namespace) -> None:
+    from sgrt.progress import set_progress
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="[sgrt] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("sgrt").setLevel(getattr(logging, args.log_level.upper()))
+    if args.quiet:
+        set_progress(False)
+
+
 def _engine(args: argparse.Namespace):
     from sgrt.engine import Engine
+    from sgrt.progress import progress
 
     t0 = time.perf_counter()
-    engine = Engine(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
-    print(f"[sgrt] loaded {args.model} ({args.dtype}, {args.device}) in {time.perf_counter() - t0:.1f} s",
-          file=sys.stderr)
+    with progress(f"loading {args.model}"):
+        engine = Engine(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+                        max_total_tokens=args.max_total_tokens, grammar_limits=_grammar_limits(args),
+                        grammar_compile_timeout_s=args.grammar_compile_timeout)
+    if not args.quiet:
+        print(f"[sgrt] loaded {args.model} ({args.dtype}, {args.device}) in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
     return engine
 
 
-def _stream_to_stdout(engine, prompt: str, params) -> None:
+def _stream_to_stdout(engine, prompt: str, params, quiet: bool = False) -> None:
+    from sgrt.errors import RequestAborted
+
     result = None
     for chunk in engine.stream(prompt, params):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         result = chunk.result
     sys.stdout.write("\n")
-    if result is not None:
+    if result is not None and result.finish_reason == "abort":
+        raise RequestAborted(f"generation aborted: {result.error or 'no reason given'}")
+    if result is not None and not quiet:
         print(
             f"[sgrt] TTFT {1000 * (result.ttft or 0):.0f} ms, {result.output_tok_per_s:.1f} tok/s, "
             f"{result.completion_tokens} tokens, finish_reason={result.finish_reason}",
@@ -89,12 +248,20 @@ def _stream_to_stdout(engine, prompt: str, params) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from sgrt.progress import progress
+
     engine = _engine(args)
     try:
         prompt = args.text
-        if args.chat:
-            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.text}])
-        _stream_to_stdout(engine, prompt, _params(args, json_schema=args.json_schema, regex=args.regex))
+        has_template = bool(getattr(getattr(engine.tokenizer, "hf", None), "chat_template", None))
+        if not args.raw and has_template:
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            prompt = engine.tokenizer.apply_chat_template(messages + [{"role": "user", "content": args.text}])
+        params = _params(args, **_constraint(args))
+        if params.is_constrained():
+            with progress("compiling the constraint"):
+                engine._compile_grammar(params)  # cached: the request below finds it compiled
+        _stream_to_stdout(engine, prompt, params, quiet=args.quiet)
     finally:
         engine.shutdown()
     return 0
@@ -140,6 +307,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``sgrt`` command; returns the exit status (0 ok, 1 a failed command, 2 bad
+    arguments, 130 interrupted)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}
@@ -149,10 +318,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     from sgrt.errors import SgrtError
 
     try:
+        _setup_output(args)
+        check_args(args)
+    except SgrtError as exc:
+        print(f"sgrt: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    try:
         return commands[args.command](args)
     except SgrtError as exc:
-        print(f"sgrt: error: {exc}", file=sys.stderr)
+        print(f"sgrt: error: {_one_line(exc)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("sgrt: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -2,23 +2,31 @@
 
 Compilation is keyed by (backend, kind, spec, options); each key compiles once (concurrent
 requests for the same key wait for the one in flight), results and errors are cached, and every
-request gets a fresh copy. Each compile runs on a worker thread and the caller waits at most
+request gets a fresh copy. Before anything is compiled, the constraint must meet the
+:class:`~sgrt.constrained.limits.GrammarLimits` (sizes, depths, ``$ref`` chains, rules, regex
+repetition), checked in Python by the caller's thread. Each compile then runs on its own thread
+with a large stack (``compile_stack_mb``; llguidance's compiler recurses ~3-9 KB of native stack
+per level, see DESIGN.md "Grammar compile limits and isolation"), and the caller waits at most
 ``compile_timeout_s``: both backends release the GIL while compiling, so a slow grammar never
-stalls the engine's loop, and llguidance's own resource limits (lexer fuel, grammar size) and
-the outlines backend's size check bound the work itself.
+stalls the engine's loop, and llguidance's own parser limits (set from the same object) and the
+outlines backend's killable worker process bound the work itself. A JSON Schema with no finite
+instance is refused here too (:mod:`~sgrt.constrained.satisfiable`).
 """
 from __future__ import annotations
 
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Callable
 
+from sgrt.constrained import limits as _limits
 from sgrt.constrained.grammar import CompiledGrammar, Grammar
+from sgrt.constrained.limits import GrammarLimits
 from sgrt.constrained.options import GrammarOptions
 from sgrt.constrained.schema import load_schema, normalize_schema
 from sgrt.constrained.vocab import Vocab, build_vocab
@@ -63,6 +71,8 @@ class GrammarCompiler:
         options: JSON generation options (:class:`GrammarOptions`); defaults apply if None.
         compile_timeout_s: how long :meth:`compile` waits for one compilation (seconds).
         cache_size: how many compiled constraints (and compile errors) to keep, LRU.
+        limits: input limits and llguidance's parser limits (:class:`GrammarLimits`, or a dict
+            of its fields); defaults if None.
 
     Thread-safe: the engine calls :meth:`compile` from a thread pool.
     """
@@ -75,6 +85,7 @@ class GrammarCompiler:
         options: GrammarOptions | None = None,
         compile_timeout_s: float = 10.0,
         cache_size: int = 256,
+        limits: GrammarLimits | dict | None = None,
     ):
         if backend not in BACKENDS:
             raise GrammarError(f"grammar_backend must be one of {BACKENDS}, got {backend!r}", field="grammar_backend")
@@ -83,6 +94,7 @@ class GrammarCompiler:
         self.options = options or GrammarOptions()
         self.compile_timeout_s = compile_timeout_s
         self.cache_size = cache_size
+        self.limits = limits if isinstance(limits, GrammarLimits) else GrammarLimits.from_dict(limits)
         self._backends: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._backend_lock = threading.Lock()
@@ -116,19 +128,24 @@ class GrammarCompiler:
         "grammar"). Raises GrammarError like :meth:`compile`."""
         backend = backend or self.backend
         options = options or self.options
+        lim = self.limits
         if kind == "json_schema":
+            _limits.check_schema_spec(spec, lim)  # before parsing or copying: both recurse
             loaded = load_schema(spec)
+            _limits.check_schema(loaded, lim)
             key_spec = json.dumps(loaded, sort_keys=False, default=str)
             job = lambda: self._compile_json(backend, loaded, options)  # noqa: E731
         elif kind == "regex":
             if not isinstance(spec, str):
                 raise GrammarError("regex must be a str", field="regex")
+            _limits.check_regex(spec, lim)
             key_spec = spec
             job = lambda: self._get_backend(backend).compile_regex(spec)  # noqa: E731
         elif kind == "grammar":
             if not isinstance(spec, str):
                 raise GrammarError("grammar must be a str", field="grammar")
             text = load_grammar_text(spec)
+            _limits.check_lark(text, lim)
             key_spec = text
             job = lambda: self._get_backend(backend).compile_lark(text)  # noqa: E731
         else:
@@ -143,7 +160,11 @@ class GrammarCompiler:
     # ---- internals ------------------------------------------------------------------------
 
     def _compile_json(self, backend: str, schema: Any, options: GrammarOptions) -> CompiledGrammar:
+        from sgrt.constrained.satisfiable import check_satisfiable
+
         normalized = normalize_schema(schema, options, backend)
+        _limits.check_schema(normalized.schema, self.limits)  # rewrites may have grown it
+        check_satisfiable(normalized.schema)
         return self._get_backend(backend).compile_json(normalized.schema, options, normalized.warnings)
 
     def _get_backend(self, name: str) -> Any:
@@ -153,7 +174,7 @@ class GrammarCompiler:
                 if name == "llguidance":
                     from sgrt.constrained.llguidance_backend import LLGuidanceBackend
 
-                    b = LLGuidanceBackend(self.vocab)
+                    b = LLGuidanceBackend(self.vocab, self.limits.llguidance_limits())
                 else:
                     from sgrt.constrained.outlines_backend import OutlinesBackend
 
@@ -173,7 +194,10 @@ class GrammarCompiler:
                 self.stats["misses"] += 1
                 fut = Future()
                 self._inflight[key] = fut
-                threading.Thread(target=self._run, args=(key, job, fut), name="sgrt-compile", daemon=True).start()
+                _start_with_stack(
+                    threading.Thread(target=self._run, args=(key, job, fut), name="sgrt-compile", daemon=True),
+                    self.limits.compile_stack_mb,
+                )
         try:
             result = fut.result(timeout=self.compile_timeout_s)
         except FutureTimeout:
@@ -183,6 +207,22 @@ class GrammarCompiler:
                 f"{kind} took longer than {self.compile_timeout_s:g} s to compile (compile_timeout_s)", field=kind
             ) from None
         return _unwrap(result)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the compilations in flight; True if none is left."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                pending = list(self._inflight.values())
+            if not pending:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                pending[0].result(timeout=left)
+            except (FutureTimeout, Exception):  # only waiting here; the caller sees errors
+                pass
 
     def _run(self, key: tuple, job: Callable[[], CompiledGrammar], fut: Future) -> None:
         try:
@@ -199,6 +239,21 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
             self._inflight.pop(key, None)
         fut.set_result(result)
+
+
+_STACK_LOCK = threading.Lock()
+
+
+def _start_with_stack(thread: threading.Thread, stack_mb: int) -> None:
+    """Start ``thread`` with a ``stack_mb`` MiB stack (``threading.stack_size`` is process-wide,
+    so it is set just for this start and put back). The stack is reserved address space;
+    only the pages a compile touches are committed."""
+    with _STACK_LOCK:
+        previous = threading.stack_size(stack_mb << 20)
+        try:
+            thread.start()
+        finally:
+            threading.stack_size(previous)
 
 
 def _unwrap(result: CompiledGrammar | GrammarError) -> CompiledGrammar:

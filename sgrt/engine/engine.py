@@ -7,12 +7,14 @@ finished (DESIGN.md, "The path of one gen").
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import queue
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -31,9 +33,25 @@ from sgrt.engine.sampler import sample, top_logprobs
 from sgrt.engine.sampling_params import SamplingParams
 from sgrt.engine.scheduler import Row, Scheduler, SchedulerConfig
 from sgrt.engine.speculative import SpecDecoder
-from sgrt.errors import CapacityError, ContextLengthExceeded, InvalidRequest
+from sgrt.errors import CapacityError, ContextLengthExceeded, GrammarError, InvalidRequest
 
 logger = logging.getLogger("sgrt.engine")
+
+# Engines not yet shut down. At interpreter exit a daemon loop thread still inside a torch op
+# (which releases the GIL) is killed by pthread_exit when it takes the GIL back, and the unwind
+# through a C++ destructor aborts the process (SIGABRT, "terminate called without an active
+# exception"; pytorch/pytorch#38228). So every live engine is stopped and joined at exit,
+# before finalization, and the user's exit status stands.
+_LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+    for engine in list(_LIVE_ENGINES):
+        try:
+            engine.shutdown()
+        except Exception:  # exit must go on even if one engine is broken
+            logger.exception("engine shutdown at exit failed")
 
 
 @dataclass
@@ -47,6 +65,10 @@ class EngineConfig:
     chunked_prefill_size: int = 512
     schedule_policy: str = "lpm"
     grammar_backend: str = "llguidance"
+    # Grammar compile limits (sgrt.constrained.limits.GrammarLimits; None = its defaults) and
+    # how long one compilation may take.
+    grammar_limits: Any = None
+    grammar_compile_timeout_s: float = 10.0
     log_interval: float = 0.0  # 0 = no periodic stats log
     compile: bool = False  # torch.compile decode batches (sgrt/engine/compiled_decode.py)
     # Speculative decoding and jump-forward (sgrt/engine/speculative.py): the drafter for
@@ -127,6 +149,7 @@ class Engine:
             release_caller_pool()
         self._thread = threading.Thread(target=self._loop, name="sgrt-engine", daemon=True)
         self._thread.start()
+        _LIVE_ENGINES.add(self)
 
     # ==== public API (any thread) ============================================================
     def submit(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
@@ -217,14 +240,22 @@ class Engine:
         if result and result[0] is not None:
             raise result[0]
 
-    def shutdown(self) -> None:
-        """Stop the loop thread; pending requests are aborted."""
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop thread (after the step in progress) and wait for it, then for the
+        grammar compilations in flight; pending requests are aborted. Idempotent; also run for
+        every live engine at interpreter exit. ``timeout``: seconds to wait for each."""
         if self._stopped:
             return
         self._stopped = True
+        _LIVE_ENGINES.discard(self)
         self._inbox.put(("stop", None))
-        self._thread.join(timeout=30)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout)
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        if self._grammar_compiler is not None:
+            # NOTE: a native compile cannot be interrupted; let it end rather than have it
+            # killed mid-call at finalization (the same abort as the loop thread's).
+            self._grammar_compiler.wait_idle(timeout)
 
     def __enter__(self) -> "Engine":
         return self
@@ -276,7 +307,8 @@ class Engine:
             from sgrt.constrained import GrammarCompiler
 
             self._grammar_compiler = GrammarCompiler(
-                self.tokenizer, self.vocab_size, backend=self.config.grammar_backend
+                self.tokenizer, self.vocab_size, backend=self.config.grammar_backend,
+                compile_timeout_s=self.config.grammar_compile_timeout_s, limits=self.config.grammar_limits,
             )
         return self._grammar_compiler.compile(params)
 
@@ -434,7 +466,13 @@ class Engine:
             req.output_top_logprobs.append(top)
         self.metrics.generated_tokens += 1
         if req.grammar is not None and not req.grammar.accept_token(token):
-            self._finish(req, "abort", error=RuntimeError(f"grammar rejected token {token} that its mask allowed"))
+            # A matcher that hit one of its per-step resource limits (GrammarLimits) stops with
+            # an error after its mask allowed the token: a typed error naming it, not a crash.
+            reason = req.grammar.error
+            error: Exception = (GrammarError(f"the constraint hit a grammar engine limit during generation: "
+                                             f"{reason.strip().splitlines()[0]}", field="grammar")
+                                if reason else RuntimeError(f"grammar rejected token {token} that its mask allowed"))
+            self._finish(req, "abort", error=error)
             return
         new_text = req.detokenizer.add([token])
         old_len = len(req.text)

@@ -124,7 +124,10 @@ def _try_load(name: str, source: Path, cflags: list[str], required: tuple[str, .
         build_dir.mkdir(parents=True, exist_ok=True)
         with _BuildLock(build_dir / "sgrt-build.lock"):
             if not _verified(so):
-                _build(ext, source, cflags, build_dir, so)
+                from sgrt.progress import progress
+
+                with progress(f"building native kernel {source.name} (once; cached)"):
+                    _build(ext, source, cflags, build_dir, so)
                 logger.info("compiled %s in %.1f s (%s)", source.name, time.perf_counter() - t0, build_dir)
             torch.ops.load_library(str(so))
     except Exception as e:  # noqa: BLE001 - any build or load failure leaves the plain-PyTorch path

@@ -289,7 +289,10 @@ def ensure_converted(gguf_path: Path, spec: str, cache_dir: str | Path | None = 
         raise ModelLoadError(f"model {spec!r}: cannot write the conversion cache {root}: {e}"
                              " (set SGRT_CACHE_DIR to a writable folder)") from e
     try:
-        convert_gguf(gguf_path, tmp, spec)
+        from sgrt.progress import progress
+
+        with progress(f"converting {gguf_path.name} (once; cached)"):
+            convert_gguf(gguf_path, tmp, spec)
         _relax_permissions(tmp)
         (tmp / "sgrt_source.json").write_text(json.dumps({
             "source": str(gguf_path), "size": gguf_path.stat().st_size,

@@ -127,7 +127,16 @@ def validate_tool_grammar(tools: list[ToolSpec]) -> None:
         import llguidance
     except ImportError:  # pragma: no cover - llguidance is a dependency
         return
+    from sgrt.constrained.limits import GrammarLimits, check_schema
+
+    limits = GrammarLimits()
     for i, tool in enumerate(tools):
+        try:
+            # NOTE: before llguidance sees it: a deep $ref chain overflows its compiler's stack
+            # (sgrt/constrained/limits.py); the engine's compiler checks the turn grammar again.
+            check_schema(tool.parameters, limits)
+        except GrammarError as e:
+            raise GrammarError(f"tool {tool.name!r}: {e}", field=f"tools[{i}].parameters", path=e.path) from None
         try:
             grammar = llguidance.grammar_from("lark", tool_grammar([tool]))
         except GrammarError as e:
