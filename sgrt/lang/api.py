@@ -26,6 +26,14 @@ programs port by changing the import. Deliberate differences (each documented wh
   when the engine runs on CUDA; on the CPU there is nothing to return.
 - ``compile()`` returns the interpreted program (sgrt's interpreter already runs a program
   ahead of its generations and overlaps forks, which is what SGLang's compiled mode added).
+- ``run(use_thread=...)`` is accepted and has no effect: a program's expressions always run on
+  a worker thread (same text either way).
+- ``sgrt.Runtime`` is the in-process engine (SGLang's launches a server): ``runtime.endpoint``
+  is the runtime itself, ``runtime.url`` starts an HTTP server over the same engine on first
+  use, and ``runtime.generate(prompt, params)`` is the DSL backend's call, not SGLang's
+  JSON-returning helper.
+- ``separate_reasoning`` also splits when streaming (after the gen ends; the streamed pieces
+  still hold the reasoning), where SGLang skips it.
 """
 from __future__ import annotations
 
