@@ -26,7 +26,9 @@ from sgrt.lang import (  # noqa: E402
     get_default_backend,
     get_server_info,
     greedy_token_selection,
+    image,
     select,
+    separate_reasoning,
     set_default_backend,
     system,
     system_begin,
@@ -36,7 +38,13 @@ from sgrt.lang import (  # noqa: E402
     user,
     user_begin,
     user_end,
+    video,
 )
+
+# NOTE: as in SGLang, the package attribute is the settings object; importing the submodule
+# first (this line) means a later ``from sgrt.global_config import global_config`` does not
+# rebind the attribute to the module.
+from sgrt.global_config import global_config  # noqa: E402
 
 
 def __getattr__(name: str):

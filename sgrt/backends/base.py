@@ -17,8 +17,10 @@ scores. Nothing here imports the engine.
 """
 from __future__ import annotations
 
+import re
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +84,26 @@ class ChoiceScore:
     cached_tokens: int = 0
 
 
+@dataclass
+class TokenUsage:
+    """Tokens a backend's generations used (SGLang's ``backend.token_usage``), summed over every
+    ``gen`` and ``select`` the DSL ran on it. Thread-safe; :meth:`reset` zeroes it."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, prompt_tokens: int | None, completion_tokens: int | None) -> None:
+        with self._lock:
+            self.prompt_tokens += int(prompt_tokens or 0)
+            self.completion_tokens += int(completion_tokens or 0)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.prompt_tokens = 0
+            self.completion_tokens = 0
+
+
 class BaseBackend(ABC):
     """Where a program's calls go. Thread-safe: forks and ``run_batch`` call it concurrently.
 
@@ -93,6 +115,27 @@ class BaseBackend(ABC):
     #: An explicit ``sgrt.lang.ChatTemplate`` to use instead of deriving one from
     #: :meth:`apply_chat_template` (set it for models whose template cannot be probed).
     chat_template: Any = None
+
+    #: Whether the model takes images / video (``sgrt.image``); no model sgrt loads does.
+    supports_vision: bool = False
+
+    @property
+    def token_usage(self) -> TokenUsage:
+        """Tokens used so far by the DSL's calls on this backend (see :class:`TokenUsage`)."""
+        usage = self.__dict__.get("_token_usage")
+        if usage is None:
+            usage = self.__dict__.setdefault("_token_usage", TokenUsage())
+        return usage
+
+    @property
+    def endpoint(self) -> "BaseBackend":
+        """The backend itself: SGLang's ``Runtime`` hands programs ``runtime.endpoint``, and its
+        programs reach it as ``global_config.default_backend.endpoint``."""
+        return self
+
+    def get_model_name(self) -> str:
+        """The model's path or name (SGLang's ``get_model_name()``, ``model_info["model_path"]``)."""
+        return str(self.get_server_info().get("model_path", ""))
 
     # ---- chat template --------------------------------------------------------------------
 
@@ -172,8 +215,9 @@ class BaseBackend(ABC):
         """
         return self.cache_prefix(prompt)
 
-    def flush_cache(self) -> None:
-        """Drop everything from the prefix cache (no-op by default)."""
+    def flush_cache(self, empty_cache: bool = True) -> None:
+        """Drop everything from the prefix cache (no-op by default). ``empty_cache`` (SGLang's
+        flag) also releases the accelerator's cached memory where there is one."""
 
     # ---- control --------------------------------------------------------------------------
 
@@ -204,3 +248,95 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+# ---- helpers the backends share for SGLang's keywords --------------------------------------
+
+def split_stop_regex(params: dict[str, Any]) -> tuple[dict[str, Any], list[re.Pattern]]:
+    """``params`` without ``stop_regex`` (no engine field) and its compiled patterns."""
+    out = dict(params)
+    patterns = out.pop("stop_regex", None) or []
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    return out, [re.compile(p) for p in patterns]
+
+
+def regex_stop_point(text: str, done: int, patterns: Sequence[re.Pattern]) -> tuple[int, str] | None:
+    """Where a ``stop_regex`` ends the text: the shortest prefix of ``text``, longer than ``done``
+    characters (already checked), that contains a match of any pattern, as ``(length, pattern)``;
+    ``None`` if there is no match.
+
+    This is SGLang's rule (the server checks the decoded output after every token and stops at
+    the first one that completes a match) at character granularity.
+    """
+    hits = [p for p in patterns if p.search(text)]
+    if not hits:
+        return None
+    for length in range(done + 1, len(text) + 1):
+        prefix = text[:length]
+        for p in hits:
+            if p.search(prefix):
+                return length, p.pattern
+    return len(text), hits[0].pattern
+
+
+def next_token_request(params: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """Rewrite SGLang's ``max_tokens=0, return_logprob=True, top_logprobs_num=k`` (the k most
+    likely next tokens after the prompt, nothing generated) into a one-token request.
+
+    Returns ``(params, True)`` when rewritten: the caller runs it and passes the output through
+    :func:`strip_next_token`. The one token ignores stop strings and EOS, so that its top
+    log-probabilities always come back.
+    """
+    if (params.get("max_tokens") == 0 and params.get("return_logprob")
+            and int(params.get("top_logprobs_num") or 0) > 0):
+        return {**params, "max_tokens": 1, "min_tokens": 0, "stop": [], "ignore_eos": True}, True
+    return params, False
+
+
+def strip_next_token(meta: dict[str, Any]) -> dict[str, Any]:
+    """The meta info of a rewritten :func:`next_token_request`: no output token, only the top
+    log-probabilities of the next position (``output_top_logprobs[0]``)."""
+    out = dict(meta)
+    out["completion_tokens"] = 0
+    out["output_token_ids"] = []
+    out["output_token_logprobs"] = []
+    out["output_top_logprobs"] = list(meta.get("output_top_logprobs") or [])[:1]
+    out["finish_reason"] = "length"
+    out["matched"] = None
+    return out
+
+
+def stop_stream_at_regex(chunks: Iterator[GenChunk], patterns: Sequence[re.Pattern],
+                         stopped_meta: Callable[[str, int, str], dict[str, Any]]) -> Iterator[GenChunk]:
+    """Pass ``chunks`` through until the text contains a ``stop_regex`` match, then cut the
+    chunk there, close ``chunks`` (which aborts the request) and end with a finished chunk whose
+    meta info is ``stopped_meta(text, completion_tokens, pattern)`` (``finish_reason`` ``"stop"``,
+    ``matched`` the pattern)."""
+    text = ""
+    n_tokens = 0
+    try:
+        for chunk in chunks:
+            new_text = text + chunk.text
+            point = regex_stop_point(new_text, len(text), patterns) if chunk.text else None
+            if point is None:
+                text = new_text
+                n_tokens += len(chunk.token_ids)
+                if chunk.finished and chunk.meta_info is not None:
+                    chunk.meta_info.setdefault("matched", None)
+                yield chunk
+                if chunk.finished:
+                    return
+                continue
+            length, pattern = point
+            piece = new_text[len(text):length]
+            text = new_text[:length]
+            n_tokens += len(chunk.token_ids)
+            meta = stopped_meta(text, n_tokens, pattern)
+            yield GenChunk(piece, list(chunk.token_ids), chunk.logprobs, chunk.top_logprobs, False, None)
+            yield GenChunk("", [], None, None, True, meta)
+            return
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()

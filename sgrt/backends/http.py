@@ -43,7 +43,17 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from sgrt.backends.base import BaseBackend, ChoiceScore, GenChunk, GenOutput, common_prefix_len
+from sgrt.backends.base import (
+    BaseBackend,
+    ChoiceScore,
+    GenChunk,
+    GenOutput,
+    common_prefix_len,
+    next_token_request,
+    split_stop_regex,
+    stop_stream_at_regex,
+    strip_next_token,
+)
 from sgrt.backends.http_client import HttpClient
 from sgrt.errors import InvalidRequest, RequestAborted
 
@@ -95,6 +105,11 @@ class RuntimeEndpoint(BaseBackend):
         base_url: the server's root, e.g. ``"http://127.0.0.1:8000"`` (a trailing ``/v1`` is
             accepted and dropped).
         api_key: sent as ``Authorization: Bearer``.
+        verify: TLS verification for ``https://`` (SGLang's argument, ``requests``' meaning):
+            ``None`` / ``True`` the system CAs, ``False`` none, a path that CA bundle.
+        chat_template_name: SGLang's name of the chat template to use instead of the server's
+            (``"chatml"``, ``"qwen"``, ``"llama-3-instruct"``, ``"default"``; see
+            ``sgrt.lang.chat_template.get_chat_template``).
         model: the model id to request (default: the first of ``GET /v1/models``).
         dialect: ``"sgrt"``, ``"vllm"``, ``"sglang"`` or ``"openai"``; detected when None.
         chat_template: an explicit ``sgrt.lang.ChatTemplate``.
@@ -108,7 +123,8 @@ class RuntimeEndpoint(BaseBackend):
         InvalidRequest: a bad ``dialect`` or ``base_url``, or the server refused the API key.
     """
 
-    def __init__(self, base_url: str, api_key: str | None = None, *, model: str | None = None,
+    def __init__(self, base_url: str, api_key: str | None = None, verify: bool | str | None = None,
+                 chat_template_name: str | None = None, *, model: str | None = None,
                  dialect: str | None = None, chat_template: Any = None, tokenizer: Any = None,
                  timeout: float = 600.0, max_retries: int = 4):
         if dialect is not None and dialect not in DIALECTS:
@@ -116,7 +132,16 @@ class RuntimeEndpoint(BaseBackend):
         base = base_url.rstrip("/")
         if base.endswith("/v1"):
             base = base[:-3]
-        self.client = HttpClient(base, api_key=api_key, timeout=timeout, max_retries=max_retries)
+        if chat_template_name is not None:
+            if chat_template is not None:
+                raise InvalidRequest("pass chat_template or chat_template_name, not both",
+                                     field="chat_template_name")
+            from sgrt.lang.chat_template import get_chat_template
+
+            chat_template = get_chat_template(chat_template_name)
+        self.verify = verify
+        self.client = HttpClient(base, api_key=api_key, timeout=timeout, max_retries=max_retries,
+                                 verify=verify)
         self.base_url = self.client.base_url
         models = self.client.request("GET", "/v1/models")
         cards = (models or {}).get("data") or []
@@ -182,6 +207,37 @@ class RuntimeEndpoint(BaseBackend):
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompt: str, params: dict[str, Any], request_id: str | None = None) -> GenOutput:
+        """Complete ``prompt``; SGLang's ``stop_regex`` is applied here while the tokens stream in
+        (the request is closed at the match), and its ``max_tokens=0`` next-token idiom becomes a
+        one-token request (``sgrt.backends.base.next_token_request``)."""
+        params, patterns = split_stop_regex(params)
+        params, next_only = next_token_request(params)
+        if patterns and not next_only:
+            chunks = list(self._regex_stream(prompt, params, request_id, patterns))
+            return GenOutput("".join(c.text for c in chunks), chunks[-1].meta_info or {})
+        out = self._generate(prompt, params, request_id)
+        if next_only:
+            return GenOutput("", strip_next_token(out.meta_info))
+        return out
+
+    def _regex_stream(self, prompt: str, params: dict[str, Any], request_id: str | None,
+                      patterns: list) -> Iterator[GenChunk]:
+        start = time.perf_counter()
+
+        def stopped_meta(text: str, n_tokens: int, pattern: str) -> dict[str, Any]:
+            try:
+                prompt_tokens = self.count_tokens(prompt)
+            except InvalidRequest:
+                prompt_tokens = None
+            return {"id": request_id, "prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
+                    "cached_tokens": None, "finish_reason": "stop", "matched": pattern,
+                    "e2e_latency": time.perf_counter() - start, "ttft": None, "incomplete": False,
+                    "warnings": []}
+
+        return stop_stream_at_regex(self._generate_stream(prompt, params, request_id), patterns,
+                                    stopped_meta)
+
+    def _generate(self, prompt: str, params: dict[str, Any], request_id: str | None = None) -> GenOutput:
         start = time.perf_counter()
         if self.is_sgrt:
             body = {"text": prompt, "sampling_params": _jsonable(params), "return_text_in_logprobs": True}
@@ -198,9 +254,12 @@ class RuntimeEndpoint(BaseBackend):
         requests otherwise."""
         if not prompts:
             return []
+        if any(p.get("stop_regex") or next_token_request(p)[1] for p in params):
+            pool = self._executor()
+            return [f.result() for f in [pool.submit(self.generate, p, sp) for p, sp in zip(prompts, params)]]
         if self.is_sgrt:
             start = time.perf_counter()
-            body = {"text": list(prompts), "sampling_params": [_jsonable(p) for p in params],
+            body = {"text": list(prompts), "sampling_params": [_jsonable(split_stop_regex(p)[0]) for p in params],
                     "return_text_in_logprobs": True}
             outs = self.client.request("POST", "/generate", body)
             return [GenOutput(o["text"], self._native_meta(o["meta_info"], start)) for o in outs]
@@ -210,6 +269,17 @@ class RuntimeEndpoint(BaseBackend):
 
     def generate_stream(self, prompt: str, params: dict[str, Any],
                         request_id: str | None = None) -> Iterator[GenChunk]:
+        params, patterns = split_stop_regex(params)
+        params, next_only = next_token_request(params)
+        if next_only:
+            return iter([GenChunk("", [], None, None, True, self.generate(
+                prompt, {**params, "max_tokens": 0}, request_id).meta_info)])
+        if patterns:
+            return self._regex_stream(prompt, params, request_id, patterns)
+        return self._generate_stream(prompt, params, request_id)
+
+    def _generate_stream(self, prompt: str, params: dict[str, Any],
+                         request_id: str | None = None) -> Iterator[GenChunk]:
         start = time.perf_counter()
         if self.is_sgrt:
             body = {"text": prompt, "sampling_params": _jsonable(params), "return_text_in_logprobs": True,
@@ -495,9 +565,11 @@ class RuntimeEndpoint(BaseBackend):
         self._native_meta(meta, time.perf_counter())
         return {"prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta["cached_tokens"]}
 
-    def flush_cache(self) -> None:
+    def flush_cache(self, empty_cache: bool = True) -> None:
+        """POST ``/flush_cache`` (sgrt and SGLang servers; ``empty_cache`` is sent as SGLang's
+        body field); other servers have no such endpoint and nothing is sent."""
         if self.dialect in ("sgrt", "sglang"):
-            self.client.request("POST", "/flush_cache")
+            self.client.request("POST", "/flush_cache", {"empty_cache": bool(empty_cache)})
 
     # ---- control ------------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
@@ -507,8 +579,24 @@ class RuntimeEndpoint(BaseBackend):
             except (InvalidRequest, RequestAborted, ConnectionError):
                 pass  # best effort: the request may be gone, or the server may not know it
 
+    @property
+    def url(self) -> str:
+        """The server's root URL (SGLang's ``base_url``; also under SGLang's ``Runtime.url``)."""
+        return self.base_url
+
+    @property
+    def model_info(self) -> dict[str, Any]:
+        """SGLang's ``/get_model_info`` keys, from the server's model card: ``model_path`` (the
+        sgrt server's model path when it says, else the model id), ``tokenizer_path``,
+        ``is_generation``, ``has_image_understanding``."""
+        extra = self.model_card.get("sgrt") or {}
+        path = extra.get("model_path") or self.model_card.get("root") or self.model
+        return {"model_path": path, "tokenizer_path": path, "is_generation": True,
+                "has_image_understanding": False, "has_audio_understanding": False}
+
     def get_server_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"backend": type(self).__name__, "base_url": self.base_url, "model": self.model,
+        info: dict[str, Any] = {**self.model_info, "backend": type(self).__name__,
+                                "base_url": self.base_url, "model": self.model,
                                 "dialect": self.dialect, "model_card": self.model_card}
         if self.is_sgrt:
             try:

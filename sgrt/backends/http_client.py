@@ -86,7 +86,7 @@ class HttpClient:
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
-                 max_retries: int = 4):
+                 max_retries: int = 4, verify: bool | str | None = None):
         parts = urllib.parse.urlsplit(base_url if "://" in base_url else f"http://{base_url}")
         if parts.scheme not in ("http", "https"):
             raise InvalidRequest(f"base_url must be http:// or https://, got {base_url!r}", field="base_url")
@@ -97,6 +97,9 @@ class HttpClient:
         self.base_url = f"{self.scheme}://{parts.netloc}{self.prefix}"
         self.timeout = timeout
         self.max_retries = max_retries
+        # TLS verification as ``requests``' ``verify`` (SGLang's RuntimeEndpoint passes it there):
+        # None / True: the system CAs; False: no verification; a path: that CA bundle.
+        self.verify = verify
         self.headers = {"content-type": "application/json", "accept": "application/json"}
         if api_key:
             self.headers["authorization"] = f"Bearer {api_key}"
@@ -107,8 +110,18 @@ class HttpClient:
     def _new_conn(self) -> http.client.HTTPConnection:
         if self.scheme == "https":
             return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout,
-                                               context=ssl.create_default_context())
+                                               context=self._ssl_context())
         return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        if self.verify is False:
+            ctx = ssl.create_default_context()
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+            return ctx
+        if isinstance(self.verify, str):
+            return ssl.create_default_context(cafile=self.verify)
+        return ssl.create_default_context()
 
     def _conn(self) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)

@@ -14,9 +14,19 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from sgrt.backends.base import BaseBackend, ChoiceScore, GenChunk, GenOutput, common_prefix_len
+from sgrt.backends.base import (
+    BaseBackend,
+    ChoiceScore,
+    GenChunk,
+    GenOutput,
+    common_prefix_len,
+    next_token_request,
+    split_stop_regex,
+    stop_stream_at_regex,
+    strip_next_token,
+)
 from sgrt.engine import Result, SamplingParams, StreamChunk
-from sgrt.errors import RequestAborted
+from sgrt.errors import InvalidRequest, RequestAborted
 
 
 class LocalBackend(BaseBackend):
@@ -78,7 +88,8 @@ class LocalBackend(BaseBackend):
     # ---- generation -----------------------------------------------------------------------
 
     def _params(self, params: dict[str, Any]) -> SamplingParams:
-        return SamplingParams.from_dict(params)
+        # NOTE: an empty stop_regex (the DSL's default) is not an engine field.
+        return SamplingParams.from_dict({k: v for k, v in params.items() if k != "stop_regex"})
 
     def _meta(self, result: Result, start: float) -> dict[str, Any]:
         meta = result.meta_info(time.perf_counter() - start)
@@ -101,14 +112,30 @@ class LocalBackend(BaseBackend):
 
     def generate(self, prompt: str, params: dict[str, Any],
                  request_id: str | None = None) -> GenOutput:
+        """Complete ``prompt``; ``params`` may hold SGLang's ``stop_regex`` (applied while the
+        tokens stream in; the request is aborted at the match) and its ``max_tokens=0`` next-token
+        idiom (see ``sgrt.backends.base.next_token_request``)."""
+        params, patterns = split_stop_regex(params)
+        params, next_only = next_token_request(params)
+        if patterns and not next_only:
+            chunks = list(self._stream(prompt, params, request_id, patterns))
+            return GenOutput("".join(c.text for c in chunks), chunks[-1].meta_info or {})
         start = time.perf_counter()
         handle = self.engine.submit(self.encode(prompt), self._params(params),
                                     request_id=request_id)
         result = self._check(handle.result())
+        if next_only:
+            return GenOutput("", strip_next_token(self._meta(result, start)))
         return GenOutput(result.text, self._meta(result, start))
 
     def generate_batch(self, prompts: Sequence[str],
                        params: Sequence[dict[str, Any]]) -> list[GenOutput]:
+        if any(p.get("stop_regex") or next_token_request(p)[1] for p in params):
+            # NOTE: these need their own stream each; run them from threads so they still batch.
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max(1, len(prompts))) as pool:
+                return list(pool.map(self.generate, prompts, params))
         start = time.perf_counter()
         handles = [self.engine.submit(self.encode(p), self._params(sp))
                    for p, sp in zip(prompts, params)]
@@ -120,9 +147,37 @@ class LocalBackend(BaseBackend):
 
     def generate_stream(self, prompt: str, params: dict[str, Any],
                         request_id: str | None = None) -> Iterator[GenChunk]:
+        params, patterns = split_stop_regex(params)
+        params, next_only = next_token_request(params)
+        if next_only:
+            return iter([GenChunk("", [], None, None, True, self.generate(
+                prompt, {**params, "max_tokens": 0}, request_id).meta_info)])
+        return self._stream(prompt, params, request_id, patterns)
+
+    def _stream(self, prompt: str, params: dict[str, Any], request_id: str | None,
+                patterns: list) -> Iterator[GenChunk]:
         start = time.perf_counter()
         handle = self.engine.submit(self.encode(prompt), self._params(params),
                                     request_id=request_id)
+        chunks = self._chunks(handle, start)
+        if not patterns:
+            return chunks
+
+        def stopped_meta(text: str, n_tokens: int, pattern: str) -> dict[str, Any]:
+            handle.abort()
+            result = handle.result()
+            meta = self._meta(result, start)
+            ids = list(result.token_ids)[:n_tokens]
+            meta.update(completion_tokens=len(ids), output_token_ids=ids, finish_reason="stop",
+                        matched=pattern)
+            for key in ("output_token_logprobs", "output_top_logprobs"):
+                if key in meta:
+                    meta[key] = meta[key][:n_tokens]
+            return meta
+
+        return stop_stream_at_regex(chunks, patterns, stopped_meta)
+
+    def _chunks(self, handle: Any, start: float) -> Iterator[GenChunk]:
         finished = False
         try:
             for chunk in handle:
@@ -207,25 +262,127 @@ class LocalBackend(BaseBackend):
         result = self._prefill(self.encode(prompt))
         return {"prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens}
 
-    def flush_cache(self) -> None:
+    def flush_cache(self, empty_cache: bool = True) -> None:
+        """Empty the radix cache; with ``empty_cache`` on a CUDA engine also hand torch's cached
+        blocks back to the driver (SGLang's flag; nothing to do on the CPU)."""
         self.engine.flush_cache()
+        if empty_cache and self._device().startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
 
     # ---- control --------------------------------------------------------------------------
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
-    def get_server_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"backend": type(self).__name__}
+    def _device(self) -> str:
+        return str(getattr(getattr(self.engine, "model", None), "device", "cpu"))
+
+    @property
+    def model_info(self) -> dict[str, Any]:
+        """SGLang's ``/get_model_info`` answer for this model: ``model_path``, ``tokenizer_path``,
+        ``is_generation``, ``has_image_understanding``, ``has_audio_understanding``,
+        ``model_type``, ``architectures``."""
         loaded = getattr(self.engine, "loaded", None)
-        for attr in ("path", "source"):
-            if loaded is not None and getattr(loaded, attr, None) is not None:
-                info[f"model_{attr}"] = str(getattr(loaded, attr))
+        path = str(getattr(loaded, "path", "") or "") if loaded is not None else ""
+        config = getattr(loaded, "config", None)
+        arch = getattr(config, "architecture", None)
+        return {
+            "model_path": path,
+            "tokenizer_path": path,
+            "is_generation": True,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": [arch] if arch else [],
+            "source": str(getattr(loaded, "source", "") or "") if loaded is not None else "",
+        }
+
+    def get_server_info(self) -> dict[str, Any]:
+        """Engine facts under the keys SGLang's ``/get_server_info`` uses (``model_path``,
+        ``tokenizer_path``, ``context_length``, ``max_total_num_tokens``, ``dtype``, ``device``,
+        ``version``...), plus ``backend``, ``model_source`` and the engine's ``stats``."""
+        import sgrt
+
+        info = dict(self.model_info)
+        info["backend"] = type(self).__name__
+        info["model_source"] = info.pop("source")
+        info["model_path"] = info["model_path"]  # also SGLang's server-args key
+        config = getattr(self.engine, "config", None)
+        info["context_length"] = getattr(self.engine, "context_length", None)
+        info["max_total_num_tokens"] = getattr(config, "max_total_tokens", None)
+        model = getattr(self.engine, "model", None)
+        dtype = getattr(model, "dtype", None)
+        info["dtype"] = str(dtype).replace("torch.", "") if dtype is not None else None
+        info["device"] = self._device()
+        info["served_model_name"] = info["model_path"].rstrip("/").rsplit("/", 1)[-1] or None
+        info["skip_tokenizer_init"] = False
+        info["version"] = sgrt.__version__
         try:
             info["stats"] = self.engine.stats()
         except Exception:  # noqa: BLE001 - info is best effort
             pass
         return info
+
+    def get_tokenizer(self) -> Any:
+        """The model's transformers tokenizer, as SGLang's ``Runtime.get_tokenizer()`` returns
+        it (``encode``, ``decode``, ``apply_chat_template``)."""
+        return getattr(self.tokenizer, "hf", self.tokenizer)
+
+    async def async_generate(self, prompt: str, sampling_params: dict[str, Any] | None = None):
+        """Stream a plain completion of ``prompt``, yielding new text pieces (SGLang's
+        ``Runtime.async_generate`` / ``add_request``).
+
+        ``sampling_params`` uses SGLang's server names (``max_new_tokens``, ``min_new_tokens``,
+        ``temperature``, ``stop``...); unlike the DSL, an unset temperature means SGLang's 1.0.
+
+        Raises:
+            InvalidRequest: an unknown or bad sampling field.
+        """
+        params = srt_sampling_params(sampling_params)
+        handle = self.engine.submit(self.encode(prompt), self._params(params))
+        finished = False
+        try:
+            async for chunk in handle.astream():
+                if chunk.finished:
+                    finished = True
+                    self._check(chunk.result)
+                if chunk.text:
+                    yield chunk.text
+        finally:
+            if not finished:
+                handle.abort()
+
+    add_request = async_generate
+
+
+#: SGLang's ``/generate`` sampling field names that sgrt spells differently.
+SRT_FIELD_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+#: SGLang server fields with no sgrt meaning that change nothing in the output, dropped.
+SRT_IGNORED_FIELDS = ("spaces_between_special_tokens",)
+
+
+def srt_sampling_params(sampling_params: dict[str, Any] | None) -> dict[str, Any]:
+    """SGLang server sampling parameters as sgrt ``SamplingParams`` fields (SGLang's defaults:
+    ``max_new_tokens=128``, ``temperature=1.0``).
+
+    Raises:
+        InvalidRequest: (field ``sampling_params``) not a dict.
+    """
+    if sampling_params is None:
+        sampling_params = {}
+    if not isinstance(sampling_params, dict):
+        raise InvalidRequest(f"sampling_params must be a dict, got {type(sampling_params).__name__}",
+                             field="sampling_params")
+    out: dict[str, Any] = {"temperature": 1.0}
+    for key, value in sampling_params.items():
+        if key in SRT_IGNORED_FIELDS:
+            continue
+        out[SRT_FIELD_NAMES.get(key, key)] = value
+    if isinstance(out.get("stop"), str):
+        out["stop"] = [out["stop"]]
+    return out
 
 
 class Runtime(LocalBackend):
@@ -235,19 +392,53 @@ class Runtime(LocalBackend):
     ``**engine_options`` are :class:`sgrt.engine.EngineConfig` fields (``enable_radix_cache``,
     ``max_total_tokens``, ...). Use as a context manager or call :meth:`shutdown`.
 
+    SGLang's ``Runtime(model_path=...)`` is accepted (``model_path`` is ``model``), and so are its
+    ``log_level`` / ``launch_timeout``, which have no effect: SGLang's ``Runtime`` launches a
+    server subprocess, sgrt's runs the engine in this process. ``runtime.endpoint`` is the
+    runtime itself; ``runtime.url`` starts an HTTP server over the same engine on first use.
+
     Raises:
         ModelLoadError: the model could not be loaded.
         TypeError: an unknown engine option.
     """
 
-    def __init__(self, model: Any = "smollm2-135m-instruct", dtype: str = "float32",
-                 device: str = "cpu", chat_template: Any = None, **engine_options: Any):
+    def __init__(self, model: Any = None, dtype: str = "float32",
+                 device: str = "cpu", chat_template: Any = None, *, model_path: Any = None,
+                 log_level: str | None = None, launch_timeout: float | None = None,
+                 **engine_options: Any):
         from sgrt.engine import Engine
 
-        super().__init__(Engine(model=model, dtype=dtype, device=device, **engine_options),
+        if model is not None and model_path is not None and model != model_path:
+            raise InvalidRequest("Runtime got both model and model_path (SGLang's name for it); "
+                                 "pass one", field="model_path")
+        model = model if model is not None else model_path
+        # NOTE: log_level / launch_timeout are SGLang's Runtime arguments for its server
+        # subprocess; sgrt's engine runs in this process, so there is nothing to launch or log.
+        self._http: Any = None
+        super().__init__(Engine(model=model if model is not None else "smollm2-135m-instruct",
+                                dtype=dtype, device=device, **engine_options),
                          chat_template=chat_template)
 
+    @property
+    def url(self) -> str:
+        """The URL of an HTTP server over this runtime's engine (SGLang's ``Runtime.url``),
+        started on a free loopback port the first time it is read and stopped by
+        :meth:`shutdown`: ``/generate``, ``/v1/completions``, ``/v1/chat/completions``..."""
+        if self._http is None:
+            from sgrt.server.http_api import HttpServerThread
+
+            self._http = HttpServerThread(self.engine, "127.0.0.1", 0).start()
+        return self._http.url
+
+    @property
+    def generate_url(self) -> str:
+        """``url + "/generate"`` (SGLang's ``Runtime.generate_url``)."""
+        return self.url + "/generate"
+
     def shutdown(self) -> None:
+        if self._http is not None:
+            self._http.stop()
+            self._http = None
         self.engine.shutdown()
 
     def __enter__(self) -> "Runtime":

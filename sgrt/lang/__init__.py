@@ -24,7 +24,9 @@ from sgrt.lang.api import (
     gen_string,
     get_default_backend,
     get_server_info,
+    image,
     select,
+    separate_reasoning,
     set_default_backend,
     system,
     system_begin,
@@ -32,6 +34,7 @@ from sgrt.lang.api import (
     user,
     user_begin,
     user_end,
+    video,
 )
 from sgrt.lang.chat_template import ChatTemplate, derive_chat_template
 from sgrt.lang.choices import (
@@ -41,12 +44,13 @@ from sgrt.lang.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
-from sgrt.lang.function import Function, function
+from sgrt.lang.function import CompiledFunction, Function, function
 from sgrt.lang.interpreter import ProgramState, ProgramStateGroup
 from sgrt.lang.tracer import TracedProgram
 
 __all__ = [
-    "ChatTemplate", "ChoicesDecision", "ChoicesSamplingMethod", "Function", "ProgramState",
+    "ChatTemplate", "ChoicesDecision", "ChoicesSamplingMethod", "CompiledFunction", "Function",
+    "ProgramState", "image", "separate_reasoning", "video",
     "ProgramStateGroup", "TracedProgram", "assistant", "assistant_begin", "assistant_end",
     "derive_chat_template", "flush_cache", "function", "gen", "gen_int", "gen_string",
     "get_default_backend", "get_server_info", "greedy_token_selection", "select",

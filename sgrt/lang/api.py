@@ -1,38 +1,65 @@
 """The DSL's public functions: ``gen``, ``select``, roles, ``@function``, the default backend.
 
-Names and parameters follow SGLang's frontend language, so that its programs port by changing
-the import. Differences on purpose: ``gen`` samples greedily unless given a temperature
-(``sgrt.lang.defaults``); ``regex`` together with ``dtype`` is an error; a ``str`` dtype is
-bounded; ``choices`` cannot be combined with sampling options.
+Names and parameters follow SGLang's frontend language (``sglang.lang.api``), so that its
+programs port by changing the import. Deliberate differences (each documented where it lives):
+
+- ``gen`` decodes greedily unless a temperature is given (SGLang's ``run()`` defaults to 1.0,
+  so an unset temperature samples there); with ``n > 1`` and no temperature anywhere, that call
+  samples at SGLang's 1.0 and warns naming ``temperature`` (``sgrt.lang.defaults``).
+- ``regex`` together with ``dtype`` is an error (SGLang warns and drops the regex); a ``str``
+  dtype is bounded in length; ``dtype`` adds no stop strings; ``choices`` cannot be combined
+  with sampling options.
+- the chat template's end-of-turn string is not added to a ``gen``'s stops (the engine stops at
+  the end-of-turn token itself, and the text is the same).
+- log-probability entries ``(logprob, token_id, text)`` carry the token text unless
+  ``return_text_in_logprobs=False`` is given (SGLang gives ``None`` unless it is True).
+- ``stop_regex`` keeps the text that matched (as SGLang's server returns it) and stops at the end
+  of the match.
+- ``@function(num_api_spec_tokens=...)`` is accepted and has no effect: API speculative
+  execution saves black-box API calls; sgrt's backends keep the KV cache between ``gen`` calls,
+  so each ``gen`` is already one incremental request, and the output is the one without it.
+- ``s.fork(n, position_ids_offset)``: the offsets are accepted and must be ``None`` or one int
+  per branch; they have no effect (SGLang's interpreter ignores them too).
+- ``image`` / ``video`` raise ``InvalidRequest`` when executed: the models sgrt loads have no
+  vision tower.
+- ``flush_cache(empty_cache=True)`` also returns the accelerator's cached memory to the driver
+  when the engine runs on CUDA; on the CPU there is nothing to return.
+- ``compile()`` returns the interpreted program (sgrt's interpreter already runs a program
+  ahead of its generations and overlaps forks, which is what SGLang's compiled mode added).
+- ``run(use_thread=...)`` is accepted and has no effect: a program's expressions always run on
+  a worker thread (same text either way).
+- ``sgrt.Runtime`` is the in-process engine (SGLang's launches a server): ``runtime.endpoint``
+  is the runtime itself, ``runtime.url`` starts an HTTP server over the same engine on first
+  use, and ``runtime.generate(prompt, params)`` is the DSL backend's call, not SGLang's
+  JSON-returning helper.
+- ``separate_reasoning`` also splits when streaming (after the gen ends; the streamed pieces
+  still hold the reasoning), where SGLang skips it.
 """
 from __future__ import annotations
 
-import threading
+import re
 from typing import Any
 
 from sgrt.errors import InvalidRequest
+from sgrt.global_config import global_config
 from sgrt.lang import ir
 from sgrt.lang.choices import ChoicesSamplingMethod, token_length_normalized
 from sgrt.lang.defaults import dtype_regex
 
-_default_backend: Any = None
-_default_lock = threading.Lock()
-
 
 def set_default_backend(backend: Any) -> None:
-    """Make ``backend`` (e.g. ``sgrt.Runtime(model=...)``) the one programs use by default."""
-    global _default_backend
-    with _default_lock:
-        _default_backend = backend
+    """Make ``backend`` (e.g. ``sgrt.Runtime(model=...)``) the one programs use by default
+    (``sgrt.global_config.default_backend``)."""
+    global_config.default_backend = backend
 
 
 def get_default_backend() -> Any:
     """The backend set by :func:`set_default_backend`, or ``None``."""
-    return _default_backend
+    return global_config.default_backend
 
 
 def _resolve_backend(backend: Any) -> Any:
-    backend = backend if backend is not None else _default_backend
+    backend = backend if backend is not None else global_config.default_backend
     if backend is None:
         raise InvalidRequest(
             "no backend: pass backend=... or call sgrt.set_default_backend(sgrt.Runtime(...))",
@@ -40,14 +67,28 @@ def _resolve_backend(backend: Any) -> Any:
     return backend
 
 
-def flush_cache(backend: Any = None) -> None:
-    """Empty the prefix cache of ``backend`` (default: the default backend)."""
-    _resolve_backend(backend).flush_cache()
+def flush_cache(backend: Any = None, empty_cache: bool = True) -> Any:
+    """Empty the prefix cache of ``backend`` (default: the default backend).
+
+    ``empty_cache`` (SGLang's flag) also releases the accelerator's cached memory when the
+    engine runs on CUDA (no effect on the CPU). As in SGLang, returns ``False`` when there is
+    no backend at all.
+    """
+    backend = backend if backend is not None else global_config.default_backend
+    if backend is None:
+        return False
+    return backend.flush_cache(empty_cache=empty_cache)
 
 
-def get_server_info(backend: Any = None) -> dict[str, Any]:
-    """Model and engine facts from ``backend`` (default: the default backend)."""
-    return _resolve_backend(backend).get_server_info()
+def get_server_info(backend: Any = None) -> dict[str, Any] | None:
+    """Model and engine facts from ``backend`` (default: the default backend), with the keys
+    SGLang's ``/get_server_info`` gives programs (``model_path``, ``tokenizer_path``,
+    ``context_length``, ``max_total_num_tokens``, ``version``...). ``None`` without a backend,
+    as in SGLang."""
+    backend = backend if backend is not None else global_config.default_backend
+    if backend is None:
+        return None
+    return backend.get_server_info()
 
 
 # ---- gen / select ---------------------------------------------------------------------------
@@ -59,6 +100,7 @@ def gen(
     n: int | None = None,
     stop: str | list[str] | None = None,
     stop_token_ids: list[int] | None = None,
+    stop_regex: str | list[str] | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -69,6 +111,7 @@ def gen(
     return_logprob: bool | None = None,
     logprob_start_len: int | None = None,
     top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
     seed: int | None = None,
     dtype: Any = None,
     choices: list[str] | None = None,
@@ -85,12 +128,21 @@ def gen(
     ``dtype`` (``int``, ``float``, ``str``, ``bool``: a bounded regex from
     ``sgrt.constrained.dtypes``; the variable holds the text, as in SGLang, and the meta info's
     ``"value"`` the parsed value, or ``None`` if the generation was cut short). ``n > 1`` samples n
-    completions (the variable is their list; the first is appended to the text).
+    completions (the variable is their list; the first is appended to the text); with no
+    temperature given anywhere such a call samples at SGLang's default 1.0, with a warning.
     ``choices=[...]`` makes this a :func:`select`.
+
+    ``stop_regex`` (a Python regex or a list of them, SGLang's parameter) ends the generation as
+    soon as the generated text contains a match; the text ends at the end of that match
+    (``finish_reason`` ``"stop"``, ``matched`` the pattern). ``return_text_in_logprobs``: the
+    token text in each log-probability entry (default: included; ``False``: ``None`` as in
+    SGLang). ``max_tokens=0`` with ``return_logprob`` and ``top_logprobs_num=k`` gives, in
+    ``output_top_logprobs[0]``, the k most likely next tokens after the prompt (SGLang's CoT
+    decoding idiom) and generates nothing.
 
     Raises:
         InvalidRequest: ``dtype`` with ``regex`` (or another constraint), ``choices`` with
-            sampling options, a bad ``n``.
+            sampling options, a bad ``n``, a ``stop_regex`` that does not compile.
         TypeError: an unknown keyword.
     """
     params = {
@@ -100,7 +152,8 @@ def gen(
         "presence_penalty": presence_penalty, "ignore_eos": ignore_eos,
         "return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
         "top_logprobs_num": top_logprobs_num, "seed": seed, "regex": regex,
-        "json_schema": json_schema, "grammar": grammar,
+        "json_schema": json_schema, "grammar": grammar, "stop_regex": stop_regex,
+        "return_text_in_logprobs": return_text_in_logprobs,
     }
     params = {k: v for k, v in params.items() if v is not None}
     if choices is not None:
@@ -129,11 +182,30 @@ def gen(
     # program's readers (s["x"], s.text()).
     if isinstance(stop, str):
         params["stop"] = [stop]
-    if n is None:
-        n = 1
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if stop_regex is not None:
+        params["stop_regex"] = check_stop_regex(stop_regex)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise InvalidRequest(f"n must be an int >= 1, got {n!r}", field="n")
     return ir.Gen(name, params, dtype, n)
+
+
+def check_stop_regex(stop_regex: Any) -> list[str]:
+    """``stop_regex`` as a list of patterns that Python's ``re`` compiles.
+
+    Raises:
+        InvalidRequest: (field ``stop_regex``) not a str or list of str, or a bad pattern.
+    """
+    patterns = [stop_regex] if isinstance(stop_regex, str) else stop_regex
+    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
+        raise InvalidRequest(f"stop_regex must be a str or a list of str, got {stop_regex!r}",
+                             field="stop_regex")
+    for p in patterns:
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise InvalidRequest(f"stop_regex {p!r} does not compile: {e}",
+                                 field="stop_regex") from None
+    return list(patterns)
 
 
 def gen_int(
@@ -142,6 +214,7 @@ def gen_int(
     n: int | None = None,
     stop: str | list[str] | None = None,
     stop_token_ids: list[int] | None = None,
+    stop_regex: str | list[str] | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -152,15 +225,16 @@ def gen_int(
     return_logprob: bool | None = None,
     logprob_start_len: int | None = None,
     top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
     seed: int | None = None,
 ) -> ir.Expr:
     """``gen(..., dtype=int)``: an integer (bounded number of digits)."""
     return gen(name, max_tokens=max_tokens, n=n, stop=stop, stop_token_ids=stop_token_ids,
-               temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+               stop_regex=stop_regex, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                ignore_eos=ignore_eos, return_logprob=return_logprob,
                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-               seed=seed, dtype=int)
+               return_text_in_logprobs=return_text_in_logprobs, seed=seed, dtype=int)
 
 
 def gen_string(
@@ -169,6 +243,7 @@ def gen_string(
     n: int | None = None,
     stop: str | list[str] | None = None,
     stop_token_ids: list[int] | None = None,
+    stop_regex: str | list[str] | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -179,15 +254,16 @@ def gen_string(
     return_logprob: bool | None = None,
     logprob_start_len: int | None = None,
     top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
     seed: int | None = None,
 ) -> ir.Expr:
     """``gen(..., dtype=str)``: a double-quoted string of bounded length."""
     return gen(name, max_tokens=max_tokens, n=n, stop=stop, stop_token_ids=stop_token_ids,
-               temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+               stop_regex=stop_regex, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                ignore_eos=ignore_eos, return_logprob=return_logprob,
                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-               seed=seed, dtype=str)
+               return_text_in_logprobs=return_text_in_logprobs, seed=seed, dtype=str)
 
 
 def select(name: str | None = None, choices: list[str] | None = None,
@@ -263,3 +339,41 @@ def assistant_begin() -> ir.Expr:
 
 def assistant_end() -> ir.Expr:
     return ir.RoleEnd("assistant")
+
+
+# ---- multimodal and reasoning ---------------------------------------------------------------
+
+def image(expr: Any) -> ir.Expr:
+    """An image input (SGLang's ``sgl.image(path)``).
+
+    Executing it raises ``InvalidRequest`` (field ``image``) naming the primitive: the models sgrt
+    loads have no vision tower, so there is nothing to give the image to.
+    """
+    return ir.Image(expr)
+
+
+def video(path: Any, num_frames: int) -> ir.Expr:
+    """A video input (SGLang's ``sgl.video(path, num_frames)``); executing it raises
+    ``InvalidRequest`` (field ``video``) like :func:`image`."""
+    return ir.Video(path, num_frames)
+
+
+def separate_reasoning(expr: Any = None, model_type: str | None = None) -> ir.Expr:
+    """Run ``expr`` (usually a ``gen``), then split a thinking model's reasoning off its answer.
+
+    SGLang's semantics: for each named ``gen`` / ``select`` ``x`` in ``expr``, ``s["x"]`` keeps
+    the answer, ``s["x_reasoning_content"]`` gets the reasoning (``<think>...</think>`` or the
+    family's tags, see ``sgrt.lang.reasoning``), and the text of the open message becomes the
+    answer alone. ``model_type`` is SGLang's reasoning-parser name (``"deepseek-r1"``,
+    ``"qwen3"``...; ``None``: plain ``<think>`` tags).
+
+    Raises:
+        InvalidRequest: an unknown ``model_type``; ``expr`` is ``None``.
+    """
+    from sgrt.lang.reasoning import reasoning_format
+
+    reasoning_format(model_type)  # validate now
+    if expr is None:
+        raise InvalidRequest("separate_reasoning needs an expression (a gen)", field="expr")
+    inner = ir.to_expr(expr)
+    return ir.ExprList([inner, ir.SeparateReasoning(model_type, inner)])

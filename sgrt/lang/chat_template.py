@@ -70,6 +70,47 @@ PLAIN = ChatTemplate(
 )
 
 
+#: SGLang's ``"default"`` template (``sglang.lang.chat_template``): bare role labels.
+SGLANG_DEFAULT = ChatTemplate(
+    name="default",
+    role_prefix_and_suffix={
+        "system": ("SYSTEM:", "\n"),
+        "user": ("USER:", "\n"),
+        "assistant": ("ASSISTANT:", "\n"),
+    },
+)
+
+#: Templates by SGLang's registry names, for ``RuntimeEndpoint(chat_template_name=...)``.
+NAMED_TEMPLATES: dict[str, ChatTemplate] = {
+    "chatml": CHATML,
+    "qwen": ChatTemplate(name="qwen", role_prefix_and_suffix=dict(CHATML.role_prefix_and_suffix),
+                         default_system_prompt="You are a helpful assistant.",
+                         stop_str=("<|im_end|>",)),
+    "llama-3-instruct": ChatTemplate(
+        name="llama-3-instruct",
+        role_prefix_and_suffix={
+            role: (f"<|start_header_id|>{role}<|end_header_id|>\n\n", "<|eot_id|>")
+            for role in ("system", "user", "assistant")},
+        stop_str=("<|eot_id|>",)),
+    "default": SGLANG_DEFAULT,
+    "plain": PLAIN,
+}
+
+
+def get_chat_template(name: str) -> ChatTemplate:
+    """The template SGLang registers under ``name`` (those sgrt knows: :data:`NAMED_TEMPLATES`).
+
+    Raises:
+        InvalidRequest: (field ``chat_template_name``) a name sgrt does not know.
+    """
+    try:
+        return NAMED_TEMPLATES[name]
+    except (KeyError, TypeError):
+        raise InvalidRequest(f"unknown chat template {name!r}; known: {', '.join(sorted(NAMED_TEMPLATES))} "
+                             "(or pass chat_template=ChatTemplate(...))",
+                             field="chat_template_name") from None
+
+
 def _cut(text: str, start: str, end: str | None) -> str:
     """The text strictly between sentinel ``start`` and ``end`` (or the end of ``text``)."""
     i = text.index(start) + len(start)

@@ -29,7 +29,23 @@ GEN_DEFAULTS: dict[str, Any] = {
     "return_logprob": False,
     "top_logprobs_num": 0,
     "logprob_start_len": -1,
+    # Not engine fields: the backends apply stop_regex, the interpreter return_text_in_logprobs.
+    "stop_regex": [],
+    "return_text_in_logprobs": None,
 }
+
+#: Keys of a ``gen``'s options that only the DSL reads (removed before a backend sees them).
+DSL_ONLY_KEYS = ("return_text_in_logprobs",)
+
+#: ``run()`` options that are not sampling options: ``n`` (the default ``n`` of every ``gen``)
+#: and SGLang's ``use_thread`` (accepted; sgrt always runs a program's expressions on a worker
+#: thread, which gives the same text).
+RUN_ONLY_KEYS = ("n", "use_thread")
+
+#: SGLang's sampling temperature when a call sets none (its ``run()`` default); sgrt uses it
+#: only for ``gen(n > 1)`` with no temperature anywhere, where greedy decoding would return n
+#: identical completions.
+SGLANG_DEFAULT_TEMPERATURE = 1.0
 
 #: Options only a ``gen`` may set (one constraint per call); ``run()`` cannot.
 CONSTRAINT_KEYS = ("regex", "json_schema", "grammar")
@@ -78,16 +94,25 @@ def merge_run_options(options: dict[str, Any]) -> dict[str, Any]:
 
     Raises:
         TypeError: an unknown option, or an option and its alias both given.
+        InvalidRequest: a ``stop_regex`` that does not compile, a bad ``n``.
     """
     merged: dict[str, Any] = {}
     for key, value in options.items():
         name = RUN_ALIASES.get(key, key)
-        if name not in GEN_DEFAULTS:
+        if name not in GEN_DEFAULTS and name not in RUN_ONLY_KEYS:
             raise TypeError(f"run() got an unexpected keyword argument {key!r}")
         if name in merged:
             raise TypeError(f"run() got both {key!r} and its alias for {name!r}")
         if value is not None:
             merged[name] = value
+    if "stop_regex" in merged:
+        from sgrt.lang.api import check_stop_regex
+
+        merged["stop_regex"] = check_stop_regex(merged["stop_regex"])
+    n = merged.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidRequest(f"n must be an int >= 1, got {n!r}", field="n")
+    merged.pop("use_thread", None)
     return merged
 
 
@@ -98,11 +123,13 @@ def resolve_gen_params(run_options: dict[str, Any], gen_params: dict[str, Any],
     ``dtype`` becomes the ``regex`` constraint. Lists are copied, so callers may mutate them.
     """
     params = dict(GEN_DEFAULTS)
-    params.update(run_options)
+    params.update({k: v for k, v in run_options.items() if k not in RUN_ONLY_KEYS})
     params.update(gen_params)
     if dtype is not None:
         params["regex"] = dtype_regex(dtype)
-    for key in ("stop", "stop_token_ids"):
+    if isinstance(params["stop_regex"], str):
+        params["stop_regex"] = [params["stop_regex"]]
+    for key in ("stop", "stop_token_ids", "stop_regex"):
         value = params[key]
         params[key] = [value] if isinstance(value, (str, int)) else list(value or [])
     return params

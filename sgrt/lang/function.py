@@ -22,7 +22,8 @@ class Function:
     the first argument, runs the body inline on that state, so programs compose).
     """
 
-    def __init__(self, func: Callable[..., Any], bound: dict[str, Any] | None = None):
+    def __init__(self, func: Callable[..., Any], bound: dict[str, Any] | None = None,
+                 num_api_spec_tokens: int | None = None):
         params = list(inspect.signature(func).parameters.values())
         if not params or params[0].kind not in (inspect.Parameter.POSITIONAL_ONLY,
                                                 inspect.Parameter.POSITIONAL_OR_KEYWORD):
@@ -33,6 +34,9 @@ class Function:
                                             inspect.Parameter.VAR_KEYWORD)]
         self._signature = inspect.signature(func)
         self.bound = dict(bound or {})
+        # SGLang's API speculative execution budget: kept for programs that read it, no effect
+        # (see sgrt.lang.api's list of differences).
+        self.num_api_spec_tokens = num_api_spec_tokens
         self.__name__ = getattr(func, "__name__", "program")
         self.__doc__ = func.__doc__
         self.__wrapped__ = func
@@ -63,7 +67,7 @@ class Function:
         for k in kwargs:
             if k not in self.arg_names:
                 raise TypeError(f"{self.__name__}() has no argument {k!r}")
-        return Function(self.func, {**self.bound, **kwargs})
+        return Function(self.func, {**self.bound, **kwargs}, self.num_api_spec_tokens)
 
     # ---- running --------------------------------------------------------------------------
 
@@ -91,10 +95,14 @@ class Function:
             TypeError: an unknown keyword or missing program argument.
             InvalidRequest: no backend.
         """
+        from sgrt.global_config import global_config
+
         args, prog_kwargs, options = self._split(args, kwargs)
         state = self._new_state(_resolve_backend(backend), options, stream)
         if not stream:
             run_program(self.func, state, args, prog_kwargs, capture=False)
+            if global_config.verbosity >= 2:
+                print(state.text())
             return state
         ex = state.executor
         ex.program_running = True  # before the thread starts, so readers wait for it
@@ -107,8 +115,12 @@ class Function:
 
     def run_batch(self, batch_kwargs: Sequence[dict[str, Any] | tuple], *,
                   backend: Any = None, num_threads: int | str = "auto",
-                  progress_bar: bool = False, **options: Any) -> list[ProgramState]:
+                  progress_bar: bool = False, generator_style: bool = False,
+                  **options: Any) -> Any:
         """Run the program once per argument set, concurrently; states in input order.
+
+        With ``generator_style=True`` (SGLang's flag) returns an iterator that yields the
+        states in input order as they finish, instead of the list.
 
         ``batch_kwargs`` holds dicts of keyword arguments or tuples of positional ones.
         ``num_threads="auto"`` uses up to ``AUTO_BATCH_THREADS`` threads; ``progress_bar``
@@ -132,8 +144,10 @@ class Function:
                 raise TypeError(
                     f"run_batch items must be dicts or tuples, got {type(item).__name__}")
         if not items:
-            return []
-        if len(items) > 1:
+            return iter([]) if generator_style else []
+        from sgrt.global_config import global_config
+
+        if len(items) > 1 and global_config.enable_precache_with_tracing:
             self._hint_prefix(backend, [kw for a, kw in items if not a])
         if num_threads == "auto":
             num_threads = min(len(items), max(AUTO_BATCH_THREADS, (os.cpu_count() or 1)))
@@ -146,6 +160,8 @@ class Function:
             state.sync()
             return state
 
+        if generator_style:
+            return self._run_batch_iter(items, run_one, num_threads, progress_bar)
         bar = None
         if progress_bar:
             from tqdm.auto import tqdm
@@ -161,6 +177,31 @@ class Function:
         if bar is not None:
             bar.close()
         return states
+
+    def _run_batch_iter(self, items: list, run_one: Callable, num_threads: int,
+                        progress_bar: bool):
+        bar = None
+        if progress_bar:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(items), desc=self.__name__)
+        with ThreadPoolExecutor(num_threads) as pool:
+            futures = [pool.submit(run_one, item) for item in items]
+            for fut in futures:
+                yield fut.result()
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+
+    def compile(self, *, backend: Any = None) -> "CompiledFunction":
+        """SGLang's ``compile()``: the program's traced graph plus ``run`` / ``run_batch``.
+
+        SGLang's compiled mode scheduled the traced graph over one stream executor per branch;
+        sgrt's interpreter already runs the program ahead of its generations, one worker per
+        branch, so the compiled program runs through the same interpreter (same text).
+        """
+        return CompiledFunction(self, backend)
 
     # ---- tracing and prefix hints ---------------------------------------------------------
 
@@ -234,8 +275,43 @@ def _common_kwargs(batch: list[dict[str, Any]]) -> dict[str, Any]:
     return common
 
 
-def function(func: Callable[..., Any] | None = None) -> Any:
-    """Decorator making a prompt program: ``@sgrt.function`` or ``@sgrt.function()``."""
+class CompiledFunction:
+    """What :meth:`Function.compile` returns: ``run``, ``run_batch``, ``print_graph``."""
+
+    def __init__(self, function: Function, backend: Any = None):
+        self.function = function
+        self.backend = backend
+        self.traced = function.trace(backend=backend)
+
+    def print_graph(self) -> None:
+        """Print the traced graph (``TracedProgram.print_graph``)."""
+        self.traced.print_graph()
+
+    def run(self, *args: Any, backend: Any = None, **kwargs: Any) -> ProgramState:
+        """As :meth:`Function.run` (the compile-time backend when ``backend`` is None)."""
+        return self.function.run(*args, backend=backend or self.backend, **kwargs)
+
+    def run_batch(self, batch_kwargs: Sequence[dict[str, Any] | tuple], *, backend: Any = None,
+                  **kwargs: Any) -> Any:
+        """As :meth:`Function.run_batch`."""
+        return self.function.run_batch(batch_kwargs, backend=backend or self.backend, **kwargs)
+
+
+def function(func: Callable[..., Any] | None = None,
+             num_api_spec_tokens: int | None = None) -> Any:
+    """Decorator making a prompt program: ``@sgrt.function``, ``@sgrt.function()`` or SGLang's
+    ``@sgrt.function(num_api_spec_tokens=64)`` (accepted; no effect, see ``sgrt.lang.api``).
+
+    Raises:
+        InvalidRequest: (field ``num_api_spec_tokens``) not ``None`` nor an int >= 0.
+    """
+    if num_api_spec_tokens is not None and (
+            isinstance(num_api_spec_tokens, bool) or not isinstance(num_api_spec_tokens, int)
+            or num_api_spec_tokens < 0):
+        from sgrt.errors import InvalidRequest
+
+        raise InvalidRequest(f"num_api_spec_tokens must be an int >= 0, got {num_api_spec_tokens!r}",
+                             field="num_api_spec_tokens")
     if func is None:
-        return Function
-    return Function(func)
+        return lambda f: Function(f, num_api_spec_tokens=num_api_spec_tokens)
+    return Function(func, num_api_spec_tokens=num_api_spec_tokens)

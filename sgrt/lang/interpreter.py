@@ -17,6 +17,7 @@ import asyncio
 import copy
 import threading
 import uuid
+import warnings
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +29,12 @@ from sgrt.errors import InvalidRequest
 from sgrt.lang import ir
 from sgrt.lang.chat_template import ChatTemplate
 from sgrt.lang.choices import token_length_normalized
-from sgrt.lang.defaults import parse_dtype_value, resolve_gen_params
+from sgrt.lang.defaults import (
+    DSL_ONLY_KEYS,
+    SGLANG_DEFAULT_TEMPERATURE,
+    parse_dtype_value,
+    resolve_gen_params,
+)
 from sgrt.lang.transcript import Transcript
 
 
@@ -194,6 +200,10 @@ class StreamExecutor:
                                                                      leaf.num_branches)
             elif isinstance(leaf, ir.AppendForks):
                 self._execute_append_forks(leaf)
+            elif isinstance(leaf, (ir.Image, ir.Video)):
+                self._refuse_vision(leaf)
+            elif isinstance(leaf, ir.SeparateReasoning):
+                self._execute_separate_reasoning(leaf)
             else:
                 raise TypeError(f"cannot execute {leaf!r} (a tracing placeholder in a real run?)")
 
@@ -206,21 +216,51 @@ class StreamExecutor:
         self._gen_count += 1
         return f"{self.sid}-{self._gen_count}"
 
-    def _execute_gen(self, expr: ir.Gen) -> None:
+    def _gen_params(self, expr: ir.Gen) -> tuple[dict[str, Any], int, dict[str, Any]]:
+        """The backend params, n and the DSL-only options of one ``gen``."""
+        from sgrt.global_config import global_config
+
         params = resolve_gen_params(self.run_options, expr.params, expr.dtype)
+        dsl = {k: params.pop(k) for k in DSL_ONLY_KEYS}
+        n = expr.n if expr.n is not None else int(self.run_options.get("n", 1))
+        if n > 1 and "temperature" not in expr.params and "temperature" not in self.run_options:
+            # NOTE: greedy decoding (sgrt's default) would make the n completions identical;
+            # SGLang samples at its run() default here, and so do we, saying so.
+            params["temperature"] = SGLANG_DEFAULT_TEMPERATURE
+            warnings.warn(
+                f"gen({expr.name!r}, n={n}) sets no temperature: sampling at SGLang's default "
+                f"temperature={SGLANG_DEFAULT_TEMPERATURE} (sgrt's greedy default would return "
+                f"{n} identical completions); pass temperature=... to choose", UserWarning,
+                stacklevel=2)
+        if not global_config.skip_special_tokens_in_output:
+            params.setdefault("skip_special_tokens", False)
+        return params, n, dsl
+
+    def _record_usage(self, metas: list[Any]) -> None:
+        usage = getattr(self.backend, "token_usage", None)
+        if usage is None:
+            return
+        for meta in metas:
+            if isinstance(meta, dict):
+                usage.add(meta.get("prompt_tokens"), meta.get("completion_tokens"))
+
+    def _execute_gen(self, expr: ir.Gen) -> None:
+        params, n, dsl = self._gen_params(expr)
         prompt = self.transcript.text
         name = expr.name
-        if expr.n > 1:
-            outs = self.backend.generate_batch([prompt] * expr.n, [params] * expr.n)
+        if n > 1:
+            outs = self.backend.generate_batch([prompt] * n, [params] * n)
+            metas = [_logprob_text(o.meta_info, dsl["return_text_in_logprobs"]) for o in outs]
+            self._record_usage(metas)
             self._fill(outs[0].text)
             if name is not None:
-                self.set_var(name, [o.text for o in outs], [o.meta_info for o in outs])
+                self.set_var(name, [o.text for o in outs], metas)
             return
         rid = self._new_request_id()
         self._request_ids.add(rid)
         try:
             if self.stream:
-                meta = self._stream_gen(prompt, params, rid, name)
+                meta = self._stream_gen(prompt, params, rid, name, dsl["return_text_in_logprobs"])
                 text = self.variables.get(name, "") if name is not None else None
             else:
                 out = self.backend.generate(prompt, params, request_id=rid)
@@ -228,19 +268,25 @@ class StreamExecutor:
                 text, meta = out.text, out.meta_info
         finally:
             self._request_ids.discard(rid)
+        meta = _logprob_text(meta, dsl["return_text_in_logprobs"])
+        self._record_usage([meta])
         if expr.dtype is not None and meta is not None:
             meta["value"] = parse_dtype_value(expr.dtype, text or "")
         if name is not None:
             self.set_var(name, text, meta)
 
     def _stream_gen(self, prompt: str, params: dict[str, Any], rid: str,
-                    name: str | None) -> dict[str, Any] | None:
+                    name: str | None, with_text: bool | None = None) -> dict[str, Any] | None:
         if name is not None:
             with self.cond:
                 self.variables[name] = ""
                 self.stream_chunks[name] = []
         meta = None
         for chunk in self.backend.generate_stream(prompt, params, request_id=rid):
+            if with_text is False:
+                chunk.logprobs = _strip_texts(chunk.logprobs)
+                chunk.top_logprobs = ([_strip_texts(row) for row in chunk.top_logprobs]
+                                      if chunk.top_logprobs is not None else None)
             with self.cond:
                 self.transcript.fill(chunk.text)
                 if name is not None:
@@ -271,9 +317,46 @@ class StreamExecutor:
             for sc in scores]
         meta["prompt_tokens"] = [sc.prompt_tokens for sc in scores]
         meta["cached_tokens"] = [sc.cached_tokens for sc in scores]
+        self._record_usage([{"prompt_tokens": sc.prompt_tokens} for sc in scores])
         self._fill(decision.decision)
         if expr.name is not None:
             self.set_var(expr.name, decision.decision, meta)
+
+    def _refuse_vision(self, leaf: ir.Expr) -> None:
+        what = "image" if isinstance(leaf, ir.Image) else "video"
+        try:
+            model = self.backend.get_model_name() or type(self.backend).__name__
+        except Exception:  # noqa: BLE001 - the name only decorates the message
+            model = type(self.backend).__name__
+        raise InvalidRequest(
+            f"sgrt.{what}({leaf.path!r}): the loaded model ({model}) has no vision tower, so it "
+            f"cannot take {what} input; sgrt loads text-only models", field=what)
+
+    def _execute_separate_reasoning(self, leaf: ir.SeparateReasoning) -> None:
+        """SGLang's ``separate_reasoning``: split each target variable, and make the open
+        message's text the answer alone (outside a message: replace the generated tail)."""
+        from sgrt.lang.reasoning import split_reasoning
+
+        for name in leaf.targets:
+            with self.cond:
+                value = self.variables.get(name)
+                meta = self.meta_info.get(name)
+            if isinstance(value, list):  # n > 1: split every completion
+                pairs = [split_reasoning(v, leaf.model_type) for v in value]
+                self.set_var(ir.reasoning_var_name(name), [r for r, _ in pairs])
+                self.set_var(name, [a for _, a in pairs], meta)
+                value, answer = value[0], pairs[0][1]
+            else:
+                reasoning, answer = split_reasoning(value or "", leaf.model_type)
+                self.set_var(ir.reasoning_var_name(name), reasoning)
+                self.set_var(name, answer, meta)
+            with self.cond:
+                t = self.transcript
+                if t.cur_role is not None:
+                    t.text = t.text[:t.role_begin_pos] + answer
+                elif value and t.text.endswith(value):
+                    t.text = t.text[:len(t.text) - len(value)] + answer
+                self.cond.notify_all()
 
     def _execute_append_forks(self, expr: ir.AppendForks) -> None:
         pieces = []
@@ -286,18 +369,28 @@ class StreamExecutor:
 
     # ---- fork -----------------------------------------------------------------------------
 
-    def fork(self, size: int) -> list["StreamExecutor"]:
+    def fork(self, size: int, position_ids_offset: Any = None) -> list["StreamExecutor"]:
         """``size`` new executors continuing from this one's text (after committing it).
 
         With ``size > 1`` the text so far is first committed to the backend's prefix cache, so
-        that every branch prefills only its own tokens.
+        that every branch prefills only its own tokens. ``position_ids_offset`` (SGLang's
+        argument) must be ``None`` or one int per branch; it has no effect, as in SGLang's
+        interpreter, which accepts it and never reads it.
 
         Raises:
-            InvalidRequest: (field ``size``) size < 1.
+            InvalidRequest: (field ``size``) size < 1; (field ``position_ids_offset``) not
+                ``None`` nor ``size`` ints.
             Exception: the error that stopped this state before the fork.
         """
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise InvalidRequest(f"fork size must be an int >= 1, got {size!r}", field="size")
+        if position_ids_offset is not None and (
+                not isinstance(position_ids_offset, (list, tuple))
+                or len(position_ids_offset) != size
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in position_ids_offset)):
+            raise InvalidRequest(
+                f"position_ids_offset must be None or {size} ints (one per branch), "
+                f"got {position_ids_offset!r}", field="position_ids_offset")
         if size > 1:
             self.submit(ir.CommitPrefix(size))
         with self.cond:
@@ -384,17 +477,19 @@ class ProgramState:
         yield
         self.executor.submit(ir.VarScopeEnd(name))
 
-    def fork(self, size: int = 1) -> "ProgramStateGroup":
-        """``size`` branches that continue from the text so far (see ``ProgramStateGroup``)."""
-        return ProgramStateGroup([ProgramState(e) for e in self.executor.fork(size)], self)
+    def fork(self, size: int = 1, position_ids_offset: Any = None) -> "ProgramStateGroup":
+        """``size`` branches that continue from the text so far (see ``ProgramStateGroup``;
+        ``position_ids_offset`` as ``StreamExecutor.fork`` says)."""
+        return ProgramStateGroup(
+            [ProgramState(e) for e in self.executor.fork(size, position_ids_offset)], self)
 
     @contextmanager
-    def copy(self) -> Iterator["ProgramState"]:
+    def copy(self, position_ids_offset: Any = None) -> Iterator["ProgramState"]:
         """``with s.copy() as c:`` a branch for trying things; ``s``'s text is not changed.
 
         On exit the branch is finished and the variables it created are copied to ``s``.
         """
-        group = self.fork(1)
+        group = self.fork(1, position_ids_offset)
         yield group[0]
         group.join(mode="copy")
 
@@ -587,7 +682,10 @@ class ProgramState:
         return None
 
     def __repr__(self) -> str:
-        return f"ProgramState({self.executor.transcript.text[-60:]!r})"
+        """``ProgramState(<the whole text>)``, as SGLang prints it (after everything queued has
+        run; a failed program shows the text it reached)."""
+        self.executor.sync()
+        return f"ProgramState({self.executor.transcript.text})"
 
 
 class ProgramStateGroup:
@@ -609,6 +707,15 @@ class ProgramStateGroup:
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
+
+    def __setitem__(self, i: int, value: Any) -> None:
+        """What ``forks[i] += x`` ends with: Python stores the (same) branch back.
+
+        Raises:
+            TypeError: ``value`` is not branch ``i`` itself (branches cannot be replaced).
+        """
+        if value is not self.states[i]:
+            raise TypeError("a fork group's branches cannot be replaced; use forks[i] += ...")
 
     def __iter__(self) -> Iterator[ProgramState]:
         return iter(self.states)
@@ -666,6 +773,25 @@ class ProgramStateGroup:
                                [s.executor.meta_info.get(name) for s in self.states])
         if mode == "concate_and_append":
             parent.submit(ir.AppendForks(list(self.states)))
+
+
+def _strip_texts(rows: Any) -> Any:
+    if rows is None:
+        return None
+    return [(e[0], e[1], None) if isinstance(e, (tuple, list)) and len(e) == 3 else e for e in rows]
+
+
+def _logprob_text(meta: Any, with_text: bool | None) -> Any:
+    """``meta`` with the token texts of its log-probability entries set to ``None`` when
+    ``return_text_in_logprobs=False`` was given (SGLang's shape); unchanged otherwise."""
+    if with_text is not False or not isinstance(meta, dict):
+        return meta
+    out = dict(meta)
+    if out.get("output_token_logprobs") is not None:
+        out["output_token_logprobs"] = _strip_texts(out["output_token_logprobs"])
+    if out.get("output_top_logprobs") is not None:
+        out["output_top_logprobs"] = [_strip_texts(row) for row in out["output_top_logprobs"]]
+    return out
 
 
 def run_program(func: Callable[..., Any], state: ProgramState, args: tuple, kwargs: dict,

@@ -13,6 +13,14 @@ from sgrt.errors import InvalidRequest
 
 ROLES = ("system", "user", "assistant")
 
+# SGLang's dtype regexes (``sglang.lang.ir``), the same strings, for programs that pass them as
+# ``gen(regex=REGEX_INT)``. ``gen(dtype=...)`` does not use them: its regexes are bounded
+# (``sgrt.constrained.dtypes``), while REGEX_STR here allows a string of any length.
+REGEX_INT = r"[-+]?[0-9]+[ \n]*"
+REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
+REGEX_BOOL = r"(True|False)"
+REGEX_STR = r"\"[\w\d\s]*\""
+
 class Expr:
     """Base of every DSL expression; ``a + b`` (either side may be a str) builds an ExprList."""
 
@@ -90,19 +98,21 @@ class Gen(Expr):
     ``params`` holds only the sampling options the call set explicitly (SamplingParams field
     names); the rest are inherited from ``run()`` and then ``sgrt.lang.defaults``. ``dtype`` is
     turned into a bounded regex when the call executes. ``n > 1`` samples n completions: the
-    first goes into the text, all n into the variable as a list.
+    first goes into the text, all n into the variable as a list. ``params`` may hold two keys
+    that are not engine fields: ``stop_regex`` (the backends apply it) and
+    ``return_text_in_logprobs`` (the interpreter applies it).
     """
 
     name: str | None
     params: dict[str, Any] = field(default_factory=dict)
     dtype: Any = None
-    n: int = 1
+    n: int | None = None  # None: inherit run()'s n (default 1)
 
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in self.params.items())
         if self.dtype is not None:
             extra += f", dtype={getattr(self.dtype, '__name__', self.dtype)}"
-        if self.n != 1:
+        if self.n not in (None, 1):
             extra += f", n={self.n}"
         return f"Gen({self.name!r}{extra})"
 
@@ -159,6 +169,54 @@ class AppendForks(Expr):
         return f"AppendForks({len(self.states)})"
 
 
+@dataclass(eq=False)
+class Image(Expr):
+    """An image input (``sgrt.image(path)``); executing it needs a model with a vision tower."""
+
+    path: Any
+
+    def __repr__(self) -> str:
+        return f"Image({self.path!r})"
+
+
+@dataclass(eq=False)
+class Video(Expr):
+    """A video input (``sgrt.video(path, num_frames)``); needs a model with a vision tower."""
+
+    path: Any
+    num_frames: int = 0
+
+    def __repr__(self) -> str:
+        return f"Video({self.path!r}, {self.num_frames})"
+
+
+@dataclass(eq=False)
+class SeparateReasoning(Expr):
+    """Split the thinking part off the variables ``expr``'s gens / selects produced.
+
+    Follows SGLang's ``SglSeparateReasoning``: each named gen or select ``x`` inside ``expr``
+    keeps only the answer, ``x_reasoning_content`` gets the reasoning, and the text of the open
+    message is replaced by the answer (see ``sgrt.lang.reasoning``).
+    """
+
+    model_type: str | None
+    expr: Expr
+
+    @property
+    def targets(self) -> list[str]:
+        """The names of the variables it splits."""
+        return [leaf.name for leaf in self.expr.flatten()
+                if isinstance(leaf, (Gen, Select)) and leaf.name is not None]
+
+    def __repr__(self) -> str:
+        return f"SeparateReasoning({self.model_type!r}, {self.targets!r})"
+
+
+def reasoning_var_name(name: str) -> str:
+    """The variable that holds the reasoning split off variable ``name`` (SGLang's naming)."""
+    return f"{name}_reasoning_content"
+
+
 def to_expr(value: Any) -> Expr:
     """Turn what ``s += value`` accepts into an :class:`Expr`.
 
@@ -189,6 +247,8 @@ def var_names(expr: Expr) -> list[str]:
             names.append(leaf.name)
         elif isinstance(leaf, VarScopeBegin):
             names.append(leaf.name)
+        elif isinstance(leaf, SeparateReasoning):
+            names.extend(reasoning_var_name(n) for n in leaf.targets)
     return names
 
 

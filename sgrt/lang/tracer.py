@@ -165,7 +165,8 @@ class TracerProgramState:
         elif isinstance(leaf, ir.VarScopeEnd):
             node = self._record("var_scope_end", leaf)
             self.tracer.var_sources[(self.stream, leaf.name)] = node
-        else:
+        else:  # image / video / separate_reasoning: the text after them is not constant
+            self.constant = False
             self._record("other", leaf)
 
     def _append_text(self, text: str) -> None:
@@ -224,7 +225,7 @@ class TracerProgramState:
     def var_scope(self, name: str):
         return _Scope(self, ir.VarScopeBegin(name), ir.VarScopeEnd(name))
 
-    def fork(self, size: int = 1) -> "TracerStateGroup":
+    def fork(self, size: int = 1, position_ids_offset: Any = None) -> "TracerStateGroup":
         node = self._record("fork", None, label=f"fork({size})")
         self.constant = False
         branches = [TracerProgramState(self.tracer, self.transcript.copy(), prev=node,
@@ -299,6 +300,10 @@ class TracerStateGroup:
 
     def __getitem__(self, i: int) -> TracerProgramState:
         return self.states[i]
+
+    def __setitem__(self, i: int, value: Any) -> None:
+        if value is not self.states[i]:
+            raise TypeError("a fork group's branches cannot be replaced; use forks[i] += ...")
 
     def __iter__(self):
         return iter(self.states)

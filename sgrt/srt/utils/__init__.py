@@ -1,0 +1,1 @@
+"""``sglang.srt.utils`` paths programs import from (see :mod:`sgrt.srt`)."""
