@@ -140,7 +140,7 @@ def test_openai_dialect_gen_stream_and_refusals(generic, endpoint):
                           ({"top_k": 5}, "top_k"), ({"logprob_start_len": 0}, "logprob_start_len")]:
         with pytest.raises(InvalidRequest) as e:
             generic.generate(PROMPT, {"max_tokens": 2, **params})
-        assert e.value.field == field and "openai server" in str(e.value)
+        assert e.value.field == field and "(dialect 'openai')" in str(e.value) and f"gen({field}=" in str(e.value)
     assert generic.cache_prefix(PROMPT) == {}
 
 
