@@ -17,8 +17,11 @@ vllm      ``structured_outputs`` {regex, json,       top_k, min_p, min_tokens,  
                                                      stop_token_ids, ignore_eos
 sglang    ``regex`` / ``json_schema`` extra fields   as vLLM                      echo + logprobs
 llamacpp  ``response_format`` json_schema; no regex  top_k, min_p,                echo + logprobs
-          nor Lark (the server takes GBNF)           repetition_penalty (as       (needs the server's
-                                                     ``repeat_penalty``)          ``logits_all``)
+          nor Lark (the server takes GBNF)           repetition_penalty (as
+                                                     ``repeat_penalty``)
+llama-    none: its ``/v1/completions`` has only a   as llamacpp, and min_tokens  echo + logprobs
+cpp-      GBNF ``grammar`` (no response_format)                                   (needs the server's
+python                                                                            ``logits_all``)
 openai    ``response_format`` json_schema            none                         echo + logprobs
 ========  =========================================  ===========================  ===============
 
@@ -190,10 +193,10 @@ class SglangDialect(Dialect):
 
 @dataclass(frozen=True)
 class LlamaCppDialect(Dialect):
-    """llama.cpp's server (``llama-server`` and llama-cpp-python's): a JSON Schema as
-    ``response_format`` (which the server compiles to a GBNF grammar), ``cache_prompt`` so the
-    slot keeps the prompt's KV cache for the next request. Its ``grammar`` field takes GBNF, not
-    the Lark that ``gen(grammar=...)`` holds, and it has no regex constraint: both refused."""
+    """llama.cpp's ``llama-server``: a JSON Schema as ``response_format`` (which the server
+    compiles to a GBNF grammar), ``cache_prompt`` so the slot keeps the prompt's KV cache for the
+    next request. Its ``grammar`` field takes GBNF, not the Lark that ``gen(grammar=...)`` holds,
+    and it has no regex constraint: both refused."""
 
     def add_request_fields(self, body: dict[str, Any], request_id: str | None) -> None:
         body["cache_prompt"] = True
@@ -208,6 +211,24 @@ class LlamaCppDialect(Dialect):
             body["response_format"] = json_schema_format(schema)
 
 
+@dataclass(frozen=True)
+class LlamaCppPythonDialect(Dialect):
+    """llama-cpp-python's server: its ``/v1/completions`` (``CreateCompletionRequest``) takes a
+    GBNF ``grammar`` and no ``response_format`` (an unknown field would be ignored, so a JSON
+    Schema sent that way would silently not constrain): regex, Lark and JSON Schema are refused.
+    Its prompt cache is a server option (``--cache``), not a request field."""
+
+    def add_constraints(self, body: dict[str, Any], regex: str | None, schema: Any, grammar: str | None,
+                        base_url: str) -> None:
+        if regex is not None:
+            raise self.refuse("regex", base_url, "its grammar field takes GBNF, and it has no regex constraint")
+        if grammar is not None:
+            raise self.refuse("grammar", base_url, "its grammar field takes GBNF, not Lark")
+        if schema is not None:
+            raise self.refuse("json_schema", base_url, "its /v1/completions has no response_format, only a GBNF "
+                              "grammar field")
+
+
 DIALECTS: dict[str, Dialect] = {
     "sgrt": Dialect("sgrt", "sgrt", extras=dict(_VLLM_EXTRAS), select="native", native_cache=True),
     "vllm": VllmDialect("vllm", "vLLM", extras=dict(_VLLM_EXTRAS), select="prompt_logprobs", echo_max_tokens=1),
@@ -215,6 +236,10 @@ DIALECTS: dict[str, Dialect] = {
     "llamacpp": LlamaCppDialect("llamacpp", "llama.cpp", select="echo", echo_max_tokens=1,
                                 extras={"top_k": "top_k", "min_p": "min_p",
                                         "repetition_penalty": "repeat_penalty"}),
+    "llama-cpp-python": LlamaCppPythonDialect("llama-cpp-python", "llama-cpp-python", select="echo",
+                                              echo_max_tokens=1,
+                                              extras={"top_k": "top_k", "min_p": "min_p", "min_tokens": "min_tokens",
+                                                      "repetition_penalty": "repeat_penalty"}),
     "openai": Dialect("openai", "an OpenAI-compatible server"),
 }
 
@@ -224,8 +249,8 @@ def detect_dialect(owned_by: str | None, headers: dict[str, str], probe: Any) ->
 
     In order: the ``x-sgrt-version`` header or ``owned_by == "sgrt"``; ``owned_by`` naming
     ``vllm`` / ``sglang`` / ``llamacpp``; then ``probe(path)`` (a GET returning the JSON answer
-    or None): vLLM's ``/version`` (``{"version": ...}``), the title of ``/openapi.json`` (
-    llama-cpp-python's names llama.cpp), llama-server's ``/props``; else ``"openai"``.
+    or None): the title of ``/openapi.json`` (llama-cpp-python's is "llama.cpp Python API"),
+    vLLM's ``/version`` (``{"version": ...}``), llama-server's ``/props``; else ``"openai"``.
 
     Args:
         owned_by: the first model card's ``owned_by`` from ``GET /v1/models``.
@@ -240,7 +265,9 @@ def detect_dialect(owned_by: str | None, headers: dict[str, str], probe: Any) ->
             return name
     info = probe("/openapi.json") or {}
     title = str((info.get("info") or {}).get("title", "")).lower()
-    if "llama.cpp" in title or "llama_cpp" in title:
+    if "llama.cpp python" in title:
+        return "llama-cpp-python"
+    if "llama.cpp" in title:
         return "llamacpp"
     if "vllm" in title:
         return "vllm"
