@@ -218,6 +218,7 @@ def _check_tools(ep: Any) -> str:
     assert calls, f"no tool call: {r.choices[0].message.content!r}"
     assert calls[0].function.name == "get_weather", calls[0].function.name
     args = json.loads(calls[0].function.arguments)
+    assert isinstance(args, dict), f"the arguments are JSON {type(args).__name__}, not an object: {args!r}"
     assert isinstance(args.get("city"), str), args
     return calls[0].function.arguments
 
