@@ -10,39 +10,44 @@ prefill-only ``/generate`` requests (the shared prompt is prefilled first, then 
 is scored in one batch), prefix hints and ``fork`` by ``/generate`` with ``max_tokens=0``, the
 chat template via ``/apply_chat_template``, ``abort`` via ``/abort_request``.
 
-Against **other OpenAI-compatible servers**, what their API allows, by ``dialect`` (detected
-from ``owned_by``: ``"vllm"``, ``"sglang"``, else ``"openai"``):
+Against **other OpenAI-compatible servers**, what their API allows. The dialect is what the
+server says it is (``owned_by`` of ``GET /v1/models``, the ``x-sgrt-version`` header, vLLM's
+``/version``, llama.cpp's ``/openapi.json`` title or ``/props``; see
+:func:`sgrt.backends.dialects.detect_dialect`) or ``dialect=``: ``"vllm"``, ``"sglang"``,
+``"llamacpp"``, else ``"openai"``. One adapter per dialect (:mod:`sgrt.backends.dialects`) maps
+each primitive onto that engine's request fields:
 
 - ``gen`` goes to ``/v1/completions`` with the program's text as the prompt (so the server's
-  own chat template is not applied again). ``top_k``, ``min_p``, ``min_tokens``,
-  ``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos`` are sent as the extra fields
-  vLLM and SGLang accept.
-- Constraints: ``json_schema`` as ``response_format`` (``openai``), as SGLang's ``json_schema``
-  extra field, or as vLLM's ``structured_outputs.json``; ``regex`` as SGLang's ``regex`` or
-  vLLM's ``structured_outputs.regex``; ``grammar`` (Lark) only through vLLM's
-  ``structured_outputs.grammar``.
-- ``select`` scores the options by their prompt log-probabilities from ``echo`` + ``logprobs``
-  on ``/v1/completions`` (``max_tokens=0``, or 1 if the server refuses 0); a server that refuses
-  echo gets a clear error.
+  own chat template is not applied again), with the sampling extras the engine takes.
+- Constraints: vLLM's ``structured_outputs`` (regex, json, Lark grammar), SGLang's ``regex`` /
+  ``json_schema`` fields, ``response_format`` json_schema for llama.cpp and plain OpenAI.
+- ``select`` scores the options by prompt log-probabilities: vLLM's ``prompt_logprobs``,
+  else ``echo`` + ``logprobs`` on ``/v1/completions``; a server that returns none is an
+  ``InvalidRequest`` naming the engine and ``select``.
 - Prefix hints are skipped (the servers cache prefixes themselves); the chat template comes from
   ``chat_template=`` or a local ``tokenizer=`` (a folder or an already loaded tokenizer), else a
   program that uses roles fails with an ``InvalidRequest`` that says so.
-- What the dialect cannot do (``regex`` against plain OpenAI, a Lark ``grammar`` against SGLang,
-  ``logprob_start_len`` on a ``gen``, ``truncate``) raises :class:`sgrt.errors.InvalidRequest`
-  naming the field and the server.
+- Whatever the engine cannot do (a regex or a Lark grammar against llama.cpp, a sampling extra
+  against plain OpenAI, ``logprob_start_len`` on a ``gen``, ``truncate``) raises
+  :class:`sgrt.errors.InvalidRequest` naming the engine and the primitive, before any request:
+  never a silent fallback.
 
 Errors from the server map to sgrt's types (:func:`sgrt.backends.http_client.error_for`); a
 request the server aborted raises :class:`sgrt.errors.RequestAborted`.
 """
 from __future__ import annotations
 
-import dataclasses
+import collections
+import contextlib
+import hashlib
 import json
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from sgrt.backends import dialects
 from sgrt.backends.base import (
     BaseBackend,
     ChoiceScore,
@@ -54,41 +59,11 @@ from sgrt.backends.base import (
     stop_stream_at_regex,
     strip_next_token,
 )
-from sgrt.backends.http_client import HttpClient
+from sgrt.backends.dialects import Dialect, detect_dialect, schema_dict
+from sgrt.backends.http_client import HttpClient, Transport
 from sgrt.errors import InvalidRequest, RequestAborted
 
-DIALECTS = ("sgrt", "vllm", "sglang", "openai")
-
-#: Sampling fields sent as vLLM / SGLang extra fields when not at their defaults.
-_EXTRA_DEFAULTS = {"top_k": -1, "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0,
-                   "stop_token_ids": [], "ignore_eos": False}
-#: Engine-side hints another server has no use for: dropped silently.
-_HINTS = ("jump_forward", "speculative", "num_draft_tokens", "grammar_backend")
-
-
-def schema_dict(spec: Any) -> Any:
-    """A ``json_schema`` value as a JSON Schema dict: a dict or bool as is, JSON text parsed, a
-    Pydantic model / msgspec Struct / dataclass type converted.
-
-    Raises:
-        InvalidRequest: (field ``json_schema``) anything else.
-    """
-    if isinstance(spec, (dict, bool)):
-        return spec
-    if isinstance(spec, (str, bytes)):
-        try:
-            return json.loads(spec)
-        except ValueError as e:
-            raise InvalidRequest(f"json_schema is not valid JSON: {e}", field="json_schema") from None
-    if isinstance(spec, type):
-        if hasattr(spec, "model_json_schema"):
-            return spec.model_json_schema()
-        import msgspec
-
-        if issubclass(spec, msgspec.Struct) or dataclasses.is_dataclass(spec):
-            return msgspec.json.schema(spec)
-    raise InvalidRequest(f"json_schema must be a dict, JSON text, a Pydantic model, a msgspec Struct or a "
-                         f"dataclass, got {type(spec).__name__}", field="json_schema")
+DIALECTS = tuple(dialects.DIALECTS)
 
 
 def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
@@ -101,9 +76,19 @@ def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
 class RuntimeEndpoint(BaseBackend):
     """A DSL backend over HTTP (see the module docstring for what each server kind supports).
 
+    Several servers of one model behind one program: ``base_url`` may be a list of roots, and
+    requests keep prefix affinity. A prompt that extends one sent before (a program's next
+    ``gen`` after a ``select``, a fork's branches, a chat's next turn) goes to the server that
+    had that earlier prompt, whose radix cache holds it; a prompt that extends none goes to the
+    server with the fewest requests in flight (ties go to the server of a prefix cached ahead
+    of use, then by a hash of its first :attr:`AFFINITY_CHARS` characters), so independent
+    sessions and ``run_batch`` items spread out even when they share a system prompt. The last :attr:`AFFINITY_ENTRIES` prompts are
+    remembered. Every server must serve ``model`` and be sgrt or not alike (checked when
+    constructed).
+
     Args:
         base_url: the server's root, e.g. ``"http://127.0.0.1:8000"`` (a trailing ``/v1`` is
-            accepted and dropped).
+            accepted and dropped), or a list of such roots.
         api_key: sent as ``Authorization: Bearer``.
         verify: TLS verification for ``https://`` (SGLang's argument, ``requests``' meaning):
             ``None`` / ``True`` the system CAs, ``False`` none, a path that CA bundle.
@@ -111,27 +96,33 @@ class RuntimeEndpoint(BaseBackend):
             (``"chatml"``, ``"qwen"``, ``"llama-3-instruct"``, ``"default"``; see
             ``sgrt.lang.chat_template.get_chat_template``).
         model: the model id to request (default: the first of ``GET /v1/models``).
-        dialect: ``"sgrt"``, ``"vllm"``, ``"sglang"`` or ``"openai"``; detected when None.
+        dialect: ``"sgrt"``, ``"vllm"``, ``"sglang"``, ``"llamacpp"`` or ``"openai"``; detected
+            from what the server says when None.
         chat_template: an explicit ``sgrt.lang.ChatTemplate``.
         tokenizer: for non-sgrt servers, a local tokenizer (a folder path, or an object with
             ``apply_chat_template``) whose chat template programs use.
         timeout: seconds per HTTP read.
         max_retries: retries of a 429 / 503 answer.
+        transport: answers HTTP requests instead of the network (a replay of recorded
+            exchanges in tests; see :class:`sgrt.backends.http_client.Transport`).
 
     Raises:
         ConnectionError: the server cannot be reached.
         InvalidRequest: a bad ``dialect`` or ``base_url``, or the server refused the API key.
     """
 
-    def __init__(self, base_url: str, api_key: str | None = None, verify: bool | str | None = None,
-                 chat_template_name: str | None = None, *, model: str | None = None,
+    #: Leading characters hashed to break ties between equally loaded servers.
+    AFFINITY_CHARS = 64
+    #: How many routed prompts are remembered for prefix affinity.
+    AFFINITY_ENTRIES = 4096
+
+    def __init__(self, base_url: str | Sequence[str], api_key: str | None = None,
+                 verify: bool | str | None = None, chat_template_name: str | None = None, *,
+                 model: str | None = None,
                  dialect: str | None = None, chat_template: Any = None, tokenizer: Any = None,
-                 timeout: float = 600.0, max_retries: int = 4):
+                 timeout: float = 600.0, max_retries: int = 4, transport: Transport | None = None):
         if dialect is not None and dialect not in DIALECTS:
             raise InvalidRequest(f"dialect must be one of {DIALECTS}, got {dialect!r}", field="dialect")
-        base = base_url.rstrip("/")
-        if base.endswith("/v1"):
-            base = base[:-3]
         if chat_template_name is not None:
             if chat_template is not None:
                 raise InvalidRequest("pass chat_template or chat_template_name, not both",
@@ -140,18 +131,26 @@ class RuntimeEndpoint(BaseBackend):
 
             chat_template = get_chat_template(chat_template_name)
         self.verify = verify
-        self.client = HttpClient(base, api_key=api_key, timeout=timeout, max_retries=max_retries,
-                                 verify=verify)
-        self.base_url = self.client.base_url
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise InvalidRequest("base_url: give at least one server", field="base_url")
+        self.clients = [HttpClient(_strip_v1(u), api_key=api_key, timeout=timeout, max_retries=max_retries,
+                                   verify=verify, transport=transport) for u in urls]
+        self._routed = threading.local()
+        self._affinity: collections.OrderedDict[str, tuple[HttpClient, bool]] = collections.OrderedDict()
+        self._in_flight = {id(c): 0 for c in self.clients}
+        self._route_lock = threading.Lock()
+        self.base_url = self.clients[0].base_url
         models = self.client.request("GET", "/v1/models")
         cards = (models or {}).get("data") or []
         card = next((c for c in cards if c.get("id") == model), cards[0] if cards else {})
         self.model_card: dict[str, Any] = card
         self.model = model or card.get("id") or "default"
-        detected = "sgrt" if (card.get("owned_by") == "sgrt" or "x-sgrt-version" in self.client.last_headers) \
-            else {"vllm": "vllm", "sglang": "sglang"}.get(str(card.get("owned_by", "")).lower(), "openai")
-        self.dialect = dialect or detected
-        if self.dialect == "sgrt" and detected != "sgrt":
+        headers = dict(self.client.last_headers)
+        says_sgrt = card.get("owned_by") == "sgrt" or "x-sgrt-version" in headers
+        self.dialect = dialect or detect_dialect(card.get("owned_by"), headers, self._probe)
+        self.adapter: Dialect = dialects.DIALECTS[self.dialect]
+        if self.dialect == "sgrt" and not says_sgrt:
             raise InvalidRequest(f"{self.base_url} is not an sgrt server (owned_by={card.get('owned_by')!r})",
                                  field="dialect")
         self._tokenizer = _load_tokenizer(tokenizer) if tokenizer is not None else None
@@ -159,15 +158,94 @@ class RuntimeEndpoint(BaseBackend):
             self.chat_template = chat_template
         elif self.dialect != "sgrt" and self._tokenizer is None:
             self.chat_template = _unknown_template(self.base_url)
+        for other in self.clients[1:]:
+            self._check_peer(other)
         self._pool: ThreadPoolExecutor | None = None
+
+    def _check_peer(self, other: HttpClient) -> None:
+        """Another server of the list must serve the same model in the same dialect."""
+        cards = (other.request("GET", "/v1/models") or {}).get("data") or []
+        card = next((c for c in cards if c.get("id") == self.model), None)
+        if card is None:
+            raise InvalidRequest(f"base_url: {other.base_url} does not serve model {self.model!r} "
+                                 f"(it serves {[c.get('id') for c in cards]})", field="base_url")
+        says_sgrt = card.get("owned_by") == "sgrt" or "x-sgrt-version" in other.last_headers
+        if says_sgrt != self.is_sgrt:
+            raise InvalidRequest(f"base_url: {other.base_url} is {'an' if says_sgrt else 'not an'} sgrt server, "
+                                 f"unlike {self.base_url}", field="base_url")
+
+    @property
+    def client(self) -> HttpClient:
+        """The server this thread's current call goes to (the first one outside a call)."""
+        return getattr(self._routed, "client", None) or self.clients[0]
+
+    def client_for(self, prompt: str, remember: bool = True, hint: bool = False) -> HttpClient:
+        """The server for ``prompt`` (see the class docstring). ``remember`` records the choice
+        so that prompts extending this one follow it; a ``hint`` (a prefix cached ahead of
+        use, e.g. ``run_batch``'s shared prefix) is followed only while its server is no busier
+        than the others, so the items of a batch still spread out."""
+        if len(self.clients) == 1:
+            return self.clients[0]
+        with self._route_lock:
+            hard = soft = None
+            for earlier, (client, is_hint) in self._affinity.items():
+                if prompt.startswith(earlier):
+                    if not is_hint and (hard is None or len(earlier) > len(hard[0])):
+                        hard = (earlier, client)
+                    if is_hint and (soft is None or len(earlier) > len(soft[0])):
+                        soft = (earlier, client)
+            if hard is not None:
+                chosen = hard[1]
+                self._affinity.move_to_end(hard[0])
+            else:
+                key = prompt[:self.AFFINITY_CHARS].encode("utf-8", "surrogatepass")
+                chosen = min(self.clients, key=lambda c: (
+                    self._in_flight[id(c)], soft is None or c is not soft[1],
+                    hashlib.blake2b(c.base_url.encode() + b"\0" + key, digest_size=8).digest()))
+            if remember and prompt:
+                self._affinity[prompt] = (chosen, hint)
+                self._affinity.move_to_end(prompt)
+                while len(self._affinity) > self.AFFINITY_ENTRIES:
+                    self._affinity.popitem(last=False)
+            return chosen
+
+    @contextlib.contextmanager
+    def _route(self, prompt: str) -> Iterator[HttpClient]:
+        """Send this thread's requests to ``prompt``'s server until the block ends (nested calls
+        keep the outer choice, so a select's tokenize, prefill and scoring share one server)."""
+        outer = getattr(self._routed, "client", None)
+        client = outer or self.client_for(prompt)
+        self._routed.client = client
+        with self._route_lock:
+            self._in_flight[id(client)] += 1
+        try:
+            yield client
+        finally:
+            self._routed.client = outer
+            with self._route_lock:
+                self._in_flight[id(client)] -= 1
+
+    def _probe(self, path: str) -> Any:
+        """GET ``path``; the JSON answer, or None for any error (detection only)."""
+        try:
+            status, _, data = self.client.request_raw("GET", path)
+        except ConnectionError:
+            return None
+        if status != 200:
+            return None
+        try:
+            return json.loads(data)
+        except ValueError:
+            return None
 
     @property
     def is_sgrt(self) -> bool:
         return self.dialect == "sgrt"
 
-    def _refuse(self, what: str, field: str | None) -> InvalidRequest:
-        return InvalidRequest(f"{what} is not supported by the {self.dialect} server at {self.base_url}",
-                              field=field)
+    @property
+    def engine(self) -> str:
+        """The serving engine's name, as refusals print it."""
+        return self.adapter.engine
 
     # ---- tokens -------------------------------------------------------------------------------
     def encode(self, text: str | list[str]) -> Any:
@@ -180,7 +258,9 @@ class RuntimeEndpoint(BaseBackend):
             enc = self._tokenizer.encode
             return [enc(t) for t in text] if isinstance(text, list) else enc(text)
         body = {"prompt": text, "model": self.model}
-        out = self.client.request("POST", "/tokenize", body)
+        client = self.client if len(self.clients) == 1 or getattr(self._routed, "client", None) \
+            else self.client_for(text if isinstance(text, str) else (text[0] if text else ""), remember=False)
+        out = client.request("POST", "/tokenize", body)
         if isinstance(text, list):
             return [o["tokens"] for o in out]
         return out["tokens"]
@@ -197,7 +277,7 @@ class RuntimeEndpoint(BaseBackend):
         if self._tokenizer is not None:
             return self._tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                        tokenize=False)
-        raise InvalidRequest(f"the {self.dialect} server at {self.base_url} does not expose its chat template; "
+        raise InvalidRequest(f"{self.engine} at {self.base_url} does not expose its chat template; "
                              "pass RuntimeEndpoint(..., chat_template=...) or tokenizer=...", field="chat_template")
 
     def bos_token(self) -> str | None:
@@ -210,6 +290,10 @@ class RuntimeEndpoint(BaseBackend):
         """Complete ``prompt``; SGLang's ``stop_regex`` is applied here while the tokens stream in
         (the request is closed at the match), and its ``max_tokens=0`` next-token idiom becomes a
         one-token request (``sgrt.backends.base.next_token_request``)."""
+        with self._route(prompt):
+            return self._generate_routed(prompt, params, request_id)
+
+    def _generate_routed(self, prompt: str, params: dict[str, Any], request_id: str | None) -> GenOutput:
         params, patterns = split_stop_regex(params)
         params, next_only = next_token_request(params)
         if patterns and not next_only:
@@ -257,7 +341,7 @@ class RuntimeEndpoint(BaseBackend):
         if any(p.get("stop_regex") or next_token_request(p)[1] for p in params):
             pool = self._executor()
             return [f.result() for f in [pool.submit(self.generate, p, sp) for p, sp in zip(prompts, params)]]
-        if self.is_sgrt:
+        if self.is_sgrt and len(self.clients) == 1:
             start = time.perf_counter()
             body = {"text": list(prompts), "sampling_params": [_jsonable(split_stop_regex(p)[0]) for p in params],
                     "return_text_in_logprobs": True}
@@ -286,14 +370,14 @@ class RuntimeEndpoint(BaseBackend):
                     "stream": True}
             if request_id is not None:
                 body["rid"] = request_id
-            return self._native_stream(body, start)
+            return self._native_stream(body, start, self.client_for(prompt))
         body = self._completion_body(prompt, params, request_id)
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-        return self._completion_stream(body, start)
+        return self._completion_stream(body, start, self.client_for(prompt))
 
-    def _native_stream(self, body: dict[str, Any], start: float) -> Iterator[GenChunk]:
-        events = self.client.stream("/generate", body)
+    def _native_stream(self, body: dict[str, Any], start: float, client: HttpClient) -> Iterator[GenChunk]:
+        events = client.stream("/generate", body)
         try:
             for ev in events:
                 lps = _tuples(ev.get("output_token_logprobs"))
@@ -323,66 +407,7 @@ class RuntimeEndpoint(BaseBackend):
     # ---- OpenAI-compatible completions (other servers) ----------------------------------------
     def _completion_body(self, prompt: str | list[str], params: dict[str, Any],
                          request_id: str | None) -> dict[str, Any]:
-        p = dict(params)
-        body: dict[str, Any] = {"model": self.model, "prompt": prompt, "n": 1,
-                                "max_tokens": p.pop("max_tokens", 128),
-                                "temperature": p.pop("temperature", 0.0)}
-        for key in ("top_p", "seed", "frequency_penalty", "presence_penalty"):
-            if p.get(key) is not None:
-                body[key] = p[key]
-            p.pop(key, None)
-        stop = p.pop("stop", None) or []
-        if stop:
-            body["stop"] = [stop] if isinstance(stop, str) else list(stop)
-        if p.pop("return_logprob", False):
-            body["logprobs"] = int(p.get("top_logprobs_num") or 0)
-            if self.dialect == "vllm":
-                body["return_tokens_as_token_ids"] = True
-        p.pop("top_logprobs_num", None)
-        if p.pop("logprob_start_len", -1) not in (-1, None):
-            raise self._refuse("logprob_start_len on a gen", "logprob_start_len")
-        if p.pop("truncate", None) is not None:
-            raise self._refuse("truncate", "truncate")
-        skip = p.pop("skip_special_tokens", True)
-        for key in _HINTS:
-            p.pop(key, None)
-        for key, default in _EXTRA_DEFAULTS.items():
-            value = p.pop(key, default)
-            if value is None or value == default:
-                continue
-            if self.dialect == "openai":
-                raise self._refuse(key, key)
-            body[key] = value
-        if not skip and self.dialect != "openai":
-            body["skip_special_tokens"] = False
-        self._constraints(body, p.pop("regex", None), p.pop("json_schema", None), p.pop("grammar", None))
-        if self.dialect == "sglang" and request_id is not None:
-            body["rid"] = request_id
-        unknown = sorted(k for k, v in p.items() if v is not None)
-        if unknown:
-            raise self._refuse(f"sampling field {unknown[0]!r}", unknown[0])
-        return body
-
-    def _constraints(self, body: dict[str, Any], regex: str | None, json_schema: Any, grammar: str | None) -> None:
-        schema = None if json_schema is None else schema_dict(json_schema)
-        if self.dialect == "vllm":
-            so = {k: v for k, v in (("regex", regex), ("json", schema), ("grammar", grammar)) if v is not None}
-            if so:
-                body["structured_outputs"] = so
-            return
-        if grammar is not None:
-            raise self._refuse("a Lark grammar constraint", "grammar")
-        if self.dialect == "sglang":
-            if regex is not None:
-                body["regex"] = regex
-            if schema is not None:
-                body["json_schema"] = json.dumps(schema)
-            return
-        if regex is not None:
-            raise self._refuse("a regex constraint", "regex")
-        if schema is not None:
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": "output", "schema": schema, "strict": True}}
+        return self.adapter.completion_body(self.model, prompt, params, request_id, self.base_url)
 
     def _completion_output(self, out: dict[str, Any], start: float) -> GenOutput:
         choice = (out.get("choices") or [{}])[0]
@@ -434,8 +459,8 @@ class RuntimeEndpoint(BaseBackend):
                 return None
         return None
 
-    def _completion_stream(self, body: dict[str, Any], start: float) -> Iterator[GenChunk]:
-        events = self.client.stream("/v1/completions", body)
+    def _completion_stream(self, body: dict[str, Any], start: float, client: HttpClient) -> Iterator[GenChunk]:
+        events = client.stream("/v1/completions", body)
         ttft = None
         last: dict[str, Any] = {}
         choice_end: dict[str, Any] = {}
@@ -468,8 +493,14 @@ class RuntimeEndpoint(BaseBackend):
     def score_choices(self, prompt: str, choices: Sequence[str], unconditional: bool = False) -> list[ChoiceScore]:
         """sgrt: prefill ``prompt`` once, then score every option (and, with ``unconditional``,
         every option alone) in one batch of prefill-only ``/generate`` requests, aligned as
-        :meth:`sgrt.backends.local.LocalBackend.score_choices` aligns them. Other servers:
-        ``echo`` + ``logprobs`` on ``/v1/completions``."""
+        :meth:`sgrt.backends.local.LocalBackend.score_choices` aligns them. vLLM:
+        ``prompt_logprobs``; other servers: ``echo`` + ``logprobs`` on ``/v1/completions``."""
+        with self._route(prompt):
+            return self._score_choices(prompt, choices, unconditional)
+
+    def _score_choices(self, prompt: str, choices: Sequence[str], unconditional: bool) -> list[ChoiceScore]:
+        if self.adapter.select == "prompt_logprobs":
+            return self._score_by_prompt_logprobs(prompt, choices, unconditional)
         if not self.is_sgrt:
             return self._score_by_echo(prompt, choices, unconditional)
         texts = [prompt] + [prompt + c for c in choices] + (list(choices) if unconditional else [])
@@ -517,25 +548,24 @@ class RuntimeEndpoint(BaseBackend):
 
     def _echo_logprobs(self, texts: list[str], what: str) -> list[tuple[list[str], list, list[int], int]]:
         """Per text: (tokens, logprobs, text offsets, prompt token count) of the prompt itself."""
-        body = {"model": self.model, "prompt": texts, "max_tokens": 0, "echo": True, "logprobs": 0,
+        generated = self.adapter.echo_max_tokens
+        body = {"model": self.model, "prompt": texts, "max_tokens": generated, "echo": True, "logprobs": 0,
                 "temperature": 0.0}
         try:
             try:
                 out = self.client.request("POST", "/v1/completions", body)
-                generated = 0
             except InvalidRequest as e:
-                if e.field != "max_tokens" and "max_tokens" not in str(e):
+                if generated or (e.field != "max_tokens" and "max_tokens" not in str(e)):
                     raise
                 out = self.client.request("POST", "/v1/completions", {**body, "max_tokens": 1})
                 generated = 1
         except InvalidRequest as e:
-            raise InvalidRequest(f"{what} needs prompt log-probabilities (echo + logprobs on /v1/completions), "
-                                 f"which the {self.dialect} server at {self.base_url} refused: {e}",
-                                 field="select") from None
+            raise self.adapter.refuse("select", self.base_url, "it needs prompt log-probabilities (echo + logprobs "
+                                      f"on /v1/completions), which the server refused: {e}") from None
         results = sorted(out.get("choices") or [], key=lambda c: c.get("index", 0))
         if len(results) != len(texts):
-            raise InvalidRequest(f"{what}: the server answered {len(results)} choices for {len(texts)} prompts",
-                                 field="select")
+            raise InvalidRequest(f"{what}: {self.engine} at {self.base_url} answered {len(results)} choices for "
+                                 f"{len(texts)} prompts", field="select")
         rows = []
         for choice in results:
             lp = choice.get("logprobs") or {}
@@ -544,10 +574,59 @@ class RuntimeEndpoint(BaseBackend):
             offsets = list(lp.get("text_offset") or [])
             if generated:
                 tokens, values, offsets = tokens[:-1], values[:-1], offsets[:-1]
-            if not tokens or len(offsets) != len(tokens):
-                raise InvalidRequest(f"{what} needs prompt log-probabilities, and the {self.dialect} server at "
-                                     f"{self.base_url} returned none for echo", field="select")
+            if not tokens or len(offsets) != len(tokens) or all(v is None for v in values):
+                raise self.adapter.refuse("select", self.base_url, "it needs prompt log-probabilities, and the "
+                                          "server returned none for echo + logprobs")
             rows.append((tokens, values, offsets, len(tokens)))
+        return rows
+
+    def _score_by_prompt_logprobs(self, prompt: str, choices: Sequence[str],
+                                  unconditional: bool) -> list[ChoiceScore]:
+        """vLLM: one ``/v1/completions`` request with ``prompt_logprobs=0`` for every
+        ``prompt + choice`` (the shared prefix is computed once by the server's prefix cache);
+        the option's tokens start where its ids stop matching the prompt's (``/tokenize``)."""
+        texts = [prompt + c for c in choices]
+        prefix_ids = self.encode(prompt)
+        rows = self._prompt_logprobs(texts)
+        scores = []
+        for choice, (ids, lps, texts_, n_cached) in zip(choices, rows):
+            k = max(min(common_prefix_len(prefix_ids, ids), len(ids) - 1), 1 if len(ids) > 1 else 0)
+            pairs = [(lp, t, txt) for lp, t, txt in zip(lps[k:], ids[k:], texts_[k:]) if lp is not None]
+            scores.append(ChoiceScore(choice=choice, token_ids=[t for _, t, _ in pairs],
+                                      token_logprobs=[lp for lp, _, _ in pairs], token_texts=[x for _, _, x in pairs],
+                                      prompt_tokens=len(ids), cached_tokens=n_cached))
+        if unconditional:
+            for sc, (_, lps, _, _) in zip(scores, self._prompt_logprobs(list(choices))):
+                n = len(sc.token_logprobs)
+                sc.unconditional_logprobs = list(lps[:n]) + [None] * max(0, n - len(lps))
+        return scores
+
+    def _prompt_logprobs(self, texts: list[str]) -> list[tuple[list[int], list, list[str], int]]:
+        """Per text: (prompt token ids, their logprobs (first None), token texts, cached tokens)."""
+        ids_per_text = self.encode(texts)
+        body = {"model": self.model, "prompt": texts, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+        try:
+            out = self.client.request("POST", "/v1/completions", body)
+        except InvalidRequest as e:
+            raise self.adapter.refuse("select", self.base_url, f"the server refused prompt_logprobs: {e}") from None
+        results = sorted(out.get("choices") or [], key=lambda c: c.get("index", 0))
+        cached = ((out.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        rows = []
+        for ids, choice in zip(ids_per_text, results):
+            entries = choice.get("prompt_logprobs")
+            if not entries or len(entries) != len(ids):
+                raise self.adapter.refuse("select", self.base_url, "the server returned no prompt_logprobs "
+                                          f"aligned with the prompt's {len(ids)} tokens")
+            lps: list[float | None] = []
+            toks: list[str] = []
+            for tid, entry in zip(ids, entries):
+                hit = (entry or {}).get(str(tid))
+                lps.append(None if hit is None else hit.get("logprob"))
+                toks.append("" if hit is None else str(hit.get("decoded_token", "")))
+            rows.append((list(ids), lps, toks, cached // max(len(texts), 1)))
+        if len(rows) != len(texts):
+            raise InvalidRequest(f"select: {self.engine} at {self.base_url} answered {len(rows)} choices for "
+                                 f"{len(texts)} prompts", field="select")
         return rows
 
     # ---- prefix cache -------------------------------------------------------------------------
@@ -560,24 +639,32 @@ class RuntimeEndpoint(BaseBackend):
     def cache_prefix(self, prompt: str) -> dict[str, Any]:
         if not prompt or not self.is_sgrt:
             return {}
-        out = self.client.request("POST", "/generate", {"text": prompt, "sampling_params": {"max_tokens": 0}})
+        out = self.client_for(prompt, hint=True).request("POST", "/generate", {"text": prompt, "sampling_params": {"max_tokens": 0}})
         meta = out["meta_info"]
         self._native_meta(meta, time.perf_counter())
         return {"prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta["cached_tokens"]}
 
+    def commit_fork(self, prompt: str, num_branches: int) -> dict[str, Any]:
+        """Cache the prompt at a ``fork`` on the server its branches will follow."""
+        if len(self.clients) > 1:
+            self.client_for(prompt)
+        return self.cache_prefix(prompt)
+
     def flush_cache(self, empty_cache: bool = True) -> None:
-        """POST ``/flush_cache`` (sgrt and SGLang servers; ``empty_cache`` is sent as SGLang's
-        body field); other servers have no such endpoint and nothing is sent."""
-        if self.dialect in ("sgrt", "sglang"):
-            self.client.request("POST", "/flush_cache", {"empty_cache": bool(empty_cache)})
+        """POST ``/flush_cache`` to every server that has one (sgrt and SGLang; ``empty_cache``
+        is sent as SGLang's body field); other servers have no such endpoint and nothing is sent."""
+        if self.adapter.native_cache:
+            for client in self.clients:
+                client.request("POST", "/flush_cache", {"empty_cache": bool(empty_cache)})
 
     # ---- control ------------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
-        if self.dialect in ("sgrt", "sglang"):
-            try:
-                self.client.request("POST", "/abort_request", {"rid": request_id})
-            except (InvalidRequest, RequestAborted, ConnectionError):
-                pass  # best effort: the request may be gone, or the server may not know it
+        if self.adapter.native_cache:
+            for client in self.clients:  # NOTE: only the server that runs it knows the id
+                try:
+                    client.request("POST", "/abort_request", {"rid": request_id})
+                except (InvalidRequest, RequestAborted, ConnectionError):
+                    pass  # best effort: the request may be gone, or the server may not know it
 
     @property
     def url(self) -> str:
@@ -596,8 +683,9 @@ class RuntimeEndpoint(BaseBackend):
 
     def get_server_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {**self.model_info, "backend": type(self).__name__,
-                                "base_url": self.base_url, "model": self.model,
-                                "dialect": self.dialect, "model_card": self.model_card}
+                                "base_url": self.base_url, "base_urls": [c.base_url for c in self.clients],
+                                "model": self.model, "dialect": self.dialect, "engine": self.engine,
+                                "model_card": self.model_card}
         if self.is_sgrt:
             try:
                 info["health"] = self.client.request("GET", "/health")
@@ -614,7 +702,8 @@ class RuntimeEndpoint(BaseBackend):
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
-        self.client.close()
+        for client in self.clients:
+            client.close()
 
     def __enter__(self) -> "RuntimeEndpoint":
         return self
@@ -624,6 +713,11 @@ class RuntimeEndpoint(BaseBackend):
 
     def __repr__(self) -> str:
         return f"RuntimeEndpoint({self.base_url!r}, model={self.model!r}, dialect={self.dialect!r})"
+
+
+def _strip_v1(url: str) -> str:
+    base = url.rstrip("/")
+    return base[:-3] if base.endswith("/v1") else base
 
 
 def _tuples(rows: Any) -> list[tuple] | None:

@@ -4,6 +4,11 @@ Standard library only (``http.client``): one keep-alive connection per thread fo
 requests, a fresh connection per stream (closing the stream closes it, which makes an sgrt
 server abort the request). OpenAI-style error bodies become sgrt's exception types; 429 and 503
 are retried with backoff (``Retry-After`` is honoured) before giving up.
+
+For tests and benchmarks the wire can be swapped: ``transport=`` takes any object with
+``send(method, path, payload, stream) -> (status, headers, body bytes)`` (a replay of recorded
+exchanges), and ``recorder`` (a list) collects every exchange as a JSON-ready dict
+(:func:`exchange_record`), streams included, so real runs can be saved and replayed.
 """
 from __future__ import annotations
 
@@ -15,11 +20,32 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from sgrt.errors import CapacityError, ContextLengthExceeded, GrammarError, InvalidRequest, RequestAborted
 
 _RETRY_STATUSES = (429, 503)
+#: Response headers worth keeping in a recorded exchange (they identify the server).
+RECORDED_HEADERS = ("content-type", "server", "x-sgrt-version", "retry-after")
+
+
+class Transport(Protocol):
+    """A stand-in for the network: answers one request with ``(status, headers, body)``;
+    ``headers`` has lower-cased names, and a stream's body is its whole server-sent-event text."""
+
+    def send(self, method: str, path: str, payload: bytes | None, stream: bool) -> tuple[int, dict[str, str], bytes]:
+        ...
+
+
+def exchange_record(method: str, path: str, payload: bytes | None, status: int, headers: dict[str, str],
+                    body: bytes, stream: bool) -> dict[str, Any]:
+    """One exchange as a JSON-ready dict: ``method``, ``path``, ``request`` (the decoded JSON
+    body or None), ``stream``, ``status``, ``headers`` (only :data:`RECORDED_HEADERS`),
+    ``response`` (the body as text)."""
+    return {"method": method, "path": path, "request": None if payload is None else json.loads(payload),
+            "stream": stream, "status": status,
+            "headers": {k: v for k, v in headers.items() if k in RECORDED_HEADERS},
+            "response": body.decode("utf-8", "replace")}
 
 
 class HttpStatusError(Exception):
@@ -83,10 +109,15 @@ class HttpClient:
         timeout: seconds for connecting and for each read.
         max_retries: retries of a 429 / 503 answer (exponential backoff from 0.25 s, at most 4 s
             a wait, or what ``Retry-After`` says).
+        transport: answers requests instead of the network (see :class:`Transport`).
     """
 
+    #: The recorder new clients start with (set it to record a whole run, construction included).
+    default_recorder: list[dict[str, Any]] | None = None
+
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
-                 max_retries: int = 4, verify: bool | str | None = None):
+                 max_retries: int = 4, verify: bool | str | None = None,
+                 transport: Transport | None = None):
         parts = urllib.parse.urlsplit(base_url if "://" in base_url else f"http://{base_url}")
         if parts.scheme not in ("http", "https"):
             raise InvalidRequest(f"base_url must be http:// or https://, got {base_url!r}", field="base_url")
@@ -105,6 +136,16 @@ class HttpClient:
             self.headers["authorization"] = f"Bearer {api_key}"
         self._local = threading.local()
         self.last_headers: dict[str, str] = {}
+        self.transport = transport
+        #: When a list, every exchange is appended to it (see :func:`exchange_record`).
+        self.recorder: list[dict[str, Any]] | None = HttpClient.default_recorder
+        self._record_lock = threading.Lock()
+
+    def _record(self, method: str, path: str, payload: bytes | None, status: int, headers: dict[str, str],
+                body: bytes, stream: bool) -> None:
+        if self.recorder is not None:
+            with self._record_lock:
+                self.recorder.append(exchange_record(method, path, payload, status, headers, body, stream))
 
     # ---- connections --------------------------------------------------------------------------
     def _new_conn(self) -> http.client.HTTPConnection:
@@ -171,6 +212,14 @@ class HttpClient:
             return status, headers, data
 
     def _once(self, method: str, path: str, payload: bytes | None) -> tuple[int, dict[str, str], bytes]:
+        if self.transport is not None:
+            status, headers, data = self.transport.send(method, path, payload, False)
+        else:
+            status, headers, data = self._wire(method, path, payload)
+        self._record(method, path, payload, status, headers, data, False)
+        return status, headers, data
+
+    def _wire(self, method: str, path: str, payload: bytes | None) -> tuple[int, dict[str, str], bytes]:
         for fresh in (False, True):
             conn = self._conn()
             try:
@@ -200,6 +249,19 @@ class HttpClient:
         carries a 4xx-style code (then as a 400).
         """
         payload = json.dumps(body).encode()
+        if self.transport is not None:
+            return self._replayed_stream(path, payload)
+        return self._wire_stream(path, payload)
+
+    def _replayed_stream(self, path: str, payload: bytes) -> Iterator[Any]:
+        status, headers, data = self.transport.send("POST", path, payload, True)
+        self._record("POST", path, payload, status, headers, data, True)
+        if status >= 400:
+            raise error_for(status, data, self.base_url + path)
+        lines = iter(data.splitlines(keepends=True))
+        yield from self._events(lambda: next(lines, b""), path)
+
+    def _wire_stream(self, path: str, payload: bytes) -> Iterator[Any]:
         attempt = 0
         while True:
             conn = self._new_conn()
@@ -210,42 +272,56 @@ class HttpClient:
             except OSError as e:
                 conn.close()
                 raise ConnectionError(f"cannot reach {self.base_url}{path}: {e}") from e
+            headers = {k.lower(): v for k, v in resp.getheaders()}
             if resp.status < 400:
                 break
             data = resp.read()
-            headers = {k.lower(): v for k, v in resp.getheaders()}
             conn.close()
+            self._record("POST", path, payload, resp.status, headers, data, True)
             if resp.status in _RETRY_STATUSES and attempt < self.max_retries:
                 time.sleep(_backoff(attempt, headers))
                 attempt += 1
                 continue
             raise error_for(resp.status, data, self.base_url + path)
+        seen: list[bytes] = []
+
+        def readline() -> bytes:
+            line = resp.readline()
+            if self.recorder is not None:
+                seen.append(line)
+            return line
+
         try:
-            data_lines: list[bytes] = []
-            while True:
-                line = resp.readline()
-                if not line:
-                    return
-                line = line.rstrip(b"\r\n")
-                if line.startswith(b"data:"):
-                    data_lines.append(line[5:].lstrip(b" "))
-                    continue
-                if line or not data_lines:
-                    continue  # comments, other fields, keep-alive blank lines
-                payload_line = b"\n".join(data_lines)
-                data_lines = []
-                if payload_line.strip() == b"[DONE]":
-                    return
-                event = json.loads(payload_line)
-                if isinstance(event, dict) and isinstance(event.get("error"), dict):
-                    code = event["error"].get("code")
-                    status = 400 if code in ("grammar_error", "context_length_exceeded", "invalid_value") else 500
-                    raise error_for(status, payload_line, self.base_url + path)
-                yield event
+            yield from self._events(readline, path)
         except OSError as e:
             raise ConnectionError(f"{self.base_url}{path}: stream broken: {e}") from e
         finally:
             conn.close()
+            self._record("POST", path, payload, resp.status, headers, b"".join(seen), True)
+
+    def _events(self, readline: Any, path: str) -> Iterator[Any]:
+        """Parse server-sent events from ``readline()`` (returns b"" at the end)."""
+        data_lines: list[bytes] = []
+        while True:
+            line = readline()
+            if not line:
+                return
+            line = line.rstrip(b"\r\n")
+            if line.startswith(b"data:"):
+                data_lines.append(line[5:].lstrip(b" "))
+                continue
+            if line or not data_lines:
+                continue  # comments, other fields, keep-alive blank lines
+            payload_line = b"\n".join(data_lines)
+            data_lines = []
+            if payload_line.strip() == b"[DONE]":
+                return
+            event = json.loads(payload_line)
+            if isinstance(event, dict) and isinstance(event.get("error"), dict):
+                code = event["error"].get("code")
+                status = 400 if code in ("grammar_error", "context_length_exceeded", "invalid_value") else 500
+                raise error_for(status, payload_line, self.base_url + path)
+            yield event
 
 
 def _backoff(attempt: int, headers: dict[str, str]) -> float:

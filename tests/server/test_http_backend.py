@@ -140,7 +140,7 @@ def test_openai_dialect_gen_stream_and_refusals(generic, endpoint):
                           ({"top_k": 5}, "top_k"), ({"logprob_start_len": 0}, "logprob_start_len")]:
         with pytest.raises(InvalidRequest) as e:
             generic.generate(PROMPT, {"max_tokens": 2, **params})
-        assert e.value.field == field and "openai server" in str(e.value)
+        assert e.value.field == field and "(dialect 'openai')" in str(e.value) and f"gen({field}=" in str(e.value)
     assert generic.cache_prefix(PROMPT) == {}
 
 
@@ -197,3 +197,42 @@ def test_vllm_dialect_request_shape(http_server):
     assert body["logprobs"] == 1 and body["return_tokens_as_token_ids"] is True
     assert "jump_forward" not in body and "rid" not in body
     assert ep._token_id("token_id:42") == 42 and ep._token_id("hello") is None
+
+
+# ---- several servers behind one program (prefix affinity) -----------------------------------------
+
+
+def test_several_servers_keep_a_programs_prefix_on_one(http_server, http_engine):
+    from sgrt.server.http_api import HttpServerThread
+
+    @sgrt.function
+    def prog(s, topic):
+        s += f"You answer questions about {topic}.\nQuestion: Is it big?\nAnswer:"
+        s += sgrt.select("a", choices=[" Yes", " No"])
+        forks = s.fork(2)
+        for f in forks:
+            f += sgrt.gen("more", max_tokens=2)
+        forks.join()
+
+    with HttpServerThread(http_engine, model_name=MODEL_NAME) as second:
+        ep = RuntimeEndpoint([http_server.url, second.url + "/v1"])
+        assert [c.base_url for c in ep.clients] == [http_server.url, second.url]
+        # Unrelated prompts spread over both servers; a prompt that extends one sent before
+        # follows it, whatever comes after.
+        picks = {ep.client_for(f"topic {i}: " + "x" * 100).base_url for i in range(64)}
+        assert picks == {http_server.url, second.url}
+        for i in (3, 40):
+            first = ep.client_for(f"topic {i}: " + "x" * 100)
+            assert all(ep.client_for(f"topic {i}: " + "x" * 100 + tail) is first for tail in ("a", "b" * 500))
+        for topic in ("whales", "cities"):
+            for c in ep.clients:
+                c.recorder = []
+            state = prog.run(topic=topic, backend=ep)
+            assert state["a"] in (" Yes", " No") and len(state.text()) > 60
+            used = [c.base_url for c in ep.clients
+                    if any(ex["path"] in ("/generate", "/v1/completions") for ex in c.recorder)]
+            assert len(used) == 1, used  # select, the fork's prefix and both branches: one server
+        ep.shutdown()
+        with pytest.raises(InvalidRequest) as e:
+            RuntimeEndpoint([http_server.url, second.url], model="another-model")
+        assert e.value.field in ("base_url", "model") or "another-model" in str(e.value)

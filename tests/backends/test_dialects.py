@@ -1,0 +1,139 @@
+"""RuntimeEndpoint's per-engine dialects against recorded runs of real engines.
+
+``recorded_engines.json`` holds every HTTP exchange of ``bench/scale_out.py --record`` against
+real servers (sgrt, and the other engines that ran: see its keys), with the outcome of each
+primitive. Replaying those exchanges through a fake transport checks, per engine:
+
+- the dialect is detected from what the server said (``/v1/models``, headers, probes);
+- each primitive sends exactly the requests the real run sent (a request the recording does
+  not hold fails the replay), and its answer is parsed into the same outcome (the checks in
+  ``bench/scale_out.py`` validate values: regex matches, schema-valid JSON, select picks one of
+  the options, the streamed pieces add up to the variable);
+- each refused primitive is an ``InvalidRequest`` whose message names the engine and the
+  primitive, and whose ``field`` names the field.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.scale_out import CASES, MODEL_NAME, run_cases
+from sgrt.backends.dialects import DIALECTS
+from sgrt.backends.http import RuntimeEndpoint
+from sgrt.errors import InvalidRequest
+
+RECORDED = json.loads((Path(__file__).parent / "recorded_engines.json").read_text())
+#: Cases that run through RuntimeEndpoint (the tool call goes through the openai SDK instead).
+ENDPOINT_CASES = tuple(name for name, _ in CASES if name != "tools (OpenAI API)")
+
+
+def _canonical(body: Any) -> Any:
+    # NOTE: request ids are fresh uuids each run; everything else must be identical.
+    if isinstance(body, dict):
+        return {k: _canonical(v) for k, v in body.items() if k != "rid"}
+    if isinstance(body, list):
+        return [_canonical(v) for v in body]
+    return body
+
+
+class ReplayTransport:
+    """Answers each request with a recorded exchange that has the same method, path, stream
+    flag and JSON body; each recorded exchange answers once."""
+
+    def __init__(self, exchanges: list[dict[str, Any]]):
+        self.pending = list(exchanges)
+        self.lock = threading.Lock()
+
+    def send(self, method: str, path: str, payload: bytes | None, stream: bool) -> tuple[int, dict[str, str], bytes]:
+        request = None if payload is None else _canonical(json.loads(payload))
+        with self.lock:
+            for i, ex in enumerate(self.pending):
+                if (ex["method"], ex["path"], ex["stream"]) == (method, path, stream) \
+                        and _canonical(ex["request"]) == request:
+                    del self.pending[i]
+                    return ex["status"], dict(ex["headers"]), ex["response"].encode()
+        raise AssertionError(f"the recorded run never sent {method} {path} {json.dumps(request)[:300]}")
+
+
+@pytest.fixture(scope="module")
+def hf_folder() -> str:
+    from sgrt.models.loader import default_gguf_path, ensure_converted
+
+    return str(ensure_converted(default_gguf_path(), MODEL_NAME)[0])
+
+
+def _endpoint(engine: str, hf_folder: str, **kw: Any) -> tuple[RuntimeEndpoint, ReplayTransport]:
+    transport = ReplayTransport(RECORDED[engine]["exchanges"])
+    ep = RuntimeEndpoint("http://recorded.invalid:1", model=MODEL_NAME, transport=transport,
+                         tokenizer=None if engine == "sgrt" else hf_folder, **kw)
+    return ep, transport
+
+
+def test_recordings_cover_sgrt_and_a_real_engine():
+    assert "sgrt" in RECORDED and set(RECORDED) & {"vllm", "llama-cpp-python", "llamacpp"}
+    for rec in RECORDED.values():
+        assert rec["exchanges"] and set(rec["rows"]) == {name for name, _ in CASES}
+
+
+@pytest.mark.parametrize("engine", sorted(RECORDED))
+def test_replayed_run_matches_the_real_one(engine, hf_folder):
+    rec = RECORDED[engine]
+    ep, transport = _endpoint(engine, hf_folder)
+    assert ep.dialect == rec["dialect"] == engine
+    rows = run_cases(ep, skip=tuple(n for n, _ in CASES if n not in ENDPOINT_CASES))
+    for name in ENDPOINT_CASES:
+        status, detail = rows[name]
+        assert status == rec["rows"][name][0], f"{engine} {name}: {status}: {detail}"
+        if status == "refused":
+            assert DIALECTS[engine].engine in detail and detail == rec["rows"][name][1]
+    assert not [(ex["method"], ex["path"]) for ex in transport.pending if ex["path"] != "/v1/models"]
+
+
+#: Per dialect, primitives it cannot do: (sampling params, field, what the message names).
+REFUSALS = {
+    "llama-cpp-python": [({"json_schema": {"type": "integer"}}, "json_schema", "gen(json_schema=...)")],
+    "llamacpp": [({"regex": "[0-9]+"}, "regex", "gen(regex=...)"),
+                 ({"grammar": 'start: "a"'}, "grammar", "gen(grammar=...)"),
+                 ({"min_tokens": 3}, "min_tokens", "gen(min_tokens=...)"),
+                 ({"ignore_eos": True}, "ignore_eos", "gen(ignore_eos=...)"),
+                 ({"logprob_start_len": 0}, "logprob_start_len", "gen(logprob_start_len=...)")],
+    "vllm": [({"logprob_start_len": 0}, "logprob_start_len", "gen(logprob_start_len=...)"),
+             ({"truncate": 8}, "truncate", "gen(truncate=...)"),
+             ({"regex": "a", "json_schema": {"type": "string"}}, "json_schema", "gen(json_schema=...)")],
+    "openai": [({"regex": "a+"}, "regex", "gen(regex=...)"), ({"grammar": 'start: "a"'}, "grammar", "gen(grammar=...)"),
+               ({"top_k": 5}, "top_k", "gen(top_k=...)")],
+    "sglang": [({"grammar": 'start: "a"'}, "grammar", "gen(grammar=...)")],
+}
+
+
+@pytest.mark.parametrize("dialect", sorted(REFUSALS))
+def test_unsupported_primitives_are_refused_by_name(dialect, hf_folder):
+    # Any recorded server will do: the dialect is forced and nothing is sent for a refusal.
+    engine = next(e for e in ("vllm", "llamacpp", "sgrt") if e in RECORDED)
+    ep, transport = _endpoint(engine, hf_folder, dialect=dialect)
+    sent = len(transport.pending)
+    for params, field, primitive in REFUSALS[dialect]:
+        with pytest.raises(InvalidRequest) as e:
+            ep.generate("Hello", {"max_tokens": 2, **params})
+        assert e.value.field == field
+        assert primitive in str(e.value) and DIALECTS[dialect].engine in str(e.value), str(e.value)
+    assert len(transport.pending) == sent  # refused before anything went out
+
+
+def test_request_fields_per_dialect():
+    """The same gen maps onto each engine's own field names."""
+    params = {"max_tokens": 4, "json_schema": {"type": "integer"}, "top_k": 5, "repetition_penalty": 1.1,
+              "return_logprob": True}
+    vllm = DIALECTS["vllm"].completion_body("m", "p", params, None, "u")
+    assert vllm["structured_outputs"] == {"json": {"type": "integer"}} and vllm["top_k"] == 5
+    assert vllm["repetition_penalty"] == 1.1 and vllm["return_tokens_as_token_ids"] is True
+    assert "guided_json" not in vllm and "response_format" not in vllm
+    llama = DIALECTS["llamacpp"].completion_body("m", "p", params, None, "u")
+    assert llama["response_format"]["json_schema"]["schema"] == {"type": "integer"}
+    assert llama["repeat_penalty"] == 1.1 and "repetition_penalty" not in llama and llama["cache_prompt"] is True
+    sglang = DIALECTS["sglang"].completion_body("m", "p", params, "rid-1", "u")
+    assert sglang["json_schema"] == '{"type": "integer"}' and sglang["rid"] == "rid-1"
