@@ -143,7 +143,7 @@ def meta_info(api: HttpApi, result: Result, params: SamplingParams, with_text: b
 
 async def generate(api: HttpApi, request: Request) -> Any:
     req: op.GenerateRequest = await api.decode(request, op.GenerateRequest)
-    prompts, is_batch = _batch(req, api)
+    prompts, is_batch = await api.offload(_batch, req, api)
     params = _params(req, len(prompts))
     rids = _per_item(req.rid, len(prompts), "rid") if req.rid is not None else None
     if req.stream and is_batch:
@@ -194,13 +194,13 @@ async def tokenize(api: HttpApi, request: Request) -> Any:
         return {"tokens": ids, "count": len(ids), "max_model_len": limit}
 
     if req.messages is not None:
-        text = api.renderer.render(req.messages, oa.ToolPlan())
-        return json_response(one(api.tokenizer.encode(text)))
+        text = await api.offload(api.renderer.render, req.messages, oa.ToolPlan())
+        return json_response(one(await api.offload(api.tokenizer.encode, text)))
     encode = (lambda t: oa.encode_text(api.tokenizer, t, api.bos_id)) if req.add_special_tokens else \
         (lambda t: api.tokenizer.encode(t))
     if isinstance(req.prompt, str):
-        return json_response(one(encode(req.prompt)))
-    return json_response([one(encode(p)) for p in req.prompt])
+        return json_response(one(await api.offload(encode, req.prompt)))
+    return json_response([one(ids) for ids in await api.offload(lambda: [encode(p) for p in req.prompt])])
 
 
 async def detokenize(api: HttpApi, request: Request) -> Any:
@@ -228,7 +228,7 @@ async def apply_chat_template(api: HttpApi, request: Request) -> Any:
 
 
 async def flush_cache(api: HttpApi, request: Request) -> Any:
-    api.check_auth(request)
+    await api.request_body(request)  # Origin, auth, Content-Type (a body, if any, is ignored)
     api.check_available()
     await asyncio.to_thread(api.engine.flush_cache)
     return json_response({"ok": True})

@@ -26,8 +26,8 @@ async def chat_completions(api: HttpApi, request: Request) -> Any:
     req: op.ChatCompletionRequest = await api.decode(request, op.ChatCompletionRequest)
     check_n(req.n, 1, api.limits.max_n)
     plan = oa.plan_tools(req, api.limits.max_tools)
-    text = api.renderer.render(req.messages, plan)
-    ids = api.tokenizer.encode(text)
+    text = await api.offload(api.renderer.render, req.messages, plan)  # NOTE: CPU work off the loop
+    ids = await api.offload(api.tokenizer.encode, text)
     fields = oa.sampling_fields(req)
     if plan.grammar is not None:
         fields["grammar"] = plan.grammar
@@ -132,7 +132,7 @@ async def completions(api: HttpApi, request: Request) -> Any:
     calls: list[EngineCall] = []
     for p, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            ids, text = oa.encode_text(api.tokenizer, prompt, api.bos_id), prompt
+            ids, text = await api.offload(oa.encode_text, api.tokenizer, prompt, api.bos_id), prompt
         else:
             ids, text = prompt, (api.tokenizer.decode(prompt, skip_special_tokens=False) if req.echo else "")
         if not ids:

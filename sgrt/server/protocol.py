@@ -125,6 +125,7 @@ ERROR_CODES: dict[str, str] = {
     "generation_failed": "the engine failed the generation (message says why)",
     "program_failed": "the program raised an exception (message says which)",
     "limit.message_size": "the frame is larger than max_message_bytes",
+    "limit.json_depth": "the frame nests arrays/objects deeper than max_json_depth",
     "limit.sessions": "too many open sessions (server-wide or on this connection)",
     "limit.generations": "too many generations running in this session (a chat session runs one at a time)",
     "limit.max_tokens": "sampling.max_tokens is above max_tokens_per_turn",
@@ -316,6 +317,8 @@ def decode_client(data: str | bytes) -> ClientMessage:
         raise _validation_error(str(e), data) from None
     except msgspec.DecodeError as e:
         raise ProtocolError("bad_json", f"malformed JSON: {e}") from None
+    except RecursionError:  # NOTE: the server bounds depth first (max_json_depth); belt and braces
+        raise ProtocolError("limit.json_depth", "the message nests too deeply") from None
     if msg.v != PROTOCOL_VERSION:
         raise ProtocolError(
             "unsupported_version", f"protocol version {msg.v} is not supported (this server speaks v{PROTOCOL_VERSION})",
@@ -373,7 +376,7 @@ def _peek_session(data: str | bytes) -> str | None:
     """The ``session`` of a message that failed validation, if it has a usable one."""
     try:
         obj = msgspec.json.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     if isinstance(obj, dict) and isinstance(obj.get("session"), str):
         return obj["session"][:128]

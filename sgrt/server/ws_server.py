@@ -18,6 +18,7 @@ import ipaddress
 import logging
 import os
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from websockets.exceptions import ConnectionClosed
 
 from sgrt.errors import InvalidRequest, SgrtError
 from sgrt.server import protocol as p
+from sgrt.server.limits import DEFAULT_MAX_JSON_DEPTH, json_depth, origin_allowed
 from sgrt.server.programs import ProgramRegistry, SessionBackend
 from sgrt.server.protocol import LimitExceeded
 from sgrt.server.session import ChatSession, ProgramSession, Session, error_for
@@ -51,6 +53,10 @@ class WsLimits:
     max_tools: int = 32  # tools per session
     max_tool_rounds: int = 8  # tool calls answered within one user turn
     idle_timeout_s: float = 300.0  # a session (or session-less connection) without messages
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH  # nesting of a frame's arrays/objects
+    open_timeout_s: float = 10.0  # TCP connect to a finished WebSocket handshake (request headers)
+    max_connections: int = 1024  # connections, handshaking or open; more get HTTP 503
+    allowed_origins: tuple[str, ...] = ()  # browser Origins allowed besides loopback ones ("*": any)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,7 +133,9 @@ class WsServer:
                            self.host)
         hard_cap = max(4 * self.limits.max_message_bytes, self.limits.max_message_bytes + 65536)
         self._server = await serve(self._handle, self.host, self.port, max_size=hard_cap,
-                                   compression=None, ping_interval=20, ping_timeout=60)
+                                   compression=None, ping_interval=20, ping_timeout=60,
+                                   open_timeout=self.limits.open_timeout_s,
+                                   process_request=self._check_upgrade)
         self.port = self._server.sockets[0].getsockname()[1]
         self._reaper = asyncio.get_running_loop().create_task(self._reap_idle())
         logger.info("sgrt session server on ws://%s:%d (programs: %s)", self.host, self.port,
@@ -173,6 +181,20 @@ class WsServer:
         return SessionBackend(self.engine, self._chat_template, on_text, self.limits)
 
     # -- one connection ------------------------------------------------------------------------
+    def _check_upgrade(self, connection: ServerConnection, request: Any) -> Any:
+        """Refuse an upgrade from a browser page of a foreign ``Origin`` (403: any web page the
+        user opens could otherwise drive the model) and upgrades over ``max_connections`` (503).
+        No Origin header means a non-browser client: allowed."""
+        origin = request.headers.get("Origin")
+        if origin is not None and not origin_allowed(origin, self.limits.allowed_origins):
+            logger.warning("refused a WebSocket upgrade from Origin %r", origin)
+            return connection.respond(403, f"Origin {origin!r} is not allowed; start the server with "
+                                      f"--allowed-origin {origin} to allow it\n")
+        if self._server is not None and len(self._server.handler_tasks) > self.limits.max_connections:
+            return connection.respond(503, f"too many connections (max_connections "
+                                      f"{self.limits.max_connections}); retry later\n")
+        return None
+
     async def _handle(self, ws: ServerConnection) -> None:
         conn = Connection(ws, self)
         self.connections.add(conn)
@@ -184,8 +206,7 @@ class WsServer:
                 except ConnectionClosed:
                     raise
                 except Exception as exc:  # noqa: BLE001 - never let one message kill the server
-                    logger.exception("error handling a message")
-                    await conn.send(p.Error(code="internal", message=f"{type(exc).__name__}: {exc}"))
+                    await conn.send(internal_error(exc))
                 if not conn.authed:  # refused first message
                     await ws.close(1008, "unauthorized")
                     break
@@ -203,6 +224,10 @@ class WsServer:
                 message=f"message of {size} bytes exceeds max_message_bytes ({self.limits.max_message_bytes})"))
             return
         try:
+            depth = json_depth(raw)
+            if depth > self.limits.max_json_depth:
+                raise p.ProtocolError("limit.json_depth", f"message nests {depth} levels deep; the limit is "
+                                      f"max_json_depth ({self.limits.max_json_depth})")
             msg = p.decode_client(raw)
         except p.ProtocolError as e:
             if not conn.authed:
@@ -288,6 +313,15 @@ class WsServer:
                 if not conn.sessions and now - conn.last_active > timeout and not conn.closed:
                     conn.closed = True
                     asyncio.get_running_loop().create_task(conn.ws.close(1000, "idle timeout"))
+
+
+def internal_error(exc: BaseException, session: str | None = None) -> p.Error:
+    """The ``internal`` error for an unexpected exception: logged with an incident id that the
+    message carries; no exception text goes to the client."""
+    incident = uuid.uuid4().hex[:12]
+    logger.error("error handling a message (incident %s)", incident, exc_info=exc)
+    return p.Error(code="internal", session=session,
+                   message=f"internal error (incident {incident}; details in the server log)")
 
 
 async def serve_ws(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
