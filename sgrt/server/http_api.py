@@ -220,7 +220,7 @@ class HttpServer:
 async def serve_http(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                      auth_token: str | None = None, *, model_name: str | None = None,
                      log_level: str = "warning", limits: HttpLimits | None = None,
-                     **limit_fields: Any) -> HttpServer:
+                     sock: socket.socket | None = None, **limit_fields: Any) -> HttpServer:
     """Start the HTTP API on ``host:port`` (``port=0`` picks a free one) and return it running:
     ``await server.serve_forever()`` waits, ``await server.close()`` stops it.
 
@@ -229,6 +229,7 @@ async def serve_http(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_
         auth_token: when set, requests need ``Authorization: Bearer <auth_token>``.
         model_name: the model id to report (default: the engine's model source or path).
         limits, **limit_fields: :class:`HttpLimits` or its fields (``max_queue=...``).
+        sock: a listening socket bound beforehand (``sgrt serve`` binds before loading the model).
 
     Raises:
         OSError: the address is in use or cannot be bound.
@@ -238,16 +239,10 @@ async def serve_http(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_
                        host)
     app = create_app(engine, model_name=model_name or default_model_name(engine), auth_token=auth_token,
                      limits=limits, **limit_fields)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.listen(2048)
-    sock.setblocking(False)
+    if sock is None:
+        from sgrt.server.serve import bind_socket
+
+        sock = bind_socket(host, port)
     api: HttpApi = app.state.api
     config = uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=False,
                             timeout_graceful_shutdown=1, timeout_keep_alive=30,

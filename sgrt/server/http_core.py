@@ -7,7 +7,7 @@ import asyncio
 import hmac
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -21,28 +21,7 @@ from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
 from sgrt.server.http_errors import ApiError, ClientGone, json_response
 from sgrt.server.http_streams import until_disconnect
-from sgrt.server.limits import DEFAULT_MAX_JSON_DEPTH, check_json_depth, check_sampling_ranges, origin_allowed
-
-
-@dataclass
-class HttpLimits:
-    """Per-server limits (sizes in bytes, lengths in tokens). Going over one is a 4xx that names
-    the field and the limit; nothing else changes."""
-
-    max_body_bytes: int = 4 << 20  # one request body
-    max_queue: int = 256  # engine requests from HTTP in flight (running + waiting); over: 429
-    max_n: int = 16  # choices per request (n times the number of prompts)
-    max_tokens_limit: int | None = None  # ceiling on max_tokens (None: the context window)
-    default_max_tokens: int | None = None  # chat without max_tokens (None: the rest of the window)
-    max_tools: int = 64
-    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH  # nesting of a body's arrays/objects; over: 400
-    header_timeout_s: float = 10.0  # from connect (or the last response) to a request's full headers
-    body_timeout_s: float = 30.0  # to read a whole request body once its headers arrived; over: 408
-    max_connections: int = 1024  # open HTTP connections; more are closed at once
-    allowed_origins: tuple[str, ...] = ()  # browser Origins allowed besides loopback ones ("*": any)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+from sgrt.server.limits import HttpLimits, check_json_depth, check_sampling_ranges, origin_allowed
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Checks every server applies where a request is parsed, before the engine or any native code
+"""The servers' limits (:class:`HttpLimits`, :class:`WsLimits`) and the checks every server
+applies where a request is parsed, before the engine or any native code
 sees it: the nesting depth of a JSON body or frame, and the ranges of the numeric sampling fields
 that :class:`sgrt.engine.SamplingParams` accepts as any Python int or float but that the engine
 hands to torch (a seed must fit torch's 64-bit generator; a temperature must be finite).
@@ -10,9 +11,8 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import asdict, dataclass
 from typing import Any
-
-import numpy as np
 
 from sgrt.errors import InvalidRequest
 
@@ -25,6 +25,53 @@ SEED_MIN = -(1 << 63)
 SEED_MAX = (1 << 64) - 1
 #: Largest integer any count or length field may take (int32, what kernels index with).
 INT_FIELD_MAX = (1 << 31) - 1
+
+# NOTE: the two servers' limit dataclasses live here, free of heavy imports, so that `sgrt serve`
+# can build its flags (with their defaults) and bind its ports before torch and the model load.
+@dataclass
+class HttpLimits:
+    """Per-server limits (sizes in bytes, lengths in tokens). Going over one is a 4xx that names
+    the field and the limit; nothing else changes."""
+
+    max_body_bytes: int = 4 << 20  # one request body
+    max_queue: int = 256  # engine requests from HTTP in flight (running + waiting); over: 429
+    max_n: int = 16  # choices per request (n times the number of prompts)
+    max_tokens_limit: int | None = None  # ceiling on max_tokens (None: the context window)
+    default_max_tokens: int | None = None  # chat without max_tokens (None: the rest of the window)
+    max_tools: int = 64
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH  # nesting of a body's arrays/objects; over: 400
+    header_timeout_s: float = 10.0  # from connect (or the last response) to a request's full headers
+    body_timeout_s: float = 30.0  # to read a whole request body once its headers arrived; over: 408
+    max_connections: int = 1024  # open HTTP connections; more are closed at once
+    allowed_origins: tuple[str, ...] = ()  # browser Origins allowed besides loopback ones ("*": any)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class WsLimits:
+    """Per-server limits (sizes in bytes, lengths in tokens, times in seconds). Going over any
+    of them gets a typed ``error`` (code ``limit.*``); the connection stays up."""
+
+    max_message_bytes: int = 1 << 20  # one client frame
+    max_sessions: int = 256  # open sessions, whole server
+    max_sessions_per_connection: int = 32
+    max_generations_per_session: int = 8  # engine requests a program session has in flight
+    max_tokens_per_turn: int = 1024  # sampling.max_tokens ceiling (chat turn or one gen)
+    default_max_tokens: int = 256  # when the client sets no max_tokens
+    max_tools: int = 32  # tools per session
+    max_tool_rounds: int = 8  # tool calls answered within one user turn
+    idle_timeout_s: float = 300.0  # a session (or session-less connection) without messages
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH  # nesting of a frame's arrays/objects
+    open_timeout_s: float = 10.0  # TCP connect to a finished WebSocket handshake (request headers)
+    max_connections: int = 1024  # connections, handshaking or open; more get HTTP 503
+    allowed_origins: tuple[str, ...] = ()  # browser Origins allowed besides loopback ones ("*": any)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: linear, no per-char alternation
 _OPEN = frozenset(b"[{")
@@ -43,6 +90,8 @@ def json_depth(data: bytes | str) -> int:
     brackets = _STRING.sub(b"", raw).translate(None, _KEEP)
     if not brackets:
         return 0
+    import numpy as np  # NOTE: imported here: `sgrt serve` reads this module before binding its ports
+
     arr = np.frombuffer(brackets, dtype=np.uint8)
     steps = np.where((arr == ord("[")) | (arr == ord("{")), 1, -1).astype(np.int32)
     return int(np.cumsum(steps).max(initial=0))

@@ -19,7 +19,6 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from websockets.exceptions import ConnectionClosed
 
 from sgrt.errors import InvalidRequest, SgrtError
 from sgrt.server import protocol as p
-from sgrt.server.limits import DEFAULT_MAX_JSON_DEPTH, json_depth, origin_allowed
+from sgrt.server.limits import WsLimits, json_depth, origin_allowed
 from sgrt.server.programs import ProgramRegistry, SessionBackend
 from sgrt.server.protocol import LimitExceeded
 from sgrt.server.session import ChatSession, ProgramSession, Session, error_for
@@ -37,29 +36,6 @@ logger = logging.getLogger("sgrt.server")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
-
-
-@dataclass
-class WsLimits:
-    """Per-server limits (sizes in bytes, lengths in tokens, times in seconds). Going over any
-    of them gets a typed ``error`` (code ``limit.*``); the connection stays up."""
-
-    max_message_bytes: int = 1 << 20  # one client frame
-    max_sessions: int = 256  # open sessions, whole server
-    max_sessions_per_connection: int = 32
-    max_generations_per_session: int = 8  # engine requests a program session has in flight
-    max_tokens_per_turn: int = 1024  # sampling.max_tokens ceiling (chat turn or one gen)
-    default_max_tokens: int = 256  # when the client sets no max_tokens
-    max_tools: int = 32  # tools per session
-    max_tool_rounds: int = 8  # tool calls answered within one user turn
-    idle_timeout_s: float = 300.0  # a session (or session-less connection) without messages
-    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH  # nesting of a frame's arrays/objects
-    open_timeout_s: float = 10.0  # TCP connect to a finished WebSocket handshake (request headers)
-    max_connections: int = 1024  # connections, handshaking or open; more get HTTP 503
-    allowed_origins: tuple[str, ...] = ()  # browser Origins allowed besides loopback ones ("*": any)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class Connection:
@@ -113,8 +89,10 @@ class WsServer:
 
     def __init__(self, engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                  programs_dir: str | Path | None = None, auth_token: str | None = None,
-                 limits: WsLimits | None = None, registry: ProgramRegistry | None = None):
+                 limits: WsLimits | None = None, registry: ProgramRegistry | None = None,
+                 sock: Any = None):
         self.engine = engine
+        self._sock = sock  # a listening socket bound beforehand (sgrt serve binds before loading)
         self.host = host
         self.port = port
         self.auth_token = auth_token or None
@@ -132,7 +110,8 @@ class WsServer:
             logger.warning("serving on %s without an auth token: anyone who can reach it can use the model",
                            self.host)
         hard_cap = max(4 * self.limits.max_message_bytes, self.limits.max_message_bytes + 65536)
-        self._server = await serve(self._handle, self.host, self.port, max_size=hard_cap,
+        where = {"sock": self._sock} if self._sock is not None else {"host": self.host, "port": self.port}
+        self._server = await serve(self._handle, **where, max_size=hard_cap,
                                    compression=None, ping_interval=20, ping_timeout=60,
                                    open_timeout=self.limits.open_timeout_s,
                                    process_request=self._check_upgrade)
@@ -326,7 +305,7 @@ def internal_error(exc: BaseException, session: str | None = None) -> p.Error:
 
 async def serve_ws(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                    programs_dir: str | Path | None = None, auth_token: str | None = None,
-                   limits: WsLimits | None = None) -> WsServer:
+                   limits: WsLimits | None = None, sock: Any = None) -> WsServer:
     """Start the session server on ``host:port`` (``port=0`` picks a free one) and return it
     running; ``await server.close()`` stops it, ``await server.serve_forever()`` waits.
 
@@ -335,13 +314,14 @@ async def serve_ws(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
         programs_dir: a folder whose modules' ``@sgrt.function`` programs clients may start.
         auth_token: when set, each connection's first message must carry it.
         limits: :class:`WsLimits` (defaults there).
+        sock: a listening socket bound beforehand (then ``host``/``port`` only label it).
 
     Raises:
         OSError: the address is in use or cannot be bound.
         FileNotFoundError: ``programs_dir`` does not exist.
     """
     server = WsServer(engine, host=host, port=port, programs_dir=programs_dir, auth_token=auth_token,
-                      limits=limits)
+                      limits=limits, sock=sock)
     return await server.start()
 
 
