@@ -84,7 +84,9 @@ def _per_item(value: Any, n: int, name: str) -> list[Any]:
     return [value] * n
 
 
-def _params(req: op.GenerateRequest, n: int) -> list[SamplingParams]:
+def _params(req: op.GenerateRequest, n: int, limits: Any = None) -> list[SamplingParams]:
+    """One SamplingParams per prompt. ``limits`` (:class:`HttpLimits`): ``default_max_tokens``
+    fills an unset max_tokens (else the engine's default) and ``max_tokens_limit`` caps it."""
     items = _per_item(req.sampling_params if req.sampling_params is not None else {}, n, "sampling_params")
     starts = _per_item(req.logprob_start_len, n, "logprob_start_len")
     out = []
@@ -96,6 +98,13 @@ def _params(req: op.GenerateRequest, n: int) -> list[SamplingParams]:
             if "max_tokens" in fields:
                 raise InvalidRequest("give max_tokens or max_new_tokens, not both", field="sampling_params.max_tokens")
             fields["max_tokens"] = fields.pop("max_new_tokens")
+        if limits is not None:
+            if "max_tokens" not in fields and limits.default_max_tokens is not None:
+                fields["max_tokens"] = limits.default_max_tokens
+            mt, ceiling = fields.get("max_tokens"), limits.max_tokens_limit
+            if ceiling is not None and isinstance(mt, int) and mt > ceiling:
+                raise InvalidRequest(f"max_tokens ({mt}) exceeds the server's limit ({ceiling})",
+                                     field="sampling_params.max_tokens")
         if req.return_logprob is not None:
             fields["return_logprob"] = req.return_logprob
         if start is not None:
@@ -144,7 +153,7 @@ def meta_info(api: HttpApi, result: Result, params: SamplingParams, with_text: b
 async def generate(api: HttpApi, request: Request) -> Any:
     req: op.GenerateRequest = await api.decode(request, op.GenerateRequest)
     prompts, is_batch = await api.offload(_batch, req, api)
-    params = _params(req, len(prompts))
+    params = _params(req, len(prompts), api.limits)
     rids = _per_item(req.rid, len(prompts), "rid") if req.rid is not None else None
     if req.stream and is_batch:
         raise InvalidRequest("stream takes one prompt, not a list", field="stream")

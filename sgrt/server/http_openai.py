@@ -139,7 +139,7 @@ async def completions(api: HttpApi, request: Request) -> Any:
             raise InvalidRequest("prompt is empty", field="prompt")
         f = dict(fields)
         f["max_tokens"] = oa.resolve_max_tokens(
-            req.max_tokens, len(ids), api.context_room(), default=None,
+            req.max_tokens, len(ids), api.context_room(), default=api.limits.default_max_tokens,
             ceiling=api.limits.max_tokens_limit, field="max_tokens")
         for j in range(req.n):
             calls.append(EngineCall(ids, _params(f, j, oa.COMPLETION_FIELD_NAMES), p * req.n + j, p, text))

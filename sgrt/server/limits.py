@@ -37,7 +37,9 @@ class HttpLimits:
     max_queue: int = 256  # engine requests from HTTP in flight (running + waiting); over: 429
     max_n: int = 16  # choices per request (n times the number of prompts)
     max_tokens_limit: int | None = None  # ceiling on max_tokens (None: the context window)
-    default_max_tokens: int | None = None  # chat without max_tokens (None: the rest of the window)
+    # max_tokens of an HTTP request that sets none (None: the rest of the window for the OpenAI
+    # endpoints, the engine's default (128) for /generate)
+    default_max_tokens: int | None = None
     max_tools: int = 64
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH  # nesting of a body's arrays/objects; over: 400
     header_timeout_s: float = 10.0  # from connect (or the last response) to a request's full headers

@@ -44,7 +44,7 @@ async def test_deep_frames_get_a_typed_error_and_the_connection_survives(ws_engi
             await ws.send(f'{{"type": "session.start", "session": "s", "args": {{"a": {nested}}}}}')
             err = await recv(ws)
             assert isinstance(err, p.Error) and err.code == "limit.json_depth", err
-            assert str(depth + 1) in err.message and "max_json_depth" in err.message
+            assert str(depth + 2) in err.message and "max_json_depth" in err.message
             await ws.send(start("ok", sampling={"max_tokens": 1}))
             assert isinstance(await recv(ws), p.Ready)
 
