@@ -249,20 +249,22 @@ def fuzz_ws(fuzz_engine, ws_loop):
     ws_loop.run_until_complete(server.close())
 
 
+TERMINAL = (p.Ready, p.Error, p.Done, p.ToolCall)  # every client frame is answered by one of these
+
+
 async def _exchange(url: str, frames: list[str]) -> list[p.Error]:
-    """Send the frames, read until the server has answered each (quiet for a moment after the
-    last reply ending an exchange), then prove the connection still serves a new session."""
+    """Send the frames, reading after each until the server answered it (a hang times out),
+    then prove the connection still serves a new session."""
     errors: list[p.Error] = []
     async with connect(url, max_size=None) as ws:
         for frame in frames:
             await ws.send(frame)
             while True:
-                try:
-                    msg = p.decode_server(await asyncio.wait_for(ws.recv(), 0.5))
-                except asyncio.TimeoutError:
-                    break
+                msg = p.decode_server(await asyncio.wait_for(ws.recv(), TIMEOUT))
                 if isinstance(msg, p.Error):
                     errors.append(msg)
+                if isinstance(msg, TERMINAL):
+                    break
         await ws.send(json.dumps({"type": "session.start", "session": "probe-session"}))
         while True:
             msg = p.decode_server(await asyncio.wait_for(ws.recv(), TIMEOUT))

