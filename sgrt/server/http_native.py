@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -136,7 +138,12 @@ def meta_info(api: HttpApi, result: Result, params: SamplingParams, with_text: b
               start: float) -> dict[str, Any]:
     """``meta_info`` of one finished /generate item (see the module docstring)."""
     meta = result.meta_info(time.perf_counter() - start)
-    meta["error"] = result.error
+    if result.error:  # NOTE: an engine failure's text goes to the log only
+        incident = uuid.uuid4().hex[:12]
+        logging.getLogger("sgrt.server.http").error("generation failed (incident %s): %s", incident, result.error)
+        meta["error"] = f"generation failed in the engine (incident {incident}; details in the server log)"
+    else:
+        meta["error"] = None
     if params.return_logprob:
         meta["output_token_logprobs"] = _triples(api, result.token_ids, result.output_logprobs or [], with_text)
         if result.output_top_logprobs:

@@ -4,7 +4,9 @@ out, OpenAI responses (or server-sent event chunks) back. The field handling liv
 :mod:`sgrt.server.http_core`."""
 from __future__ import annotations
 
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -235,7 +237,10 @@ def check_result(result: Any) -> None:
         if "engine shut down" in result.error:
             raise ApiError(503, f"the engine stopped: {result.error}", type="service_unavailable",
                            code="engine_unavailable")
-        raise ApiError(500, f"generation failed: {result.error}", type="server_error", code="generation_failed")
+        incident = uuid.uuid4().hex[:12]  # NOTE: the engine's exception text goes to the log only
+        logging.getLogger("sgrt.server.http").error("generation failed (incident %s): %s", incident, result.error)
+        raise ApiError(500, f"generation failed in the engine (incident {incident}; details in the server log)",
+                       type="server_error", code="generation_failed")
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:

@@ -456,6 +456,11 @@ class ProgramSession(Session):
         if report.error is not None and not isinstance(report.error, RequestAborted):
             if isinstance(report.error, (InvalidRequest, CapacityError)):
                 await self.send_error(report.error)
+            elif type(report.error) is ValueError:
+                # NOTE: how registered programs refuse their arguments ("n must be in 2..9"): the
+                # program's own words, shown; any other exception's text stays in the log.
+                await self.send(p.Error(code="invalid_request", session=self.id, field="args",
+                                        message=f"the program refused its arguments: {str(report.error)[:300]}"))
             else:
                 incident = uuid.uuid4().hex[:12]
                 logger.error("session %s: program failed (incident %s)", self.id, incident, exc_info=report.error)
