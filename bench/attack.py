@@ -219,7 +219,7 @@ FIELD_ATTACKS = [("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 10**40), ("to
                  ("repetition_penalty", 1e308), ("num_draft_tokens", 2**63)]
 
 
-def http_attacks(server: Server) -> list[tuple[str, str, Any]]:
+def http_attacks(server: Server, timeout: float) -> list[tuple[str, str, Any]]:
     """(class, label, thunk) for every HTTP attack."""
     out: list[tuple[str, str, Any]] = []
     add = out.append
@@ -250,9 +250,10 @@ def http_attacks(server: Server) -> list[tuple[str, str, Any]]:
             add(("fields", f"{path} nested {n}", lambda p=path, n=n: request(
                 server, "POST", p, raw=f'{{"text": {deep(n)}, "messages": {deep(n)}, "prompt": {deep(n)}}}'.encode())))
     big = "lorem ipsum dolor sit amet " * 150_000  # ~4 MB: just under max_body_bytes once in JSON
-    add(("stall", "4 MB /tokenize", lambda: request(server, "POST", "/tokenize", {"prompt": big[:4_000_000]})))
+    add(("stall", "4 MB /tokenize", lambda: request(server, "POST", "/tokenize", {"prompt": big[:4_000_000]},
+                                                    timeout=timeout)))
     add(("stall", "4 MB chat", lambda: request(server, "POST", "/v1/chat/completions", {
-        **CHAT, "messages": [{"role": "user", "content": big[:4_000_000]}]})))
+        **CHAT, "messages": [{"role": "user", "content": big[:4_000_000]}]}, timeout=timeout)))
     add(("stall", "8 MB body", lambda: request(server, "POST", "/tokenize", {"prompt": big + big})))
     for origin in ("https://evil.example", "null"):
         add(("web", f"POST Origin {origin}", lambda o=origin: request(
@@ -415,15 +416,20 @@ class NormalClients:
 
     def _loop(self, kind: str) -> None:
         while not self.stop.is_set():
+            want = self.expected_http if kind == "http" else self.expected_ws
             try:
                 got = self._http_once() if kind == "http" else asyncio.run(self._ws_once())
-                want = self.expected_http if kind == "http" else self.expected_ws
             except Exception as e:  # noqa: BLE001 - a failed normal session is a finding
                 got, want = repr(e), "an answer"
             if got == want:
                 self.ok += 1
-            else:
-                self.wrong.append(f"{kind}: {got!r} != {want!r}")
+                continue
+            self.wrong.append(f"{kind}: {got!r} != {want!r}")
+            # NOTE: after a failure (e.g. the server died and restarts), wait for it to serve
+            # again instead of counting one failure per retry.
+            while not self.stop.is_set() and not self.server.alive():
+                time.sleep(0.5)
+            self.stop.wait(5.0)
 
     def start(self) -> None:
         for i in range(self.n):
@@ -441,7 +447,9 @@ class NormalClients:
 
 async def run_ws(server: Server, tally: Tally, timeout: float) -> None:
     for cls, label, frames in ws_attacks(server):
-        tally.add(cls, await ws_frame_attack(server, frames, timeout), label)
+        outcome = await ws_frame_attack(server, frames, timeout)
+        tally.add(cls, outcome, label)
+        print(f"  {cls:8s} {outcome:9s} {label}", file=sys.stderr, flush=True)
     for outcome in await ws_origin_attacks(server, timeout):
         tally.add("web", outcome, "ws Origin")
     for how in ("cancel", "close", "disconnect"):
@@ -465,9 +473,10 @@ def main() -> None:
     normal.start()
     tally = Tally()
     t0 = time.perf_counter()
-    for cls, label, thunk in http_attacks(server):
+    for cls, label, thunk in http_attacks(server, args.timeout):
         outcome, what = classify_http(server, thunk)
         tally.add(cls, outcome, f"{label}: {what}")
+        print(f"  {cls:8s} {outcome:9s} {label}", file=sys.stderr, flush=True)
     asyncio.run(run_ws(server, tally, args.timeout))
     for outcome, what in socket_attacks(server, args.half_open, args.timeout):
         tally.add("sockets", outcome, what)

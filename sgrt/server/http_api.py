@@ -215,6 +215,7 @@ class HttpServer:
         self._server.should_exit = True
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await self._task
+        self.api.shutdown_workers()
 
 
 async def serve_http(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,

@@ -4,8 +4,11 @@ client left behind)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import hmac
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +25,13 @@ from sgrt.server import openai_protocol as op
 from sgrt.server.http_errors import ApiError, ClientGone, json_response
 from sgrt.server.http_streams import until_disconnect
 from sgrt.server.limits import HttpLimits, check_json_depth, check_sampling_ranges, origin_allowed
+
+
+#: Bodies above this size are "heavy": their CPU work (parsing, rendering, tokenizing) runs on
+#: a separate small pool, so a few multi-megabyte requests cannot occupy every worker thread that
+#: ordinary requests need.
+HEAVY_BODY_BYTES = 256 << 10
+_heavy_request: contextvars.ContextVar[bool] = contextvars.ContextVar("sgrt_heavy_request", default=False)
 
 
 @dataclass
@@ -61,6 +71,7 @@ class HttpApi:
         self.closing = False
         self.created = int(time.time())
         self._live: dict[str, Any] = {}  # request id -> handle, for in-flight accounting
+        self._heavy_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sgrt-http-heavy")
 
     # ---- request plumbing ---------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -145,6 +156,7 @@ class HttpApi:
         the event loop)."""
         body = await self.request_body(request)
         self.check_available()
+        _heavy_request.set(len(body) > HEAVY_BODY_BYTES)
         if not body.strip():
             raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
         depth = self.limits.max_json_depth
@@ -156,13 +168,18 @@ class HttpApi:
             except RecursionError:  # NOTE: only when max_json_depth is set above msgspec's own bound
                 raise InvalidRequest("the request body nests too deeply", field="body") from None
 
-        return await asyncio.to_thread(parse)
+        return await self.offload(parse)
 
-    @staticmethod
-    async def offload(fn: Any, *args: Any) -> Any:
-        """Run CPU work (chat-template rendering, tokenizing a long prompt) on a worker thread,
-        so that one large request does not stall every other client on the event loop."""
-        return await asyncio.to_thread(fn, *args)
+    async def offload(self, fn: Any, *args: Any) -> Any:
+        """Run CPU work (parsing, chat-template rendering, tokenizing a long prompt) on a worker
+        thread, so that one large request does not stall every other client on the event loop;
+        a request whose body is over :data:`HEAVY_BODY_BYTES` uses a separate 2-thread pool."""
+        pool = self._heavy_pool if _heavy_request.get() else None
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+    def shutdown_workers(self) -> None:
+        """Stop the heavy-request pool (server close); work in progress finishes on its own."""
+        self._heavy_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- engine requests ----------------------------------------------------------------------
     def submit(self, calls: Sequence[EngineCall], rids: Sequence[str | None] | None = None) -> list[Any]:
