@@ -112,9 +112,17 @@ def _int_in(value: Any, name: str, low: int, high: int) -> None:
         raise InvalidRequest(f"{name} must be in [{low}, {high}], got {value}", field=name)
 
 
+#: Largest integer a float field may be given as (torch converts a Python int operand to int64
+#: and overflows past 2**63: ``logits / 2**64`` raises inside the engine's step).
+FLOAT_FIELD_INT_MAX = 1 << 53
+
+
 def _finite(value: Any, name: str) -> None:
     if isinstance(value, float) and not math.isfinite(value):
         raise InvalidRequest(f"{name} must be a finite number, got {value}", field=name)
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > FLOAT_FIELD_INT_MAX:
+        raise InvalidRequest(f"{name} must be a number in [-2**53, 2**53] when given as an integer, got {value}",
+                             field=name)
 
 
 def check_sampling_ranges(params: Any) -> None:
@@ -123,7 +131,8 @@ def check_sampling_ranges(params: Any) -> None:
 
     Raises:
         InvalidRequest: ``seed`` outside 64 bits, a count/length field above 2**31 - 1, a
-            non-finite float (``temperature``, ``top_p``, ``min_p``, penalties).
+            non-finite float or an integer past 2**53 in a float field (``temperature``,
+            ``top_p``, ``min_p``, penalties).
     """
     get = params.get if isinstance(params, dict) else (lambda k, d=None: getattr(params, k, d))
     _int_in(get("seed"), "seed", SEED_MIN, SEED_MAX)

@@ -42,6 +42,17 @@ def test_seed_outside_64_bits_is_a_400_naming_seed(http_server, http_engine, pat
     assert wait_idle(http_engine)["running"] == 0
 
 
+@pytest.mark.parametrize("name", ["temperature", "repetition_penalty"])
+def test_float_fields_given_as_huge_integers_are_a_400(http_server, http_engine, name):
+    """torch overflows on a Python int past 2**63 as an operand: refused where parsed."""
+    before = http_engine.stats()["aborted"]
+    status, _, payload = raw(http_server.url, "POST", "/generate",
+                             {"text": "Hi", "sampling_params": {name: 2**64, "max_tokens": 1}})
+    err = error_of(status, payload, 400)
+    assert name in err["param"] and "2**53" in err["message"]
+    assert http_engine.stats()["aborted"] == before  # nothing reached the engine
+
+
 def test_seed_at_the_64_bit_edges_is_accepted(http_server):
     for seed in (2**64 - 1, -(2**63)):
         status, _, payload = raw(http_server.url, "POST", "/generate",
