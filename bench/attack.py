@@ -44,6 +44,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 REPO = Path(__file__).resolve().parents[1]
+ATTACK_TIMEOUT = 120.0  # seconds before an HTTP attack counts as a hang (--timeout)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
 
 
@@ -116,7 +117,8 @@ class Server:
 
 
 def request(server: Server, method: str, path: str, body: Any = None, raw: bytes | None = None,
-            headers: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, bytes]:
+            headers: dict[str, str] | None = None, timeout: float | None = None) -> tuple[int, bytes]:
+    timeout = ATTACK_TIMEOUT if timeout is None else timeout
     host, port = server.http.split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
@@ -213,7 +215,7 @@ SCHEMA_BOMBS = [("ref_chain_2000", ref_chain(2000)), ("nested_300", nested_objec
                                                         "required": ["next"]}}, "$ref": "#/$defs/n"})]
 REGEX_BOMBS = ["((a{1,100}){1,100}){1,100}", "(a{0,1000}){0,1000}", "(x+x+)+y", "a{99999}"]
 GRAMMAR_BOMBS = [rule_chain(5000), "start: " + " | ".join(f'"{i}"' for i in range(20000))]
-FIELD_ATTACKS = [("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 10**40), ("top_k", 2**40),
+FIELD_ATTACKS = [("seed", 2**64), ("temperature", 2**64), ("repetition_penalty", 2**64), ("seed", -(2**63) - 1), ("seed", 10**40), ("top_k", 2**40),
                  ("max_tokens", 2**70), ("min_tokens", 2**64), ("temperature", 1e308), ("top_p", 1e308),
                  ("logprob_start_len", 2**63), ("top_logprobs_num", 2**63), ("stop_token_ids", [2**64]),
                  ("repetition_penalty", 1e308), ("num_draft_tokens", 2**63)]
@@ -463,6 +465,8 @@ def main() -> None:
                     help="seconds one attack may take before it counts as a hang (default: %(default)s)")
     ap.add_argument("--half-open", type=int, default=60, help="half-open/slow HTTP connections (default: %(default)s)")
     args = ap.parse_args()
+    global ATTACK_TIMEOUT
+    ATTACK_TIMEOUT = args.timeout
 
     server = Server(["--header-timeout", "3", "--body-timeout", "3", "--max-tokens-limit", "64",
                      "--ws-max-tokens-per-turn", "512"])
