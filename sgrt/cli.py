@@ -117,15 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _model_args(chat)
     _sampling_args(chat)
-    serve = sub.add_parser("serve", help="serve WebSocket agent sessions (and the HTTP API)", formatter_class=_Help)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind")
-    serve.add_argument("--port", type=int, default=8765, help="WebSocket sessions port")
+    serve = sub.add_parser("serve", help="serve WebSocket agent sessions (and the HTTP API)",
+                           formatter_class=_Help)
+    from sgrt.server.serve import add_limit_args, port_number
+
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=port_number, default=8765, help="WebSocket sessions port (default: %(default)s)")
     serve.add_argument("--http-port", type=int, default=8000,
                        help="OpenAI-compatible HTTP API port (-1 disables it)")
     serve.add_argument("--programs", default=None, help="folder of @sgrt.function programs to register")
     serve.add_argument("--auth-token", default=os.environ.get("SGRT_AUTH_TOKEN"),
-                       help="required first-message token (default: $SGRT_AUTH_TOKEN)")
+                       help="required first-message token (default: $SGRT_AUTH_TOKEN)%(default).0s")
     _model_args(serve)
+    add_limit_args(serve)
     return parser
 
 
@@ -295,12 +299,31 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from sgrt.server import run_server
+    from sgrt.server.serve import bind_listeners, limits_from_args, run_server
 
-    engine = _engine(args)
+    # NOTE: arguments and ports are checked before the model loads (seconds), not after.
+    http_port = None if args.http_port < 0 else args.http_port
+    if http_port is not None and http_port > 65535:
+        print(f"sgrt: error: --http-port must be in 0..65535 (or -1), got {http_port}", file=sys.stderr)
+        return 2
+    if args.programs is not None and not os.path.isdir(args.programs):
+        print(f"sgrt: error: --programs {args.programs!r} is not a folder", file=sys.stderr)
+        return 2
+    http_limits, ws_limits = limits_from_args(args)
     try:
-        run_server(engine, host=args.host, port=args.port, http_port=None if args.http_port < 0 else args.http_port,
-                   programs_dir=args.programs, auth_token=args.auth_token, model_name=args.model)
+        listeners = bind_listeners(args.host, args.port, http_port)
+    except OSError as exc:
+        print(f"sgrt: error: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    try:
+        engine = _engine(args)
+    except BaseException:
+        listeners.close()
+        raise
+    try:
+        run_server(engine, host=args.host, port=args.port, http_port=http_port, programs_dir=args.programs,
+                   auth_token=args.auth_token, model_name=args.model, http_limits=http_limits,
+                   ws_limits=ws_limits, listeners=listeners)
     finally:
         engine.shutdown()
     return 0

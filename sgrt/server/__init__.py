@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "WsLimits": "sgrt.server.ws_server",
+    "WsLimits": "sgrt.server.limits",
     "WsServer": "sgrt.server.ws_server",
     "serve_ws": "sgrt.server.ws_server",
     "run_ws_server": "sgrt.server.ws_server",
@@ -20,7 +20,7 @@ _EXPORTS = {
     "create_app": "sgrt.server.http_api",
     "HttpServer": "sgrt.server.http_api",
     "HttpServerThread": "sgrt.server.http_api",
-    "HttpLimits": "sgrt.server.http_core",
+    "HttpLimits": "sgrt.server.limits",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -109,7 +109,7 @@ def create_app(engine: Any, *, model_name: str, auth_token: str | None = None,
         ("/tokenize", ["POST"], native.tokenize, "prompt"),
         ("/detokenize", ["POST"], native.detokenize, "prompt"),
         ("/apply_chat_template", ["POST"], native.apply_chat_template, "messages"),
-        ("/flush_cache", ["POST", "GET"], native.flush_cache, "prompt"),
+        ("/flush_cache", ["POST"], native.flush_cache, "prompt"),  # a state change: POST only
         ("/abort_request", ["POST"], native.abort_request, "prompt"),
     ]
     routes = [Route(path, route(handler, field), methods=methods) for path, methods, handler, field in table]
@@ -126,6 +126,55 @@ def create_app(engine: Any, *, model_name: str, auth_token: str | None = None,
 
 
 # ==== serving =====================================================================================
+
+
+def guarded_protocol(limits: HttpLimits) -> type:
+    """uvicorn's HTTP protocol class with two guards uvicorn lacks: a header timeout (a
+    connection that has not sent a request's complete headers ``header_timeout_s`` after it
+    opened, or after its last response, is closed: half-open and slow-header clients cannot hold
+    sockets) and a connection cap (past ``max_connections`` open connections a new one is
+    closed at once)."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        _header_timer: asyncio.TimerHandle | None = None
+        _armed_cycle: Any = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            if len(self.connections) >= limits.max_connections:
+                logger.warning("refused an HTTP connection: max_connections (%d) open", limits.max_connections)
+                transport.abort()
+                return
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def _arm_header_timer(self) -> None:
+            self._disarm_header_timer()
+            self._armed_cycle = self.cycle
+            self._header_timer = self.loop.call_later(limits.header_timeout_s, self._header_timeout)
+
+        def _disarm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if self.cycle is self._armed_cycle and not self.transport.is_closing():
+                self.transport.close()  # no new request's headers since armed
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_timer()
+            if getattr(self, "transport", None) is None:  # refused in connection_made
+                return
+            super().connection_lost(exc)
+
+    return GuardedHTTPProtocol
 
 
 class _UvicornServer(uvicorn.Server):
@@ -166,12 +215,13 @@ class HttpServer:
         self._server.should_exit = True
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await self._task
+        self.api.shutdown_workers()
 
 
 async def serve_http(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                      auth_token: str | None = None, *, model_name: str | None = None,
                      log_level: str = "warning", limits: HttpLimits | None = None,
-                     **limit_fields: Any) -> HttpServer:
+                     sock: socket.socket | None = None, **limit_fields: Any) -> HttpServer:
     """Start the HTTP API on ``host:port`` (``port=0`` picks a free one) and return it running:
     ``await server.serve_forever()`` waits, ``await server.close()`` stops it.
 
@@ -180,6 +230,7 @@ async def serve_http(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_
         auth_token: when set, requests need ``Authorization: Bearer <auth_token>``.
         model_name: the model id to report (default: the engine's model source or path).
         limits, **limit_fields: :class:`HttpLimits` or its fields (``max_queue=...``).
+        sock: a listening socket bound beforehand (``sgrt serve`` binds before loading the model).
 
     Raises:
         OSError: the address is in use or cannot be bound.
@@ -189,18 +240,14 @@ async def serve_http(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_
                        host)
     app = create_app(engine, model_name=model_name or default_model_name(engine), auth_token=auth_token,
                      limits=limits, **limit_fields)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.listen(2048)
-    sock.setblocking(False)
+    if sock is None:
+        from sgrt.server.serve import bind_socket
+
+        sock = bind_socket(host, port)
+    api: HttpApi = app.state.api
     config = uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=False,
-                            timeout_graceful_shutdown=1, timeout_keep_alive=30)
+                            timeout_graceful_shutdown=1, timeout_keep_alive=30,
+                            http=guarded_protocol(api.limits), ws="none")
     server = _UvicornServer(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started:

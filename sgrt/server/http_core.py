@@ -4,10 +4,13 @@ client left behind)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import hmac
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -21,22 +24,14 @@ from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
 from sgrt.server.http_errors import ApiError, ClientGone, json_response
 from sgrt.server.http_streams import until_disconnect
+from sgrt.server.limits import HttpLimits, check_json_depth, check_sampling_ranges, origin_allowed
 
 
-@dataclass
-class HttpLimits:
-    """Per-server limits (sizes in bytes, lengths in tokens). Going over one is a 4xx that names
-    the field and the limit; nothing else changes."""
-
-    max_body_bytes: int = 4 << 20  # one request body
-    max_queue: int = 256  # engine requests from HTTP in flight (running + waiting); over: 429
-    max_n: int = 16  # choices per request (n times the number of prompts)
-    max_tokens_limit: int | None = None  # ceiling on max_tokens (None: the context window)
-    default_max_tokens: int | None = None  # chat without max_tokens (None: the rest of the window)
-    max_tools: int = 64
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+#: Bodies above this size are "heavy": their CPU work (parsing, rendering, tokenizing) runs on
+#: a separate small pool, so a few multi-megabyte requests cannot occupy every worker thread that
+#: ordinary requests need.
+HEAVY_BODY_BYTES = 256 << 10
+_heavy_request: contextvars.ContextVar[bool] = contextvars.ContextVar("sgrt_heavy_request", default=False)
 
 
 @dataclass
@@ -72,9 +67,11 @@ class HttpApi:
         self.texts = oa.TokenTexts(self.tokenizer)
         self.bos_id = oa.bos_id(self.tokenizer)
         self.in_flight = 0
+        self.bodies_read = 0  # request bodies read in full (tests use it to order events)
         self.closing = False
         self.created = int(time.time())
         self._live: dict[str, Any] = {}  # request id -> handle, for in-flight accounting
+        self._heavy_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sgrt-http-heavy")
 
     # ---- request plumbing ---------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -94,8 +91,30 @@ class HttpApi:
         if not engine_alive(self.engine):
             raise ApiError(503, "the engine is not running", type="service_unavailable", code="engine_unavailable")
 
+    def check_origin(self, request: Request) -> None:
+        """Raises ``ApiError(403)`` for a browser request from an Origin that is neither loopback
+        nor in ``allowed_origins`` (no Origin header: a non-browser client, allowed)."""
+        origin = request.headers.get("origin")
+        if origin is not None and not origin_allowed(origin, self.limits.allowed_origins):
+            raise ApiError(403, f"Origin {origin!r} is not allowed; start the server with --allowed-origin "
+                           f"{origin} to allow it", param="origin", code="origin_not_allowed")
+
+    @staticmethod
+    def check_content_type(request: Request, body: bytes) -> None:
+        """Raises ``ApiError(415)`` for a POST whose Content-Type is not ``application/json``
+        (a browser's CORS-simple ``text/plain`` or form POST). A POST with neither a body nor
+        a Content-Type (``curl -X POST``) passes."""
+        ctype = request.headers.get("content-type")
+        if ctype is None and not body:
+            return
+        media = (ctype or "").split(";", 1)[0].strip().lower()
+        if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+            raise ApiError(415, f"Content-Type must be application/json, got {ctype!r}", param="content-type",
+                           code="unsupported_media_type")
+
     async def read_body(self, request: Request) -> bytes:
-        """The request body, refused with 413 past ``max_body_bytes`` (declared or actual)."""
+        """The request body, refused with 413 past ``max_body_bytes`` (declared or actual) and
+        with 408 when it takes longer than ``body_timeout_s`` to arrive."""
         limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -103,24 +122,64 @@ class HttpApi:
                            code="request_too_large")
         chunks: list[bytes] = []
         size = 0
-        try:
+
+        async def read() -> None:
+            nonlocal size
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
                     raise ApiError(413, f"request body exceeds max_body_bytes ({limit})", code="request_too_large")
                 chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), timeout=self.limits.body_timeout_s)
         except ClientDisconnect:
             raise ClientGone() from None
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within body_timeout_s "
+                           f"({self.limits.body_timeout_s:g} s)", code="request_timeout",
+                           headers={"connection": "close"}) from None
+        self.bodies_read += 1
         return b"".join(chunks)
 
-    async def decode(self, request: Request, kind: type) -> Any:
-        """Auth, availability, body and strict decoding into ``kind``."""
+    async def request_body(self, request: Request) -> bytes:
+        """Origin, auth, Content-Type and the body (see :meth:`read_body`)."""
+        self.check_origin(request)
         self.check_auth(request)
         body = await self.read_body(request)
+        self.check_content_type(request, body)
+        return body
+
+    async def decode(self, request: Request, kind: type) -> Any:
+        """Origin, auth, Content-Type, availability, body, nesting depth and strict decoding into
+        ``kind``. Depth check and decoding run on a worker thread (a 4 MB body must not hold
+        the event loop)."""
+        body = await self.request_body(request)
         self.check_available()
+        _heavy_request.set(len(body) > HEAVY_BODY_BYTES)
         if not body.strip():
             raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
-        return msgspec.json.decode(body, type=kind)
+        depth = self.limits.max_json_depth
+
+        def parse() -> Any:
+            check_json_depth(body, depth)
+            try:
+                return msgspec.json.decode(body, type=kind)
+            except RecursionError:  # NOTE: only when max_json_depth is set above msgspec's own bound
+                raise InvalidRequest("the request body nests too deeply", field="body") from None
+
+        return await self.offload(parse)
+
+    async def offload(self, fn: Any, *args: Any) -> Any:
+        """Run CPU work (parsing, chat-template rendering, tokenizing a long prompt) on a worker
+        thread, so that one large request does not stall every other client on the event loop;
+        a request whose body is over :data:`HEAVY_BODY_BYTES` uses a separate 2-thread pool."""
+        pool = self._heavy_pool if _heavy_request.get() else None
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+    def shutdown_workers(self) -> None:
+        """Stop the heavy-request pool (server close); work in progress finishes on its own."""
+        self._heavy_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- engine requests ----------------------------------------------------------------------
     def submit(self, calls: Sequence[EngineCall], rids: Sequence[str | None] | None = None) -> list[Any]:
@@ -131,6 +190,8 @@ class HttpApi:
             raise ApiError(429, f"too many requests in flight ({self.in_flight} + {len(calls)} > max_queue "
                            f"{limit}); retry later", type="rate_limit_error", code="queue_full",
                            headers={"retry-after": "1"})
+        for call in calls:
+            check_sampling_ranges(call.params)
         handles: list[Any] = []
         try:
             for i, call in enumerate(calls):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 import msgspec
@@ -55,8 +56,14 @@ def api_error_from(exc: BaseException, prompt_field: str = "prompt") -> ApiError
         return ApiError(400, f"invalid request: {exc}", param=_param_of(str(exc)), code="invalid_type")
     if isinstance(exc, msgspec.DecodeError):
         return ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json")
-    logger.exception("request failed", exc_info=exc)
-    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+    if isinstance(exc, RecursionError):
+        return ApiError(400, "the request nests too deeply", code="too_deep")
+    # NOTE: no exception text or traceback goes to the client (it can hold paths, prompts of
+    # other requests, library internals); the log has it, under an id the client can quote.
+    incident = uuid.uuid4().hex[:12]
+    logger.error("request failed (incident %s)", incident, exc_info=exc)
+    return ApiError(500, f"internal error (incident {incident}; details in the server log)",
+                    type="server_error", code="internal_error")
 
 
 def _param_of(message: str) -> str | None:

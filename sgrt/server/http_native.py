@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -84,7 +86,9 @@ def _per_item(value: Any, n: int, name: str) -> list[Any]:
     return [value] * n
 
 
-def _params(req: op.GenerateRequest, n: int) -> list[SamplingParams]:
+def _params(req: op.GenerateRequest, n: int, limits: Any = None) -> list[SamplingParams]:
+    """One SamplingParams per prompt. ``limits`` (:class:`HttpLimits`): ``default_max_tokens``
+    fills an unset max_tokens (else the engine's default) and ``max_tokens_limit`` caps it."""
     items = _per_item(req.sampling_params if req.sampling_params is not None else {}, n, "sampling_params")
     starts = _per_item(req.logprob_start_len, n, "logprob_start_len")
     out = []
@@ -96,6 +100,13 @@ def _params(req: op.GenerateRequest, n: int) -> list[SamplingParams]:
             if "max_tokens" in fields:
                 raise InvalidRequest("give max_tokens or max_new_tokens, not both", field="sampling_params.max_tokens")
             fields["max_tokens"] = fields.pop("max_new_tokens")
+        if limits is not None:
+            if "max_tokens" not in fields and limits.default_max_tokens is not None:
+                fields["max_tokens"] = limits.default_max_tokens
+            mt, ceiling = fields.get("max_tokens"), limits.max_tokens_limit
+            if ceiling is not None and isinstance(mt, int) and mt > ceiling:
+                raise InvalidRequest(f"max_tokens ({mt}) exceeds the server's limit ({ceiling})",
+                                     field="sampling_params.max_tokens")
         if req.return_logprob is not None:
             fields["return_logprob"] = req.return_logprob
         if start is not None:
@@ -127,7 +138,12 @@ def meta_info(api: HttpApi, result: Result, params: SamplingParams, with_text: b
               start: float) -> dict[str, Any]:
     """``meta_info`` of one finished /generate item (see the module docstring)."""
     meta = result.meta_info(time.perf_counter() - start)
-    meta["error"] = result.error
+    if result.error:  # NOTE: an engine failure's text goes to the log only
+        incident = uuid.uuid4().hex[:12]
+        logging.getLogger("sgrt.server.http").error("generation failed (incident %s): %s", incident, result.error)
+        meta["error"] = f"generation failed in the engine (incident {incident}; details in the server log)"
+    else:
+        meta["error"] = None
     if params.return_logprob:
         meta["output_token_logprobs"] = _triples(api, result.token_ids, result.output_logprobs or [], with_text)
         if result.output_top_logprobs:
@@ -143,8 +159,8 @@ def meta_info(api: HttpApi, result: Result, params: SamplingParams, with_text: b
 
 async def generate(api: HttpApi, request: Request) -> Any:
     req: op.GenerateRequest = await api.decode(request, op.GenerateRequest)
-    prompts, is_batch = _batch(req, api)
-    params = _params(req, len(prompts))
+    prompts, is_batch = await api.offload(_batch, req, api)
+    params = _params(req, len(prompts), api.limits)
     rids = _per_item(req.rid, len(prompts), "rid") if req.rid is not None else None
     if req.stream and is_batch:
         raise InvalidRequest("stream takes one prompt, not a list", field="stream")
@@ -194,13 +210,13 @@ async def tokenize(api: HttpApi, request: Request) -> Any:
         return {"tokens": ids, "count": len(ids), "max_model_len": limit}
 
     if req.messages is not None:
-        text = api.renderer.render(req.messages, oa.ToolPlan())
-        return json_response(one(api.tokenizer.encode(text)))
+        text = await api.offload(api.renderer.render, req.messages, oa.ToolPlan())
+        return json_response(one(await api.offload(api.tokenizer.encode, text)))
     encode = (lambda t: oa.encode_text(api.tokenizer, t, api.bos_id)) if req.add_special_tokens else \
         (lambda t: api.tokenizer.encode(t))
     if isinstance(req.prompt, str):
-        return json_response(one(encode(req.prompt)))
-    return json_response([one(encode(p)) for p in req.prompt])
+        return json_response(one(await api.offload(encode, req.prompt)))
+    return json_response([one(ids) for ids in await api.offload(lambda: [encode(p) for p in req.prompt])])
 
 
 async def detokenize(api: HttpApi, request: Request) -> Any:
@@ -228,7 +244,7 @@ async def apply_chat_template(api: HttpApi, request: Request) -> Any:
 
 
 async def flush_cache(api: HttpApi, request: Request) -> Any:
-    api.check_auth(request)
+    await api.request_body(request)  # Origin, auth, Content-Type (a body, if any, is ignored)
     api.check_available()
     await asyncio.to_thread(api.engine.flush_cache)
     return json_response({"ok": True})

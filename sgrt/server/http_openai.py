@@ -4,7 +4,9 @@ out, OpenAI responses (or server-sent event chunks) back. The field handling liv
 :mod:`sgrt.server.http_core`."""
 from __future__ import annotations
 
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,8 +28,8 @@ async def chat_completions(api: HttpApi, request: Request) -> Any:
     req: op.ChatCompletionRequest = await api.decode(request, op.ChatCompletionRequest)
     check_n(req.n, 1, api.limits.max_n)
     plan = oa.plan_tools(req, api.limits.max_tools)
-    text = api.renderer.render(req.messages, plan)
-    ids = api.tokenizer.encode(text)
+    text = await api.offload(api.renderer.render, req.messages, plan)  # NOTE: CPU work off the loop
+    ids = await api.offload(api.tokenizer.encode, text)
     fields = oa.sampling_fields(req)
     if plan.grammar is not None:
         fields["grammar"] = plan.grammar
@@ -132,14 +134,14 @@ async def completions(api: HttpApi, request: Request) -> Any:
     calls: list[EngineCall] = []
     for p, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            ids, text = oa.encode_text(api.tokenizer, prompt, api.bos_id), prompt
+            ids, text = await api.offload(oa.encode_text, api.tokenizer, prompt, api.bos_id), prompt
         else:
             ids, text = prompt, (api.tokenizer.decode(prompt, skip_special_tokens=False) if req.echo else "")
         if not ids:
             raise InvalidRequest("prompt is empty", field="prompt")
         f = dict(fields)
         f["max_tokens"] = oa.resolve_max_tokens(
-            req.max_tokens, len(ids), api.context_room(), default=None,
+            req.max_tokens, len(ids), api.context_room(), default=api.limits.default_max_tokens,
             ceiling=api.limits.max_tokens_limit, field="max_tokens")
         for j in range(req.n):
             calls.append(EngineCall(ids, _params(f, j, oa.COMPLETION_FIELD_NAMES), p * req.n + j, p, text))
@@ -235,7 +237,10 @@ def check_result(result: Any) -> None:
         if "engine shut down" in result.error:
             raise ApiError(503, f"the engine stopped: {result.error}", type="service_unavailable",
                            code="engine_unavailable")
-        raise ApiError(500, f"generation failed: {result.error}", type="server_error", code="generation_failed")
+        incident = uuid.uuid4().hex[:12]  # NOTE: the engine's exception text goes to the log only
+        logging.getLogger("sgrt.server.http").error("generation failed (incident %s): %s", incident, result.error)
+        raise ApiError(500, f"generation failed in the engine (incident {incident}; details in the server log)",
+                       type="server_error", code="generation_failed")
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:

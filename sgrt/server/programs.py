@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from sgrt.backends.local import LocalBackend
+from sgrt.errors import RequestAborted
+from sgrt.server.limits import check_sampling_ranges
 from sgrt.server.protocol import LimitExceeded
 
 logger = logging.getLogger("sgrt.server")
@@ -116,6 +118,54 @@ class ProgramReport:
     error: BaseException | None = None
 
 
+class RequestTree:
+    """The engine as one program run sees it: every request the run submits (the main state's,
+    each ``fork`` branch's, ``select``'s scoring and prefix-cache requests) is recorded, so that
+    :meth:`abort_all` aborts the whole tree at once, children included, and refuses anything
+    submitted afterwards (a branch thread that was about to start its next ``gen``).
+
+    Everything but ``submit`` is the wrapped engine's (``tokenizer``, ``abort``, ``stats``...).
+    """
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._live: dict[str, Any] = {}  # request id -> handle, pruned when done
+        self.aborted = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def submit(self, prompt: Any, params: Any = None, request_id: str | None = None) -> Any:
+        """``Engine.submit``, recorded. Raises :class:`RequestAborted` once the tree was aborted."""
+        if params is not None:
+            check_sampling_ranges(params)
+        with self._lock:
+            if self.aborted:
+                raise RequestAborted("the program was aborted (cancel, close or disconnect)")
+            handle = self._engine.submit(prompt, params, request_id=request_id)
+            for rid in [r for r, h in self._live.items() if h.done]:
+                del self._live[rid]
+            self._live[handle.request_id] = handle
+        return handle
+
+    def abort_all(self) -> int:
+        """Abort every request of the tree still running; later submits are refused. Returns
+        how many were aborted (their KV slots are freed by the engine's next step)."""
+        with self._lock:
+            self.aborted = True
+            live = [h for h in self._live.values() if not h.done]
+            self._live.clear()
+        for handle in live:
+            self._engine.abort(handle.request_id)
+        return len(live)
+
+    def live_count(self) -> int:
+        """Requests of the tree not finished yet."""
+        with self._lock:
+            return sum(not h.done for h in self._live.values())
+
+
 class SessionBackend(LocalBackend):
     """The server's engine as a DSL backend for one session: streams generated text to
     ``on_text`` and enforces the server's limits.
@@ -127,6 +177,8 @@ class SessionBackend(LocalBackend):
 
     def __init__(self, engine: Any, chat_template: Any, on_text: Callable[[str], None], limits: Any):
         super().__init__(engine, chat_template=chat_template)
+        self.tree = RequestTree(engine)
+        self.engine = self.tree  # NOTE: every request of the run goes through the tree (abort_all)
         self.on_text = on_text
         self.limits = limits
         self._lock = threading.Lock()
@@ -233,7 +285,9 @@ class ProgramRun:
             self.state.abort()
 
     def abort(self) -> None:
+        """Abort the program's whole request tree (``fork`` branches included) at once."""
         self._aborted = True
+        self.backend.tree.abort_all()
         if self.state is not None:
             self.state.abort()
 

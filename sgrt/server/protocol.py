@@ -76,6 +76,12 @@ for a program's concurrent gens; a chat session runs one generation at a time]
 (``limit.max_tokens``), ``max_tools`` [32] and ``max_tool_rounds`` [8 tool results per user
 turn] (``limit.tools``), ``idle_timeout_s`` [300 s without a message, while nothing runs]
 (``limit.idle_timeout``, then ``done`` with reason ``"idle_timeout"``).
+``max_json_depth`` [64 levels of arrays/objects in a frame] (``limit.json_depth``). Out-of-range
+numbers (``sampling.seed`` outside 64 bits, ...) get ``invalid_request`` naming the field.
+Before a connection exists: an upgrade whose ``Origin`` header is neither a loopback page nor in
+``allowed_origins`` is refused with HTTP 403 (no Origin header: a non-browser client, allowed);
+past ``max_connections`` with 503; an upgrade not completed within ``open_timeout_s`` [10 s] is
+dropped. An ``internal`` error carries an incident id, never exception text.
 
 Example
 -------
@@ -125,6 +131,7 @@ ERROR_CODES: dict[str, str] = {
     "generation_failed": "the engine failed the generation (message says why)",
     "program_failed": "the program raised an exception (message says which)",
     "limit.message_size": "the frame is larger than max_message_bytes",
+    "limit.json_depth": "the frame nests arrays/objects deeper than max_json_depth",
     "limit.sessions": "too many open sessions (server-wide or on this connection)",
     "limit.generations": "too many generations running in this session (a chat session runs one at a time)",
     "limit.max_tokens": "sampling.max_tokens is above max_tokens_per_turn",
@@ -316,6 +323,8 @@ def decode_client(data: str | bytes) -> ClientMessage:
         raise _validation_error(str(e), data) from None
     except msgspec.DecodeError as e:
         raise ProtocolError("bad_json", f"malformed JSON: {e}") from None
+    except RecursionError:  # NOTE: the server bounds depth first (max_json_depth); belt and braces
+        raise ProtocolError("limit.json_depth", "the message nests too deeply") from None
     if msg.v != PROTOCOL_VERSION:
         raise ProtocolError(
             "unsupported_version", f"protocol version {msg.v} is not supported (this server speaks v{PROTOCOL_VERSION})",
@@ -373,7 +382,7 @@ def _peek_session(data: str | bytes) -> str | None:
     """The ``session`` of a message that failed validation, if it has a usable one."""
     try:
         obj = msgspec.json.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     if isinstance(obj, dict) and isinstance(obj.get("session"), str):
         return obj["session"][:128]

@@ -1,21 +1,173 @@
 """``sgrt serve``: the WebSocket session server and the OpenAI-compatible HTTP API, side by
-side on two loopback ports, in front of one engine."""
+side on two loopback ports, in front of one engine.
+
+The listening sockets are bound before the model loads (:func:`bind_listeners`), so a port in
+use is reported at once; :func:`add_limit_args` / :func:`limits_from_args` give ``sgrt serve``
+one flag per server limit (:class:`~sgrt.server.http_core.HttpLimits`,
+:class:`~sgrt.server.ws_server.WsLimits`).
+"""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
+import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 
+@dataclass
+class Listeners:
+    """Sockets bound (and listening) before the model loads: ``ws`` always, ``http`` unless
+    the HTTP API is off."""
+
+    ws: socket.socket
+    http: socket.socket | None = None
+
+    def close(self) -> None:
+        for s in (self.ws, self.http):
+            if s is not None:
+                s.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (``port=0``: any free one).
+
+    Raises:
+        OSError: the address is in use or cannot be bound (the message names it).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        infos = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)
+        addr = infos[0][4]
+    except socket.gaierror as e:
+        raise OSError(f"cannot resolve host {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def bind_listeners(host: str, port: int, http_port: int | None) -> Listeners:
+    """Bind the WebSocket port and (unless ``http_port`` is None) the HTTP port; on a failure
+    nothing stays bound. Raises ``OSError`` naming the address."""
+    ws = bind_socket(host, port)
+    try:
+        http = bind_socket(host, http_port) if http_port is not None else None
+    except OSError:
+        ws.close()
+        raise
+    return Listeners(ws, http)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """argparse type of a TCP port (0-65535)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in 0..65535, got {value}")
+    return value
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    """``sgrt serve``'s server-limit flags (each help text shows its default)."""
+    from sgrt.server.limits import HttpLimits, WsLimits
+
+    h, w = HttpLimits(), WsLimits()
+    g = p.add_argument_group("server limits")
+    g.add_argument("--default-max-tokens", type=_positive_int, default=None,
+                   help="max_tokens of an HTTP request that sets none (default: the rest of the context "
+                        f"window); WebSocket turns use --ws-default-max-tokens")
+    g.add_argument("--max-tokens-limit", type=_positive_int, default=None,
+                   help="ceiling on any HTTP request's max_tokens (default: the context window)")
+    g.add_argument("--ws-default-max-tokens", type=_positive_int, default=w.default_max_tokens,
+                   help="max_tokens of a WebSocket turn that sets none (default: %(default)s)")
+    g.add_argument("--ws-max-tokens-per-turn", type=_positive_int, default=w.max_tokens_per_turn,
+                   help="ceiling on a WebSocket turn's (or a program gen's) max_tokens (default: %(default)s)")
+    g.add_argument("--max-body-bytes", type=_positive_int, default=h.max_body_bytes,
+                   help="largest HTTP request body, bytes; larger: 413 (default: %(default)s)")
+    g.add_argument("--max-message-bytes", type=_positive_int, default=w.max_message_bytes,
+                   help="largest WebSocket frame, bytes (default: %(default)s)")
+    g.add_argument("--max-json-depth", type=_positive_int, default=h.max_json_depth,
+                   help="deepest nesting of arrays/objects in a body or frame (default: %(default)s)")
+    g.add_argument("--max-queue", type=_positive_int, default=h.max_queue,
+                   help="HTTP engine requests in flight; more: 429 (default: %(default)s)")
+    g.add_argument("--max-sessions", type=_positive_int, default=w.max_sessions,
+                   help="open WebSocket sessions, whole server (default: %(default)s)")
+    g.add_argument("--max-connections", type=_positive_int, default=h.max_connections,
+                   help="open connections per server (HTTP and WebSocket each); more are refused "
+                        "(default: %(default)s)")
+    g.add_argument("--header-timeout", type=_positive_float, default=h.header_timeout_s, metavar="SECONDS",
+                   help="time for a connection to send a request's headers (the WebSocket upgrade "
+                        "included) before it is closed (default: %(default)s)")
+    g.add_argument("--body-timeout", type=_positive_float, default=h.body_timeout_s, metavar="SECONDS",
+                   help="time to receive a whole HTTP request body; slower: 408 (default: %(default)s)")
+    g.add_argument("--idle-timeout", type=_positive_float, default=w.idle_timeout_s, metavar="SECONDS",
+                   help="a WebSocket session without messages is closed after this (default: %(default)s)")
+    g.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a browser Origin (scheme://host[:port]) allowed besides loopback pages; "
+                        "repeat for more, '*' allows any (default: loopback only)")
+
+
+def limits_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(HttpLimits, WsLimits)`` from :func:`add_limit_args`'s flags."""
+    from sgrt.server.limits import HttpLimits, WsLimits
+
+    origins = tuple(args.allowed_origin)
+    http = HttpLimits(max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+                      max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
+                      max_json_depth=args.max_json_depth, header_timeout_s=args.header_timeout,
+                      body_timeout_s=args.body_timeout, max_connections=args.max_connections,
+                      allowed_origins=origins)
+    ws = WsLimits(max_message_bytes=args.max_message_bytes, max_sessions=args.max_sessions,
+                  max_tokens_per_turn=args.ws_max_tokens_per_turn,
+                  default_max_tokens=min(args.ws_default_max_tokens, args.ws_max_tokens_per_turn),
+                  idle_timeout_s=args.idle_timeout, max_json_depth=args.max_json_depth,
+                  open_timeout_s=args.header_timeout, max_connections=args.max_connections,
+                  allowed_origins=origins)
+    return http, ws
+
+
 def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8765, http_port: int | None = 8000,
                programs_dir: str | Path | None = None, auth_token: str | None = None,
-               model_name: str | None = None) -> None:
+               model_name: str | None = None, http_limits: Any = None, ws_limits: Any = None,
+               listeners: Listeners | None = None) -> None:
     """Serve sessions on ``ws://host:port`` and, unless ``http_port`` is None, the HTTP API on
     ``http://host:http_port/v1``, until interrupted (Ctrl-C).
 
     ``auth_token=None`` falls back to ``SGRT_AUTH_TOKEN``; when set, WebSocket clients send it in
-    their first message and HTTP clients as ``Authorization: Bearer <token>``.
+    their first message and HTTP clients as ``Authorization: Bearer <token>``. ``listeners``:
+    sockets bound beforehand (:func:`bind_listeners`); otherwise they are bound here.
+    ``http_limits`` / ``ws_limits``: :class:`HttpLimits` / :class:`WsLimits` (defaults there).
 
     Raises:
         OSError: a port is in use or cannot be bound.
@@ -25,14 +177,17 @@ def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8765, http_port
 
     if auth_token is None:
         auth_token = os.environ.get("SGRT_AUTH_TOKEN") or None
+    if listeners is None:
+        listeners = bind_listeners(host, port, http_port)
 
     async def main() -> None:
-        ws = await serve_ws(engine, host, port, programs_dir, auth_token)
+        ws = await serve_ws(engine, host, port, programs_dir, auth_token, ws_limits, sock=listeners.ws)
         servers = [ws]
         print(f"sgrt: sessions on {ws.url} (programs: {', '.join(ws.registry.names()) or 'none'})", flush=True)
         try:
-            if http_port is not None:
-                http = await serve_http(engine, host, http_port, auth_token=auth_token, model_name=model_name)
+            if listeners.http is not None:
+                http = await serve_http(engine, host, http_port, auth_token=auth_token, model_name=model_name,
+                                        limits=http_limits, sock=listeners.http)
                 servers.append(http)
                 print(f"sgrt: OpenAI-compatible API on {http.url}/v1", flush=True)
             await asyncio.gather(*(s.serve_forever() for s in servers))
@@ -44,3 +199,5 @@ def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8765, http_port
         asyncio.run(main())
     except KeyboardInterrupt:
         pass
+    finally:
+        listeners.close()

@@ -15,12 +15,14 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sgrt.engine import SamplingParams
 from sgrt.errors import CapacityError, ContextLengthExceeded, GrammarError, InvalidRequest, RequestAborted
 from sgrt.server import protocol as p
+from sgrt.server.limits import check_sampling_ranges
 from sgrt.server.protocol import LimitExceeded
 from sgrt.server.tools import (
     check_tool_choice,
@@ -54,7 +56,11 @@ def error_for(exc: BaseException, session: str | None) -> p.Error:
     elif isinstance(exc, CapacityError):
         code = "capacity"
     else:
-        code = "internal"
+        # NOTE: an unexpected exception's text stays in the log (incident id in the message).
+        incident = uuid.uuid4().hex[:12]
+        logger.error("session %s failed (incident %s)", session, incident, exc_info=exc)
+        return p.Error(code="internal", session=session,
+                       message=f"internal error (incident {incident}; details in the server log)")
     return p.Error(code=code, message=str(exc) or type(exc).__name__, field=field, session=session)
 
 
@@ -77,6 +83,7 @@ def sampling_dict(base: dict[str, Any], override: p.Sampling | None, limits: Any
             f"max_tokens {merged['max_tokens']} exceeds max_tokens_per_turn ({limits.max_tokens_per_turn})",
             field=f"{field_prefix}.max_tokens")
     try:
+        check_sampling_ranges(merged)
         SamplingParams.from_dict(merged)
     except InvalidRequest as e:
         e.field = f"{field_prefix}.{e.field}" if e.field else field_prefix
@@ -129,8 +136,7 @@ class Session:
             await coro
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - reported to the client
-            logger.exception("session %s failed", self.id)
+        except Exception as exc:  # noqa: BLE001 - reported to the client (error_for logs it)
             await self.send_error(exc)
             await self.send(p.Done(session=self.id, turn=self.turn, reason="error"))
         finally:
@@ -312,7 +318,8 @@ class ChatSession(Session):
     async def _generate(self, sampling: dict[str, Any], choice: str) -> None:
         self.turn += 1
         turn = self.turn
-        ids, text = self._prompt()
+        # NOTE: rendering + tokenizing a long conversation is CPU work: off the event loop.
+        ids, text = await asyncio.to_thread(self._prompt)
         params = dict(sampling)
         grammar = self._grammar(choice)
         if grammar is not None:
@@ -363,7 +370,11 @@ class ChatSession(Session):
             tool_call=call, ttft=result.ttft, prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens, cached_tokens=result.cached_tokens))
         if result.finish_reason == "abort" and result.error and not self._cancel_requested:
-            await self.send(p.Error(code="generation_failed", message=result.error, session=self.id))
+            incident = uuid.uuid4().hex[:12]
+            logger.error("session %s: generation failed (incident %s): %s", self.id, incident, result.error)
+            await self.send(p.Error(code="generation_failed", session=self.id,
+                                    message=f"the engine failed the generation (incident {incident}; details "
+                                            "in the server log)"))
             await self.send(p.Done(session=self.id, turn=turn, reason="error"))
             return
         if call is not None and not self._cancel_requested:
@@ -445,9 +456,17 @@ class ProgramSession(Session):
         if report.error is not None and not isinstance(report.error, RequestAborted):
             if isinstance(report.error, (InvalidRequest, CapacityError)):
                 await self.send_error(report.error)
+            elif type(report.error) is ValueError:
+                # NOTE: how registered programs refuse their arguments ("n must be in 2..9"): the
+                # program's own words, shown; any other exception's text stays in the log.
+                await self.send(p.Error(code="invalid_request", session=self.id, field="args",
+                                        message=f"the program refused its arguments: {str(report.error)[:300]}"))
             else:
+                incident = uuid.uuid4().hex[:12]
+                logger.error("session %s: program failed (incident %s)", self.id, incident, exc_info=report.error)
                 await self.send(p.Error(code="program_failed", session=self.id,
-                                        message=f"{type(report.error).__name__}: {report.error}"))
+                                        message=f"the program raised {type(report.error).__name__} (incident "
+                                                f"{incident}; details in the server log)"))
             await self.send(p.Done(session=self.id, turn=1, reason="error"))
             return
         reason = "cancelled" if self._cancel_requested else "program"

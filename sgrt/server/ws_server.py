@@ -18,7 +18,7 @@ import ipaddress
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from websockets.exceptions import ConnectionClosed
 
 from sgrt.errors import InvalidRequest, SgrtError
 from sgrt.server import protocol as p
+from sgrt.server.limits import WsLimits, json_depth, origin_allowed
 from sgrt.server.programs import ProgramRegistry, SessionBackend
 from sgrt.server.protocol import LimitExceeded
 from sgrt.server.session import ChatSession, ProgramSession, Session, error_for
@@ -35,25 +36,6 @@ logger = logging.getLogger("sgrt.server")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
-
-
-@dataclass
-class WsLimits:
-    """Per-server limits (sizes in bytes, lengths in tokens, times in seconds). Going over any
-    of them gets a typed ``error`` (code ``limit.*``); the connection stays up."""
-
-    max_message_bytes: int = 1 << 20  # one client frame
-    max_sessions: int = 256  # open sessions, whole server
-    max_sessions_per_connection: int = 32
-    max_generations_per_session: int = 8  # engine requests a program session has in flight
-    max_tokens_per_turn: int = 1024  # sampling.max_tokens ceiling (chat turn or one gen)
-    default_max_tokens: int = 256  # when the client sets no max_tokens
-    max_tools: int = 32  # tools per session
-    max_tool_rounds: int = 8  # tool calls answered within one user turn
-    idle_timeout_s: float = 300.0  # a session (or session-less connection) without messages
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class Connection:
@@ -107,8 +89,10 @@ class WsServer:
 
     def __init__(self, engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                  programs_dir: str | Path | None = None, auth_token: str | None = None,
-                 limits: WsLimits | None = None, registry: ProgramRegistry | None = None):
+                 limits: WsLimits | None = None, registry: ProgramRegistry | None = None,
+                 sock: Any = None):
         self.engine = engine
+        self._sock = sock  # a listening socket bound beforehand (sgrt serve binds before loading)
         self.host = host
         self.port = port
         self.auth_token = auth_token or None
@@ -126,8 +110,11 @@ class WsServer:
             logger.warning("serving on %s without an auth token: anyone who can reach it can use the model",
                            self.host)
         hard_cap = max(4 * self.limits.max_message_bytes, self.limits.max_message_bytes + 65536)
-        self._server = await serve(self._handle, self.host, self.port, max_size=hard_cap,
-                                   compression=None, ping_interval=20, ping_timeout=60)
+        where = {"sock": self._sock} if self._sock is not None else {"host": self.host, "port": self.port}
+        self._server = await serve(self._handle, **where, max_size=hard_cap,
+                                   compression=None, ping_interval=20, ping_timeout=60,
+                                   open_timeout=self.limits.open_timeout_s,
+                                   process_request=self._check_upgrade)
         self.port = self._server.sockets[0].getsockname()[1]
         self._reaper = asyncio.get_running_loop().create_task(self._reap_idle())
         logger.info("sgrt session server on ws://%s:%d (programs: %s)", self.host, self.port,
@@ -173,6 +160,20 @@ class WsServer:
         return SessionBackend(self.engine, self._chat_template, on_text, self.limits)
 
     # -- one connection ------------------------------------------------------------------------
+    def _check_upgrade(self, connection: ServerConnection, request: Any) -> Any:
+        """Refuse an upgrade from a browser page of a foreign ``Origin`` (403: any web page the
+        user opens could otherwise drive the model) and upgrades over ``max_connections`` (503).
+        No Origin header means a non-browser client: allowed."""
+        origin = request.headers.get("Origin")
+        if origin is not None and not origin_allowed(origin, self.limits.allowed_origins):
+            logger.warning("refused a WebSocket upgrade from Origin %r", origin)
+            return connection.respond(403, f"Origin {origin!r} is not allowed; start the server with "
+                                      f"--allowed-origin {origin} to allow it\n")
+        if self._server is not None and len(self._server.handler_tasks) > self.limits.max_connections:
+            return connection.respond(503, f"too many connections (max_connections "
+                                      f"{self.limits.max_connections}); retry later\n")
+        return None
+
     async def _handle(self, ws: ServerConnection) -> None:
         conn = Connection(ws, self)
         self.connections.add(conn)
@@ -184,8 +185,7 @@ class WsServer:
                 except ConnectionClosed:
                     raise
                 except Exception as exc:  # noqa: BLE001 - never let one message kill the server
-                    logger.exception("error handling a message")
-                    await conn.send(p.Error(code="internal", message=f"{type(exc).__name__}: {exc}"))
+                    await conn.send(internal_error(exc))
                 if not conn.authed:  # refused first message
                     await ws.close(1008, "unauthorized")
                     break
@@ -203,6 +203,10 @@ class WsServer:
                 message=f"message of {size} bytes exceeds max_message_bytes ({self.limits.max_message_bytes})"))
             return
         try:
+            depth = json_depth(raw)
+            if depth > self.limits.max_json_depth:
+                raise p.ProtocolError("limit.json_depth", f"message nests {depth} levels deep; the limit is "
+                                      f"max_json_depth ({self.limits.max_json_depth})")
             msg = p.decode_client(raw)
         except p.ProtocolError as e:
             if not conn.authed:
@@ -290,9 +294,18 @@ class WsServer:
                     asyncio.get_running_loop().create_task(conn.ws.close(1000, "idle timeout"))
 
 
+def internal_error(exc: BaseException, session: str | None = None) -> p.Error:
+    """The ``internal`` error for an unexpected exception: logged with an incident id that the
+    message carries; no exception text goes to the client."""
+    incident = uuid.uuid4().hex[:12]
+    logger.error("error handling a message (incident %s)", incident, exc_info=exc)
+    return p.Error(code="internal", session=session,
+                   message=f"internal error (incident {incident}; details in the server log)")
+
+
 async def serve_ws(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                    programs_dir: str | Path | None = None, auth_token: str | None = None,
-                   limits: WsLimits | None = None) -> WsServer:
+                   limits: WsLimits | None = None, sock: Any = None) -> WsServer:
     """Start the session server on ``host:port`` (``port=0`` picks a free one) and return it
     running; ``await server.close()`` stops it, ``await server.serve_forever()`` waits.
 
@@ -301,13 +314,14 @@ async def serve_ws(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
         programs_dir: a folder whose modules' ``@sgrt.function`` programs clients may start.
         auth_token: when set, each connection's first message must carry it.
         limits: :class:`WsLimits` (defaults there).
+        sock: a listening socket bound beforehand (then ``host``/``port`` only label it).
 
     Raises:
         OSError: the address is in use or cannot be bound.
         FileNotFoundError: ``programs_dir`` does not exist.
     """
     server = WsServer(engine, host=host, port=port, programs_dir=programs_dir, auth_token=auth_token,
-                      limits=limits)
+                      limits=limits, sock=sock)
     return await server.start()
 
 

@@ -1,0 +1,178 @@
+"""The servers' limits (:class:`HttpLimits`, :class:`WsLimits`) and the checks every server
+applies where a request is parsed, before the engine or any native code
+sees it: the nesting depth of a JSON body or frame, and the ranges of the numeric sampling fields
+that :class:`sgrt.engine.SamplingParams` accepts as any Python int or float but that the engine
+hands to torch (a seed must fit torch's 64-bit generator; a temperature must be finite).
+
+Each check raises :class:`sgrt.errors.InvalidRequest` naming the field and the limit; the HTTP
+API answers it with 400, the WebSocket server with an ``error`` (code ``invalid_request``).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sgrt.errors import InvalidRequest
+
+#: Default bound on the nesting depth of a request body or WebSocket frame (arrays and objects).
+#: A JSON Schema or a chat message needs far less; deeper input only exercises recursion.
+DEFAULT_MAX_JSON_DEPTH = 64
+
+#: torch.Generator.manual_seed's range (a 64-bit value, signed or unsigned).
+SEED_MIN = -(1 << 63)
+SEED_MAX = (1 << 64) - 1
+#: Largest integer any count or length field may take (int32, what kernels index with).
+INT_FIELD_MAX = (1 << 31) - 1
+
+# NOTE: the two servers' limit dataclasses live here, free of heavy imports, so that `sgrt serve`
+# can build its flags (with their defaults) and bind its ports before torch and the model load.
+@dataclass
+class HttpLimits:
+    """Per-server limits (sizes in bytes, lengths in tokens). Going over one is a 4xx that names
+    the field and the limit; nothing else changes."""
+
+    max_body_bytes: int = 4 << 20  # one request body
+    max_queue: int = 256  # engine requests from HTTP in flight (running + waiting); over: 429
+    max_n: int = 16  # choices per request (n times the number of prompts)
+    max_tokens_limit: int | None = None  # ceiling on max_tokens (None: the context window)
+    # max_tokens of an HTTP request that sets none (None: the rest of the window for the OpenAI
+    # endpoints, the engine's default (128) for /generate)
+    default_max_tokens: int | None = None
+    max_tools: int = 64
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH  # nesting of a body's arrays/objects; over: 400
+    header_timeout_s: float = 10.0  # from connect (or the last response) to a request's full headers
+    body_timeout_s: float = 30.0  # to read a whole request body once its headers arrived; over: 408
+    max_connections: int = 1024  # open HTTP connections; more are closed at once
+    allowed_origins: tuple[str, ...] = ()  # browser Origins allowed besides loopback ones ("*": any)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class WsLimits:
+    """Per-server limits (sizes in bytes, lengths in tokens, times in seconds). Going over any
+    of them gets a typed ``error`` (code ``limit.*``); the connection stays up."""
+
+    max_message_bytes: int = 1 << 20  # one client frame
+    max_sessions: int = 256  # open sessions, whole server
+    max_sessions_per_connection: int = 32
+    max_generations_per_session: int = 8  # engine requests a program session has in flight
+    max_tokens_per_turn: int = 1024  # sampling.max_tokens ceiling (chat turn or one gen)
+    default_max_tokens: int = 256  # when the client sets no max_tokens
+    max_tools: int = 32  # tools per session
+    max_tool_rounds: int = 8  # tool calls answered within one user turn
+    idle_timeout_s: float = 300.0  # a session (or session-less connection) without messages
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH  # nesting of a frame's arrays/objects
+    open_timeout_s: float = 10.0  # TCP connect to a finished WebSocket handshake (request headers)
+    max_connections: int = 1024  # connections, handshaking or open; more get HTTP 503
+    allowed_origins: tuple[str, ...] = ()  # browser Origins allowed besides loopback ones ("*": any)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: linear, no per-char alternation
+_OPEN = frozenset(b"[{")
+_KEEP = bytes(range(256)).translate(None, b"[]{}")  # every byte but brackets: deleted below
+
+
+def json_depth(data: bytes | str) -> int:
+    """Deepest nesting of arrays/objects in JSON text, without parsing it (strings skipped).
+
+    Linear in ``len(data)`` and done in C (regex, ``bytes.translate``, numpy), so a 4 MB body
+    costs a few ms. Malformed text gets a best-effort figure; the parser then refuses it.
+    """
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+    if b"[" not in raw and b"{" not in raw:
+        return 0
+    brackets = _STRING.sub(b"", raw).translate(None, _KEEP)
+    if not brackets:
+        return 0
+    import numpy as np  # NOTE: imported here: `sgrt serve` reads this module before binding its ports
+
+    arr = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((arr == ord("[")) | (arr == ord("{")), 1, -1).astype(np.int32)
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def check_json_depth(data: bytes | str, limit: int, what: str = "request body") -> None:
+    """Raise :class:`InvalidRequest` when ``data`` nests deeper than ``limit``."""
+    depth = json_depth(data)
+    if depth > limit:
+        raise InvalidRequest(f"{what} nests {depth} levels deep; the limit is max_json_depth ({limit})",
+                             field="body")
+
+
+def _int_in(value: Any, name: str, low: int, high: int) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high:
+        raise InvalidRequest(f"{name} must be in [{low}, {high}], got {value}", field=name)
+
+
+#: Largest integer a float field may be given as (torch converts a Python int operand to int64
+#: and overflows past 2**63: ``logits / 2**64`` raises inside the engine's step).
+FLOAT_FIELD_INT_MAX = 1 << 53
+
+
+def _finite(value: Any, name: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a finite number, got {value}", field=name)
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > FLOAT_FIELD_INT_MAX:
+        raise InvalidRequest(f"{name} must be a number in [-2**53, 2**53] when given as an integer, got {value}",
+                             field=name)
+
+
+def check_sampling_ranges(params: Any) -> None:
+    """Check the numeric fields of a :class:`sgrt.engine.SamplingParams` (or a dict of its
+    fields) against what the engine can take; types are ``SamplingParams.validate``'s job.
+
+    Raises:
+        InvalidRequest: ``seed`` outside 64 bits, a count/length field above 2**31 - 1, a
+            non-finite float or an integer past 2**53 in a float field (``temperature``,
+            ``top_p``, ``min_p``, penalties).
+    """
+    get = params.get if isinstance(params, dict) else (lambda k, d=None: getattr(params, k, d))
+    _int_in(get("seed"), "seed", SEED_MIN, SEED_MAX)
+    for name in ("max_tokens", "min_tokens", "top_k", "top_logprobs_num", "logprob_start_len",
+                 "num_draft_tokens"):
+        _int_in(get(name), name, -INT_FIELD_MAX, INT_FIELD_MAX)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty"):
+        _finite(get(name), name)
+    for t in get("stop_token_ids") or ():
+        _int_in(t, "stop_token_ids", 0, INT_FIELD_MAX)
+
+
+def is_loopback_origin(origin: str) -> bool:
+    """Whether a browser ``Origin`` (``scheme://host[:port]``) is a page served from this machine
+    (``localhost``, ``127.0.0.0/8``, ``[::1]``). ``null`` (a file or sandboxed page) is not."""
+    from urllib.parse import urlsplit
+    import ipaddress
+
+    try:
+        parts = urlsplit(origin)
+        host = parts.hostname
+    except ValueError:
+        return False
+    if parts.scheme not in ("http", "https") or not host:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def origin_allowed(origin: str, allowed: tuple[str, ...] | list[str] = ()) -> bool:
+    """Whether a request carrying this ``Origin`` header may proceed: loopback origins always,
+    others only when listed in ``allowed`` (exact ``scheme://host[:port]``, case-insensitive,
+    or ``"*"`` for any). Requests without an Origin header (non-browser clients) are not
+    checked by this function's callers."""
+    if is_loopback_origin(origin):
+        return True
+    norm = origin.strip().rstrip("/").lower()
+    return any(a == "*" or a.strip().rstrip("/").lower() == norm for a in allowed)
