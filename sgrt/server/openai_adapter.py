@@ -417,7 +417,9 @@ class ChatRenderer:
             if self.renders_tools():
                 tools_arg = template_tools(plan.specs)
             else:
-                desc = tools_system_prompt(plan.specs, plan.fmt, plan.parallel)
+                # NOTE: the same description whatever parallel_tool_calls says (the grammar
+                # enforces it), so that turns of one conversation share their prefix in the cache.
+                desc = tools_system_prompt(plan.specs, plan.fmt, parallel=True)
                 if messages[0]["role"] == "system":
                     messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{desc}"}
                 else:
