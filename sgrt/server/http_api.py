@@ -49,7 +49,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sgrt.server import http_native as native
-from sgrt.server import http_openai, responses_api
+from sgrt.server import anthropic_api, http_openai, responses_api
 from sgrt.server.http_core import HttpApi, HttpLimits
 from sgrt.server.http_errors import ApiError, ClientGone, api_error_from
 
@@ -106,6 +106,7 @@ def create_app(engine: Any, *, model_name: str, auth_token: str | None = None,
         ("/v1/responses", ["POST"], responses_api.create_response, "input"),
         ("/v1/responses/{response_id}", ["GET"], responses_api.get_response, "input"),
         ("/v1/responses/{response_id}", ["DELETE"], responses_api.delete_response, "input"),
+        ("/v1/messages", ["POST"], anthropic_api.create_message, "messages"),
         ("/v1/models", ["GET"], HttpApi.models, "prompt"),
         ("/health", ["GET"], HttpApi.health, "prompt"),
         ("/generate", ["POST"], native.generate, "prompt"),
