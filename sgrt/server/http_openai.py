@@ -108,6 +108,17 @@ async def _chat_events(api: HttpApi, rid: str, primed: list[tuple[StreamChunk, A
     yield SSE_DONE
 
 
+async def model_by_id(api: HttpApi, request: Request) -> Any:
+    """``GET /v1/models/{model}``: the model's card when ``model`` is the served id, else 404
+    (as OpenAI answers an unknown model)."""
+    api.check_auth(request)
+    model_id = request.path_params["model_id"]
+    if model_id != api.model_name:
+        raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {api.model_name!r}",
+                       param="model", code="model_not_found")
+    return json_response(api.model_card())
+
+
 # ==== text completions ============================================================================
 async def completions(api: HttpApi, request: Request) -> Any:
     """``POST /v1/completions``: ``n`` engine requests per prompt (choice ``i * n + j`` is
