@@ -113,3 +113,34 @@ def test_streamed_events(client):
     assert kinds[-1] == "response.completed"
     final = events[-1].response
     assert final.output[0].type == "function_call" and final.output[0].arguments == done.arguments
+
+
+def test_store_is_bounded_lru():
+    from sgrt.server.responses_api import ResponseStore, StoredResponse
+
+    store = ResponseStore(capacity=2)
+    for rid in ("a", "b"):
+        store.put(rid, StoredResponse({"id": rid}, []))
+    assert store.get("a") is not None  # "a" is now the most recently used
+    store.put("c", StoredResponse({"id": "c"}, []))
+    assert len(store) == 2 and store.get("b") is None and store.get("a") and store.get("c")
+
+
+def test_input_items_to_messages():
+    from sgrt.errors import InvalidRequest
+    from sgrt.server.responses_api import input_messages
+
+    msgs = input_messages([
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather "}, {"type": "input_text", "text": "?"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    ])
+    assert [m.role for m in msgs] == ["user", "assistant", "tool"]
+    assert msgs[0].content == "Weather ?" and msgs[1].content == "Checking."
+    assert [c.id for c in msgs[1].tool_calls] == ["c1", "c2"] and msgs[2].tool_call_id == "c1"
+    with pytest.raises(InvalidRequest) as e:
+        input_messages([{"type": "file_search_call", "id": "x"}])
+    assert e.value.field == "input[0].type"
