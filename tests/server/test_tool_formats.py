@@ -168,3 +168,55 @@ def test_ws_session_tools_embed_defs(compiler, tokenizer):
     g = tool_grammar([SAVE], "required")
     assert accepts(compiler, tokenizer, g, NESTED)
     assert not accepts(compiler, tokenizer, g, NESTED.replace('"city": "Oslo"', '"city": 3'))
+
+
+# A Qwen-3-style chat template, written here (not the model's): tools rendered in the system
+# turn, assistant tool_calls as <tool_call> blocks, and the enable_thinking switch.
+QWEN_LIKE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+    "\nCall with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+class TemplateTokenizer:
+    """Just what ChatRenderer reads: ``hf.chat_template`` and ``apply_chat_template``."""
+
+    def __init__(self, template: str):
+        import jinja2
+
+        self.hf = type("HF", (), {"chat_template": template})()
+        self._t = jinja2.Environment().from_string(template)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None, **kw):
+        return self._t.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **kw)
+
+
+def test_renderer_native_format_and_thinking_switch():
+    from sgrt.server import openai_protocol as op
+    from sgrt.server.openai_adapter import ChatRenderer, plan_tools
+
+    renderer = ChatRenderer(TemplateTokenizer(QWEN_LIKE))
+    assert renderer.traits.tool_format is tf.HERMES and renderer.traits.thinking_switch == "enable_thinking"
+    assert renderer.renders_tools()
+    tools = [op.ToolDef(function=op.FunctionDef(name="get_weather", parameters=WEATHER.parameters))]
+    msgs = [op.ChatMessage(role="user", content="Weather in Oslo?"),
+            op.ChatMessage(role="assistant", tool_calls=[op.ToolCall(id="c1", function=op.ToolCallFunction(
+                name="get_weather", arguments='{"city": "Oslo"}'))]),
+            op.ChatMessage(role="tool", tool_call_id="c1", content="sunny")]
+    req = op.ChatCompletionRequest(messages=msgs, tools=tools, tool_choice="required")
+    plan = plan_tools(req, 8, renderer.traits.tool_format)
+    off = renderer.render(msgs, plan, reasoning_effort="none")
+    assert plan.thinking_enabled is False and plan.think is None and off.endswith("<think>\n\n</think>\n\n")
+    # The history's call is rendered by the template itself, in its format.
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in off
+    assert "Tools: get_weather" in off
+    on = renderer.render(msgs, plan, reasoning_effort="high")
+    assert plan.thinking_enabled is True and plan.think == "open" and on.endswith("<|im_start|>assistant\n")
+    fields: dict = {}
+    plan.finish(fields)
+    assert "think[lazy]" in fields["grammar"] and "<tool_call>" in fields["grammar"]
+    assert fields["skip_special_tokens"] is False
