@@ -105,6 +105,8 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--base-url", default=None, help="a running server (default: start sgrt serve)")
     ap.add_argument("--reinstall", action="store_true")
+    ap.add_argument("--current-env", default="",
+                    help="comma-separated frameworks to run with this Python instead of a venv (already installed)")
     ap.add_argument("--install-timeout", type=float, default=1800)
     ap.add_argument("--run-timeout", type=float, default=600)
     args = ap.parse_args()
@@ -116,8 +118,12 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     table: dict[str, list[dict]] = {}
     pythons = {}
+    current = {n.strip() for n in args.current_env.split(",") if n.strip()}
     for name in names:
         reqs, _ = FRAMEWORKS[name]
+        if name in current:
+            pythons[name] = Path(sys.executable)
+            continue
         try:
             pythons[name] = ensure_venv(root / name, reqs, args.reinstall, args.install_timeout)
         except (subprocess.SubprocessError, OSError) as e:

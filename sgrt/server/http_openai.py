@@ -62,16 +62,25 @@ async def _chat_events(api: HttpApi, rid: str, primed: list[tuple[StreamChunk, A
         return sse(op.ChatCompletionChunk(id=rid, created=created, model=api.model_name, choices=choices,
                                           usage=usage))
 
-    # NOTE: a turn that can only be calls starts with content null; one that may be text with "".
-    first_content = None if plan.mode in ("required", "named") else ""
-    for i in range(len(primed)):
-        yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(role="assistant", content=first_content))])
+    # NOTE: the role chunk says content null when the turn is tool calls and "" when text, as
+    # OpenAI's do; a turn that may be either sends it with its first increment.
+    started = [False] * len(primed)
+    if plan.mode in ("required", "named") or not plan.may_call:
+        for i in range(len(primed)):
+            started[i] = True
+            content = None if plan.may_call else ""
+            yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(role="assistant", content=content))])
     results: list[Any] = [None] * len(primed)
     pending_text: list[str] = [""] * len(primed)
     called = [False] * len(primed)
     try:
         async for ev in ct.turn_events(primed, plan):
             i = ev.choice
+            if not started[i] and (ev.kind in ("text", "reasoning", "call", "done")
+                                   or (ev.kind == "logprobs" and want_logprobs)):
+                started[i] = True
+                content = None if ev.kind == "call" or (ev.kind == "done" and ev.output.calls) else ""
+                yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(role="assistant", content=content))])
             if ev.kind == "text":
                 pending_text[i] += ev.text
                 if not want_logprobs:

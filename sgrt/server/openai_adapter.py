@@ -198,7 +198,8 @@ class ToolPlan:
 
     ``mode`` is ``none``, ``auto``, ``required`` or ``named``; ``specs`` are the tools offered
     and ``chosen`` those the grammar allows (the named one for ``named``); ``parallel``: one or
-    more calls per turn rather than one. ``fmt`` is the family's tool-call format and
+    more calls per turn rather than one (``parallel_tool_calls``; unset: true with several
+    tools, false with one). ``fmt`` is the family's tool-call format and
     ``think`` where the turn starts relative to a ``<think>`` block (``open``, ``inside`` or
     None; set by :meth:`ChatRenderer.render`). ``grammar`` (from :meth:`finish`) constrains the
     turn; ``answer_schema`` is a ``response_format`` folded into that grammar.
@@ -213,6 +214,7 @@ class ToolPlan:
     thinking_enabled: bool | None = None
     grammar: str | None = None
     answer_schema: dict[str, Any] | None = None
+    trigger_token: int | None = None
 
     @property
     def may_call(self) -> bool:
@@ -231,7 +233,7 @@ class ToolPlan:
         if self.may_call or self.answer_schema is not None or (self.think and self.mode != "none"):
             self.grammar = tf.turn_grammar(self.chosen, mode=self.mode if self.may_call else "none",
                                            parallel=self.parallel, fmt=self.fmt, think=self.think,
-                                           answer_schema=self.answer_schema)
+                                           answer_schema=self.answer_schema, trigger_token=self.trigger_token)
         if self.grammar is not None:
             fields["grammar"] = self.grammar
         if self.fmt.trigger and self.may_call:
@@ -250,7 +252,9 @@ def plan_tools(req: Any, max_tools: int, fmt: tf.ToolFormat = tf.GENERIC) -> Too
     """
     tools = req.tools or []
     choice = req.tool_choice
-    parallel = req.parallel_tool_calls is not False
+    # NOTE: unset means parallel when there are several tools (as the issue asks), one call with
+    # a single tool: a small model asked for one tool's call otherwise tends to repeat it.
+    parallel = req.parallel_tool_calls if req.parallel_tool_calls is not None else len(tools) > 1
     if not tools:
         if choice not in (None, "none", "auto"):
             raise InvalidRequest("tool_choice needs tools", field="tool_choice")
@@ -441,7 +445,19 @@ class ChatRenderer:
                 raise InvalidRequest(f"the chat template failed on these messages: {first}",
                                      field="messages") from None
         plan.think = think_mode(text) if self.traits.thinking else None
+        plan.trigger_token = self.special_token_id(plan.fmt.trigger)
         return text
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of ``text`` when it is one special token of this vocabulary (else None)."""
+        if not text:
+            return None
+        special = getattr(getattr(self.tokenizer, "hf", None), "all_special_ids", None) or []
+        try:
+            ids = self.tokenizer.encode(text)
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot encode it has no such token
+            return None
+        return ids[0] if len(ids) == 1 and ids[0] in special else None
 
     def _apply(self, messages: list[dict[str, Any]], tools: list[dict] | None, kwargs: dict[str, Any]) -> str:
         if tools is None:

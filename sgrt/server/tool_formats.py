@@ -152,7 +152,7 @@ def _seq(*parts: str) -> str:
 
 def turn_grammar(tools: list[ToolSpec], *, mode: str = "auto", parallel: bool = True,
                  fmt: ToolFormat = GENERIC, think: str | None = None,
-                 answer_schema: dict[str, Any] | None = None) -> str | None:
+                 answer_schema: dict[str, Any] | None = None, trigger_token: int | None = None) -> str | None:
     """The Lark grammar (llguidance syntax) of one assistant turn, or None when nothing
     constrains it.
 
@@ -166,6 +166,9 @@ def turn_grammar(tools: list[ToolSpec], *, mode: str = "auto", parallel: bool = 
             generation prompt already opened it: the turn starts inside the block) or None.
         answer_schema: a JSON Schema the text answer must match (``response_format``); only
             with ``mode="none"`` or no tools.
+        trigger_token: the id of the special token that the trigger is in this vocabulary
+            (Mistral's ``[TOOL_CALLS]``): the grammar names the token (``<[id]>``), since a
+            special token never matches text. Only for formats without text before the calls.
     """
     rules: list[str] = []
     if mode != "none" and tools:
@@ -177,7 +180,8 @@ def turn_grammar(tools: list[ToolSpec], *, mode: str = "auto", parallel: bool = 
         after_head = _seq(_lit(fmt.head[len(fmt.trigger):]), "any_call", _lit(fmt.call_close), rest,
                           _lit(fmt.list_close))
         if fmt.trigger:
-            rules.append(f"calls: {_lit(fmt.trigger)} {after_head}")
+            trigger = f"<[{trigger_token}]>" if trigger_token is not None and not fmt.text_before else _lit(fmt.trigger)
+            rules.append(f"calls: {trigger} {after_head}")
         else:
             rules.append(f"calls: {after_head}")
         if mode == "auto":

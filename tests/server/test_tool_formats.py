@@ -220,3 +220,16 @@ def test_renderer_native_format_and_thinking_switch():
     plan.finish(fields)
     assert "think[lazy]" in fields["grammar"] and "<tool_call>" in fields["grammar"]
     assert fields["skip_special_tokens"] is False
+
+
+
+def test_mistral_trigger_token_named_by_id(tokenizer):
+    """A trigger that is one special token is named by id in the grammar (here SmolLM2's
+    <|im_start|> stands in for Mistral's [TOOL_CALLS] control token)."""
+    from sgrt.server.openai_adapter import ChatRenderer
+
+    renderer = ChatRenderer(tokenizer)
+    tid = renderer.special_token_id("<|im_start|>")
+    assert tid == tokenizer.encode("<|im_start|>")[0] and renderer.special_token_id("hello") is None
+    g = tf.turn_grammar([WEATHER], mode="required", fmt=tf.MISTRAL, trigger_token=7)
+    assert g.splitlines()[-2].startswith("calls: <[7]> ") and '"[TOOL_CALLS]"' not in g

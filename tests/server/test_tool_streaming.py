@@ -60,7 +60,7 @@ def test_parallel_calls_and_parallel_false(client):
     msgs = [{"role": "user", "content": "What is the weather in Paris and in Rome? Call get_weather once "
                                         "for each city, one call per line."}]
     r = client.chat.completions.create(model=MODEL_NAME, messages=msgs, tools=[WEATHER], tool_choice="required",
-                                       max_tokens=60, temperature=0)
+                                       parallel_tool_calls=True, max_tokens=60, temperature=0)
     calls = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and len(calls) >= 2, r.choices[0].message
     assert len({c.id for c in calls}) == len(calls)
@@ -118,3 +118,16 @@ def test_sdk_parse_with_nested_pydantic_tool(client):
         tool_choice={"type": "function", "function": {"name": "save_contact"}}, max_tokens=60, temperature=0)
     parsed = r.choices[0].message.tool_calls[0].function.parsed_arguments
     assert isinstance(parsed, Contact) and isinstance(parsed.address, Address)
+
+
+@needs_constraints
+def test_auto_stream_role_chunk_matches_the_turn(http_server):
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "What is the weather in Rome?"}],
+            "tools": [WEATHER], "max_tokens": 24, "temperature": 0, "stream": True}
+    status, _, payload = raw(http_server.url, "POST", "/v1/chat/completions", body)
+    deltas = [e["choices"][0]["delta"] for e in sse_events(payload) if e != "[DONE]" and e["choices"]]
+    assert status == 200 and deltas[0]["role"] == "assistant"
+    called = any(d.get("tool_calls") for d in deltas)
+    # content null for a turn of tool calls, "" for a text turn (OpenAI's first chunks)
+    assert deltas[0]["content"] == (None if called else "")
+    assert sum("role" in d for d in deltas) == 1
