@@ -109,6 +109,7 @@ def main() -> int:
                     help="comma-separated frameworks to run with this Python instead of a venv (already installed)")
     ap.add_argument("--install-timeout", type=float, default=1800)
     ap.add_argument("--run-timeout", type=float, default=600)
+    ap.add_argument("--start-timeout", type=float, default=900, help="seconds for sgrt serve to answer /health")
     args = ap.parse_args()
     names = [n.strip() for n in args.frameworks.split(",") if n.strip()]
     unknown = [n for n in names if n not in FRAMEWORKS]
@@ -131,7 +132,7 @@ def main() -> int:
     server = None
     base_url = args.base_url
     if base_url is None:
-        server, base_url = start_server(args.model, timeout=300)
+        server, base_url = start_server(args.model, timeout=args.start_timeout)
     try:
         for name, python in pythons.items():
             t0 = time.monotonic()
