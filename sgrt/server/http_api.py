@@ -49,7 +49,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sgrt.server import http_native as native
-from sgrt.server import http_openai
+from sgrt.server import anthropic_api, http_openai, metrics, responses_api
 from sgrt.server.http_core import HttpApi, HttpLimits
 from sgrt.server.http_errors import ApiError, ClientGone, api_error_from
 
@@ -103,7 +103,13 @@ def create_app(engine: Any, *, model_name: str, auth_token: str | None = None,
     table = [  # path, methods, handler(api, request), the field a context-length error names
         ("/v1/chat/completions", ["POST"], http_openai.chat_completions, "messages"),
         ("/v1/completions", ["POST"], http_openai.completions, "prompt"),
+        ("/v1/responses", ["POST"], responses_api.create_response, "input"),
+        ("/v1/responses/{response_id}", ["GET"], responses_api.get_response, "input"),
+        ("/v1/responses/{response_id}", ["DELETE"], responses_api.delete_response, "input"),
+        ("/v1/messages", ["POST"], anthropic_api.create_message, "messages"),
         ("/v1/models", ["GET"], HttpApi.models, "prompt"),
+        ("/v1/models/{model_id:path}", ["GET"], http_openai.model_by_id, "prompt"),
+        ("/metrics", ["GET"], metrics.metrics_endpoint, "prompt"),
         ("/health", ["GET"], HttpApi.health, "prompt"),
         ("/generate", ["POST"], native.generate, "prompt"),
         ("/tokenize", ["POST"], native.tokenize, "prompt"),
@@ -121,6 +127,7 @@ def create_app(engine: Any, *, model_name: str, auth_token: str | None = None,
         return ApiError(status, message, code="not_found" if status == 404 else "method_not_allowed").response()
 
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    app.add_middleware(metrics.RequestCounter, metrics=metrics.metrics_of(api))
     app.state.api = api
     return app
 

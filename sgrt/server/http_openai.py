@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from sgrt.engine import SamplingParams, StreamChunk
 from sgrt.errors import InvalidRequest
+from sgrt.server import chat_turns as ct
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
 from sgrt.server.http_core import HttpApi, EngineCall
@@ -24,25 +25,14 @@ from sgrt.server.http_streams import SSE_DONE, EventStream, merge_streams, sse
 # ==== chat ========================================================================================
 async def chat_completions(api: HttpApi, request: Request) -> Any:
     """``POST /v1/chat/completions``: ``n`` engine requests over the rendered messages; a JSON
-    answer, or an :class:`EventStream` of ``chat.completion.chunk`` events."""
+    answer, or an :class:`EventStream` of ``chat.completion.chunk`` events (tool calls streamed
+    incrementally: id and name first, then argument fragments)."""
     req: op.ChatCompletionRequest = await api.decode(request, op.ChatCompletionRequest)
     check_n(req.n, 1, api.limits.max_n)
-    plan = oa.plan_tools(req, api.limits.max_tools)
-    text = await api.offload(api.renderer.render, req.messages, plan)  # NOTE: CPU work off the loop
-    ids = await api.offload(api.tokenizer.encode, text)
-    fields = oa.sampling_fields(req)
-    if plan.grammar is not None:
-        fields["grammar"] = plan.grammar
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    fields["max_tokens"] = oa.resolve_max_tokens(
-        requested, len(ids), api.context_room(), default=api.limits.default_max_tokens,
-        ceiling=api.limits.max_tokens_limit, field=name)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise InvalidRequest("top_logprobs needs logprobs: true", field="top_logprobs")
-    fields["return_logprob"] = bool(req.logprobs)
-    fields["top_logprobs_num"] = req.top_logprobs or 0
-    calls = [EngineCall(ids, _params(fields, i, oa.CHAT_FIELD_NAMES), i) for i in range(req.n)]
+    turn = await api.offload(ct.prepare_turn, api, req)  # NOTE: rendering and tokenizing off the loop
+    plan = turn.plan
+    calls = [EngineCall(turn.prompt_ids, ct.engine_params(turn.fields, i, oa.CHAT_FIELD_NAMES), i)
+             for i in range(req.n)]
     handles = api.submit(calls)
     rid = oa.new_id("chatcmpl")
     if req.stream:
@@ -54,17 +44,17 @@ async def chat_completions(api: HttpApi, request: Request) -> Any:
     choices = []
     for i, result in enumerate(results):
         check_result(result)
-        call = oa.tool_call_from(result.text, plan) if result.finish_reason == "stop" else None
-        message = op.ResponseMessage(content=None if call else result.text,
-                                     tool_calls=[call] if call else None)
+        out = oa.read_turn(result.text, plan, result.finish_reason)
+        message = op.ResponseMessage(content=out.content, reasoning_content=out.reasoning, tool_calls=out.calls)
         logprobs = None
-        if req.logprobs and not call:
+        if req.logprobs and not out.calls:
             logprobs = oa.chat_logprobs(result.token_ids, result.output_logprobs,
                                         result.output_top_logprobs, api.texts)
         choices.append(op.ChatChoice(index=i, message=message, logprobs=logprobs,
-                                     finish_reason=oa.finish_reason_of(result, call is not None)))
+                                     finish_reason=oa.finish_reason_of(result, bool(out.calls))))
     return json_response(op.ChatCompletion(id=rid, created=int(time.time()), model=api.model_name,
                                            choices=choices, usage=oa.usage_of(results[:1], results)))
+
 
 async def _chat_events(api: HttpApi, rid: str, primed: list[tuple[StreamChunk, AsyncIterator]], plan: oa.ToolPlan,
                        include_usage: bool, want_logprobs: bool) -> AsyncIterator[bytes]:
@@ -74,43 +64,71 @@ async def _chat_events(api: HttpApi, rid: str, primed: list[tuple[StreamChunk, A
         return sse(op.ChatCompletionChunk(id=rid, created=created, model=api.model_name, choices=choices,
                                           usage=usage))
 
-    for i in range(len(primed)):
-        yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(role="assistant", content=""))])
-    is_call: list[bool | None] = [None if plan.may_call else False] * len(primed)
-    held: list[str] = [""] * len(primed)
+    # NOTE: the role chunk says content null when the turn is tool calls and "" when text, as
+    # OpenAI's do; a turn that may be either sends it with its first increment.
+    started = [False] * len(primed)
+    if plan.mode in ("required", "named") or not plan.may_call:
+        for i in range(len(primed)):
+            started[i] = True
+            content = None if plan.may_call else ""
+            yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(role="assistant", content=content))])
     results: list[Any] = [None] * len(primed)
+    pending_text: list[str] = [""] * len(primed)
+    called = [False] * len(primed)
     try:
-        async for i, c in merge_streams(primed):
-            text = c.text
-            if text and is_call[i] is None:
-                is_call[i] = plan.mode in ("required", "named") or text.lstrip()[:1] == "{"
-            if is_call[i]:
-                held[i] += text
-            elif text or (want_logprobs and c.token_ids):
-                logprobs = None
-                if want_logprobs:
-                    logprobs = oa.chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, api.texts)
-                yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(content=text), logprobs=logprobs)])
-            if not c.finished:
-                continue
-            result = c.result
-            results[i] = result
-            check_result(result)
-            call = oa.tool_call_from(held[i], plan) if is_call[i] and result.finish_reason == "stop" else None
-            if call is not None:
-                delta = op.Delta(tool_calls=[op.ToolCallDelta(
-                    index=0, id=call.id, type="function",
-                    function=op.FunctionCallDelta(name=call.function.name, arguments=call.function.arguments))])
+        async for ev in ct.turn_events(primed, plan):
+            i = ev.choice
+            if not started[i] and (ev.kind in ("text", "reasoning", "call", "done")
+                                   or (ev.kind == "logprobs" and want_logprobs)):
+                started[i] = True
+                content = None if ev.kind == "call" or (ev.kind == "done" and ev.output.calls) else ""
+                yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(role="assistant", content=content))])
+            if ev.kind == "text":
+                pending_text[i] += ev.text
+                if not want_logprobs:
+                    yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(content=pending_text[i]))])
+                    pending_text[i] = ""
+            elif ev.kind == "logprobs" and want_logprobs and not called[i]:
+                logprobs = oa.chat_logprobs(ev.chunk.token_ids, ev.chunk.logprobs, ev.chunk.top_logprobs, api.texts)
+                yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(content=pending_text[i]), logprobs=logprobs)])
+                pending_text[i] = ""
+            elif ev.kind == "reasoning":
+                yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(reasoning_content=ev.text))])
+            elif ev.kind == "call":
+                called[i] = True
+                delta = op.Delta(content=None, tool_calls=[op.ToolCallDelta(
+                    index=ev.call_index, id=ev.call_id, type="function",
+                    function=op.FunctionCallDelta(name=ev.name, arguments=""))])
                 yield chunk([op.ChatChunkChoice(index=i, delta=delta)])
-            elif held[i]:
-                yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(content=held[i]))])
-            yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(),
-                                            finish_reason=oa.finish_reason_of(result, call is not None))])
+            elif ev.kind == "args":
+                delta = op.Delta(content=None, tool_calls=[op.ToolCallDelta(
+                    index=ev.call_index, function=op.FunctionCallDelta(arguments=ev.text))])
+                yield chunk([op.ChatChunkChoice(index=i, delta=delta)])
+            elif ev.kind == "done":
+                result = ev.result
+                results[i] = result
+                check_result(result)
+                if pending_text[i]:
+                    yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(content=pending_text[i]))])
+                yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(),
+                                                finish_reason=oa.finish_reason_of(result, bool(ev.output.calls)))])
         if include_usage:
             yield chunk([], usage=oa.usage_of(results[:1], results))
     except Exception as exc:  # noqa: BLE001 - reported in-stream: the status line is gone
         yield sse(op.ErrorResponse(error=api_error_from(exc, "messages").info))
     yield SSE_DONE
+
+
+async def model_by_id(api: HttpApi, request: Request) -> Any:
+    """``GET /v1/models/{model}``: the model's card when ``model`` is the served id, else 404
+    (as OpenAI answers an unknown model)."""
+    api.check_auth(request)
+    model_id = request.path_params["model_id"]
+    if model_id != api.model_name:
+        raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {api.model_name!r}",
+                       param="model", code="model_not_found")
+    return json_response(api.model_card())
+
 
 # ==== text completions ============================================================================
 async def completions(api: HttpApi, request: Request) -> Any:

@@ -27,14 +27,15 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices."""
 
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted, ignored: a local stream needs no padding
 
 
 class FunctionDef(msgspec.Struct, kw_only=True):
     """A function a tool offers: its ``parameters`` are the JSON Schema of its arguments."""
 
     name: str
-    description: str = ""
-    parameters: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "object", "properties": {}})
+    description: str | None = ""
+    parameters: dict[str, Any] | None = msgspec.field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: bool | None = None
 
 
@@ -155,6 +156,16 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[ToolDef] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None  # mapped to the template's thinking switch, if any
+    # Accepted and ignored with a warning in the log (see IGNORED_CHAT_FIELDS).
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: Any = None
+    prompt_cache_options: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -293,6 +304,7 @@ class ToolCallOut(msgspec.Struct, kw_only=True):
 class ResponseMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # a thinking model's <think> block (vLLM / DeepSeek's field)
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -326,8 +338,12 @@ class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed delta. Unset fields are left out; ``content=None`` is sent as ``null``
+    (beside tool calls, as OpenAI does)."""
+
     role: str | None = None
-    content: str | None = None
+    content: str | None | msgspec.UnsetType = msgspec.UNSET
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -9,7 +9,8 @@ syntax, passed as ``SamplingParams.grammar``)::
     call_0: %json {"type": "object", "properties": {"name": {"const": "calculator"},
                    "arguments": <the tool's parameters schema>}, ...}
 
-so the model chooses between free text (which cannot start with ``{``) and exactly one
+(the parameters' ``$defs`` hoisted to the call schema's root, so that nested models work:
+:mod:`sgrt.server.schema_embed`), so the model chooses between free text (which cannot start with ``{``) and exactly one
 ``{"name": ..., "arguments": ...}`` object whose arguments match that tool's schema. The grammar
 guarantees the shape; the system prompt (:func:`tools_system_prompt`) tells the model when to use
 which. ``tool_choice`` narrows it, as in OpenAI's API: ``"required"`` (a call of some tool),
@@ -27,11 +28,6 @@ from sgrt.server.protocol import LimitExceeded, ToolSpec
 
 TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,63}$")
 TOOL_CHOICES = ("auto", "required", "none")
-
-#: JSON layout of a tool call: compact separators, as the system prompt's example shows, so that
-#: a small model cannot wander off into whitespace.
-_JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
-
 
 def check_tools(tools: list[ToolSpec], max_tools: int) -> None:
     """Validate tool specs.
@@ -58,27 +54,16 @@ def check_tools(tools: list[ToolSpec], max_tools: int) -> None:
 
 
 def call_schema(tool: ToolSpec) -> dict[str, Any]:
-    """JSON Schema of one call of ``tool``: ``{"name": <const>, "arguments": <parameters>}``,
-    normalized as every sgrt JSON constraint is (objects closed unless the schema says otherwise,
-    free strings capped: ``sgrt.constrained.normalize_schema``), with one space after ``:`` and
-    ``,`` as in the system prompt's example.
+    """JSON Schema of one call of ``tool``: ``{"name": <const>, "arguments": <parameters>}``
+    (:func:`sgrt.server.tool_formats.call_schema`: the parameters' ``$defs`` hoisted and their
+    references rewritten, normalized, one space after ``:`` and ``,``).
 
     Raises:
         GrammarError: the parameters use a keyword sgrt cannot enforce (names it).
     """
-    schema: dict[str, Any] = {
-        "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-    try:
-        from sgrt.constrained import GrammarOptions, normalize_schema
-    except ImportError:  # pragma: no cover - sgrt.constrained ships with sgrt
-        pass
-    else:
-        schema = normalize_schema(schema, GrammarOptions()).schema
-    return {**schema, "x-guidance": _JSON_LAYOUT}
+    from sgrt.server.tool_formats import call_schema as format_call_schema
+
+    return format_call_schema(tool)
 
 
 def check_tool_choice(choice: str, tools: list[ToolSpec], field: str = "tool_choice") -> None:
@@ -148,19 +133,31 @@ def validate_tool_grammar(tools: list[ToolSpec]) -> None:
                                field=f"tools[{i}].parameters")
 
 
-def tools_system_prompt(tools: list[ToolSpec]) -> str:
+def tools_system_prompt(tools: list[ToolSpec], fmt: Any = None, parallel: bool = False) -> str:
     """Plain-text description of ``tools`` for the system prompt (used when the model's chat
-    template does not render ``tools=`` itself)."""
-    lines = [
-        "You can call tools. To call one, reply with only a JSON object of the form "
-        '{"name": <tool name>, "arguments": {...}} and nothing else. '
-        "Otherwise reply with plain text. Available tools:",
-    ]
+    template does not render ``tools=`` itself), with an example call in ``fmt``
+    (a :class:`sgrt.server.tool_formats.ToolFormat`; default: the generic one-JSON-object
+    format) and, with ``parallel``, how to make several calls in one reply."""
+    from sgrt.server.tool_formats import GENERIC
+
+    fmt = fmt or GENERIC
+    key = fmt.args_key
+    call = f'{{"name": <tool name>, "{key}": {{...}}}}'
+    if fmt.name == "generic":
+        how = f"reply with only a JSON object of the form {call} and nothing else"
+    else:
+        how = f"write {fmt.head}{call}{fmt.call_close}{fmt.list_close}"
+    lines = [f"You can call tools. To call one, {how}. Otherwise reply with plain text."]
+    if parallel:
+        sep = {"\n": "a new line"}.get(fmt.separator, repr(fmt.separator))
+        lines.append(f"To call several tools at once, separate the calls with {sep}.")
+    lines.append("Available tools:")
     for tool in tools:
         desc = f": {tool.description}" if tool.description else ""
         lines.append(f"- {tool.name}{desc}. Arguments (JSON Schema): {json.dumps(tool.parameters)}")
     example = tools[0]
-    lines.append(f'Example call: {{"name": "{example.name}", "arguments": {{...}}}}')
+    body = f'{{"name": "{example.name}", "{key}": {{...}}}}'
+    lines.append(f"Example call: {fmt.head}{body}{fmt.call_close}{fmt.list_close}")
     return "\n".join(lines)
 
 

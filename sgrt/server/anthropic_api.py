@@ -1,0 +1,266 @@
+"""Anthropic's Messages API: ``POST /v1/messages``, so that the ``anthropic`` SDK and tools built
+on it work against a local sgrt (as vLLM and llama.cpp allow).
+
+Follows https://docs.anthropic.com/en/api/messages for what a local text model can do:
+``system`` (a string or text blocks), ``messages`` with ``text``, ``tool_use`` and
+``tool_result`` blocks (``thinking`` blocks are skipped), ``tools`` (``input_schema``) with
+``tool_choice`` (``auto``, ``any``, ``tool``, ``none``; ``disable_parallel_tool_use``),
+``max_tokens``, ``stop_sequences``, ``temperature`` / ``top_p`` / ``top_k`` (still accepted,
+though recent SDKs no longer send them: ``extra_body``), ``thinking``
+(the template's thinking switch), and ``stream``: ``message_start``, ``content_block_start``,
+``content_block_delta`` (``text_delta``, ``input_json_delta``, ``thinking_delta``),
+``content_block_stop``, ``message_delta`` (stop reason, output tokens), ``message_stop``.
+
+The request is translated into a chat request (tools, grammars and limits are the chat
+API's). ``usage.input_tokens`` counts the prompt tokens not read from the radix cache and
+``cache_read_input_tokens`` those that were, as Anthropic reports prompt caching.
+"""
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+
+from sgrt.errors import InvalidRequest
+from sgrt.server import chat_turns as ct
+from sgrt.server import openai_adapter as oa
+from sgrt.server import openai_protocol as op
+from sgrt.server.http_core import EngineCall, HttpApi
+from sgrt.server.http_errors import api_error_from, json_response
+from sgrt.server.http_openai import check_result
+from sgrt.server.http_streams import EventStream
+
+
+class MessagesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``POST /v1/messages`` (fields of Anthropic's ``MessageCreateParams``)."""
+
+    model: str | None = None
+    max_tokens: int
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool | None = False
+    thinking: dict[str, Any] | None = None
+    # Accepted and ignored (logged).
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    container: Any = None
+    mcp_servers: Any = None
+    context_management: Any = None
+    inference_geo: Any = None
+    output_config: Any = None
+    cache_control: Any = None
+    diagnostics: Any = None
+    speed: Any = None
+    user_profile_id: Any = None
+    workspace_id: Any = None
+
+
+IGNORED_FIELDS = ("metadata", "service_tier", "container", "mcp_servers", "context_management", "inference_geo",
+                  "output_config", "cache_control", "diagnostics", "speed", "user_profile_id", "workspace_id")
+
+
+def _blocks(content: Any, field: str) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if isinstance(content, list):
+        return content
+    raise InvalidRequest("content must be a string or a list of blocks", field=field)
+
+
+def _text(content: Any, field: str) -> str:
+    parts = []
+    for j, block in enumerate(_blocks(content, field)):
+        if block.get("type") != "text":
+            raise InvalidRequest(f"only text blocks are supported here, got {block.get('type')!r}",
+                                 field=f"{field}[{j}].type")
+        parts.append(str(block.get("text", "")))
+    return "".join(parts)
+
+
+def chat_messages(req: MessagesRequest) -> list[op.ChatMessage]:
+    """``system`` + ``messages`` as chat messages: ``tool_use`` blocks become the assistant's
+    tool calls, ``tool_result`` blocks ``tool`` messages (ahead of the user's text).
+
+    Raises:
+        InvalidRequest: an unknown role or block type (``messages[i].content[j]...``).
+    """
+    out: list[op.ChatMessage] = []
+    if req.system:
+        out.append(op.ChatMessage(role="system", content=_text(req.system, "system")))
+    for i, m in enumerate(req.messages):
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise InvalidRequest(f"role must be user or assistant, got {role!r}", field=f"messages[{i}].role")
+        texts: list[str] = []
+        calls: list[op.ToolCall] = []
+        for j, block in enumerate(_blocks(m.get("content"), f"messages[{i}].content")):
+            kind = block.get("type")
+            field = f"messages[{i}].content[{j}]"
+            if kind == "text":
+                texts.append(str(block.get("text", "")))
+            elif kind == "tool_use" and role == "assistant":
+                calls.append(op.ToolCall(id=block.get("id"), function=op.ToolCallFunction(
+                    name=str(block.get("name")), arguments=msgspec.json.encode(block.get("input") or {}).decode())))
+            elif kind == "tool_result" and role == "user":
+                content = block.get("content")
+                result = "" if content is None else _text(content, f"{field}.content")
+                if block.get("is_error"):
+                    result = f"Error: {result}"
+                out.append(op.ChatMessage(role="tool", tool_call_id=block.get("tool_use_id"), content=result))
+            elif kind in ("thinking", "redacted_thinking"):
+                continue
+            else:
+                raise InvalidRequest(f"content block type {kind!r} is not supported in a {role} message",
+                                     field=f"{field}.type")
+        if role == "assistant":
+            out.append(op.ChatMessage(role="assistant", content="".join(texts) or None, tool_calls=calls or None))
+        elif texts or not any(o.role == "tool" for o in out[-1:]):
+            out.append(op.ChatMessage(role="user", content="".join(texts)))
+    return out
+
+
+def to_chat_request(req: MessagesRequest) -> op.ChatCompletionRequest:
+    """The chat request of a Messages request."""
+    tools = None
+    if req.tools:
+        tools = []
+        for i, t in enumerate(req.tools):
+            if t.get("type") not in (None, "custom"):
+                raise InvalidRequest(f"only custom (client) tools are supported, got {t.get('type')!r}",
+                                     field=f"tools[{i}].type")
+            tools.append(op.ToolDef(function=op.FunctionDef(
+                name=str(t.get("name")), description=t.get("description") or "",
+                parameters=t.get("input_schema") or {"type": "object", "properties": {}})))
+    choice: Any = None
+    parallel = None
+    if req.tool_choice:
+        kind = req.tool_choice.get("type")
+        parallel = False if req.tool_choice.get("disable_parallel_tool_use") else None
+        if kind == "tool":
+            choice = op.NamedToolChoice(function=op.ToolChoiceFunction(name=str(req.tool_choice.get("name"))))
+        elif kind in ("auto", "none"):
+            choice = kind
+        elif kind == "any":
+            choice = "required"
+        else:
+            raise InvalidRequest(f"tool_choice.type must be auto, any, tool or none, got {kind!r}",
+                                 field="tool_choice.type")
+    effort = None
+    if req.thinking:
+        effort = "none" if req.thinking.get("type") == "disabled" else "medium"
+    return op.ChatCompletionRequest(
+        model=req.model, messages=chat_messages(req), tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
+        max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature, top_p=req.top_p,
+        top_k=req.top_k, reasoning_effort=effort, stream=bool(req.stream))
+
+
+def _usage(result: Any) -> dict[str, Any]:
+    return {"input_tokens": result.prompt_tokens - result.cached_tokens, "output_tokens": result.completion_tokens,
+            "cache_read_input_tokens": result.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def _stop(result: Any, called: bool, stops: list[str] | None) -> tuple[str, str | None]:
+    if called:
+        return "tool_use", None
+    if result.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(result.matched, str) and stops and result.matched in stops:
+        return "stop_sequence", result.matched
+    return "end_turn", None
+
+
+def _content(out: oa.TurnOutput) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if out.reasoning:
+        blocks.append({"type": "thinking", "thinking": out.reasoning, "signature": ""})
+    if out.content:
+        blocks.append({"type": "text", "text": out.content})
+    for call in out.calls or []:
+        blocks.append({"type": "tool_use", "id": call.id, "name": call.function.name,
+                       "input": msgspec.json.decode(call.function.arguments)})
+    return blocks
+
+
+async def create_message(api: HttpApi, request: Request) -> Any:
+    """``POST /v1/messages``: one engine request; a Message, or its event stream."""
+    req: MessagesRequest = await api.decode(request, MessagesRequest)
+    ct.warn_ignored(req, IGNORED_FIELDS)
+    turn = await api.offload(ct.prepare_turn, api, to_chat_request(req))  # NOTE: off the loop
+    handles = api.submit([EngineCall(turn.prompt_ids, ct.engine_params(turn.fields, 0, oa.CHAT_FIELD_NAMES), 0)])
+    mid = f"msg_{uuid.uuid4().hex}"
+    if req.stream:
+        primed = await api.prime(request, handles)
+        return EventStream(_events(api, mid, primed, turn.plan, req), lambda: api.release(handles))
+    result = (await api.results(request, handles))[0]
+    check_result(result)
+    out = oa.read_turn(result.text, turn.plan, result.finish_reason)
+    reason, seq = _stop(result, bool(out.calls), req.stop_sequences)
+    return json_response({"id": mid, "type": "message", "role": "assistant", "model": api.model_name,
+                          "content": _content(out), "stop_reason": reason, "stop_sequence": seq,
+                          "usage": _usage(result)})
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
+
+
+async def _events(api: HttpApi, mid: str, primed: list, plan: oa.ToolPlan, req: MessagesRequest) -> AsyncIterator[bytes]:
+    first = primed[0][0]
+    usage0 = {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+    yield _sse({"type": "message_start", "message": {
+        "id": mid, "type": "message", "role": "assistant", "model": api.model_name, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": usage0}})
+    del first
+    index = -1
+    open_kind: str | None = None
+
+    def start(block: dict[str, Any]) -> list[bytes]:
+        nonlocal index, open_kind
+        out = [_sse({"type": "content_block_stop", "index": index})] if open_kind else []
+        index += 1
+        open_kind = block["type"]
+        out.append(_sse({"type": "content_block_start", "index": index, "content_block": block}))
+        return out
+
+    try:
+        async for ev in ct.turn_events(primed, plan):
+            if ev.kind == "reasoning":
+                if open_kind != "thinking":
+                    for b in start({"type": "thinking", "thinking": "", "signature": ""}):
+                        yield b
+                yield _sse({"type": "content_block_delta", "index": index,
+                            "delta": {"type": "thinking_delta", "thinking": ev.text}})
+            elif ev.kind == "text":
+                if open_kind != "text":
+                    if not ev.text.strip() and open_kind is None:
+                        continue
+                    for b in start({"type": "text", "text": ""}):
+                        yield b
+                yield _sse({"type": "content_block_delta", "index": index,
+                            "delta": {"type": "text_delta", "text": ev.text}})
+            elif ev.kind == "call":
+                for b in start({"type": "tool_use", "id": ev.call_id, "name": ev.name, "input": {}}):
+                    yield b
+            elif ev.kind == "args":
+                yield _sse({"type": "content_block_delta", "index": index,
+                            "delta": {"type": "input_json_delta", "partial_json": ev.text}})
+            elif ev.kind == "done":
+                check_result(ev.result)
+                if open_kind:
+                    yield _sse({"type": "content_block_stop", "index": index})
+                reason, seq = _stop(ev.result, bool(ev.output.calls), req.stop_sequences)
+                yield _sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                            "usage": _usage(ev.result)})
+                yield _sse({"type": "message_stop"})
+    except Exception as exc:  # noqa: BLE001 - reported in-stream: the status line is gone
+        err = api_error_from(exc, "messages").info
+        yield _sse({"type": "error", "error": {"type": err.type, "message": err.message}})
