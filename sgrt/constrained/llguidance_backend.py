@@ -21,6 +21,7 @@ import torch
 from sgrt.constrained.bitmask import row_view, set_bits
 from sgrt.constrained.grammar import CompiledGrammar, Grammar
 from sgrt.constrained.options import FLEXIBLE_WHITESPACE_MAX, GrammarOptions
+from sgrt.constrained.schema import PLAIN_ESCAPES_KEY
 from sgrt.constrained.vocab import Vocab
 from sgrt.errors import GrammarError
 
@@ -84,11 +85,15 @@ class LLGuidanceBackend:
 
     def compile_json(self, schema: Any, options: GrammarOptions, warnings: list[str]) -> "LLCompiled":
         """``schema``: a normalized schema (:func:`~sgrt.constrained.schema.normalize_schema`)."""
+        overrides = json_options(options)
         if isinstance(schema, dict):
-            schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+            if schema.get(PLAIN_ESCAPES_KEY):
+                # One spelling per key (see schema.PLAIN_ESCAPES_KEY): no \uXXXX escapes.
+                overrides.update(json_allowed_escapes='"\\bfnrt', json_allow_general_unicode_escapes=False)
+            schema = {k: v for k, v in schema.items() if k not in ("x-guidance", PLAIN_ESCAPES_KEY)}
         else:
             schema = {} if schema is True else {"anyOf": []}
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_options(options))
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=overrides)
         return self._build(grammar, "json_schema", warnings, schema)
 
     def compile_regex(self, regex: str) -> "LLCompiled":

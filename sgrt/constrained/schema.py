@@ -67,6 +67,30 @@ _OBJECT_KEYS = ("properties", "patternProperties", "additionalProperties", "requ
                 "dependentSchemas", "dependencies", "unevaluatedProperties")
 
 
+# Set on a normalized schema (llguidance only) when some object lets free keys sit beside named
+# or pattern-matched ones. llguidance lexes free keys with the general JSON string lexeme (any
+# escape) and tells them apart from the named keys by their *raw* text, so ``"\u0066oo"`` would
+# be a free key whose value escapes ``properties.foo``'s schema. With this key the backend turns
+# off ``\uXXXX`` escapes for the whole schema: every key then has exactly one spelling (``\/``
+# is never accepted), so raw and decoded comparisons agree. The backend pops the key.
+PLAIN_ESCAPES_KEY = "x-sgrt-plain-escapes"
+
+
+def mixes_named_and_free_keys(tree: Schema) -> bool:
+    """Whether any object schema in ``tree`` allows keys it does not name (``additionalProperties``
+    not ``false``, or absent) next to ``properties`` or ``patternProperties``: the objects where
+    an escaped spelling of a named key could be taken for a free key."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if (node.get("properties") or node.get("patternProperties")) and node.get("additionalProperties", True) is not False:
+            return True
+        stack.extend(sub for _, sub in subschemas(node))
+    return False
+
+
 @dataclass
 class NormalizedSchema:
     """A schema ready for a backend (``schema``) and the warnings collected on the way."""
@@ -159,6 +183,8 @@ class _Normalizer:
         out = self._rewrite(with_options, "")
         if self.backend == "llguidance":
             out = self._llguidance_patterns(out, "")
+            if isinstance(out, dict) and mixes_named_and_free_keys(out):
+                out = {**out, PLAIN_ESCAPES_KEY: True}
         return out
 
     # ---- references -----------------------------------------------------------------------

@@ -13,6 +13,7 @@ string caps, formats enforced by :mod:`~sgrt.constrained.formats`).
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,21 @@ from sgrt.constrained.options import GrammarOptions
 from sgrt.constrained.schema import normalize_schema
 from sgrt.errors import GrammarError
 
-DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+def _data_dir() -> Path:
+    """``shared/data`` next to the checkout (``SGRT_DATA_DIR`` overrides): the nearest parent
+    of this file that has one (a worktree may sit deeper than the main checkout)."""
+    env = os.environ.get("SGRT_DATA_DIR")
+    if env:
+        return Path(env)
+    for parent in Path(__file__).resolve().parents:
+        if (parent / "shared" / "data").is_dir():
+            return parent / "shared" / "data"
+    return Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+DATA_DIR = _data_dir()
 
 
 @dataclass
