@@ -91,6 +91,10 @@ def mixes_named_and_free_keys(tree: Schema) -> bool:
     return False
 
 
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclass
 class NormalizedSchema:
     """A schema ready for a backend (``schema``) and the warnings collected on the way."""
@@ -182,6 +186,8 @@ class _Normalizer:
         self._rewritten: dict[str, Schema] = {}
         out = self._rewrite(with_options, "")
         if self.backend == "llguidance":
+            self._uses_multiple_of = '"multipleOf"' in json.dumps(out)
+            out = self._bound_numbers(out, "")
             out = self._llguidance_patterns(out, "")
             if isinstance(out, dict) and mixes_named_and_free_keys(out):
                 out = {**out, PLAIN_ESCAPES_KEY: True}
@@ -351,8 +357,7 @@ class _Normalizer:
                 cap is not None
                 and ts is not None
                 and "string" in ts
-                and not any(k in node for k in ("maxLength", "enum", "const", "format"))
-                and fmt not in KNOWN_FORMATS
+                and not any(k in node for k in ("maxLength", "enum", "const"))
                 and self.backend != "outlines"
             ):
                 min_len = node.get("minLength", 0)
@@ -363,6 +368,40 @@ class _Normalizer:
             return self._apply_options(sub, sub_path, keep_open, negated or key in ("not", "if", "propertyNames", "contains"))
 
         return map_subschemas(node, child, path)
+
+    def _bound_numbers(self, node: Schema, path: str) -> Schema:
+        """Default digit bounds on every number schema in a positive position of the rewritten
+        tree (see GrammarOptions.max_integer_digits). Done after the rewrites so that negations
+        (``not``, ``if``, ``oneOf``) see the user's schema, not our bounds."""
+        if not isinstance(node, dict):
+            return node
+        ts = type_set({"type": node["type"]}) if "type" in node else None
+        if ts is not None and ts & {"number", "integer"} and not any(k in node for k in ("enum", "const")):
+            node = dict(node)
+            self._bound_number(node, ts)
+
+        def child(sub: Schema, sub_path: str) -> Schema:
+            key = sub_path[len(path):].split("/")[1]
+            return sub if key in ("not", "if", "propertyNames", "contains") else self._bound_numbers(sub, sub_path)
+
+        return map_subschemas(node, child, path)
+
+    def _bound_number(self, node: dict, ts: set[str]) -> None:
+        """Default digit bounds on one number schema, on the sides it leaves open."""
+        digits = self.options.max_integer_digits
+        if digits is not None:
+            limit = 10**digits - 1
+            lows = [node[k] for k in ("minimum", "exclusiveMinimum") if _is_num(node.get(k))]
+            highs = [node[k] for k in ("maximum", "exclusiveMaximum") if _is_num(node.get(k))]
+            if not highs and all(lo < limit for lo in lows):
+                node["maximum"] = limit
+            if not lows and all(hi > -limit for hi in highs):
+                node["minimum"] = -limit
+        frac = self.options.max_fraction_digits
+        # llguidance does not intersect two multipleOf (allOf members, $ref siblings): a schema
+        # that uses multipleOf anywhere keeps its own.
+        if frac is not None and "number" in ts and not self._uses_multiple_of:
+            node["multipleOf"] = float(f"1e-{frac}")
 
     # ---- step 3: rewrites and checks --------------------------------------------------------
 
