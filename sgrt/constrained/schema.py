@@ -91,6 +91,42 @@ def mixes_named_and_free_keys(tree: Schema) -> bool:
     return False
 
 
+def _spell_values(node: Schema) -> Schema:
+    """``const`` / ``enum`` objects, which llguidance would match only as one literal text,
+    rewritten (llguidance only, after the rewrites) into ``properties`` of the members' values,
+    all ``required``, closed: an instance lists the keys in the grammar's order (as for every
+    object), whatever order the schema wrote them in. Other values stay literals (an integral
+    number is written without a fraction: ``1``, not ``1.0``; a departure)."""
+    if not isinstance(node, dict):
+        return node
+    node = map_subschemas(node, lambda sub, _p: _spell_values(sub), "")
+    values = [node["const"]] if "const" in node else node.get("enum") if isinstance(node.get("enum"), list) else None
+    if values is None or not any(_needs_spelling(v) for v in values):
+        return node
+    literal = [v for v in values if not _needs_spelling(v)]
+    branches = ([{"enum": literal}] if literal else []) + [_value_schema(v) for v in values if _needs_spelling(v)]
+    node = {k: v for k, v in node.items() if k not in ("const", "enum")}
+    node["allOf"] = list(node.get("allOf") or []) + [branches[0] if len(branches) == 1 else {"anyOf": branches}]
+    return node
+
+
+def _needs_spelling(v: Any) -> bool:
+    if isinstance(v, dict):
+        return True
+    if isinstance(v, list):
+        return any(_needs_spelling(x) for x in v)
+    return False
+
+
+def _value_schema(v: Any) -> Schema:
+    if isinstance(v, dict):
+        return {"type": "object", "properties": {k: _value_schema(x) for k, x in v.items()},
+                "required": list(v), "additionalProperties": False}
+    if isinstance(v, list):
+        return {"type": "array", "prefixItems": [_value_schema(x) for x in v], "items": False, "minItems": len(v)}
+    return {"const": v}
+
+
 def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -188,6 +224,7 @@ class _Normalizer:
         if self.backend == "llguidance":
             self._uses_multiple_of = '"multipleOf"' in json.dumps(out)
             out = self._bound_numbers(out, "")
+            out = _spell_values(out)
             out = self._llguidance_patterns(out, "")
             if isinstance(out, dict) and mixes_named_and_free_keys(out):
                 out = {**out, PLAIN_ESCAPES_KEY: True}

@@ -219,6 +219,28 @@ def departure_reason(normalized_schema: Any, data: Any) -> str | None:
     )
 
 
+def _all_integral_as_int(data: Any) -> Any:
+    if isinstance(data, float) and data.is_integer():
+        return int(data)
+    if isinstance(data, dict):
+        return {k: _all_integral_as_int(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_all_integral_as_int(v) for v in data]
+    return data
+
+
+def spelling_departure(compiled: Any, vocab: Any, data: Any, normalized: Any, text: str) -> str | None:
+    """``"number spelling"`` when the grammar takes the same value with every integral number
+    written as an integer (``9007199254740992`` for ``9007199254740992.0``): a documented
+    departure (a generator writes integers without a fraction), else None."""
+    plain = json.dumps(order_keys(_all_integral_as_int(data), normalized, normalized), separators=(",", ":"),
+                       ensure_ascii=False)
+    if plain == text:
+        return None
+    accepted, _ = feed_tokens(compiled.new_grammar(), vocab.encode(plain))
+    return "number spelling" if accepted else None
+
+
 def feed_tokens(grammar: Any, token_ids: list[int], bitmask: torch.Tensor | None = None,
                 times: list[float] | None = None, stricter: list[int] | None = None) -> tuple[bool, int]:
     """Feed ``token_ids``; returns (accepted and accepting at the end, mask mismatches).
@@ -279,7 +301,7 @@ def run_case(compiler: Any, backend: str, case: CorpusCase, options: GrammarOpti
         if valid and accepted:
             result.valid_accepted += 1
         elif valid:
-            reason = departure_reason(normalized, data)
+            reason = departure_reason(normalized, data) or spelling_departure(compiled, compiler.vocab, data, normalized, text)
             if reason is not None:
                 result.departures += 1
             else:

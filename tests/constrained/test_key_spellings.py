@@ -77,3 +77,33 @@ def test_escapes_stay_allowed_in_unmixed_schemas(compiler, tokenizer):
     g = compile_or_refuse(compiler, "llguidance", json_schema={"properties": {"s": {"type": "string"}}})
     assert feed(g, tokenizer.encode('{"s":"\\u0066oo"}'))
     assert not feed(g, tokenizer.encode('{"\\u0073":"x"}'))  # closed object: the escaped key is refused
+
+
+def test_object_const_and_enum_take_keys_in_the_grammar_order(compiler, tokenizer):
+    """An object const / enum written with keys in one order matches the same object: keys come
+    in the grammar's order (the schema's ``properties`` order, here the const's own)."""
+    schema = {"const": {"foo": "bar", "baz": [{"b": 1, "a": 2}]}}
+    out = normalize_schema(schema, GrammarOptions()).schema
+    assert "const" not in json.dumps(out).split('"properties"')[0]
+    g = compile_or_refuse(compiler, "llguidance", json_schema=schema)
+    assert feed(g, tokenizer.encode('{"foo":"bar","baz":[{"b":1,"a":2}]}'))
+    for wrong in ('{"foo":"bar","baz":[{"b":1,"a":3}]}', '{"foo":"bar"}', '{"foo":"bar","baz":[{"b":1,"a":2}],"x":1}'):
+        assert not feed(g, tokenizer.encode(wrong)), wrong
+    g = compile_or_refuse(compiler, "llguidance", json_schema={"enum": [{"a": 1}, "x", 2]})
+    for text, ok in (('{"a":1}', True), ('"x"', True), ("2", True), ('{"a":2}', False), ('"y"', False)):
+        assert feed(g, tokenizer.encode(text)) is ok, text
+
+
+def test_documented_spelling_departures(compiler, tokenizer):
+    """Valid JSON that a generator never needs, rejected by design (docs/DESIGN.md): ``\\/``,
+    numbers in exponent form or signed zero under a bound, integral numbers with a fraction
+    under a const. The canonical spelling of each is accepted."""
+    g = compile_or_refuse(compiler, "llguidance", json_schema={"type": "string"})
+    assert not feed(g, tokenizer.encode('"a\\/b"')) and feed(g, tokenizer.encode('"a/b"'))
+    g = compile_or_refuse(compiler, "llguidance", json_schema={"type": "number", "minimum": 4})
+    assert not feed(g, tokenizer.encode("4e0")) and feed(g, tokenizer.encode("4"))
+    assert feed(g, tokenizer.encode("1000")) and feed(g, tokenizer.encode("4.5"))
+    g = compile_or_refuse(compiler, "llguidance", json_schema={"type": "number", "maximum": 0})
+    assert not feed(g, tokenizer.encode("-0")) and feed(g, tokenizer.encode("0"))
+    g = compile_or_refuse(compiler, "llguidance", json_schema={"const": 9007199254740992})
+    assert feed(g, tokenizer.encode("9007199254740992"))
