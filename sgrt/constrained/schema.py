@@ -60,6 +60,8 @@ _UNSUPPORTED = {
     "$dynamicRef": "dynamic references",
     "$recursiveRef": "recursive references",
 }
+_COUNT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+               "minContains", "maxContains")
 _OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
 _APPLICATORS = ("allOf", "anyOf", "oneOf")
 _OBJECT_KEYS = ("properties", "patternProperties", "additionalProperties", "required",
@@ -125,6 +127,28 @@ def _value_schema(v: Any) -> Schema:
     if isinstance(v, list):
         return {"type": "array", "prefixItems": [_value_schema(x) for x in v], "items": False, "minItems": len(v)}
     return {"const": v}
+
+
+@dataclass(frozen=True)
+class _Evaluated:
+    """Members of an instance a schema evaluates for sure: property names and patterns (or a
+    count of leading items), or all of them."""
+
+    names: tuple = ()  # ordered as the schema lists them (the grammar's key order follows)
+    patterns: tuple = ()
+    items: int = 0
+    all: bool = False
+
+    def __or__(self, other: "_Evaluated") -> "_Evaluated":
+        return _Evaluated(tuple(dict.fromkeys(self.names + other.names)),
+                          tuple(dict.fromkeys(self.patterns + other.patterns)),
+                          max(self.items, other.items), self.all or other.all)
+
+    def __and__(self, other: "_Evaluated") -> "_Evaluated":
+        if self.all or other.all:
+            return other if self.all else self
+        return _Evaluated(tuple(n for n in self.names if n in other.names),
+                          tuple(p for p in self.patterns if p in other.patterns), min(self.items, other.items))
 
 
 def _is_num(v: Any) -> bool:
@@ -218,6 +242,7 @@ class _Normalizer:
         self.upgraded = upgraded
         keep_open = self._composed_paths(upgraded) if self.options.additional_properties_default == "closed" else None
         with_options = self._apply_options(upgraded, "", keep_open, negated=False)
+        with_options = self._resolve_unevaluated(with_options, "", with_options)
         self.current = with_options
         self._rewritten: dict[str, Schema] = {}
         out = self._rewrite(with_options, "")
@@ -297,6 +322,9 @@ class _Normalizer:
                         node.setdefault("dependentSchemas", {})[name] = dep
         if node.get("uniqueItems") is False:
             node.pop("uniqueItems")
+        for k in _COUNT_KEYS:  # 2.0 is an integer to JSON Schema (2020-12, section 6)
+            if isinstance(node.get(k), float) and node[k].is_integer():
+                node[k] = int(node[k])
         return map_subschemas(node, self._upgrade, path)
 
     # ---- step 2b: which object schemas must stay open ---------------------------------------
@@ -405,6 +433,108 @@ class _Normalizer:
             return self._apply_options(sub, sub_path, keep_open, negated or key in ("not", "if", "propertyNames", "contains"))
 
         return map_subschemas(node, child, path)
+
+    # ---- step 2d: unevaluatedProperties / unevaluatedItems, resolved statically ------------
+
+    def _resolve_unevaluated(self, node: Schema, path: str, tree: Schema) -> Schema:
+        """Rewrite ``unevaluatedProperties`` / ``unevaluatedItems`` into an ``allOf`` member
+        that names what the node's other keywords evaluate for sure (``properties``,
+        ``patternProperties`` / ``prefixItems``, through ``allOf``, local ``$ref``,
+        ``anyOf`` / ``oneOf`` / ``if`` branch by branch) and applies the keyword's schema to
+        the rest (``additionalProperties`` / ``items``).
+
+        Sound by construction: what :meth:`_evaluated` counts is a subset of what JSON Schema
+        2020-12 counts as evaluated for any instance the node accepts (keywords it cannot see
+        through, like ``dependentSchemas`` or ``contains``, count as evaluating nothing), so the
+        rewrite applies the schema to at least every unevaluated member. It may reject a valid
+        instance (a key evaluated only by such a keyword), never accept an invalid one.
+        Top-down on the user's tree, so nested ``unevaluated*`` are seen as written.
+        """
+        if not isinstance(node, dict):
+            return node
+        for key in ("unevaluatedProperties", "unevaluatedItems"):
+            if key in node:
+                node = self._resolve_one_unevaluated(node, key, tree, path)
+        if not isinstance(node, dict):
+            return node
+        return map_subschemas(node, lambda sub, p: self._resolve_unevaluated(sub, p, tree), path)
+
+    def _resolve_one_unevaluated(self, node: dict, key: str, tree: Schema, path: str) -> dict:
+        objs = key == "unevaluatedProperties"
+        extra = node[key]
+        rest = {k: v for k, v in node.items() if k != key}
+        if extra is True or extra == {}:
+            return rest
+        groups = [k for k in ("anyOf", "oneOf") if isinstance(rest.get(k), list)]
+        split = groups[0] if len(groups) == 1 and "if" not in rest else "if" if "if" in rest and not groups else None
+        base = {k: v for k, v in rest.items() if k not in ((split,) if split != "if" else ("if", "then", "else"))}
+        e_base = self._evaluated(base, objs, tree, frozenset())
+        if split is None:
+            alternatives = [(None, e_base)]
+        elif split == "if":
+            cond, then, other = rest["if"], rest.get("then", True), rest.get("else", True)
+            alternatives = [
+                ({"allOf": [cond, then]}, e_base | self._evaluated(cond, objs, tree, frozenset())
+                 | self._evaluated(then, objs, tree, frozenset())),
+                ({"allOf": [{"not": cond}, other]}, e_base | self._evaluated(other, objs, tree, frozenset())),
+            ]
+        else:
+            alternatives = [(b, e_base | self._evaluated(b, objs, tree, frozenset())) for b in rest[split]]
+        members = []
+        for branch, ev in alternatives:
+            if ev.all:
+                members.append(branch if branch is not None else True)
+                continue
+            if objs:
+                rule: dict = {"additionalProperties": extra}
+                if ev.names:
+                    rule["properties"] = {n: {} for n in ev.names}
+                if ev.patterns:
+                    rule["patternProperties"] = {p: {} for p in ev.patterns}
+            else:
+                rule = {"items": extra}
+                if ev.items:
+                    rule["prefixItems"] = [{} for _ in range(ev.items)]
+            members.append(rule if branch is None else {"allOf": [branch, rule]})
+        if all(m is True for m in members):
+            return rest
+        added = members[0] if len(members) == 1 else {"anyOf": members}
+        rest["allOf"] = list(rest.get("allOf") or []) + [added]
+        return rest
+
+    def _evaluated(self, node: Schema, objs: bool, tree: Schema, seen: frozenset) -> "_Evaluated":
+        """What ``node`` evaluates for sure at its own instance location, when it accepts."""
+        if node is False:
+            return _Evaluated(all=True)  # never valid: anything may be assumed
+        if not isinstance(node, dict):
+            return _Evaluated()
+        if objs:
+            ev = _Evaluated(names=tuple(n for n in (node.get("properties") or {}) if isinstance(n, str)),
+                            patterns=tuple(node.get("patternProperties") or {}),
+                            all="additionalProperties" in node or "unevaluatedProperties" in node)
+        else:
+            prefix = node.get("prefixItems")
+            ev = _Evaluated(items=len(prefix) if isinstance(prefix, list) else 0,
+                            all="items" in node or "unevaluatedItems" in node)
+        for m in node.get("allOf") or []:
+            ev = ev | self._evaluated(m, objs, tree, seen)
+        if isinstance(node.get("$ref"), str) and node["$ref"] not in seen:
+            try:
+                target = self.lookup(tree, self.ref_pointer(node["$ref"], ""), "")
+            except GrammarError:
+                target = True
+            ev = ev | self._evaluated(target, objs, tree, seen | {node["$ref"]})
+        for k in ("anyOf", "oneOf"):
+            if isinstance(node.get(k), list) and node[k]:
+                branches = [self._evaluated(b, objs, tree, seen) for b in node[k]]
+                common = branches[0]
+                for b in branches[1:]:
+                    common = common & b
+                ev = ev | common
+        if "if" in node:
+            then = self._evaluated(node["if"], objs, tree, seen) | self._evaluated(node.get("then", True), objs, tree, seen)
+            ev = ev | (then & self._evaluated(node.get("else", True), objs, tree, seen))
+        return ev
 
     def _bound_numbers(self, node: Schema, path: str) -> Schema:
         """Default digit bounds on every number schema in a positive position of the rewritten

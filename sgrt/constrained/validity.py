@@ -156,7 +156,13 @@ def _merged_parts(node: Any, root: Any, data: Any, depth: int) -> list[dict]:
         return []
     parts = [node]
     if "$ref" in node:
-        parts += _merged_parts({"$ref": node["$ref"]}, root, data, depth + 1)
+        ref_parts = _merged_parts({"$ref": node["$ref"]}, root, data, depth + 1)
+        keys = list(node)
+        # llguidance merges a sibling $ref in the schema's key order
+        if "properties" in node and keys.index("$ref") < keys.index("properties"):
+            parts = ref_parts + parts
+        else:
+            parts += ref_parts
     for m in node.get("allOf") or []:
         parts += _merged_parts(m, root, data, depth + 1)
     for key in ("anyOf", "oneOf"):
