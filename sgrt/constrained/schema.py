@@ -24,6 +24,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urldefrag, urljoin
 
 from sgrt.constrained.formats import FORMAT_REGEXES, KNOWN_FORMATS, LLGUIDANCE_OVERRIDES
 from sgrt.constrained.options import GrammarOptions
@@ -60,6 +61,7 @@ _UNSUPPORTED = {
     "$dynamicRef": "dynamic references",
     "$recursiveRef": "recursive references",
 }
+_ROOT_BASE = "https://sgrt.invalid/root.json"  # base URI of a document without a root $id
 _COUNT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
                "minContains", "maxContains")
 _OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
@@ -239,6 +241,7 @@ class _Normalizer:
 
     def run(self) -> Schema:
         upgraded = self._upgrade(self.root, "")
+        upgraded = self._localize_refs(upgraded)
         self.upgraded = upgraded
         keep_open = self._composed_paths(upgraded) if self.options.additional_properties_default == "closed" else None
         with_options = self._apply_options(upgraded, "", keep_open, negated=False)
@@ -257,10 +260,62 @@ class _Normalizer:
 
     # ---- references -----------------------------------------------------------------------
 
+    def _localize_refs(self, root: Schema) -> Schema:
+        """Embedded resources (a nested ``$id``): every ``$ref`` that resolves, against the base
+        URI of where it sits (RFC 3986 section 5), to a resource of this document becomes a local
+        ``#/pointer``, and the nested ``$id`` are dropped, so backends see one resource. A ``$ref``
+        to anything else is left as written (and refused later as remote)."""
+        if not isinstance(root, dict):
+            return root
+        root_base = root.get("$id") if isinstance(root.get("$id"), str) else _ROOT_BASE
+        resources: dict[str, str] = {}
+        anchors: dict[tuple[str, str], str] = {}  # (resource URI, anchor name) -> pointer
+        nested = []
+
+        def collect(node: Schema, path: str, base: str) -> None:
+            if not isinstance(node, dict):
+                return
+            if isinstance(node.get("$id"), str):
+                base = urldefrag(urljoin(base, node["$id"]))[0]
+                resources.setdefault(base, path)
+                if path:
+                    nested.append(path)
+            if isinstance(node.get("$anchor"), str):
+                anchors[(base, node["$anchor"])] = path
+            for rel, sub in subschemas(node):
+                collect(sub, path + rel, base)
+
+        collect(root, "", root_base)
+        if not nested:
+            return root
+        resources.setdefault(urldefrag(root_base)[0], "")
+
+        def localize(node: Schema, path: str, base: str) -> Schema:
+            if not isinstance(node, dict):
+                return node
+            node = dict(node)
+            if isinstance(node.get("$id"), str):
+                base = urldefrag(urljoin(base, node["$id"]))[0]
+                if path:
+                    node.pop("$id")
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                uri, frag = urldefrag(urljoin(base, ref))
+                if uri in resources:
+                    if not frag or frag.startswith("/"):
+                        node["$ref"] = "#" + resources[uri] + frag
+                    elif (uri, frag) in anchors:
+                        node["$ref"] = "#" + anchors[(uri, frag)]
+            return map_subschemas(node, lambda sub, p: localize(sub, p, base), path)
+
+        return localize(root, "", root_base)
+
     def _collect_anchors(self, node: Schema, path: str) -> None:
         if isinstance(node, dict):
             if isinstance(node.get("$anchor"), str):
-                self.anchors[node["$anchor"]] = path
+                name = node["$anchor"]
+                # The same name in two resources: a bare "#name" is ambiguous here (refused).
+                self.anchors[name] = path if name not in self.anchors else None
             for rel, sub in subschemas(node):
                 self._collect_anchors(sub, path + rel)
 
@@ -275,7 +330,7 @@ class _Normalizer:
                 field="json_schema", path=path + "/$ref",
             )
         if frag and not frag.startswith("/"):
-            if frag in self.anchors:
+            if self.anchors.get(frag) is not None:
                 return self.anchors[frag]
             raise GrammarError(f"$ref {ref!r} at {path or '/'}: unknown anchor", field="json_schema", path=path + "/$ref")
         return frag

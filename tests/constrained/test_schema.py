@@ -204,3 +204,24 @@ def test_complement_regex():
         assert not rx.match(w)
     for w in ["b", "abc", "x", "xzy", "aa", "x.yz", "[q", "q]", "\n"]:
         assert rx.match(w), w
+
+
+def test_refs_into_embedded_resources_are_localized():
+    """Issue 20: a $ref resolved against the base URI of where it sits (nested $id) becomes a
+    local pointer; anchors are per resource; a $ref to anything else stays refused."""
+    schema = {
+        "$id": "http://example.com/root.json",
+        "properties": {"n": {"$ref": "node"}, "b": {"$ref": "#big"}},
+        "$defs": {
+            "node": {"$id": "node", "type": "integer", "$defs": {"x": {"type": "string"}}},
+            "big": {"$anchor": "big", "maximum": 10},
+            "other": {"$id": "http://example.com/other/", "$anchor": "big", "maximum": 2},
+        },
+    }
+    out = normalize_schema(schema, OPEN).schema
+    assert out["properties"]["n"]["$ref"] == "#/$defs/node"
+    assert out["properties"]["b"]["$ref"] == "#/$defs/big"  # the root resource's anchor, not other's
+    assert "$id" not in out["$defs"]["node"] and out["$id"] == "http://example.com/root.json"
+    with pytest.raises(GrammarError) as err:
+        normalize_schema({"$id": "http://example.com/a.json", "$ref": "b.json"}, OPEN)
+    assert "remote" in str(err.value)
