@@ -21,6 +21,7 @@ import torch
 from sgrt.constrained.bitmask import row_view, set_bits
 from sgrt.constrained.grammar import CompiledGrammar, Grammar
 from sgrt.constrained.options import FLEXIBLE_WHITESPACE_MAX, GrammarOptions
+from sgrt.constrained.schema import PLAIN_ESCAPES_KEY
 from sgrt.constrained.vocab import Vocab
 from sgrt.errors import GrammarError
 
@@ -84,11 +85,15 @@ class LLGuidanceBackend:
 
     def compile_json(self, schema: Any, options: GrammarOptions, warnings: list[str]) -> "LLCompiled":
         """``schema``: a normalized schema (:func:`~sgrt.constrained.schema.normalize_schema`)."""
+        overrides = json_options(options)
         if isinstance(schema, dict):
-            schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+            if schema.get(PLAIN_ESCAPES_KEY):
+                # One spelling per key (see schema.PLAIN_ESCAPES_KEY): no \uXXXX escapes.
+                overrides.update(json_allowed_escapes='"\\bfnrt', json_allow_general_unicode_escapes=False)
+            schema = {k: v for k, v in schema.items() if k not in ("x-guidance", PLAIN_ESCAPES_KEY)}
         else:
             schema = {} if schema is True else {"anyOf": []}
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_options(options))
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=overrides)
         return self._build(grammar, "json_schema", warnings, schema)
 
     def compile_regex(self, regex: str) -> "LLCompiled":
@@ -157,19 +162,32 @@ class LLGuidanceGrammar(Grammar):
                 self._consumed.append(False)
                 self._ended = True
                 return True
-            if not self._m.is_accepting():
+            if self._m.is_accepting():
+                if self._m.try_consume_tokens([vocab.eos_token_id]) != 1:
+                    return False
+                self._consumed.append(True)
+            elif self._takes_named_eos(token_id):
+                self._consumed.append(False)  # checked on a copy; the matcher stays put
+            else:
                 return False
-            if self._m.try_consume_tokens([vocab.eos_token_id]) != 1:
-                return False
-            self._consumed.append(True)
             self._ended = True
             return True
-        if vocab.is_forbidden(token_id):
+        if not 0 <= token_id < vocab.n_tokenizer:
             return False
+        # Special ids are never in the mask unless the grammar names them (``<[id]>``, ``<name>``):
+        # llguidance, which knows them as special tokens, decides.
         if self._m.try_consume_tokens([token_id]) != 1:
             return False
         self._consumed.append(True)
         return True
+
+    def _takes_named_eos(self, token_id: int) -> bool:
+        """Whether the grammar names this EOS id here (Lark ``<[2]>``) and ends after it.
+        llguidance's ``try_consume_tokens`` never takes an EOS id and its ``rollback`` does not
+        undo one taken by ``consume_token``, so the matcher is asked on a copy and left as it is:
+        generation ends on the EOS, and rolling it back only clears ``_ended``."""
+        trial = self._m.deep_copy()
+        return bool(trial.consume_token(token_id)) and not trial.is_error() and trial.is_accepting()
 
     def rollback(self, k: int) -> None:
         if k < 0 or k > len(self._consumed):
@@ -199,7 +217,13 @@ class LLGuidanceGrammar(Grammar):
         self._fix_eos(bitmask, row)
 
     def _fix_eos(self, bitmask: torch.Tensor, row: int) -> None:
-        set_bits(row_view(bitmask, row), self._b.eos_ids, self._m.is_accepting() or self._m.is_stopped())
+        stop = self._m.is_accepting() or self._m.is_stopped()
+        words = row_view(bitmask, row)
+        # An EOS id the grammar itself names (Lark ``<[2]>``) keeps the bit llguidance gave it.
+        named = [i for i in self._b.eos_ids if not stop and (int(words[i // 32]) >> (i % 32)) & 1]
+        set_bits(words, self._b.eos_ids, stop)
+        if named:
+            set_bits(words, named, True)
 
     def forced_tokens(self) -> list[int]:
         if self.is_terminated():

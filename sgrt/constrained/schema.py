@@ -24,6 +24,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urldefrag, urljoin
 
 from sgrt.constrained.formats import FORMAT_REGEXES, KNOWN_FORMATS, LLGUIDANCE_OVERRIDES
 from sgrt.constrained.options import GrammarOptions
@@ -60,11 +61,100 @@ _UNSUPPORTED = {
     "$dynamicRef": "dynamic references",
     "$recursiveRef": "recursive references",
 }
+_ROOT_BASE = "https://sgrt.invalid/root.json"  # base URI of a document without a root $id
+_COUNT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+               "minContains", "maxContains")
 _OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
 _APPLICATORS = ("allOf", "anyOf", "oneOf")
 _OBJECT_KEYS = ("properties", "patternProperties", "additionalProperties", "required",
                 "propertyNames", "minProperties", "maxProperties", "dependentRequired",
                 "dependentSchemas", "dependencies", "unevaluatedProperties")
+
+
+# Set on a normalized schema (llguidance only) when some object lets free keys sit beside named
+# or pattern-matched ones. llguidance lexes free keys with the general JSON string lexeme (any
+# escape) and tells them apart from the named keys by their *raw* text, so ``"\u0066oo"`` would
+# be a free key whose value escapes ``properties.foo``'s schema. With this key the backend turns
+# off ``\uXXXX`` escapes for the whole schema: every key then has exactly one spelling (``\/``
+# is never accepted), so raw and decoded comparisons agree. The backend pops the key.
+PLAIN_ESCAPES_KEY = "x-sgrt-plain-escapes"
+
+
+def mixes_named_and_free_keys(tree: Schema) -> bool:
+    """Whether any object schema in ``tree`` allows keys it does not name (``additionalProperties``
+    not ``false``, or absent) next to ``properties`` or ``patternProperties``: the objects where
+    an escaped spelling of a named key could be taken for a free key."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if (node.get("properties") or node.get("patternProperties")) and node.get("additionalProperties", True) is not False:
+            return True
+        stack.extend(sub for _, sub in subschemas(node))
+    return False
+
+
+def _spell_values(node: Schema) -> Schema:
+    """``const`` / ``enum`` objects, which llguidance would match only as one literal text,
+    rewritten (llguidance only, after the rewrites) into ``properties`` of the members' values,
+    all ``required``, closed: an instance lists the keys in the grammar's order (as for every
+    object), whatever order the schema wrote them in. Other values stay literals (an integral
+    number is written without a fraction: ``1``, not ``1.0``; a departure)."""
+    if not isinstance(node, dict):
+        return node
+    node = map_subschemas(node, lambda sub, _p: _spell_values(sub), "")
+    values = [node["const"]] if "const" in node else node.get("enum") if isinstance(node.get("enum"), list) else None
+    if values is None or not any(_needs_spelling(v) for v in values):
+        return node
+    literal = [v for v in values if not _needs_spelling(v)]
+    branches = ([{"enum": literal}] if literal else []) + [_value_schema(v) for v in values if _needs_spelling(v)]
+    node = {k: v for k, v in node.items() if k not in ("const", "enum")}
+    node["allOf"] = list(node.get("allOf") or []) + [branches[0] if len(branches) == 1 else {"anyOf": branches}]
+    return node
+
+
+def _needs_spelling(v: Any) -> bool:
+    if isinstance(v, dict):
+        return True
+    if isinstance(v, list):
+        return any(_needs_spelling(x) for x in v)
+    return False
+
+
+def _value_schema(v: Any) -> Schema:
+    if isinstance(v, dict):
+        return {"type": "object", "properties": {k: _value_schema(x) for k, x in v.items()},
+                "required": list(v), "additionalProperties": False}
+    if isinstance(v, list):
+        return {"type": "array", "prefixItems": [_value_schema(x) for x in v], "items": False, "minItems": len(v)}
+    return {"const": v}
+
+
+@dataclass(frozen=True)
+class _Evaluated:
+    """Members of an instance a schema evaluates for sure: property names and patterns (or a
+    count of leading items), or all of them."""
+
+    names: tuple = ()  # ordered as the schema lists them (the grammar's key order follows)
+    patterns: tuple = ()
+    items: int = 0
+    all: bool = False
+
+    def __or__(self, other: "_Evaluated") -> "_Evaluated":
+        return _Evaluated(tuple(dict.fromkeys(self.names + other.names)),
+                          tuple(dict.fromkeys(self.patterns + other.patterns)),
+                          max(self.items, other.items), self.all or other.all)
+
+    def __and__(self, other: "_Evaluated") -> "_Evaluated":
+        if self.all or other.all:
+            return other if self.all else self
+        return _Evaluated(tuple(n for n in self.names if n in other.names),
+                          tuple(p for p in self.patterns if p in other.patterns), min(self.items, other.items))
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -151,22 +241,81 @@ class _Normalizer:
 
     def run(self) -> Schema:
         upgraded = self._upgrade(self.root, "")
+        upgraded = self._localize_refs(upgraded)
         self.upgraded = upgraded
         keep_open = self._composed_paths(upgraded) if self.options.additional_properties_default == "closed" else None
         with_options = self._apply_options(upgraded, "", keep_open, negated=False)
+        with_options = self._resolve_unevaluated(with_options, "", with_options)
         self.current = with_options
         self._rewritten: dict[str, Schema] = {}
         out = self._rewrite(with_options, "")
         if self.backend == "llguidance":
+            self._uses_multiple_of = '"multipleOf"' in json.dumps(out)
+            out = self._bound_numbers(out, "")
+            out = _spell_values(out)
             out = self._llguidance_patterns(out, "")
+            if isinstance(out, dict) and mixes_named_and_free_keys(out):
+                out = {**out, PLAIN_ESCAPES_KEY: True}
         return out
 
     # ---- references -----------------------------------------------------------------------
 
+    def _localize_refs(self, root: Schema) -> Schema:
+        """Embedded resources (a nested ``$id``): every ``$ref`` that resolves, against the base
+        URI of where it sits (RFC 3986 section 5), to a resource of this document becomes a local
+        ``#/pointer``, and the nested ``$id`` are dropped, so backends see one resource. A ``$ref``
+        to anything else is left as written (and refused later as remote)."""
+        if not isinstance(root, dict):
+            return root
+        root_base = root.get("$id") if isinstance(root.get("$id"), str) else _ROOT_BASE
+        resources: dict[str, str] = {}
+        anchors: dict[tuple[str, str], str] = {}  # (resource URI, anchor name) -> pointer
+        nested = []
+
+        def collect(node: Schema, path: str, base: str) -> None:
+            if not isinstance(node, dict):
+                return
+            if isinstance(node.get("$id"), str):
+                base = urldefrag(urljoin(base, node["$id"]))[0]
+                resources.setdefault(base, path)
+                if path:
+                    nested.append(path)
+            if isinstance(node.get("$anchor"), str):
+                anchors[(base, node["$anchor"])] = path
+            for rel, sub in subschemas(node):
+                collect(sub, path + rel, base)
+
+        collect(root, "", root_base)
+        if not nested:
+            return root
+        resources.setdefault(urldefrag(root_base)[0], "")
+
+        def localize(node: Schema, path: str, base: str) -> Schema:
+            if not isinstance(node, dict):
+                return node
+            node = dict(node)
+            if isinstance(node.get("$id"), str):
+                base = urldefrag(urljoin(base, node["$id"]))[0]
+                if path:
+                    node.pop("$id")
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                uri, frag = urldefrag(urljoin(base, ref))
+                if uri in resources:
+                    if not frag or frag.startswith("/"):
+                        node["$ref"] = "#" + resources[uri] + frag
+                    elif (uri, frag) in anchors:
+                        node["$ref"] = "#" + anchors[(uri, frag)]
+            return map_subschemas(node, lambda sub, p: localize(sub, p, base), path)
+
+        return localize(root, "", root_base)
+
     def _collect_anchors(self, node: Schema, path: str) -> None:
         if isinstance(node, dict):
             if isinstance(node.get("$anchor"), str):
-                self.anchors[node["$anchor"]] = path
+                name = node["$anchor"]
+                # The same name in two resources: a bare "#name" is ambiguous here (refused).
+                self.anchors[name] = path if name not in self.anchors else None
             for rel, sub in subschemas(node):
                 self._collect_anchors(sub, path + rel)
 
@@ -181,7 +330,7 @@ class _Normalizer:
                 field="json_schema", path=path + "/$ref",
             )
         if frag and not frag.startswith("/"):
-            if frag in self.anchors:
+            if self.anchors.get(frag) is not None:
                 return self.anchors[frag]
             raise GrammarError(f"$ref {ref!r} at {path or '/'}: unknown anchor", field="json_schema", path=path + "/$ref")
         return frag
@@ -228,6 +377,9 @@ class _Normalizer:
                         node.setdefault("dependentSchemas", {})[name] = dep
         if node.get("uniqueItems") is False:
             node.pop("uniqueItems")
+        for k in _COUNT_KEYS:  # 2.0 is an integer to JSON Schema (2020-12, section 6)
+            if isinstance(node.get(k), float) and node[k].is_integer():
+                node[k] = int(node[k])
         return map_subschemas(node, self._upgrade, path)
 
     # ---- step 2b: which object schemas must stay open ---------------------------------------
@@ -325,8 +477,7 @@ class _Normalizer:
                 cap is not None
                 and ts is not None
                 and "string" in ts
-                and not any(k in node for k in ("maxLength", "enum", "const", "format"))
-                and fmt not in KNOWN_FORMATS
+                and not any(k in node for k in ("maxLength", "enum", "const"))
                 and self.backend != "outlines"
             ):
                 min_len = node.get("minLength", 0)
@@ -337,6 +488,142 @@ class _Normalizer:
             return self._apply_options(sub, sub_path, keep_open, negated or key in ("not", "if", "propertyNames", "contains"))
 
         return map_subschemas(node, child, path)
+
+    # ---- step 2d: unevaluatedProperties / unevaluatedItems, resolved statically ------------
+
+    def _resolve_unevaluated(self, node: Schema, path: str, tree: Schema) -> Schema:
+        """Rewrite ``unevaluatedProperties`` / ``unevaluatedItems`` into an ``allOf`` member
+        that names what the node's other keywords evaluate for sure (``properties``,
+        ``patternProperties`` / ``prefixItems``, through ``allOf``, local ``$ref``,
+        ``anyOf`` / ``oneOf`` / ``if`` branch by branch) and applies the keyword's schema to
+        the rest (``additionalProperties`` / ``items``).
+
+        Sound by construction: what :meth:`_evaluated` counts is a subset of what JSON Schema
+        2020-12 counts as evaluated for any instance the node accepts (keywords it cannot see
+        through, like ``dependentSchemas`` or ``contains``, count as evaluating nothing), so the
+        rewrite applies the schema to at least every unevaluated member. It may reject a valid
+        instance (a key evaluated only by such a keyword), never accept an invalid one.
+        Top-down on the user's tree, so nested ``unevaluated*`` are seen as written.
+        """
+        if not isinstance(node, dict):
+            return node
+        for key in ("unevaluatedProperties", "unevaluatedItems"):
+            if key in node:
+                node = self._resolve_one_unevaluated(node, key, tree, path)
+        if not isinstance(node, dict):
+            return node
+        return map_subschemas(node, lambda sub, p: self._resolve_unevaluated(sub, p, tree), path)
+
+    def _resolve_one_unevaluated(self, node: dict, key: str, tree: Schema, path: str) -> dict:
+        objs = key == "unevaluatedProperties"
+        extra = node[key]
+        rest = {k: v for k, v in node.items() if k != key}
+        if extra is True or extra == {}:
+            return rest
+        groups = [k for k in ("anyOf", "oneOf") if isinstance(rest.get(k), list)]
+        split = groups[0] if len(groups) == 1 and "if" not in rest else "if" if "if" in rest and not groups else None
+        base = {k: v for k, v in rest.items() if k not in ((split,) if split != "if" else ("if", "then", "else"))}
+        e_base = self._evaluated(base, objs, tree, frozenset())
+        if split is None:
+            alternatives = [(None, e_base)]
+        elif split == "if":
+            cond, then, other = rest["if"], rest.get("then", True), rest.get("else", True)
+            alternatives = [
+                ({"allOf": [cond, then]}, e_base | self._evaluated(cond, objs, tree, frozenset())
+                 | self._evaluated(then, objs, tree, frozenset())),
+                ({"allOf": [{"not": cond}, other]}, e_base | self._evaluated(other, objs, tree, frozenset())),
+            ]
+        else:
+            alternatives = [(b, e_base | self._evaluated(b, objs, tree, frozenset())) for b in rest[split]]
+        members = []
+        for branch, ev in alternatives:
+            if ev.all:
+                members.append(branch if branch is not None else True)
+                continue
+            if objs:
+                rule: dict = {"additionalProperties": extra}
+                if ev.names:
+                    rule["properties"] = {n: {} for n in ev.names}
+                if ev.patterns:
+                    rule["patternProperties"] = {p: {} for p in ev.patterns}
+            else:
+                rule = {"items": extra}
+                if ev.items:
+                    rule["prefixItems"] = [{} for _ in range(ev.items)]
+            members.append(rule if branch is None else {"allOf": [branch, rule]})
+        if all(m is True for m in members):
+            return rest
+        added = members[0] if len(members) == 1 else {"anyOf": members}
+        rest["allOf"] = list(rest.get("allOf") or []) + [added]
+        return rest
+
+    def _evaluated(self, node: Schema, objs: bool, tree: Schema, seen: frozenset) -> "_Evaluated":
+        """What ``node`` evaluates for sure at its own instance location, when it accepts."""
+        if node is False:
+            return _Evaluated(all=True)  # never valid: anything may be assumed
+        if not isinstance(node, dict):
+            return _Evaluated()
+        if objs:
+            ev = _Evaluated(names=tuple(n for n in (node.get("properties") or {}) if isinstance(n, str)),
+                            patterns=tuple(node.get("patternProperties") or {}),
+                            all="additionalProperties" in node or "unevaluatedProperties" in node)
+        else:
+            prefix = node.get("prefixItems")
+            ev = _Evaluated(items=len(prefix) if isinstance(prefix, list) else 0,
+                            all="items" in node or "unevaluatedItems" in node)
+        for m in node.get("allOf") or []:
+            ev = ev | self._evaluated(m, objs, tree, seen)
+        if isinstance(node.get("$ref"), str) and node["$ref"] not in seen:
+            try:
+                target = self.lookup(tree, self.ref_pointer(node["$ref"], ""), "")
+            except GrammarError:
+                target = True
+            ev = ev | self._evaluated(target, objs, tree, seen | {node["$ref"]})
+        for k in ("anyOf", "oneOf"):
+            if isinstance(node.get(k), list) and node[k]:
+                branches = [self._evaluated(b, objs, tree, seen) for b in node[k]]
+                common = branches[0]
+                for b in branches[1:]:
+                    common = common & b
+                ev = ev | common
+        if "if" in node:
+            then = self._evaluated(node["if"], objs, tree, seen) | self._evaluated(node.get("then", True), objs, tree, seen)
+            ev = ev | (then & self._evaluated(node.get("else", True), objs, tree, seen))
+        return ev
+
+    def _bound_numbers(self, node: Schema, path: str) -> Schema:
+        """Default digit bounds on every number schema in a positive position of the rewritten
+        tree (see GrammarOptions.max_integer_digits). Done after the rewrites so that negations
+        (``not``, ``if``, ``oneOf``) see the user's schema, not our bounds."""
+        if not isinstance(node, dict):
+            return node
+        ts = type_set({"type": node["type"]}) if "type" in node else None
+        if ts is not None and ts & {"number", "integer"} and not any(k in node for k in ("enum", "const")):
+            node = dict(node)
+            self._bound_number(node, ts)
+
+        def child(sub: Schema, sub_path: str) -> Schema:
+            key = sub_path[len(path):].split("/")[1]
+            return sub if key in ("not", "if", "propertyNames", "contains") else self._bound_numbers(sub, sub_path)
+
+        return map_subschemas(node, child, path)
+
+    def _bound_number(self, node: dict, ts: set[str]) -> None:
+        """Default digit bounds on one number schema, on the sides it leaves open."""
+        digits = self.options.max_integer_digits
+        if digits is not None:
+            limit = 10**digits - 1
+            lows = [node[k] for k in ("minimum", "exclusiveMinimum") if _is_num(node.get(k))]
+            highs = [node[k] for k in ("maximum", "exclusiveMaximum") if _is_num(node.get(k))]
+            if not highs and all(lo < limit for lo in lows):
+                node["maximum"] = limit
+            if not lows and all(hi > -limit for hi in highs):
+                node["minimum"] = -limit
+        frac = self.options.max_fraction_digits
+        # llguidance does not intersect two multipleOf (allOf members, $ref siblings): a schema
+        # that uses multipleOf anywhere keeps its own.
+        if frac is not None and "number" in ts and not self._uses_multiple_of:
+            node["multipleOf"] = float(f"1e-{frac}")
 
     # ---- step 3: rewrites and checks --------------------------------------------------------
 

@@ -166,7 +166,7 @@ def negate(node: Schema, resolve: Callable[[str], Schema], depth: int = 0,
            context: set[str] | None = None) -> Schema:
     """A schema accepting exactly the instances ``node`` rejects, without using ``not``.
 
-    Handles boolean schemas, ``type``, ``required``, ``properties``, length / item / numeric
+    Handles boolean schemas, ``type``, ``required``, ``properties``, ``prefixItems``, length / item / numeric
     bounds, ``const`` / ``enum`` of scalars, ``anyOf`` / ``allOf`` / ``not``, local ``$ref``,
     and conjunctions of these. Raises ``Inexpressible`` otherwise.
 
@@ -218,6 +218,12 @@ def negate(node: Schema, resolve: Callable[[str], Schema], depth: int = 0,
             other = {"minimum": "exclusiveMaximum", "maximum": "exclusiveMinimum",
                      "exclusiveMinimum": "maximum", "exclusiveMaximum": "minimum"}[k]
             parts.append({"type": "number", other: v})
+        elif k == "prefixItems":
+            # Some item i (present) fails its schema; earlier items are free.
+            for i, sub in enumerate(v):
+                neg = negate(sub, resolve, depth + 1)
+                if neg is not False:
+                    parts.append({"type": "array", "minItems": i + 1, "prefixItems": [True] * i + [neg]})
         elif k == "anyOf":
             parts.append({"allOf": [negate(s, resolve, depth + 1, context) for s in v]})
         elif k == "allOf":
@@ -320,8 +326,9 @@ def provably_disjoint(a: Schema, b: Schema, resolve: Callable[[str], Schema]) ->
                 return True
         for x, y in ((a, b), (b, a)):
             px = x.get("properties") or {}
+            closed = x.get("additionalProperties") is False and not x.get("patternProperties")
             for name in y.get("required") or []:
-                if px.get(name) is False:
+                if px.get(name) is False or (closed and name not in px):
                     return True
     return False
 

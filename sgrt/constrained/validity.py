@@ -12,7 +12,9 @@ string caps, formats enforced by :mod:`~sgrt.constrained.formats`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -28,7 +30,21 @@ from sgrt.constrained.options import GrammarOptions
 from sgrt.constrained.schema import normalize_schema
 from sgrt.errors import GrammarError
 
-DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+def _data_dir() -> Path:
+    """``shared/data`` next to the checkout (``SGRT_DATA_DIR`` overrides): the nearest parent
+    of this file that has one (a worktree may sit deeper than the main checkout)."""
+    env = os.environ.get("SGRT_DATA_DIR")
+    if env:
+        return Path(env)
+    for parent in Path(__file__).resolve().parents:
+        if (parent / "shared" / "data").is_dir():
+            return parent / "shared" / "data"
+    return Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+DATA_DIR = _data_dir()
 
 
 @dataclass
@@ -85,12 +101,23 @@ def load_test_suite(root: Path | None = None, files: list[str] | None = None) ->
     return cases
 
 
-def instance_text(data: Any, schema: Any = None) -> str:
-    """Compact JSON for ``data`` with object keys in ``schema``'s ``properties`` order and
-    integral floats written as integers."""
+# How instances are written (``run_case(serialization=...)``) and the whitespace option the
+# grammar is compiled with for each: compact, Python's default separators (", " and ": "), and
+# pretty-printed with one space of indentation per level (flexible whitespace).
+SERIALIZATIONS = {"compact": "compact", "default": "one_space", "flexible": "flexible"}
+
+
+def instance_text(data: Any, schema: Any = None, serialization: str = "compact") -> str:
+    """JSON for ``data`` with object keys in ``schema``'s ``properties`` order and integral
+    floats written as integers, in one of :data:`SERIALIZATIONS`."""
     if schema is not None:
         data = order_keys(data, schema, schema)
-    return json.dumps(_compact_numbers(data), separators=(",", ":"), ensure_ascii=False)
+    data = _compact_numbers(data)
+    if serialization == "default":
+        return json.dumps(data, ensure_ascii=False)
+    if serialization == "flexible":
+        return json.dumps(data, indent=1, ensure_ascii=False)
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
 
 
 def _compact_numbers(data: Any) -> Any:
@@ -141,7 +168,13 @@ def _merged_parts(node: Any, root: Any, data: Any, depth: int) -> list[dict]:
         return []
     parts = [node]
     if "$ref" in node:
-        parts += _merged_parts({"$ref": node["$ref"]}, root, data, depth + 1)
+        ref_parts = _merged_parts({"$ref": node["$ref"]}, root, data, depth + 1)
+        keys = list(node)
+        # llguidance merges a sibling $ref in the schema's key order
+        if "properties" in node and keys.index("$ref") < keys.index("properties"):
+            parts = ref_parts + parts
+        else:
+            parts += ref_parts
     for m in node.get("allOf") or []:
         parts += _merged_parts(m, root, data, depth + 1)
     for key in ("anyOf", "oneOf"):
@@ -204,6 +237,28 @@ def departure_reason(normalized_schema: Any, data: Any) -> str | None:
     )
 
 
+def _all_integral_as_int(data: Any) -> Any:
+    if isinstance(data, float) and data.is_integer():
+        return int(data)
+    if isinstance(data, dict):
+        return {k: _all_integral_as_int(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_all_integral_as_int(v) for v in data]
+    return data
+
+
+def spelling_departure(compiled: Any, vocab: Any, data: Any, normalized: Any, text: str,
+                       serialization: str = "compact") -> str | None:
+    """``"number spelling"`` when the grammar takes the same value with every integral number
+    written as an integer (``9007199254740992`` for ``9007199254740992.0``): a documented
+    departure (a generator writes integers without a fraction), else None."""
+    plain = instance_text(_all_integral_as_int(data), normalized, serialization)
+    if plain == text:
+        return None
+    accepted, _ = feed_tokens(compiled.new_grammar(), vocab.encode(plain))
+    return "number spelling" if accepted else None
+
+
 def feed_tokens(grammar: Any, token_ids: list[int], bitmask: torch.Tensor | None = None,
                 times: list[float] | None = None, stricter: list[int] | None = None) -> tuple[bool, int]:
     """Feed ``token_ids``; returns (accepted and accepting at the end, mask mismatches).
@@ -235,9 +290,15 @@ def feed_tokens(grammar: Any, token_ids: list[int], bitmask: torch.Tensor | None
 
 
 def run_case(compiler: Any, backend: str, case: CorpusCase, options: GrammarOptions | None = None,
-             max_tests: int | None = None, measure_masks: bool = True) -> CaseResult:
-    """Compile ``case.schema`` on ``backend`` and feed every instance (see module docstring)."""
-    options = options or compiler.options
+             max_tests: int | None = None, measure_masks: bool = True,
+             serialization: str = "compact") -> CaseResult:
+    """Compile ``case.schema`` on ``backend`` and feed every instance (see module docstring).
+
+    ``serialization``: one of :data:`SERIALIZATIONS`; the grammar is compiled with the matching
+    whitespace option (unless ``options`` is given). A compiler with ``raw_schemas = True``
+    (another engine, in bench/schema_corpus.py) gets the schema as written: keys are ordered
+    and departures judged on it."""
+    options = options or dataclasses.replace(compiler.options, whitespace=SERIALIZATIONS[serialization])
     result = CaseResult(case.name, compiled=False)
     t0 = time.perf_counter()
     try:
@@ -249,13 +310,14 @@ def run_case(compiler: Any, backend: str, case: CorpusCase, options: GrammarOpti
     result.compile_s = time.perf_counter() - t0
     result.compiled = True
     try:
-        normalized = normalize_schema(case.schema, options, backend).schema
+        normalized = case.schema if getattr(compiler, "raw_schemas", False) else \
+            normalize_schema(case.schema, options, backend).schema
     except GrammarError:
         normalized = case.schema
     bitmask = allocate_token_bitmask(1, compiler.vocab.vocab_size) if measure_masks else None
     tests = case.tests if max_tests is None else case.tests[:max_tests]
     for desc, valid, data in tests:
-        text = instance_text(data, normalized)  # key order as the backend sees the schema
+        text = instance_text(data, normalized, serialization)  # key order as the backend sees the schema
         grammar = compiled.new_grammar()
         stricter = [0]
         accepted, mismatches = feed_tokens(grammar, compiler.vocab.encode(text), bitmask, result.mask_times, stricter)
@@ -264,7 +326,8 @@ def run_case(compiler: Any, backend: str, case: CorpusCase, options: GrammarOpti
         if valid and accepted:
             result.valid_accepted += 1
         elif valid:
-            reason = departure_reason(normalized, data)
+            reason = departure_reason(normalized, data) or \
+                spelling_departure(compiled, compiler.vocab, data, normalized, text, serialization)
             if reason is not None:
                 result.departures += 1
             else:

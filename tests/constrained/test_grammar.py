@@ -13,7 +13,7 @@ from sgrt.constrained.bitmask import allowed_tokens
 from sgrt.engine.sampling_params import SamplingParams
 from sgrt.errors import GrammarError
 
-from .util import BACKENDS, compact
+from .util import BACKENDS, compact, mask_of
 
 SCHEMA = {
     "type": "object",
@@ -208,3 +208,27 @@ def test_whitespace_options(tokenizer):
             for text in bad:
                 g = compiled.new_grammar()
                 assert not (all(g.accept_token(t) for t in tokenizer.encode(text)) and g.is_accepting()), (mode, backend, text)
+
+
+def test_lark_grammar_may_name_special_tokens(compiler, tokenizer):
+    """Issue 20: a Lark grammar naming the EOS id (``<[2]>``) gets it in its mask, takes it,
+    and ends there; another special id it names works the same way; one it does not name stays
+    forbidden."""
+    eos = compiler.vocab.eos_token_id
+    other = next(i for i in sorted(compiler.vocab.special_token_ids) if i not in compiler.vocab.eos_token_ids)
+    vs = compiler.vocab.vocab_size
+    g = compiler.compile_spec("grammar", f"start: <[{eos}]>").new_grammar()
+    assert mask_of(g, vs) == {eos}
+    assert g.accept_token(eos) and g.is_accepting() and g.is_terminated()
+    g = compiler.compile_spec("grammar", f'start: "yes" <[{eos}]>').new_grammar()
+    assert all(g.accept_token(t) for t in tokenizer.encode("yes"))
+    assert mask_of(g, vs) == {eos}
+    assert not g.copy().accept_token(other)
+    assert g.accept_token(eos) and g.is_terminated()
+    g.rollback(1)
+    assert mask_of(g, vs) == {eos} and not g.is_accepting()
+    g = compiler.compile_spec("grammar", f'start: "yes" <[{other}]>').new_grammar()
+    assert all(g.accept_token(t) for t in tokenizer.encode("yes"))
+    assert mask_of(g, vs) == {other}
+    assert not g.copy().accept_token(eos)  # not accepting, and the grammar does not name it
+    assert g.accept_token(other) and g.is_accepting()

@@ -181,9 +181,8 @@ schemas = st.recursive(schema_leaf, lambda kids: st.one_of(
 
 
 # NOTE: this fuzz found schemas with no finite instance ({"$defs": {"a": {"$ref": "#/$defs/a"}}, ...})
-# failing mid-generation ("grammar rejected token N that its mask allowed", a 500); that class is
-# fixed at compile time on branch hardening-core (issue 15). Make this strict once both are merged.
-@pytest.mark.xfail(reason="unsatisfiable schemas are a 500 until the hardening-core fix is merged", strict=False)
+# failing mid-generation ("grammar rejected token N that its mask allowed", a 500); such schemas
+# are now refused at compile time (sgrt/constrained/satisfiable.py), so every case must pass.
 @settings(FUZZ, max_examples=25)
 @given(schema=schemas, via=st.sampled_from(["generate", "response_format"]))
 def test_generated_schemas_compile_or_get_a_grammar_error(fuzz_http, fuzz_engine, schema, via):
