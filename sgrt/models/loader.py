@@ -70,7 +70,7 @@ class LoadedModel:
     """A model ready to run, with everything needed to talk to it.
 
     Attributes:
-        model: our :class:`sgrt.models.llama.LlamaForCausalLM`, in eval mode, on ``device``.
+        model: our :class:`sgrt.models.layers.CausalLM` (any family), in eval mode, on ``device``.
         config: its shape.
         tokenizer: its tokenizer and chat template.
         path: the HF-style folder the weights were read from (the cache entry for a GGUF).
@@ -91,7 +91,8 @@ class LoadedModel:
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu",
                cache_dir: str | Path | None = None, quantization: str = "none", prepack: bool = True,
                native_ops: bool = True) -> LoadedModel:
-    """Load a Llama-family model by name, GGUF path or HF folder (see the module docstring).
+    """Load a model of any registered family (:mod:`sgrt.models.registry`) by name, GGUF path or
+    HF folder (see the module docstring).
 
     Args:
         spec: model name, ``.gguf`` path or HF folder path.
@@ -116,7 +117,8 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
 
     Raises:
         ModelLoadError: the spec names no file or folder we can find (the message lists every
-            place looked), the architecture is not Llama-family, or the files are incomplete.
+            place looked), the architecture has no registered family (or uses a feature its family
+            does not implement; the message names it), or the files are incomplete.
         InvalidRequest: ``dtype`` or ``quantization`` is not one of the names above.
     """
     from sgrt.models.layers import FUSED_PROJECTIONS, CausalLM
