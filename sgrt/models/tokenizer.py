@@ -114,6 +114,10 @@ class Tokenizer:
         vocab = hf.get_vocab()
         eos |= {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
         self.eos_token_ids: set[int] = eos
+        # Whether the post-processor puts BOS in front (encode_prompt).
+        self.adds_bos: bool = self.bos_token_id is not None and \
+            hf.encode("a", add_special_tokens=True)[:1] == [self.bos_token_id] and \
+            hf.encode("a", add_special_tokens=False)[:1] != [self.bos_token_id]
         kinds = _decoder_kinds(hf.backend_tokenizer)
         self._byte_level = "ByteLevel" in kinds
         self._metaspace = "Metaspace" in kinds or "SpaceReplace" in kinds
@@ -143,6 +147,16 @@ class Tokenizer:
         configured to (SmolLM2's adds nothing).
         """
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt: :meth:`encode`, with BOS in front when this tokenizer's own
+        post-processor adds one (Gemma, Llama 3; not SmolLM2) and the text does not already start
+        with it (a chat template writes it), as llama.cpp and transformers' ``tokenizer(text)``
+        do. Models trained with BOS degenerate without it (Gemma 3 repeats one word)."""
+        ids = self.encode(text)
+        if self.adds_bos and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (incomplete UTF-8 at either end becomes U+FFFD).
