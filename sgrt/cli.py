@@ -51,10 +51,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantization of the linear layers (use with --dtype bfloat16)")
     p.add_argument("--max-total-tokens", type=int, default=16384,
                    help="KV pool size in tokens (all requests' prompt + output at once)")
+    _output_args(p)
+    _grammar_limit_args(p)
+
+
+def _output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines and no timing lines on stderr")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="level of sgrt's log messages on stderr")
-    _grammar_limit_args(p)
 
 
 def _grammar_limit_args(p: argparse.ArgumentParser) -> None:
@@ -121,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list the models loadable here (default, packaged, cached, PATHs)",
                             formatter_class=_Help)
     models.add_argument("paths", nargs="*", metavar="PATH", help="also check these GGUF files / HF folders")
+    _output_args(models)
     serve = sub.add_parser("serve", help="serve WebSocket agent sessions (and the HTTP API)",
                            formatter_class=_Help)
     from sgrt.server.serve import add_limit_args, port_number
@@ -172,6 +177,8 @@ def check_args(args: argparse.Namespace) -> None:
         _params(args, **constraint).validate()
         if constraint:
             _check_constraint(args, *next(iter(constraint.items())))
+    if args.command == "models":
+        return  # lists files; no engine, no sampling
     if args.max_total_tokens < 1:
         raise InvalidRequest(f"--max-total-tokens must be >= 1, got {args.max_total_tokens}", field="max_total_tokens")
     if args.grammar_compile_timeout <= 0:
