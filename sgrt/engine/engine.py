@@ -25,6 +25,7 @@ from sgrt.engine.metrics import EngineMetrics
 from sgrt.engine.model_runner import ModelRunner
 from sgrt.engine.openmp import release_caller_pool
 from sgrt.engine.outputs import Result, StreamChunk
+from sgrt.engine.prefix_cache import NoPrefixCache
 from sgrt.engine.radix_cache import RadixCache
 from sgrt.engine.request import Req, ReqStatus
 from sgrt.engine.sampler import sample, top_logprobs
@@ -98,7 +99,7 @@ class Engine:
             self.config.max_total_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
             cfg.head_dim, self.model.dtype, self.model.device,
         )
-        self.cache = RadixCache(self.pool, disabled=not self.config.enable_radix_cache)
+        self.cache = RadixCache(self.pool) if self.config.enable_radix_cache else NoPrefixCache(self.pool)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_running_requests=self.config.max_running_requests,

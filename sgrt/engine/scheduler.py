@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sgrt.engine.kv_pool import KVPool
-from sgrt.engine.radix_cache import RadixCache
+from sgrt.engine.prefix_cache import PrefixCache
 from sgrt.engine.request import Req, ReqStatus
 
 POLICIES = ("lpm", "fcfs")
@@ -56,7 +56,7 @@ class Row:
 class Scheduler:
     """Owns the waiting and running queues; allocates and frees KV slots."""
 
-    def __init__(self, config: SchedulerConfig, pool: KVPool, cache: RadixCache):
+    def __init__(self, config: SchedulerConfig, pool: KVPool, cache: PrefixCache):
         if config.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {config.policy!r}")
         self.config = config
@@ -203,9 +203,10 @@ class Scheduler:
         slots, and move our lock to the new end node (SGLang's ``cache_unfinished_req``)."""
         n = len(req.slots)
         ids = req.fill_ids[:n]
-        if self.cache.disabled:
-            return
-        already = self.cache.insert(ids, req.slots)
+        inserted = self.cache.insert(ids, req.slots)
+        if not inserted.kept:
+            return  # a cache that keeps nothing: the request keeps owning its slots
+        already = inserted.cached_len
         if already > req.cached_len:
             dup = req.slots[req.cached_len:already]
             match = self.cache.match_prefix(ids)
