@@ -9,7 +9,8 @@ from sgrt.engine.scheduler import Row
 
 
 class ModelRunner:
-    """Owns the model and the KV pool tensors; stateless between steps.
+    """Runs the model over the KV pool's tensors (the scheduler owns the slots); stateless
+    between steps.
 
     Args:
         model: a :class:`sgrt.models.llama.LlamaForCausalLM`.
