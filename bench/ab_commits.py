@@ -13,7 +13,8 @@ own process with its own tree first on ``sys.path``.
   commit, short runs, alternating base / new ``--rounds`` times; the ratio new / base of each
   sgrt figure, median over rounds.
 
-Run: ``python bench/ab_commits.py --base c7be7a9 [--what tokens,bench] [--rounds 1]``
+Run: ``python bench/ab_commits.py --base c7be7a9 [--what tokens,bench] [--groups json,retract]
+[--benches decode,speculative] [--rounds 1] [--runs N]``
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def token_workloads(tokenizer) -> list[tuple[str, dict, list[tuple[str, dict]]]]
         groups.append((f"speculative-{spec}-alone", dict(enable_radix_cache=False),
                        [(spec_prompts[0], dict(max_tokens=40, speculative=spec))]))
         groups.append((f"speculative-{spec}-batch", dict(),
-                       [(p, dict(max_tokens=24, speculative=spec, return_logprob=True, top_logprobs_num=2))
+                       [(p, dict(max_tokens=20, speculative=spec, return_logprob=True, top_logprobs_num=2))
                         for p in spec_prompts]))
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                                 "age": {"type": "integer"},
@@ -77,14 +78,15 @@ def token_workloads(tokenizer) -> list[tuple[str, dict, list[tuple[str, dict]]]]
         (chat("Write a limerick about a fox."), dict(max_tokens=12, return_logprob=True, logprob_start_len=0,
                                                      top_logprobs_num=3)),
     ]))
-    small = [(chat(f"Write a long story about {t}."), dict(max_tokens=40, ignore_eos=True))
+    small = [(chat(f"Write a long story about {t}."), dict(max_tokens=24, ignore_eos=True))
              for t in ("a river", "a mountain", "a lighthouse")]
-    groups.append(("retract", dict(max_total_tokens=160, chunked_prefill_size=32), small))
+    groups.append(("retract", dict(max_total_tokens=120, chunked_prefill_size=32), small))
     return groups
 
 
-def run_tokens(out: str) -> None:
-    """Child: run every group through this process's sgrt; write the outcomes as JSON."""
+def run_tokens(out: str, only: list[str] | None = None) -> None:
+    """Child: run every group (or those named in ``only``) through this process's sgrt; write
+    the outcomes as JSON."""
     import torch
 
     torch.set_num_threads(2)
@@ -94,6 +96,8 @@ def run_tokens(out: str) -> None:
     loaded = load_model("smollm2-135m-instruct", dtype="float32")
     results = {}
     for name, options, reqs in token_workloads(loaded.tokenizer):
+        if only and name not in only:
+            continue
         engine = Engine(model=loaded, **{"max_total_tokens": 8192, **options})
         try:
             handles = [engine.submit(p, SamplingParams(**params)) for p, params in reqs]
@@ -110,14 +114,14 @@ def run_tokens(out: str) -> None:
     Path(out).write_text(json.dumps(results))
 
 
-def compare_tokens(base: Path, new: Path) -> dict:
+def compare_tokens(base: Path, new: Path, groups: str = "") -> dict:
     # Both sides at once: outputs do not depend on timing, and the wall time halves.
     procs, outs = {}, {}
     for side, tree in (("base", base), ("new", new)):
         outs[side] = tempfile.mktemp(suffix=".json")
         env = {**os.environ, "PYTHONPATH": str(tree)}
         procs[side] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child-tokens", outs[side],
-                                        "--tree", str(tree)], env=env, cwd=str(tree))
+                                        "--tree", str(tree), "--groups", groups], env=env, cwd=str(tree))
     outcomes = {}
     for side, proc in procs.items():
         if proc.wait() != 0:
@@ -151,20 +155,23 @@ SGRT_FIGURES = {
 }
 
 
-def run_bench(tree: Path, name: str) -> dict:
+def run_bench(tree: Path, name: str, runs: int | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    proc = subprocess.run([sys.executable, *BENCHES[name]], cwd=str(tree), env=env, capture_output=True, text=True)
+    argv = list(BENCHES[name])
+    if runs is not None and "--runs" in argv:
+        argv[argv.index("--runs") + 1] = str(runs)
+    proc = subprocess.run([sys.executable, *argv], cwd=str(tree), env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} in {tree} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def compare_bench(base: Path, new: Path, rounds: int, names: list[str]) -> dict:
+def compare_bench(base: Path, new: Path, rounds: int, names: list[str], runs: int | None = None) -> dict:
     ratios: dict[str, list[float]] = {}
     for _ in range(rounds):
         for name in names:
-            a = run_bench(base, name)
-            b = run_bench(new, name)
+            a = run_bench(base, name, runs)
+            b = run_bench(new, name, runs)
             for key in SGRT_FIGURES[name]:
                 if key in a and key in b and a[key]:
                     ratios.setdefault(f"{name}.{key}", []).append(b[key] / a[key])
@@ -178,21 +185,24 @@ def main() -> None:
     ap.add_argument("--what", default="tokens,bench")
     ap.add_argument("--benches", default="decode,throughput,speculative")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=None, help="override the benches' --runs")
+    ap.add_argument("--groups", default="", help="token groups to run (comma list; default all)")
     ap.add_argument("--child-tokens", help=argparse.SUPPRESS)
     ap.add_argument("--tree", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_tokens:
         sys.path.insert(0, args.tree)
-        run_tokens(args.child_tokens)
+        run_tokens(args.child_tokens, [g for g in args.groups.split(",") if g])
         return
     figures: dict = {"base": args.base}
     with tempfile.TemporaryDirectory(prefix="sgrt-ab-") as tmp:
         base = export_tree(args.base, Path(tmp) / "base")
         what = args.what.split(",")
         if "tokens" in what:
-            figures["tokens"] = compare_tokens(base, ROOT)
+            figures["tokens"] = compare_tokens(base, ROOT, args.groups)
         if "bench" in what:
-            figures["ratios"] = compare_bench(base, ROOT, args.rounds, [b for b in args.benches.split(",") if b])
+            figures["ratios"] = compare_bench(base, ROOT, args.rounds, [b for b in args.benches.split(",") if b],
+                                             args.runs)
     sys.path.insert(0, str(ROOT))
     from bench.common import emit_json
 
