@@ -1,39 +1,41 @@
 """The Engine: request API in front of a background loop that batches, runs and samples.
 
-Callers on any thread or asyncio task ``submit`` requests; the loop thread owns every piece of
-mutable state (scheduler, KV pool, radix cache) and talks back only through each request's
-:class:`RequestHandle`. One step = schedule a ragged batch, one forward, sample, finish what
-finished (DESIGN.md, "The path of one gen").
+Callers on any thread or asyncio task ``submit`` requests: :class:`sgrt.engine.intake.Intake`
+checks and tokenizes them there, and the loop thread takes them from the inbox. The loop thread
+alone runs :meth:`Engine.step` and touches the requests, the scheduler (which owns the KV pool's
+slots and the prefix cache), the speculative planner and the output processor; callers hear
+back only through each request's :class:`RequestHandle`. One step reads as its stages: intake,
+schedule, plan drafts, forward, process outputs (DESIGN.md, "The path of one gen").
 """
 from __future__ import annotations
 
 import atexit
-import itertools
+import dataclasses
 import logging
 import queue
 import threading
 import time
-import uuid
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
 from sgrt.engine.handle import RequestHandle
+from sgrt.engine.intake import Intake
 from sgrt.engine.kv_pool import KVPool
 from sgrt.engine.metrics import EngineMetrics
 from sgrt.engine.model_runner import ModelRunner
 from sgrt.engine.openmp import release_caller_pool
+from sgrt.engine.output_processor import OutputProcessor
 from sgrt.engine.outputs import Result, StreamChunk
+from sgrt.engine.prefix_cache import NoPrefixCache, PrefixCache
 from sgrt.engine.radix_cache import RadixCache
-from sgrt.engine.request import Req, ReqStatus
-from sgrt.engine.sampler import sample, top_logprobs
+from sgrt.engine.request import Req
 from sgrt.engine.sampling_params import SamplingParams
 from sgrt.engine.scheduler import Row, Scheduler, SchedulerConfig
-from sgrt.engine.speculative import SpecDecoder
-from sgrt.errors import CapacityError, ContextLengthExceeded, GrammarError, InvalidRequest
+from sgrt.engine.speculative import SpecConfig, SpecPlanner
+from sgrt.errors import GrammarError, InvalidRequest
 
 logger = logging.getLogger("sgrt.engine")
 
@@ -56,35 +58,83 @@ def _shutdown_live_engines() -> None:
 
 @dataclass
 class EngineConfig:
-    """Engine options (sizes in tokens, times in seconds)."""
+    """Engine options, validated when built (sizes in tokens, times in seconds).
 
-    max_total_tokens: int = 16384  # KV pool slots
+    ``Engine(**options)`` and ``sgrt.Runtime(**options)`` take every option by its flat name
+    (:meth:`from_options`); the scheduler's and the speculative planner's options live in their
+    own configs, which are fields here and go to those components as they are.
+
+    Attributes:
+        max_total_tokens: KV pool slots (>= 1).
+        enable_radix_cache: share prefixes through the radix cache (False: a cache that keeps
+            nothing, :class:`sgrt.engine.prefix_cache.NoPrefixCache`).
+        grammar_backend: the default grammar backend, ``"llguidance"`` or ``"outlines"``.
+        log_interval: seconds between stats log lines (0: none).
+        compile: ``torch.compile`` decode batches (:mod:`sgrt.engine.compiled_decode`).
+        scheduler: ``max_running_requests``, ``max_prefill_tokens``, ``chunked_prefill_size``,
+            ``schedule_policy`` (:class:`sgrt.engine.scheduler.SchedulerConfig`).
+        spec: ``speculative``, ``num_draft_tokens``, ``draft_model``,
+            ``draft_max_total_tokens``, ``speculative_cost``, ``max_jump_forward_tokens``
+            (:class:`sgrt.engine.speculative.SpecConfig`).
+
+    Raises:
+        InvalidRequest: an option out of its range (named); ``GrammarError`` for an unknown
+            ``grammar_backend``.
+    """
+
+    max_total_tokens: int = 16384
     enable_radix_cache: bool = True
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 1024
-    chunked_prefill_size: int = 512
-    schedule_policy: str = "lpm"
     grammar_backend: str = "llguidance"
-    # Grammar compile limits (sgrt.constrained.limits.GrammarLimits; None = its defaults) and
-    # how long one compilation may take.
+    # Grammar compile limits (sgrt.constrained.limits.GrammarLimits or a dict of its fields;
+    # None = its defaults) and how long one compilation may take.
     grammar_limits: Any = None
     grammar_compile_timeout_s: float = 10.0
-    log_interval: float = 0.0  # 0 = no periodic stats log
-    compile: bool = False  # torch.compile decode batches (sgrt/engine/compiled_decode.py)
-    # Speculative decoding and jump-forward (sgrt/engine/speculative.py): the drafter for
-    # requests that set none ("ngram", "draft" or None), the most draft tokens per request and
-    # step, the draft model (a spec for load_model or a LoadedModel with the same tokenizer)
-    # and its KV pool size (default max_total_tokens + 16 * max_running_requests), the forward
-    # cost model (switch, per_token) that sets draft lengths and turns speculation off as the
-    # batch grows (None: measured CPU figures, or a CUDA estimate), and the longest forced run
-    # one jump-forward takes.
-    speculative: str | None = None
-    num_draft_tokens: int = 8
-    draft_model: Any = None
-    draft_max_total_tokens: int | None = None
-    speculative_cost: tuple[float, float] | None = None
-    max_jump_forward_tokens: int = 16
-    extra: dict[str, Any] = field(default_factory=dict)
+    log_interval: float = 0.0
+    compile: bool = False
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def __post_init__(self) -> None:
+        from sgrt.constrained.compiler import BACKENDS
+
+        if isinstance(self.max_total_tokens, bool) or not isinstance(self.max_total_tokens, int) \
+                or self.max_total_tokens < 1:
+            raise InvalidRequest(f"max_total_tokens must be an int >= 1, got {self.max_total_tokens!r}",
+                                 field="max_total_tokens")
+        if self.grammar_backend not in BACKENDS:
+            raise GrammarError(f"grammar_backend must be one of {BACKENDS}, got {self.grammar_backend!r}",
+                               field="grammar_backend")
+        if isinstance(self.log_interval, bool) or not isinstance(self.log_interval, (int, float)) \
+                or not 0 <= self.log_interval < float("inf"):
+            raise InvalidRequest(f"log_interval must be a number of seconds >= 0, got {self.log_interval!r}",
+                                 field="log_interval")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "EngineConfig":
+        """The config of flat options (``max_running_requests=8, speculative="ngram"``, ...),
+        each routed to the config that declares it.
+
+        Raises:
+            TypeError: an unknown option.
+            InvalidRequest: an option out of its range (named).
+        """
+        own = {f.name for f in dataclasses.fields(cls)} - {"scheduler", "spec"}
+        groups: dict[str, dict[str, Any]] = {"scheduler": {}, "spec": {}, "own": {}}
+        sub_fields = {
+            "scheduler": {f.name for f in dataclasses.fields(SchedulerConfig)},
+            "spec": {f.name for f in dataclasses.fields(SpecConfig)},
+        }
+        for name, value in options.items():
+            if name in own:
+                groups["own"][name] = value
+            elif name in sub_fields["scheduler"]:
+                groups["scheduler"][name] = value
+            elif name in sub_fields["spec"]:
+                groups["spec"][name] = value
+            else:
+                raise TypeError(f"unknown engine option {name!r}")
+        return cls(scheduler=SchedulerConfig(**groups["scheduler"]), spec=SpecConfig(**groups["spec"]),
+                   **groups["own"])
 
 
 class Engine:
@@ -97,18 +147,19 @@ class Engine:
         device: ``"cpu"`` or ``"cuda"`` (ignored for a LoadedModel).
         quantization: ``"none"``, ``"int8"`` or ``"int4"`` weight-only linear layers (see
             :mod:`sgrt.models.quant`; ignored for a LoadedModel).
-        **options: fields of :class:`EngineConfig`.
+        **options: the options of :class:`EngineConfig`, by their flat names.
 
     Raises:
         ModelLoadError: the model could not be loaded.
         TypeError: an unknown option.
+        InvalidRequest: an option out of its range (named, before the model loads).
     """
 
     def __init__(self, model: Any = "smollm2-135m-instruct", dtype: str = "float32", device: str = "cpu",
                  quantization: str = "none", **options: Any):
         from sgrt.models import LoadedModel, load_model
 
-        self.config = EngineConfig(**options)
+        self.config = config = EngineConfig.from_options(**options)
         self.loaded = model if isinstance(model, LoadedModel) else load_model(
             model, dtype=dtype, device=device, quantization=quantization)
         self.model = self.loaded.model
@@ -116,31 +167,25 @@ class Engine:
         cfg = self.loaded.config
         self.context_length = cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
+        self.eos_ids: set[int] = set(self.tokenizer.eos_token_ids)
         self.pool = KVPool(
-            self.config.max_total_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
+            config.max_total_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
             cfg.head_dim, self.model.dtype, self.model.device,
         )
-        self.cache = RadixCache(self.pool, disabled=not self.config.enable_radix_cache)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_running_requests=self.config.max_running_requests,
-                max_prefill_tokens=self.config.max_prefill_tokens,
-                chunked_prefill_size=self.config.chunked_prefill_size,
-                policy=self.config.schedule_policy,
-            ),
-            self.pool,
-            self.cache,
-        )
-        self.runner = ModelRunner(self.model, self.pool, compile=self.config.compile)
-        self.spec = SpecDecoder(self.config, self.pool, self.cache, self.loaded, set(self.tokenizer.eos_token_ids),
-                                self.context_length, self._append_token)
+        self.cache: PrefixCache = RadixCache(self.pool) if config.enable_radix_cache else NoPrefixCache(self.pool)
+        self.scheduler = Scheduler(config.scheduler, self.pool, self.cache)
+        self.runner = ModelRunner(self.model, self.pool, compile=config.compile)
+        draft_slots = config.spec.draft_max_total_tokens or (
+            config.max_total_tokens + 16 * config.scheduler.max_running_requests)
+        self.spec = SpecPlanner(config.spec, self.scheduler, self.loaded, self.eos_ids, self.context_length,
+                                draft_slots)
         self.metrics = EngineMetrics()
-        self.eos_ids: set[int] = set(self.tokenizer.eos_token_ids)
-        self._grammar_compiler = None
-        self._compile_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sgrt-grammar")
+        self.intake = Intake(self.tokenizer, self.vocab_size, self.context_length, self.pool.num_slots,
+                             self.model.device, config.grammar_backend, self.spec.drafter is not None,
+                             config.grammar_limits, config.grammar_compile_timeout_s)
+        self.outputs = OutputProcessor(self.scheduler, self.spec, self.metrics, self.eos_ids, self.context_length)
         self._inbox: queue.Queue = queue.Queue()
         self._reqs: dict[str, Req] = {}
-        self._ids = itertools.count()
         self._stopped = False
         self._last_log = time.monotonic()
         if self.model.device.type == "cpu":
@@ -162,31 +207,9 @@ class Engine:
                 ``truncate="left"``).
             CapacityError: prompt plus ``max_tokens`` exceeds the whole KV pool.
         """
-        params = self._params(params)
-        ids = self._tokenize(prompt)
-        ids = self._fit_context(ids, params)
-        if len(ids) + params.max_tokens > self.pool.num_slots:
-            raise CapacityError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the KV pool "
-                f"({self.pool.num_slots} tokens, max_total_tokens)"
-            )
-        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        handle = RequestHandle(rid, self.abort)
-        req = Req(request_id=rid, prompt_ids=ids, params=params)
-        req.channel = handle
-        if params.logprob_start_len == 0:
-            req.prompt_logprobs.append(None)
-            if params.top_logprobs_num:
-                req.prompt_top_logprobs.append([])
-        if params.seed is not None:
-            req.generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
-        from sgrt.models import IncrementalDetokenizer
-
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
-        if params.is_constrained():
-            req.grammar_future = self._compile_pool.submit(self._compile_grammar, params)
+        req = self.intake.make_request(prompt, params, request_id, self.abort)
         self._inbox.put(("add", req))
-        return handle
+        return req.channel
 
     def generate(self, prompt: str | list[int], params: SamplingParams | dict | None = None) -> Result:
         """Run one request to completion (blocking)."""
@@ -210,7 +233,7 @@ class Engine:
         self._inbox.put(("abort", request_id))
 
     def flush_cache(self) -> None:
-        """Drop every unlocked radix-cache entry (blocks until done)."""
+        """Drop every unlocked prefix-cache entry (blocks until done)."""
         done = threading.Event()
         self._inbox.put(("flush", done))
         done.wait()
@@ -231,8 +254,9 @@ class Engine:
         )
 
     def check_integrity(self) -> None:
-        """Every KV slot is free, held by a live request, or in the radix cache, exactly once
-        (DESIGN.md invariant). Runs on the loop thread; raises ``AssertionError``."""
+        """Every KV slot is free, held by a live request, or in the prefix cache, exactly once,
+        and so is every draft-model KV slot (DESIGN.md invariant). Runs on the loop thread;
+        raises ``AssertionError``."""
         result: list[BaseException | None] = []
         done = threading.Event()
         self._inbox.put(("check", (result, done)))
@@ -251,66 +275,13 @@ class Engine:
         self._inbox.put(("stop", None))
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout)
-        self._compile_pool.shutdown(wait=False, cancel_futures=True)
-        if self._grammar_compiler is not None:
-            # NOTE: a native compile cannot be interrupted; let it end rather than have it
-            # killed mid-call at finalization (the same abort as the loop thread's).
-            self._grammar_compiler.wait_idle(timeout)
+        self.intake.shutdown(timeout)
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
-
-    # ==== request preparation (caller thread) ================================================
-    def _params(self, params: SamplingParams | dict | None) -> SamplingParams:
-        if params is None:
-            params = SamplingParams()
-        elif isinstance(params, dict):
-            params = SamplingParams.from_dict(params)
-        elif not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params must be SamplingParams or dict, got {type(params).__name__}", field="params")
-        params.validate(self.vocab_size)
-        self.spec.check_params(params)
-        return params
-
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode_prompt(prompt)  # BOS where the model's tokenizer adds one
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                    raise InvalidRequest(f"prompt token ids must be ints in [0, {self.vocab_size}), got {t!r}", field="prompt")
-        else:
-            raise InvalidRequest(f"prompt must be str or list[int], got {type(prompt).__name__}", field="prompt")
-        if not ids:
-            raise InvalidRequest("prompt is empty", field="prompt")
-        return ids
-
-    def _fit_context(self, ids: list[int], params: SamplingParams) -> list[int]:
-        limit = self.context_length
-        if len(ids) + params.max_tokens <= limit:
-            return ids
-        if params.truncate == "left":
-            keep = max(limit - params.max_tokens, 1)
-            return ids[-keep:]
-        raise ContextLengthExceeded(
-            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-            f"window ({limit} tokens); shorten it or pass truncate='left'",
-            field="prompt",
-        )
-
-    def _compile_grammar(self, params: SamplingParams):
-        if self._grammar_compiler is None:
-            from sgrt.constrained import GrammarCompiler
-
-            self._grammar_compiler = GrammarCompiler(
-                self.tokenizer, self.vocab_size, backend=self.config.grammar_backend,
-                compile_timeout_s=self.config.grammar_compile_timeout_s, limits=self.config.grammar_limits,
-            )
-        return self._grammar_compiler.compile(params)
 
     # ==== the loop (engine thread) ===========================================================
     def _loop(self) -> None:
@@ -320,14 +291,52 @@ class Engine:
             try:
                 if not self._drain_inbox(block):
                     break
-                self._step()
+                self.step()
                 self._maybe_log()
             except Exception as exc:  # a bug must not kill the loop or strand callers
                 logger.exception("engine step failed")
-                for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-                    self._finish(req, "abort", error=exc)
+                self._finish_all(exc)
+        self._finish_all(RuntimeError("engine shut down"))
+
+    def step(self) -> None:
+        """One engine iteration, on the loop thread only: intake -> schedule -> plan drafts ->
+        forward -> process outputs (DESIGN.md, "The path of one gen")."""
+        self._take_in()  # intake: compiled grammars join their requests; failed ones finish
+        self.outputs.append_forced(self.spec.plan_text_jumps(self.scheduler.running))  # text jump-forward
+        rows = self.scheduler.schedule()  # schedule: rows of one ragged batch, KV slots allocated
+        if not rows:
+            return self._idle()
+        drafts = self.spec.plan(rows)  # plan drafts: some rows become verify rows
+        logits = self._forward(rows)  # forward
+        self.outputs.process(rows, logits, drafts)  # process outputs: sample / verify, append, finish
+        self._retire()
+
+    def _take_in(self) -> None:
+        for req, error in self.intake.collect_grammars(self.scheduler.waiting):
+            self.outputs.finish(req, "abort", error=error)
+
+    def _forward(self, rows: list[Row]) -> list[torch.Tensor]:
+        offsets = [self.outputs.logit_offsets(row) for row in rows]
+        t0 = time.monotonic()
+        logits = self.runner.forward(rows, offsets)
+        self.metrics.record_forward(rows, time.monotonic() - t0)
+        return logits
+
+    def _idle(self) -> None:
+        self._retire()
+        if self.scheduler.waiting and not self.scheduler.running:
+            time.sleep(0.002)  # waiting only on grammar compilation
+
+    def _retire(self) -> None:
+        """Forget the requests finished since the last call (abort lookups, planner state)."""
+        for req in self.outputs.take_finished():
+            self._reqs.pop(req.request_id, None)
+            self.spec.forget(req)
+
+    def _finish_all(self, error: BaseException) -> None:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self._finish(req, "abort", error=RuntimeError("engine shut down"))
+            self.outputs.finish(req, "abort", error=error)
+        self._retire()
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued commands; return False when asked to stop."""
@@ -347,14 +356,16 @@ class Engine:
             elif kind == "abort":
                 req = self._reqs.get(payload)
                 if req is not None:
-                    self._finish(req, "abort", error=None)
+                    self.outputs.finish(req, "abort", error=None)
+                    self._retire()
             elif kind == "flush":
-                self.cache.reset()
+                self.scheduler.flush_cache()
                 payload.set()
             elif kind == "check":
                 out, done = payload
                 try:
-                    self._check_integrity()
+                    self.scheduler.check_integrity()
+                    self.spec.check_integrity()
                     out.append(None)
                 except AssertionError as exc:
                     out.append(exc)
@@ -362,233 +373,9 @@ class Engine:
             elif kind == "stop":
                 return False
 
-    def _step(self) -> None:
-        self._collect_compiled_grammars()
-        self.spec.jump_forward_text(self.scheduler.running)
-        rows = self.scheduler.schedule()
-        self.spec.prepare(rows)  # rows about to sample may become verify rows (drafts)
-        if not rows:
-            if self.scheduler.waiting and not self.scheduler.running:
-                time.sleep(0.002)  # waiting only on grammar compilation
-            return
-        offsets = [self._logit_offsets(row) for row in rows]
-        t0 = time.monotonic()
-        logits = self.runner.forward(rows, offsets)
-        self.metrics.record_forward(rows, time.monotonic() - t0)
-        sample_rows: list[tuple[Row, torch.Tensor]] = []
-        cache_after: list[Req] = []
-        for row, row_logits in zip(rows, logits):
-            req = row.req
-            n_prompt_lp = self._record_prompt_logprobs(row, row_logits)
-            if not row.completes_fill:
-                self.scheduler.cache_prefix(req)
-                continue
-            if not req.output_ids:
-                # The whole prompt is now shareable. A row that also verified a draft holds
-                # slots for draft tokens not yet in fill_ids: cache once they are resolved.
-                if row.draft:
-                    cache_after.append(req)
-                else:
-                    self.scheduler.cache_prefix(req)
-            if req.params.max_tokens == 0:
-                self._finish(req, "length")
-                continue
-            sample_rows.append((row, row_logits[n_prompt_lp:]))
-        if sample_rows:
-            self._sample_and_append(sample_rows)
-        for req in cache_after:
-            if not req.finished:
-                self.scheduler.cache_prefix(req)
-
-    def _logit_offsets(self, row: Row) -> list[int]:
-        req = row.req
-        offsets: list[int] = []
-        lsl = req.params.logprob_start_len
-        if lsl >= 0:
-            # logits at position j score prompt token j + 1
-            next_pos = lsl + len(req.prompt_logprobs)
-            prompt_len = len(req.prompt_ids)
-            for j in range(row.start, row.start + row.n):
-                if next_pos <= j + 1 < prompt_len:
-                    offsets.append(j - row.start)
-        if row.completes_fill and req.params.max_tokens > 0:
-            offsets.extend(range(row.n - 1 - len(row.draft), row.n))  # + one per draft token
-        return offsets
-
-    def _record_prompt_logprobs(self, row: Row, row_logits: torch.Tensor) -> int:
-        req = row.req
-        lsl = req.params.logprob_start_len
-        if lsl < 0:
-            return 0
-        next_pos = lsl + len(req.prompt_logprobs)
-        prompt_len = len(req.prompt_ids)
-        positions = [j + 1 for j in range(row.start, row.start + row.n) if next_pos <= j + 1 < prompt_len]
-        if not positions:
-            return 0
-        lp = torch.log_softmax(row_logits[: len(positions)], dim=-1)
-        targets = torch.tensor([req.prompt_ids[p] for p in positions], dtype=torch.long, device=lp.device)
-        values = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-        req.prompt_logprobs.extend(values)
-        if req.params.top_logprobs_num:
-            req.prompt_top_logprobs.extend(top_logprobs(lp[i], req.params.top_logprobs_num) for i in range(len(positions)))
-        return len(positions)
-
-    def _sample_and_append(self, sample_rows: list[tuple[Row, torch.Tensor]]) -> None:
-        verify_rows = [(row, lg) for row, lg in sample_rows if row.draft]
-        if verify_rows:
-            self.spec.verify_rows(verify_rows)
-            sample_rows = [(row, lg) for row, lg in sample_rows if not row.draft]
-            if not sample_rows:
-                return
-        reqs = [row.req for row, _ in sample_rows]
-        logits = torch.cat([lg[-1:] for _, lg in sample_rows], dim=0)
-        bitmask = None
-        if any(r.grammar is not None for r in reqs):
-            from sgrt.constrained import allocate_token_bitmask
-
-            bitmask = allocate_token_bitmask(len(reqs), logits.shape[-1])
-            for i, req in enumerate(reqs):
-                if req.grammar is not None:
-                    req.grammar.fill_vocab_mask(bitmask, i)
-        out = sample(logits, reqs, bitmask, self.eos_ids)
-        now = time.monotonic()
-        for i, req in enumerate(reqs):
-            self._append_token(req, out.token_ids[i], out.logprobs[i], out.top_logprobs[i], now)
-
-    def _append_token(self, req: Req, token: int, logprob: float, top: list[tuple[int, float]], now: float) -> None:
-        params = req.params
-        if req.first_token_time is None:
-            req.first_token_time = now
-        req.token_times.append(now)
-        req.output_ids.append(token)
-        if params.return_logprob:
-            req.output_logprobs.append(logprob)
-            req.output_top_logprobs.append(top)
-        self.metrics.generated_tokens += 1
-        if req.grammar is not None and not req.grammar.accept_token(token):
-            # A matcher that hit one of its per-step resource limits (GrammarLimits) stops with
-            # an error after its mask allowed the token: a typed error naming it, not a crash.
-            reason = req.grammar.error
-            error: Exception = (GrammarError(f"the constraint hit a grammar engine limit during generation: "
-                                             f"{reason.strip().splitlines()[0]}", field="grammar")
-                                if reason else RuntimeError(f"grammar rejected token {token} that its mask allowed"))
-            self._finish(req, "abort", error=error)
-            return
-        new_text = req.detokenizer.add([token])
-        old_len = len(req.text)
-        req.text += new_text
-        accepting = req.grammar is None or req.grammar.is_accepting()
-        min_reached = len(req.output_ids) >= params.min_tokens
-        if min_reached and accepting:
-            if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
-                self._finish(req, "stop", matched=token)
-                return
-            if params.stop:
-                hit = _find_stop(req.text, params.stop, old_len)
-                if hit is not None:
-                    idx, s = hit
-                    req.text = req.text[:idx]
-                    self._finish(req, "stop", matched=s)
-                    return
-        if req.grammar is not None and req.grammar.is_terminated():
-            self._finish(req, "stop", matched="grammar")
-            return
-        if len(req.output_ids) >= params.max_tokens or req.num_fill >= self.context_length:
-            req.incomplete = req.grammar is not None and not req.grammar.is_accepting()
-            self._finish(req, "length")
-            return
-        self._stream(req, final=False)
-
-    def _next_chunk(self, req: Req, final: bool) -> StreamChunk:
-        """The text and tokens not yet sent. Unless ``final``, hold back the last characters
-        that could still become a stop string."""
-        hold = 0 if final else max((len(s) - 1 for s in req.params.stop), default=0)
-        end = max(len(req.text) - hold, req.sent_len)
-        text = req.text[req.sent_len:end]
-        first = req.sent_tokens
-        want_lp = req.params.return_logprob
-        chunk = StreamChunk(
-            req.request_id,
-            text,
-            req.output_ids[first:],
-            req.output_logprobs[first:] if want_lp else None,
-            req.output_top_logprobs[first:] if want_lp and req.params.top_logprobs_num else None,
-        )
-        req.sent_len = end
-        req.sent_tokens = len(req.output_ids)
-        return chunk
-
-    def _stream(self, req: Req, final: bool) -> None:
-        chunk = self._next_chunk(req, final)
-        if chunk.text or chunk.token_ids:
-            req.channel.push(chunk)
-
-    def _finish(self, req: Req, reason: str, matched: int | str | None = None, error: BaseException | None = None) -> None:
-        if req.finished:
-            return
-        self.scheduler.finish(req)
-        self.spec.release(req)
-        self._reqs.pop(req.request_id, None)
-        req.finish_reason = reason
-        req.matched = matched
-        req.error = error
-        if reason != "stop" or not isinstance(matched, str) or matched == "grammar":
-            req.text += req.detokenizer.flush()
-        chunk = self._next_chunk(req, final=True)
-        result = req.to_result(req.text)
-        self.metrics.record_finish(result)
-        chunk.finished = True
-        chunk.result = result
-        if error is not None and req.first_token_time is None and isinstance(error, InvalidRequest):
-            req.channel.fail(error, result)
-        else:
-            req.channel.push(chunk)
-
-    def _collect_compiled_grammars(self) -> None:
-        for req in list(self.scheduler.waiting):
-            fut = req.grammar_future
-            if fut is None or not fut.done() or req.grammar is not None:
-                continue
-            exc = fut.exception()
-            if exc is not None:
-                self._finish(req, "abort", error=exc)
-                continue
-            req.grammar = fut.result()
-            if req.grammar is not None:
-                req.warnings.extend(getattr(req.grammar, "warnings", []))
-                # Re-feed output kept across a retraction so the grammar state matches.
-                for t in req.output_ids:
-                    req.grammar.accept_token(t)
-
-    def _check_integrity(self) -> None:
-        self.cache.check_integrity()
-        free = self.pool.free_slot_set()
-        assert len(free) == self.pool.num_free, "a slot is on the free list twice"
-        owned: list[int] = []
-        for req in self.scheduler.running:
-            owned.extend(req.slots[req.cached_len:])
-        tree = self.cache.all_slots()
-        everything = list(free) + owned + tree
-        assert len(everything) == len(set(everything)), "a KV slot is in two places"
-        assert len(everything) == self.pool.num_slots, (
-            f"{self.pool.num_slots - len(everything)} KV slots are lost"
-        )
-        self.spec.check_integrity()
-
     def _maybe_log(self) -> None:
         interval = self.config.log_interval
         if interval and time.monotonic() - self._last_log >= interval:
             self._last_log = time.monotonic()
             logger.info("stats %s", self.stats())
 
-
-def _find_stop(text: str, stops: list[str], old_len: int) -> tuple[int, str] | None:
-    """Earliest stop string that ends in the new part of ``text`` (found across token
-    boundaries); returns (index, stop)."""
-    best: tuple[int, str] | None = None
-    for s in stops:
-        start = max(0, old_len - len(s) + 1)
-        idx = text.find(s, start)
-        if idx != -1 and (best is None or idx < best[0]):
-            best = (idx, s)
-    return best

@@ -13,7 +13,8 @@ logger = logging.getLogger("sgrt.engine")
 
 
 class ModelRunner:
-    """Owns the model and the KV pool tensors; stateless between steps.
+    """Runs the model over the KV pool's tensors (the scheduler owns the slots); stateless
+    between steps.
 
     Args:
         model: a :class:`sgrt.models.layers.CausalLM` (any family).

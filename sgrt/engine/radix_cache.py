@@ -3,16 +3,17 @@
 Follows SGLang's RadixAttention (Zheng et al., "SGLang: Efficient Execution of Structured
 Language Model Programs", arXiv:2312.07104): requests, forks and conversation turns that share a
 prefix share its KV slots. Locked paths (reference counts) belong to running requests and are
-never evicted; unlocked leaves are evicted least-recently-used first.
+never evicted; unlocked leaves are evicted least-recently-used first. The contract it keeps is
+:class:`sgrt.engine.prefix_cache.PrefixCache`'s.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from sgrt.engine.kv_pool import KVPool
+from sgrt.engine.prefix_cache import InsertResult, MatchResult, PrefixCache
 
 _clock = itertools.count()
 
@@ -32,23 +33,11 @@ class TreeNode:
         return self.last_access < other.last_access
 
 
-class MatchResult(NamedTuple):
-    """``slots`` of the longest cached prefix, and the node where that prefix ends."""
+class RadixCache(PrefixCache):
+    """Radix-tree prefix cache over a :class:`KVPool` (match handles are :class:`TreeNode`)."""
 
-    slots: list[int]
-    node: TreeNode
-
-
-class RadixCache:
-    """Prefix cache over a :class:`KVPool`.
-
-    With ``disabled=True`` nothing is ever matched or kept: :meth:`insert` frees the slots at
-    once (the "cache off" baseline of the benchmarks).
-    """
-
-    def __init__(self, pool: KVPool, disabled: bool = False):
+    def __init__(self, pool: KVPool):
         self.pool = pool
-        self.disabled = disabled
         self.root = TreeNode(lock_ref=1)
         self.evictable_size = 0  # tokens in unlocked nodes
         self.protected_size = 0  # tokens in locked nodes
@@ -59,8 +48,6 @@ class RadixCache:
         returned node ends exactly where the match ends (the caller can lock it)."""
         node = self.root
         slots: list[int] = []
-        if self.disabled:
-            return MatchResult(slots, node)
         pos = 0
         now = next(_clock)
         node.last_access = now
@@ -77,18 +64,16 @@ class RadixCache:
 
     @property
     def total_size(self) -> int:
+        """Tokens in the tree, locked or not."""
         return self.evictable_size + self.protected_size
 
     # -- updates -----------------------------------------------------------------------------
-    def insert(self, ids: list[int], slots: list[int]) -> int:
-        """Insert ``ids`` with their KV ``slots``; return how many leading tokens were already
-        cached. The caller frees its own slots for those tokens (the tree keeps its copies)
-        unless they are the very same slots."""
+    def insert(self, ids: list[int], slots: list[int]) -> InsertResult:
+        """Insert ``ids`` with their KV ``slots``; ``cached_len`` says how many leading tokens
+        were already cached. The caller frees its own slots for those tokens (the tree keeps
+        its copies) unless they are the very same slots."""
         if len(ids) != len(slots):
             raise ValueError(f"insert: {len(ids)} ids but {len(slots)} slots")
-        if self.disabled:
-            self.pool.free(slots)
-            return len(ids)
         node = self.root
         pos = 0
         now = next(_clock)
@@ -98,7 +83,7 @@ class RadixCache:
                 leaf = TreeNode(key=list(ids[pos:]), value=list(slots[pos:]), parent=node, last_access=now)
                 node.children[first] = leaf
                 self.evictable_size += len(leaf.key)
-                return pos
+                return InsertResult(cached_len=pos, kept=True)
             child = node.children[first]
             n = _common_len(child.key, ids, pos)
             if n < len(child.key):
@@ -106,7 +91,7 @@ class RadixCache:
             child.last_access = now
             node = child
             pos += n
-        return pos
+        return InsertResult(cached_len=pos, kept=True)
 
     def lock(self, node: TreeNode) -> None:
         """Protect the path root..node from eviction (a running request uses it)."""

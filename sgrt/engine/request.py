@@ -7,7 +7,6 @@ from enum import Enum
 from typing import Any
 
 from sgrt.engine.outputs import Result
-from sgrt.engine.radix_cache import TreeNode
 from sgrt.engine.sampling_params import SamplingParams
 
 
@@ -24,7 +23,8 @@ class Req:
     Token bookkeeping: ``fill_ids = prompt_ids + output_ids`` is everything the model has seen or
     produced. ``slots[i]`` is the KV slot of ``fill_ids[i]`` for ``i < len(slots)`` (KV computed
     or being computed this step). The first ``cached_len`` slots belong to the radix cache and are
-    locked through ``last_node``; the rest belong to the request.
+    locked through ``last_node``; the rest belong to the request. The scheduler alone changes
+    ``slots``, ``cached_len`` and ``last_node``.
     """
 
     request_id: str
@@ -34,7 +34,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     cached_len: int = 0
-    last_node: TreeNode | None = None
+    last_node: Any = None  # the prefix-cache handle locked for this request (MatchResult.node)
     status: ReqStatus = ReqStatus.WAITING
     grammar: Any = None  # sgrt.constrained.Grammar, or None when unconstrained
     grammar_future: Any = None  # concurrent.futures.Future while the grammar compiles

@@ -3,30 +3,59 @@
 Each step the scheduler builds one ragged batch: every running request contributes a row (one
 token when decoding, a chunk when prefilling), then waiting requests are admitted under the
 prefill token budget. Policies: ``lpm`` (longest prefix match first, the default, as in SGLang)
-and ``fcfs``. When the KV pool runs short it evicts unlocked radix-cache entries first, then
+and ``fcfs``. When the KV pool runs short it evicts unlocked prefix-cache entries first, then
 retracts the newest running requests back to the waiting queue (their output is kept; they
 re-prefill later), as SGLang and vLLM preempt by recomputation.
+
+The scheduler is the only owner of KV slots: it allocates them for rows and for draft tokens
+(:meth:`Scheduler.attach_draft`, asked by the speculative planner), frees rejected drafts'
+(:meth:`Scheduler.release_draft_slots`), moves computed prefixes into the prefix cache and
+releases a finished request's; :meth:`Scheduler.check_integrity` checks that every slot is in
+exactly one place.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from sgrt.engine.kv_pool import KVPool
-from sgrt.engine.radix_cache import RadixCache
+from sgrt.engine.prefix_cache import PrefixCache
 from sgrt.engine.request import Req, ReqStatus
+from sgrt.errors import InvalidRequest
 
 POLICIES = ("lpm", "fcfs")
 
 
 @dataclass
 class SchedulerConfig:
-    """Batching limits (tokens unless stated)."""
+    """Batching limits (tokens unless stated; fields of the same names in
+    :class:`sgrt.engine.engine.EngineConfig`).
+
+    Attributes:
+        max_running_requests: requests admitted at once (>= 1).
+        max_prefill_tokens: new prefill tokens admitted per step (>= 1).
+        chunked_prefill_size: most prefill tokens one request feeds per step (>= 1).
+        schedule_policy: admission order, ``"lpm"`` (longest prefix match) or ``"fcfs"``.
+        dedup_min_tokens: a shared uncached prefix this long makes a waiting request wait for
+            the one prefilling it.
+
+    Raises:
+        InvalidRequest: a field out of its range (named).
+    """
 
     max_running_requests: int = 64
-    max_prefill_tokens: int = 1024  # new prefill tokens admitted per step
-    chunked_prefill_size: int = 512  # most prefill tokens one request feeds per step
-    policy: str = "lpm"
-    dedup_min_tokens: int = 32  # shared uncached prefix that makes a waiting request wait
+    max_prefill_tokens: int = 1024
+    chunked_prefill_size: int = 512
+    schedule_policy: str = "lpm"
+    dedup_min_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in POLICIES:
+            raise InvalidRequest(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}",
+                                 field="schedule_policy")
+        for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "dedup_min_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequest(f"{name} must be an int >= 1, got {value!r}", field=name)
 
 
 @dataclass
@@ -54,11 +83,16 @@ class Row:
 
 
 class Scheduler:
-    """Owns the waiting and running queues; allocates and frees KV slots."""
+    """Owns the waiting and running queues and every KV slot of the pool (free, a request's,
+    or lent to the prefix cache).
 
-    def __init__(self, config: SchedulerConfig, pool: KVPool, cache: RadixCache):
-        if config.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {config.policy!r}")
+    Args:
+        config: the batching limits.
+        pool: the target model's KV pool.
+        cache: the prefix cache over ``pool``.
+    """
+
+    def __init__(self, config: SchedulerConfig, pool: KVPool, cache: PrefixCache):
         self.config = config
         self.pool = pool
         self.cache = cache
@@ -68,10 +102,12 @@ class Scheduler:
 
     # -- queues ------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
+        """Queue a new request (it holds no slots until admitted)."""
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
 
     def has_work(self) -> bool:
+        """Whether any request waits or runs."""
         return bool(self.waiting or self.running)
 
     # -- one step ----------------------------------------------------------------------------
@@ -102,7 +138,7 @@ class Scheduler:
         if not candidates:
             return
         matches = {id(r): self.cache.match_prefix(r.fill_ids[: self._match_limit(r)]) for r in candidates}
-        if self.config.policy == "lpm":
+        if self.config.schedule_policy == "lpm":
             candidates.sort(key=lambda r: -len(matches[id(r)].slots))
         prefilling = [r for r in self.running if r.remaining_prefill > 1]
         for req in candidates:
@@ -152,6 +188,27 @@ class Scheduler:
                 return True
         return False
 
+    # -- draft tokens (asked by the speculative planner) --------------------------------------
+    def attach_draft(self, row: Row, tokens: list[int]) -> bool:
+        """Make ``row`` (about to sample) a verify row that also feeds ``tokens``: reserve one
+        KV slot per token, evicting unlocked cache entries but never retracting a request.
+        False (the row unchanged) when the slots cannot be had."""
+        k = len(tokens)
+        if not self._reserve(k, protect=row.req, rows=[], may_retract=False):
+            return False
+        row.req.slots.extend(self.pool.alloc(k))
+        row.draft = list(tokens)
+        row.n += k
+        return True
+
+    def release_draft_slots(self, req: Req, n: int) -> None:
+        """Free the KV slots of ``req``'s last ``n`` draft tokens (rejected by verification).
+        The accepted ones' stay: their KV is computed, and their tokens join the output next
+        (a request that finishes before all of them are appended frees the rest on release)."""
+        if n > 0:
+            self.pool.free(req.slots[-n:])
+            del req.slots[-n:]
+
     # -- memory ------------------------------------------------------------------------------
     def _reserve(self, n: int, protect: Req | None, rows: list[Row], may_retract: bool = True) -> bool:
         """Make ``n`` slots free: evict cache, then retract the newest running requests that
@@ -185,7 +242,8 @@ class Scheduler:
         """Give back a request's KV: optionally insert it into the radix cache first, then
         unlock its prefix and free what the cache does not keep."""
         if len(req.slots) > req.num_fill:
-            # NOTE: KV of speculative drafts never verified (a forward failed in between).
+            # NOTE: KV of draft tokens not in the output: never verified (a forward failed in
+            # between), or accepted after the token that finished the request.
             self.pool.free(req.slots[req.num_fill:])
             del req.slots[req.num_fill:]
         if insert and req.slots:
@@ -199,13 +257,14 @@ class Scheduler:
         req.cached_len = 0
 
     def cache_prefix(self, req: Req) -> None:
-        """Insert the tokens whose KV is computed into the radix cache, free our duplicate
+        """Insert the tokens whose KV is computed into the prefix cache, free our duplicate
         slots, and move our lock to the new end node (SGLang's ``cache_unfinished_req``)."""
         n = len(req.slots)
         ids = req.fill_ids[:n]
-        if self.cache.disabled:
-            return
-        already = self.cache.insert(ids, req.slots)
+        inserted = self.cache.insert(ids, req.slots)
+        if not inserted.kept:
+            return  # a cache that keeps nothing: the request keeps owning its slots
+        already = inserted.cached_len
         if already > req.cached_len:
             dup = req.slots[req.cached_len:already]
             match = self.cache.match_prefix(ids)
@@ -228,3 +287,24 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = ReqStatus.FINISHED
+
+    def flush_cache(self) -> None:
+        """Drop every unlocked prefix-cache entry (its slots go back to the pool)."""
+        self.cache.reset()
+
+    # -- checks ------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Every KV slot is free, held by a running request, or in the prefix cache, exactly
+        once (DESIGN.md invariant); raise ``AssertionError`` naming the first broken rule."""
+        self.cache.check_integrity()
+        free = self.pool.free_slot_set()
+        assert len(free) == self.pool.num_free, "a slot is on the free list twice"
+        owned: list[int] = []
+        for req in self.running:
+            owned.extend(req.slots[req.cached_len:])
+        tree = self.cache.all_slots()
+        everything = list(free) + owned + tree
+        assert len(everything) == len(set(everything)), "a KV slot is in two places"
+        assert len(everything) == self.pool.num_slots, (
+            f"{self.pool.num_slots - len(everything)} KV slots are lost"
+        )

@@ -1,22 +1,26 @@
-"""Speculative decoding and jump-forward inside the continuous batch.
+"""Speculative decoding and jump-forward inside the continuous batch: the draft planner.
 
-The engine calls four hooks (DESIGN.md, "Draft / verify" and "Jump-forward"):
+:class:`SpecPlanner` decides; it owns no KV slot and appends no token. The scheduler reserves
+and releases the KV slots of draft tokens; the output processor appends what verification keeps
+(DESIGN.md, "Draft / verify", "Jump-forward" and "The path of one gen"). Its parts, in the
+order a step calls them:
 
-* :meth:`SpecDecoder.jump_forward_text` before scheduling: requests in *text* jump-forward mode
-  get the grammar's forced tokens appended without verification (all but a last token that a
-  longer allowed token could extend); their KV is computed by the next forward like a prefill
-  chunk.
-* :meth:`SpecDecoder.prepare` after scheduling: a row that is about to sample becomes a *verify
+* :meth:`SpecPlanner.plan_text_jumps` before scheduling: requests in *text* jump-forward mode
+  get the grammar's forced tokens (all but a last token that a longer allowed token could
+  extend), which the output processor appends without verification; their KV is computed by
+  the next forward like a prefill chunk.
+* :meth:`SpecPlanner.plan` after scheduling: a row that is about to sample becomes a *verify
   row* of ``k + 1`` tokens: the grammar's forced text, tokenized (*exact* jump-forward,
   constrained requests; also before the first output token, when the prompt's last prefill
   chunk verifies it), or a drafter's proposal (``speculative="ngram" | "draft"``, from the
-  second output token), cut at the first token the grammar forbids, with ``k`` KV slots
-  allocated for it.
-* :meth:`SpecDecoder.verify_rows` after the forward: :func:`sgrt.engine.verify.verify` keeps the
-  accepted prefix plus one target token; rejected drafts give back their KV slots; the tokens go
-  through ``Engine._append_token`` one by one, so stop strings, EOS, ``max_tokens`` and grammar
-  termination are checked exactly as without speculation.
-* :meth:`SpecDecoder.release` when a request finishes.
+  second output token), cut at the first token the grammar forbids; the scheduler reserves
+  ``k`` KV slots for it (:meth:`sgrt.engine.scheduler.Scheduler.attach_draft`).
+* :meth:`SpecPlanner.verify` after the forward: :func:`sgrt.engine.verify.verify` keeps the
+  accepted prefix plus one target token; the scheduler releases the rejected drafts' KV slots;
+  the output processor appends the kept tokens one by one, so stop strings, EOS,
+  ``max_tokens`` and grammar termination are checked exactly as without speculation.
+* :meth:`SpecPlanner.forget` when the loop retires a finished request (its acceptance
+  statistics go, and its KV in the draft model's own pool).
 
 Draft length and turning off under load, one rule (the cost model of Leviathan et al.,
 arXiv:2211.17192, section 3.4, applied to a whole batch). In units of a batch-1 one-token
@@ -43,15 +47,14 @@ run is nearly always accepted.
 from __future__ import annotations
 
 import heapq
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from sgrt.engine.drafters import DraftModelDrafter, NgramIndex
 from sgrt.engine.request import Req
-from sgrt.engine.scheduler import Row
+from sgrt.engine.scheduler import Row, Scheduler
 from sgrt.engine.verify import Draft, VerifyOutput, token_allowed, verify, walk_grammar
 from sgrt.errors import InvalidRequest
 
@@ -127,69 +130,109 @@ def plan_draft_lengths(alphas: list[float], caps: list[int], num_sampling: int, 
     return lengths
 
 
-class SpecDecoder:
-    """Drafting, verification and jump-forward for one engine (runs on the loop thread).
+@dataclass
+class SpecConfig:
+    """Speculative decoding and jump-forward options (fields of the same names in
+    :class:`sgrt.engine.engine.EngineConfig`; the module docstring explains the cost model).
 
-    Args:
-        config: the :class:`sgrt.engine.engine.EngineConfig` (``speculative``,
-            ``num_draft_tokens``, ``draft_model``, ``draft_max_total_tokens``,
-            ``speculative_cost``, ``max_jump_forward_tokens``).
-        pool, cache: the target's KV pool and radix cache (draft slots come from the pool;
-            the cache is evicted for them, requests are never retracted for them).
-        loaded: the target :class:`sgrt.models.LoadedModel` (a draft model given by spec is
-            loaded with its dtype and device).
-        eos_ids: the tokenizer's end ids.
-        context_length: the target's context window.
-        append: ``Engine._append_token``.
+    Attributes:
+        speculative: the drafter of requests that set none: ``"ngram"``, ``"draft"`` or None.
+        num_draft_tokens: the most draft tokens per request and step, in [1, 16].
+        draft_model: the draft model: a spec for :func:`sgrt.models.load_model` or a
+            ``LoadedModel`` with the target's tokenizer (needed by ``"draft"``).
+        draft_max_total_tokens: the draft model's KV pool size in tokens (None: the target's
+            ``max_total_tokens + 16 * max_running_requests``).
+        speculative_cost: the forward cost model ``(switch, per_token)``, two numbers >= 0
+            (None: :data:`CPU_COST`, or :data:`CUDA_COST` on a CUDA device).
+        max_jump_forward_tokens: the longest forced run one jump-forward takes (>= 0; 0 turns
+            jump-forward off).
 
     Raises:
-        InvalidRequest: a bad ``speculative`` / ``num_draft_tokens`` / ``speculative_cost``,
-            or ``"draft"`` without a ``draft_model``.
+        InvalidRequest: a field out of its range (named).
     """
 
-    def __init__(self, config: Any, pool: Any, cache: Any, loaded: Any, eos_ids: set[int],
-                 context_length: int, append: Callable[..., None]):
+    speculative: str | None = None
+    num_draft_tokens: int = 8
+    draft_model: Any = None
+    draft_max_total_tokens: int | None = None
+    speculative_cost: tuple[float, float] | None = None
+    max_jump_forward_tokens: int = 16
+
+    def __post_init__(self) -> None:
         from sgrt.engine.sampling_params import SPECULATIVE_MODES
 
-        if config.speculative not in SPECULATIVE_MODES:
-            raise InvalidRequest(f"speculative must be one of {SPECULATIVE_MODES}, got {config.speculative!r}",
+        if self.speculative not in SPECULATIVE_MODES:
+            raise InvalidRequest(f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}",
                                  field="speculative")
-        if isinstance(config.num_draft_tokens, bool) or not isinstance(config.num_draft_tokens, int) \
-                or not 1 <= config.num_draft_tokens <= 16:
-            raise InvalidRequest(f"num_draft_tokens must be an int in [1, 16], got {config.num_draft_tokens!r}",
+        if not _is_int(self.num_draft_tokens) or not 1 <= self.num_draft_tokens <= 16:
+            raise InvalidRequest(f"num_draft_tokens must be an int in [1, 16], got {self.num_draft_tokens!r}",
                                  field="num_draft_tokens")
-        if config.speculative == "draft" and config.draft_model is None:
+        if self.speculative == "draft" and self.draft_model is None:
             raise InvalidRequest("speculative='draft' needs a draft_model", field="draft_model")
-        cost = config.speculative_cost
-        if cost is None:
-            cost = CUDA_COST if loaded.model.device.type == "cuda" else CPU_COST
-        if not isinstance(cost, (tuple, list)) or len(cost) != 2 or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 <= x < float("inf") for x in cost):
+        if self.draft_max_total_tokens is not None and (
+                not _is_int(self.draft_max_total_tokens) or self.draft_max_total_tokens < 1):
+            raise InvalidRequest(f"draft_max_total_tokens must be an int >= 1 or None, got "
+                                 f"{self.draft_max_total_tokens!r}", field="draft_max_total_tokens")
+        cost = self.speculative_cost
+        if cost is not None and (not isinstance(cost, (tuple, list)) or len(cost) != 2 or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 <= x < float("inf") for x in cost)):
             raise InvalidRequest(
                 f"speculative_cost must be (switch, per_token), two numbers >= 0, got {cost!r}",
                 field="speculative_cost",
             )
+        if not _is_int(self.max_jump_forward_tokens) or self.max_jump_forward_tokens < 0:
+            raise InvalidRequest(f"max_jump_forward_tokens must be an int >= 0, got {self.max_jump_forward_tokens!r}",
+                                 field="max_jump_forward_tokens")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class SpecPlanner:
+    """Plans drafts and jump-forward runs, and verifies drafts, for one engine (loop thread).
+
+    It holds per-request acceptance statistics and, with a draft model, that model's own KV
+    pool (:class:`sgrt.engine.drafters.DraftModelDrafter`); the target's KV slots for draft
+    tokens come from the scheduler, and the tokens it plans are appended by the output
+    processor.
+
+    Args:
+        config: the validated :class:`SpecConfig`.
+        scheduler: reserves and releases the KV slots of draft tokens.
+        loaded: the target :class:`sgrt.models.LoadedModel` (a draft model given by spec is
+            loaded with its dtype and device).
+        eos_ids: the tokenizer's end ids.
+        context_length: the target's context window.
+        draft_slots: the draft model's KV pool size, in tokens.
+
+    Raises:
+        InvalidRequest: (field ``draft_model``) its tokenizer differs from the target's.
+        ModelLoadError: the draft model could not be loaded.
+    """
+
+    def __init__(self, config: SpecConfig, scheduler: Scheduler, loaded: Any, eos_ids: set[int],
+                 context_length: int, draft_slots: int):
+        cost = config.speculative_cost
+        if cost is None:
+            cost = CUDA_COST if loaded.model.device.type == "cuda" else CPU_COST
         self.cost = (float(cost[0]), float(cost[1]))
         self.config = config
-        self.pool = pool
-        self.cache = cache
+        self.scheduler = scheduler
         self.vocab_size = loaded.config.vocab_size
         self.eos_ids = eos_ids
         self.context_length = context_length
-        self.append = append
         self.drafter: DraftModelDrafter | None = None
         if config.draft_model is not None:
-            self.drafter = self._load_drafter(config, loaded)
+            self.drafter = self._load_drafter(config.draft_model, loaded, draft_slots)
             self.context_length = min(context_length, self.drafter.context_length)
         self.tokenizer = loaded.tokenizer
         self._longer: dict[int, list[int]] = {}  # token -> ids whose bytes strictly extend it
         self._states: dict[str, SpecState] = {}
-        self._pending: dict[str, Draft] = {}
 
-    def _load_drafter(self, config: Any, loaded: Any) -> DraftModelDrafter:
+    def _load_drafter(self, draft: Any, loaded: Any, slots: int) -> DraftModelDrafter:
         from sgrt.models import LoadedModel, load_model
 
-        draft = config.draft_model
         if not isinstance(draft, LoadedModel):
             draft = load_model(draft, dtype=loaded.model.dtype, device=loaded.model.device)
         if len(draft.tokenizer) != len(loaded.tokenizer):
@@ -198,20 +241,15 @@ class SpecDecoder:
                 f"{len(loaded.tokenizer)}: a draft model must share the target's tokenizer",
                 field="draft_model",
             )
-        slots = config.draft_max_total_tokens or config.max_total_tokens + 16 * config.max_running_requests
         return DraftModelDrafter(draft, slots, loaded.config.vocab_size)
 
     # -- per-request options -----------------------------------------------------------------
-    def check_params(self, params: Any) -> None:
-        """Refuse what this engine cannot do (``InvalidRequest`` naming the field)."""
-        if params.speculative == "draft" and self.drafter is None:
-            raise InvalidRequest("speculative='draft' needs an engine started with a draft_model",
-                                 field="speculative")
-
     def mode(self, req: Req) -> str | None:
+        """The request's drafter (its own ``speculative`` or the engine's)."""
         return req.params.speculative or self.config.speculative
 
     def max_draft(self, req: Req) -> int:
+        """The most draft tokens the request takes a step."""
         return req.params.num_draft_tokens or self.config.num_draft_tokens
 
     @staticmethod
@@ -229,14 +267,15 @@ class SpecDecoder:
         """Most tokens that may still be appended after the pending last one."""
         return min(req.params.max_tokens - len(req.output_ids) - 1, self.context_length - req.num_fill)
 
-    # -- hook 1: text jump-forward -----------------------------------------------------------
-    def jump_forward_text(self, running: list[Req]) -> None:
-        """Append forced tokens, unverified, to decoding requests in text mode. The run never
-        ends where a longer token could continue it: at the end of the forced text, its last
-        token is dropped when the grammar (before it) allows a token whose bytes strictly
-        extend it; a run that terminates the grammar is kept whole."""
-        now = time.monotonic()
-        for req in list(running):
+    # -- before scheduling: text jump-forward ------------------------------------------------
+    def plan_text_jumps(self, running: list[Req]) -> list[tuple[Req, list[int]]]:
+        """The forced tokens to append, unverified, to decoding requests in text mode, per
+        request. The run never ends where a longer token could continue it: at the end of the
+        forced text, its last token is dropped when the grammar (before it) allows a token
+        whose bytes strictly extend it; a run that terminates the grammar is kept whole. Each
+        grammar ends in the state it started in."""
+        jumps: list[tuple[Req, list[int]]] = []
+        for req in running:
             if req.finished or self.jump_forward_mode(req) != "text" or not req.output_ids \
                     or req.remaining_prefill != 1:
                 continue
@@ -260,11 +299,9 @@ class SpecDecoder:
                 n -= 1
             if n:
                 grammar.rollback(n)
-            for t in forced[:keep]:
-                req.forced_tokens += 1
-                self.append(req, t, 0.0, [], now)
-                if req.finished:
-                    break
+            if keep:
+                jumps.append((req, forced[:keep]))
+        return jumps
 
     def _exact_forced_draft(self, grammar: Any) -> list[int]:
         """The draft of exact jump-forward: the forced tokens, or, when the grammar forces more
@@ -305,17 +342,18 @@ class SpecDecoder:
         grammar.fill_vocab_mask(mask, 0)
         return any(token_allowed(mask, 0, t) for t in longer if t < self.vocab_size)
 
-    # -- hook 2: drafting --------------------------------------------------------------------
-    def prepare(self, rows: list[Row]) -> None:
-        """Turn rows that sample this step into verify rows where a draft is worth it."""
-        self._pending.clear()
+    # -- after scheduling: drafts ------------------------------------------------------------
+    def plan(self, rows: list[Row]) -> dict[str, Draft]:
+        """Turn rows that sample this step into verify rows where a draft is worth it; return
+        each attached draft by request id (the scheduler has extended its row and reserved its
+        KV slots)."""
         sampling = [r for r in rows if r.completes_fill and r.req.params.max_tokens > 0]
         # NOTE: exact jump-forward also drafts the first output tokens, verified by the prefill
         # forward itself (e.g. '{"name":"' of a JSON object); speculation waits for one output.
         candidates = [r for r in sampling if not r.draft and self._room(r.req) > 0
                       and (r.req.output_ids or self.jump_forward_mode(r.req) == "exact")]
         if not candidates:
-            return
+            return {}
         drafts: list[tuple[Row, Draft]] = []
         speculative: list[tuple[Row, SpecState]] = []
         for row in candidates:
@@ -332,7 +370,7 @@ class SpecDecoder:
                 state = self._states[req.request_id] = SpecState()
             speculative.append((row, state))
         if not speculative and not drafts:
-            return
+            return {}
         # n-gram proposals first (cheap): their match order tells which estimate applies.
         alphas: list[float] = []
         caps: list[int] = []
@@ -362,11 +400,15 @@ class SpecDecoder:
             for (row, _), (tokens, probs) in zip(model_rows, proposals):
                 if tokens:
                     drafts.append((row, Draft(tokens=tokens, probs=probs, source=MODEL_SOURCE)))
+        planned: dict[str, Draft] = {}
         for row, draft in drafts:
-            self._attach(row, draft)
+            if self._attach(row, draft):
+                planned[row.req.request_id] = draft
+        return planned
 
-    def _attach(self, row: Row, draft: Draft) -> None:
-        """Check ``draft`` against the grammar, allocate its KV slots, extend the row."""
+    def _attach(self, row: Row, draft: Draft) -> bool:
+        """Cut ``draft`` to what may be kept (room, an end token, the grammar) and ask the
+        scheduler to extend the row with it; False when nothing is left or no slots are."""
         req = row.req
         draft.tokens = draft.tokens[: self._room(req)]
         params = req.params
@@ -379,63 +421,35 @@ class SpecDecoder:
             draft.tokens, draft.masks, draft.terminal = walked.tokens, walked.masks, walked.terminal
         k = len(draft.tokens)
         if k == 0:
-            return
+            return False
         draft.num_forced = min(draft.num_forced, k)
         if draft.probs is not None:
             draft.probs = draft.probs[:k]
-        if self.pool.num_free < k:
-            self.cache.evict(k - self.pool.num_free)
-            if self.pool.num_free < k:
-                return
-        draft.slots = self.pool.alloc(k)
-        req.slots.extend(draft.slots)
-        row.draft = list(draft.tokens)
-        row.n += k
-        self._pending[req.request_id] = draft
+        return self.scheduler.attach_draft(row, draft.tokens)
 
-    # -- hook 3: verification ----------------------------------------------------------------
-    def verify_rows(self, pairs: list[tuple[Row, torch.Tensor]]) -> None:
-        """Verify each verify row's draft against its logits ``[k + 1, V]`` and append the
-        kept tokens."""
-        now = time.monotonic()
-        for row, logits in pairs:
-            req = row.req
-            draft = self._pending.pop(req.request_id)
-            out = verify(logits, req, draft, self.eos_ids)
-            drafted = len(draft.tokens) - draft.num_forced
-            if drafted:
-                req.spec_drafted += drafted
-                accepted = max(out.num_accepted - draft.num_forced, 0)
-                state = self._states.get(req.request_id)
-                if state is not None:
-                    state.update(draft.source, drafted, accepted)
-            self._commit(req, draft, out, now)
+    # -- after the forward: verification -----------------------------------------------------
+    def verify(self, row: Row, draft: Draft, logits: torch.Tensor) -> VerifyOutput:
+        """Verify a verify row's ``draft`` against its logits ``[k + 1, V]`` float32; update
+        the request's acceptance estimate and have the scheduler release the rejected draft
+        tokens' KV slots. The caller appends ``tokens`` of the result."""
+        req = row.req
+        out = verify(logits, req, draft, self.eos_ids)
+        drafted = len(draft.tokens) - draft.num_forced
+        if drafted:
+            accepted = max(out.num_accepted - draft.num_forced, 0)
+            state = self._states.get(req.request_id)
+            if state is not None:
+                state.update(draft.source, drafted, accepted)
+        self.scheduler.release_draft_slots(req, len(draft.tokens) - out.num_accepted)
+        return out
 
-    def _commit(self, req: Req, draft: Draft, out: VerifyOutput, now: float) -> None:
-        """Keep the accepted drafts' KV, free the rejected ones', append the tokens."""
-        slots = draft.slots
-        m = out.num_accepted
-        del req.slots[len(req.slots) - len(slots):]
-        self.pool.free(slots[m:])
-        pushed = 0
-        for i, token in enumerate(out.tokens):
-            if i < m:
-                # The KV of an accepted draft token is computed: it joins the request's slots
-                # just before the token joins its output (they stay the same length).
-                req.slots.append(slots[i])
-                pushed += 1
-                if i < draft.num_forced:
-                    req.forced_tokens += 1
-                else:
-                    req.spec_accepted += 1
-            lp = out.logprobs[i] if out.logprobs else 0.0
-            top = out.top_logprobs[i] if out.top_logprobs else []
-            self.append(req, token, lp, top, now)
-            if req.finished:
-                break
-        self.pool.free(slots[pushed:m])
+    # -- bookkeeping -------------------------------------------------------------------------
+    def forget(self, req: Req) -> None:
+        """Forget a finished request (its draft-model KV is freed)."""
+        self._states.pop(req.request_id, None)
+        if self.drafter is not None:
+            self.drafter.release(req.request_id)
 
-    # -- hook 4 ------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Every draft-model KV slot is free or held by exactly one request (``AssertionError``)."""
         if self.drafter is None:
@@ -444,10 +458,3 @@ class SpecDecoder:
         held = [s for seq in self.drafter._seqs.values() for s in seq.slots]
         everything = list(pool.free_slot_set()) + held
         assert len(everything) == len(set(everything)) == pool.num_slots, "draft KV slots lost or shared"
-
-    def release(self, req: Req) -> None:
-        """Forget a finished request (its draft-model KV is freed)."""
-        self._states.pop(req.request_id, None)
-        self._pending.pop(req.request_id, None)
-        if self.drafter is not None:
-            self.drafter.release(req.request_id)

@@ -20,7 +20,7 @@ tokens before the position as output), then temperature / top-k / min-p / top-p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +41,6 @@ class Draft:
             None for an unconstrained request.
         terminal: the grammar terminates after the last draft token, so there is no bonus
             position to sample.
-        slots: the KV slots allocated for the draft tokens (one each).
         source: which acceptance estimate the outcome updates (``sgrt.engine.speculative``).
     """
 
@@ -50,7 +49,6 @@ class Draft:
     num_forced: int = 0
     masks: torch.Tensor | None = None
     terminal: bool = False
-    slots: list[int] = field(default_factory=list)
     source: int = 0
 
 

@@ -94,7 +94,9 @@ class ServerMetrics:
                 self.observe(result)
 
             metrics.record_finish = record_finish
-        compile_grammar = getattr(engine, "_compile_grammar", None)
+        # NOTE: the engine's intake compiles grammars on its workers (sgrt/engine/intake.py).
+        intake = getattr(engine, "intake", None)
+        compile_grammar = getattr(intake, "_compile_grammar", None)
         if compile_grammar is not None:
             def timed(params: Any) -> Any:
                 t0 = time.perf_counter()
@@ -103,7 +105,7 @@ class ServerMetrics:
                 finally:
                     self.compile.observe(time.perf_counter() - t0)
 
-            engine._compile_grammar = timed
+            intake._compile_grammar = timed
 
     def observe(self, result: Any) -> None:
         """Record one finished engine request (runs on the engine thread)."""

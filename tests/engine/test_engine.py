@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from sgrt.engine import Engine, SamplingParams
-from sgrt.errors import CapacityError, ContextLengthExceeded, InvalidRequest
+from sgrt.engine import Engine, EngineConfig, SamplingParams
+from sgrt.errors import CapacityError, ContextLengthExceeded, GrammarError, InvalidRequest
 from tests.engine.conftest import assert_same_greedy, chat
 
 QUESTIONS = [
@@ -225,5 +225,24 @@ def test_context_length(engine):
     ids = list(range(100, 100 + engine.context_length + 10))
     with pytest.raises(ContextLengthExceeded, match="truncate"):
         engine.submit(ids, SamplingParams(max_tokens=4))
-    kept = engine._fit_context(ids, SamplingParams(max_tokens=4, truncate="left"))
+    kept = engine.intake.fit_context(ids, SamplingParams(max_tokens=4, truncate="left"))
     assert kept == ids[-(engine.context_length - 4):]
+
+
+def test_options_are_checked_when_the_engine_is_built():
+    # The config is checked before the model loads: a bad option fails at Engine(...) even
+    # with a model path that does not exist.
+    missing = "/nonexistent/model.gguf"
+    with pytest.raises(GrammarError, match="grammar_backend"):
+        Engine(model=missing, grammar_backend="xgrammar")
+    with pytest.raises(InvalidRequest, match="schedule_policy"):
+        Engine(model=missing, schedule_policy="lifo")
+    with pytest.raises(InvalidRequest, match="max_total_tokens"):
+        Engine(model=missing, max_total_tokens=0)
+    with pytest.raises(InvalidRequest, match="max_jump_forward_tokens"):
+        Engine(model=missing, max_jump_forward_tokens=-1)
+    with pytest.raises(TypeError, match="extra"):
+        Engine(model=missing, extra={})
+    cfg = EngineConfig.from_options(max_running_requests=3, speculative="ngram", max_total_tokens=512)
+    assert cfg.scheduler.max_running_requests == 3 and cfg.spec.speculative == "ngram"
+    assert cfg.max_total_tokens == 512 and cfg.scheduler.chunked_prefill_size == 512

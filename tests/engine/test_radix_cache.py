@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sgrt.engine.kv_pool import KVPool
+from sgrt.engine.prefix_cache import InsertResult, NoPrefixCache
 from sgrt.engine.radix_cache import RadixCache
 
 
@@ -20,7 +21,7 @@ def test_match_insert_and_split():
     pool, cache = make_cache()
     a = [1, 2, 3, 4, 5]
     slots_a = pool.alloc(5)
-    assert cache.insert(a, slots_a) == 0
+    assert cache.insert(a, slots_a) == InsertResult(cached_len=0, kept=True)
     m = cache.match_prefix([1, 2, 3, 9])
     assert m.slots == slots_a[:3]
     # The partial match split the edge: the returned node ends after 3 tokens.
@@ -28,7 +29,7 @@ def test_match_insert_and_split():
     assert m.node.children[4].key == [4, 5]
     b = [1, 2, 3, 9, 9]
     slots_b = pool.alloc(5)
-    already = cache.insert(b, slots_b)
+    already = cache.insert(b, slots_b).cached_len
     assert already == 3
     pool.free(slots_b[:3])  # the caller frees its duplicates
     assert cache.match_prefix(b).slots == slots_a[:3] + slots_b[3:]
@@ -64,12 +65,16 @@ def test_unlock_of_unlocked_node_raises():
         cache.unlock(node)
 
 
-def test_disabled_cache_keeps_nothing():
+def test_no_prefix_cache_keeps_nothing_and_takes_no_slots():
     pool = KVPool(64, 1, 1, 2, torch.float32, "cpu")
-    cache = RadixCache(pool, disabled=True)
-    cache.insert([1, 2, 3], pool.alloc(3))
-    assert pool.num_free == 64
+    cache = NoPrefixCache(pool)
+    slots = pool.alloc(3)
+    assert cache.insert([1, 2, 3], slots) == InsertResult(cached_len=0, kept=False)
+    assert pool.num_free == 61  # the caller still owns its slots
     assert cache.match_prefix([1, 2, 3]).slots == []
+    assert cache.evict(10) == 0 and cache.total_size == 0 and cache.all_slots() == []
+    with pytest.raises(ValueError):
+        cache.insert([1, 2], [5])
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -103,7 +108,7 @@ def test_random_operations_keep_every_slot_in_one_place(seed: int):
         elif op < 0.85 and live:  # a request finishes: insert, free duplicates, unlock
             r = live.pop(rng.randrange(len(live)))
             slots = r["cached"] + r["own"]
-            already = cache.insert(r["ids"], slots)
+            already = cache.insert(r["ids"], slots).cached_len
             pool.free(slots[len(r["cached"]):already])
             cache.unlock(r["node"])
         else:

@@ -1,0 +1,54 @@
+"""KVPool unit tests (sgrt/engine/kv_pool.py): the free list, slot 0 kept for padding, writes
+landing at the given slots of one layer only, and the per-token byte count."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgrt.engine.kv_pool import KVPool
+from sgrt.errors import CapacityError
+
+
+def make(slots: int = 8, layers: int = 2, heads: int = 2, dim: int = 4, dtype=torch.float32) -> KVPool:
+    return KVPool(slots, num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype=dtype, device="cpu")
+
+
+def test_alloc_hands_out_every_slot_once_and_never_slot_zero():
+    pool = make(8)
+    taken = pool.alloc(3) + pool.alloc(5)
+    assert sorted(taken) == list(range(1, 9))
+    assert pool.num_free == 0 and pool.alloc(0) == []
+    with pytest.raises(CapacityError, match="0 free slots, 1 requested"):
+        pool.alloc(1)
+    # The tensors have one extra row, slot 0, the padding target.
+    assert pool.k.shape == (2, 9, 2, 4) and pool.v.shape == (2, 9, 2, 4)
+
+
+def test_freed_slots_are_reused_first():
+    pool = make(8)
+    a = pool.alloc(4)
+    pool.free(a[:2])
+    assert pool.num_free == 6 and pool.free_slot_set() == set(range(1, 9)) - set(a[2:])
+    assert sorted(pool.alloc(2)) == sorted(a[:2])  # most recently freed first
+
+
+def test_write_stores_k_and_v_at_the_slots_of_one_layer():
+    pool = make(8)
+    slots = torch.tensor([5, 2])
+    k = torch.arange(16, dtype=torch.float32).reshape(2, 2, 4)
+    v = -k
+    pool.write(1, slots, k, v)
+    assert torch.equal(pool.k[1, 5], k[0]) and torch.equal(pool.k[1, 2], k[1])
+    assert torch.equal(pool.v[1, 5], v[0]) and torch.equal(pool.v_layers[1][2], v[1])
+    assert float(pool.k[0].abs().sum()) == 0.0, "another layer was written"
+    assert float(pool.k[1, [0, 1, 3, 4, 6, 7, 8]].abs().sum()) == 0.0, "another slot was written"
+
+
+def test_bytes_per_token_counts_k_and_v_of_every_layer():
+    assert make(8, layers=3, heads=2, dim=4).bytes_per_token() == 2 * 3 * 2 * 4 * 4
+    assert make(8, layers=3, heads=2, dim=4, dtype=torch.bfloat16).bytes_per_token() == 2 * 3 * 2 * 4 * 2
+
+
+def test_a_pool_needs_a_slot():
+    with pytest.raises(ValueError, match="num_slots"):
+        make(0)
