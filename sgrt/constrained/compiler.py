@@ -14,6 +14,7 @@ instance is refused here too (:mod:`~sgrt.constrained.satisfiable`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -163,7 +164,12 @@ class GrammarCompiler:
         from sgrt.constrained.satisfiable import check_satisfiable
 
         normalized = normalize_schema(schema, options, backend)
-        _limits.check_schema(normalized.schema, self.limits)  # rewrites may have grown it
+        # NOTE: the user's schema met the limits above. Our rewrites (unevaluated*, object
+        # const / enum, the default bounds) wrap parts of it in allOf / anyOf levels it did not
+        # write, so the rewritten schema gets twice the depth: still far below what the compile
+        # thread's stack takes (DESIGN.md, "Grammar compile limits and isolation").
+        _limits.check_schema(normalized.schema, dataclasses.replace(
+            self.limits, max_schema_depth=2 * self.limits.max_schema_depth))
         check_satisfiable(normalized.schema)
         return self._get_backend(backend).compile_json(normalized.schema, options, normalized.warnings)
 

@@ -212,23 +212,30 @@ def _text_depth(text: str) -> int:
 
 
 def _tree_depth(root: Any, stop: int) -> int:
-    """Nesting depth of dicts and lists (stops counting past ``stop``); iterative."""
-    best = 0
-    stack = [(root, 1)]
-    seen: set[int] = set()
+    """Nesting depth of dicts and lists (``stop`` once it reaches ``stop``, or for a Python
+    object that contains itself); iterative. A sub-object shared by several parents (our schema
+    rewrites share them) is measured once: a shared node is no cycle."""
+    height: dict[int, int] = {}  # id -> height of a finished subtree
+    on_path: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)]
     while stack:
-        node, d = stack.pop()
-        if id(node) in seen:  # a Python object containing itself
+        node, leaving = stack.pop()
+        key = id(node)
+        kids = [c for c in (node.values() if isinstance(node, dict) else node) if isinstance(c, (dict, list))]
+        if leaving:
+            on_path.discard(key)
+            height[key] = 1 + max((height[id(c)] for c in kids), default=0)
+            if height[key] >= stop:
+                return stop
+            continue
+        if key in height:
+            continue
+        if key in on_path or len(on_path) + 1 >= stop:
             return stop
-        best = max(best, d)
-        if best >= stop:
-            return best
-        children = node.values() if isinstance(node, dict) else node
-        for child in children:
-            if isinstance(child, (dict, list)):
-                stack.append((child, d + 1))
-        seen.add(id(node))
-    return best
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in kids if id(c) not in height)
+    return min(height[id(root)], stop)
 
 
 def _resolve(root: dict, ref: str) -> Any:

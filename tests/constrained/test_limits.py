@@ -296,3 +296,23 @@ def test_served_process_survives_every_attack_class(served):
     status, answer = _http(http_port, "POST", "/v1/chat/completions", _chat(_json_format(
         {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})))
     assert status == 200 and isinstance(json.loads(answer["choices"][0]["message"]["content"])["n"], int)
+
+
+def test_tree_depth_measures_shared_sub_objects_and_stops_on_cycles():
+    # Schema rewrites share sub-objects between parents: a shared node is not a cycle (it was
+    # once measured as one, so every unevaluatedProperties rewrite counted as infinitely deep).
+    from sgrt.constrained.limits import _tree_depth
+
+    leaf = {"type": "string"}
+    shared = {"allOf": [leaf, leaf], "anyOf": [{"not": leaf}, leaf]}
+    assert _tree_depth({"properties": {"a": shared, "b": shared}}, 100) == 6
+    looped: dict = {}
+    looped["self"] = looped
+    assert _tree_depth(looped, 50) == 50
+    deep: dict = {}
+    node = deep
+    for _ in range(300):
+        node["n"] = {}
+        node = node["n"]
+    assert _tree_depth(deep, 129) == 129
+    assert _tree_depth(deep, 1000) == 301
