@@ -12,7 +12,12 @@ from sgrt.models.registry import Family, base_config
 
 def config_from_hf(cfg: dict) -> ModelConfig:
     """Qwen2's HF config -> :class:`ModelConfig` (QKV bias always on)."""
-    config = base_config(cfg, attention_bias=True)
+    return with_window_layers(base_config(cfg, attention_bias=True), cfg)
+
+
+def with_window_layers(config: ModelConfig, cfg: dict) -> ModelConfig:
+    """Qwen's older spelling of windows (also Qwen3's): with a ``sliding_window`` and no
+    ``layer_types``, the layers from ``max_window_layers`` on are windowed."""
     if config.sliding_window is not None and config.layer_types is None:
         first = int(cfg.get("max_window_layers", 0))
         config.layer_types = ["sliding_attention" if i >= first else "full_attention"
@@ -21,6 +26,7 @@ def config_from_hf(cfg: dict) -> ModelConfig:
 
 
 def gguf_extras(hf: dict, meta, tensors: dict) -> None:
+    """A Qwen GGUF records no window use: its models run with full attention."""
     hf["use_sliding_window"] = False
 
 

@@ -7,6 +7,7 @@ of ``head_dim`` weights, no QKV bias, ``head_dim`` usually not ``hidden / heads`
 from __future__ import annotations
 
 from sgrt.models.config import ModelConfig
+from sgrt.models.qwen2 import gguf_extras, with_window_layers
 from sgrt.models.registry import Family, base_config
 
 
@@ -18,16 +19,7 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     """
     if cfg.get("attention_bias"):
         raise ValueError("attention_bias is not supported for Qwen3")
-    config = base_config(cfg, qk_norm=True)
-    if config.sliding_window is not None and config.layer_types is None:
-        first = int(cfg.get("max_window_layers", 0))
-        config.layer_types = ["sliding_attention" if i >= first else "full_attention"
-                              for i in range(config.num_hidden_layers)]
-    return config
-
-
-def gguf_extras(hf: dict, meta, tensors: dict) -> None:
-    hf["use_sliding_window"] = False
+    return with_window_layers(base_config(cfg, qk_norm=True), cfg)
 
 
 FAMILY = Family(
