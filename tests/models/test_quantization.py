@@ -280,8 +280,11 @@ def test_prefill_sized_inputs_take_the_dense_path_with_the_same_weights(cls, mon
     torch.manual_seed(1)
     w = torch.randn(128, 192) * 0.05
     mod = cls.from_float(w)
-    if cls is quant.Int4Linear:
-        assert mod._unpackable
+    # int4's dense path needs torch's CPU packing layout to be the one unpack_int4_cpu inverts
+    # (checked at load); where it is another (this torch on a CPU without AVX-512), prefill
+    # chunks keep the kernel, with the same weights.
+    dense = cls is quant.Int8Linear or mod._unpackable
+    if cls is quant.Int4Linear and dense:
         codes, _ = quant.quantize_int4(w)
         assert torch.equal(quant.unpack_int4_cpu(mod.packed, 128, 192), codes)
     calls = []
@@ -293,7 +296,7 @@ def test_prefill_sized_inputs_take_the_dense_path_with_the_same_weights(cls, mon
     else:
         mod._mm = lambda *a: calls.append(1) or kernel(*a)
     y = mod(x)
-    assert not calls  # dense path
+    assert bool(calls) is not dense  # the dense path where it is known, else the kernel
     assert (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max()
     mod(x[:4])
     assert calls  # decode-sized inputs keep the kernel
@@ -371,9 +374,13 @@ def test_quantization_name_is_checked():
 
 def test_weight_memory(bf16_model, quantized):
     model = bf16_model.model
-    head = model.logits_head  # the oneDNN-prepacked copy of the tied LM head (sgrt/models/packed.py)
-    head_mb = head.packed.numel() * head.packed.element_size() / 1e6
-    assert abs(head_mb - model.embed_tokens.weight.numel() * 2 / 1e6) < 0.1
+    # The oneDNN-prepacked copy of the tied LM head (sgrt/models/packed.py): none on a CPU whose
+    # oneDNN cannot pack bfloat16 (no AVX-512 BW/VL/DQ nor AVX-NE-CONVERT; load logs why).
+    head = model.logits_head
+    head_mb = 0.0
+    if head is not None:
+        head_mb = head.packed.numel() * head.packed.element_size() / 1e6
+        assert abs(head_mb - model.embed_tokens.weight.numel() * 2 / 1e6) < 0.1
     mb = {"bf16": quant.weight_bytes(model) / 1e6 - head_mb}
     mb.update({q: quant.weight_bytes(lm.model) / 1e6 for q, lm in quantized.items()})
     # 134.5M parameters: bf16 2 bytes each; the bf16 input embedding (56.6 MB) stays in all three.
