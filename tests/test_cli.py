@@ -43,6 +43,8 @@ def test_every_flag_has_help_with_its_default():
             if not action.option_strings or action.help == argparse.SUPPRESS or action.dest == "help":
                 continue
             assert action.help, f"sgrt {name} {action.option_strings[0]} has no help"
+            if action.dest == "auth_token":
+                continue  # its default is a secret: see test_help_never_prints_the_auth_token
             assert "%(default)s" in formatter._get_help_string(action), (name, action.option_strings)
         if name == "models":
             continue  # lists files: no engine options
@@ -130,3 +132,12 @@ def test_parser_defaults_are_greedy():
     assert args.temperature == 0.0 and args.model == "smollm2-135m-instruct"
     assert args.quantization == "none" and args.raw is False
     assert build_parser().parse_args(["chat", "--quantization", "int4"]).quantization == "int4"
+
+
+def test_help_never_prints_the_auth_token(monkeypatch):
+    # --auth-token defaults to $SGRT_AUTH_TOKEN: the help names the variable, never its value.
+    monkeypatch.setenv("SGRT_AUTH_TOKEN", "s3cret-token-value")
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(sub.choices["serve"].format_help().split())
+    assert "required first-message token (default: $SGRT_AUTH_TOKEN)" in text
+    assert "s3cret-token-value" not in text
