@@ -215,7 +215,12 @@ def served():
 
     ws_port, http_port = _free_ports(2)
     proc = subprocess.Popen([sys.executable, "-m", "sgrt.cli", "serve", "--port", str(ws_port), "--http-port",
-                             str(http_port), "--max-total-tokens", "4096", "--quiet"], cwd=ROOT,
+                             str(http_port), "--max-total-tokens", "4096", "--quiet",
+                             # NOTE: the server's body and frame limits refuse most of these
+                             # inputs first by default (tests/server/test_hardening_*.py); opened
+                             # here, so that the grammar limits behind them are what is reached.
+                             "--max-json-depth", "2000", "--max-body-bytes", str(8 << 20),
+                             "--max-message-bytes", str(8 << 20)], cwd=ROOT,
                             env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600
