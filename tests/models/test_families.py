@@ -247,7 +247,12 @@ def test_speculative_verify_rows_respect_windows(name, checkpoints, loaded):
     """n-gram drafts are verified in multi-token rows across the window edge: outputs unchanged."""
     _, hf = checkpoints[name]
     lm = loaded[name]
-    ids = _prompt_ids(lm.tokenizer)
+    # The prompt ends as it did just before an earlier continuation G, so the n-gram drafter
+    # finds a match and drafts G again (the random models do not repeat themselves on their
+    # own); whether the model then agrees is its business: the output must equal transformers'.
+    first = _prompt_ids(lm.tokenizer)
+    window = hf.config.sliding_window
+    ids = first + _hf_greedy(hf, first, NEW_TOKENS) + first[-window:]
     want = _hf_greedy(hf, ids, 2 * NEW_TOKENS)
     eng = Engine(model=lm, max_total_tokens=1024, speculative="ngram", num_draft_tokens=4)
     try:
@@ -256,7 +261,7 @@ def test_speculative_verify_rows_respect_windows(name, checkpoints, loaded):
     finally:
         eng.shutdown()
     assert got.token_ids == want
-    assert got.spec_drafted > 0  # drafts were verified (the random model repeats itself)
+    assert got.spec_drafted > 0  # drafts were verified
 
 
 # NOTE: int4 quantized at load is too coarse for these random checkpoints (their q/k weights are
