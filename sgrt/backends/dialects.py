@@ -191,6 +191,14 @@ class SglangDialect(Dialect):
             body["json_schema"] = json.dumps(schema)
 
 
+def _refuse_lark_and_regex(dialect: Dialect, regex: str | None, grammar: str | None, base_url: str) -> None:
+    """llama.cpp's servers (both): their ``grammar`` field takes GBNF and they have no regex."""
+    if regex is not None:
+        raise dialect.refuse("regex", base_url, "its grammar field takes GBNF, and it has no regex constraint")
+    if grammar is not None:
+        raise dialect.refuse("grammar", base_url, "its grammar field takes GBNF, not Lark")
+
+
 @dataclass(frozen=True)
 class LlamaCppDialect(Dialect):
     """llama.cpp's ``llama-server``: a JSON Schema as ``response_format`` (which the server
@@ -203,10 +211,7 @@ class LlamaCppDialect(Dialect):
 
     def add_constraints(self, body: dict[str, Any], regex: str | None, schema: Any, grammar: str | None,
                         base_url: str) -> None:
-        if regex is not None:
-            raise self.refuse("regex", base_url, "its grammar field takes GBNF, and it has no regex constraint")
-        if grammar is not None:
-            raise self.refuse("grammar", base_url, "its grammar field takes GBNF, not Lark")
+        _refuse_lark_and_regex(self, regex, grammar, base_url)
         if schema is not None:
             body["response_format"] = json_schema_format(schema)
 
@@ -220,10 +225,7 @@ class LlamaCppPythonDialect(Dialect):
 
     def add_constraints(self, body: dict[str, Any], regex: str | None, schema: Any, grammar: str | None,
                         base_url: str) -> None:
-        if regex is not None:
-            raise self.refuse("regex", base_url, "its grammar field takes GBNF, and it has no regex constraint")
-        if grammar is not None:
-            raise self.refuse("grammar", base_url, "its grammar field takes GBNF, not Lark")
+        _refuse_lark_and_regex(self, regex, grammar, base_url)
         if schema is not None:
             raise self.refuse("json_schema", base_url, "its /v1/completions has no response_format, only a GBNF "
                               "grammar field")
