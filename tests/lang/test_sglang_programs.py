@@ -299,7 +299,9 @@ def test_flush_cache_empty_cache(runtime):
         s += sgl.gen("x", max_tokens=2)
 
     assert sgl.flush_cache(runtime, empty_cache=False) is None
-    prog.run()
+    # run() returns before its gens finish (SGLang's executor thread); sync() waits, so the
+    # second run starts after the first one's prefix is in the cache.
+    prog.run().sync()
     second = prog.run().get_meta_info("x")
     assert second["cached_tokens"] > 0, (second, runtime.engine.stats())
     assert sgl.flush_cache(empty_cache=True) is None
