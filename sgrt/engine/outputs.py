@@ -36,6 +36,10 @@ class Result:
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     incomplete: bool = False
     error: str | None = None
+    # Set when the request itself caused the abort (its constraint hit a grammar engine limit
+    # mid-generation, ...): servers answer these as the client's error, not as their own.
+    error_code: str | None = None
+    error_field: str | None = None
     warnings: list[str] = field(default_factory=list)
     forced_tokens: int = 0
     spec_drafted: int = 0

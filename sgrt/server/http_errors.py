@@ -66,6 +66,20 @@ def api_error_from(exc: BaseException, prompt_field: str = "prompt") -> ApiError
                     type="server_error", code="internal_error")
 
 
+def generation_error(result: Any) -> ApiError:
+    """The error for a request the engine aborted with ``result.error``: the request's own
+    fault (``result.error_code`` set: a typed error whose text sgrt wrote, naming the field and
+    the limit) is a 400 with that text; anything else is a 500 whose text stays in the log
+    under an incident id."""
+    message = str(result.error)
+    if result.error_code:
+        return ApiError(400, message.split(": ", 1)[-1], param=result.error_field, code=result.error_code)
+    incident = uuid.uuid4().hex[:12]
+    logger.error("generation failed (incident %s): %s", incident, message)
+    return ApiError(500, f"generation failed in the engine (incident {incident}; details in the server log)",
+                    type="server_error", code="generation_failed")
+
+
 def _param_of(message: str) -> str | None:
     """The field a msgspec validation message points at: ``Expected `int`, got `str` - at
     `$.n``` -> ``n``; ``Object contains unknown field `foo``` -> ``foo``."""

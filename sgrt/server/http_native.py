@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -52,7 +50,7 @@ from sgrt.errors import InvalidRequest
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
 from sgrt.server.http_core import HttpApi, EngineCall
-from sgrt.server.http_errors import ApiError, api_error_from, json_response
+from sgrt.server.http_errors import ApiError, api_error_from, generation_error, json_response
 from sgrt.server.http_streams import SSE_DONE, EventStream, sse
 
 NATIVE_ENDPOINTS = ("/generate", "/tokenize", "/detokenize", "/apply_chat_template", "/flush_cache",
@@ -138,10 +136,8 @@ def meta_info(api: HttpApi, result: Result, params: SamplingParams, with_text: b
               start: float) -> dict[str, Any]:
     """``meta_info`` of one finished /generate item (see the module docstring)."""
     meta = result.meta_info(time.perf_counter() - start)
-    if result.error:  # NOTE: an engine failure's text goes to the log only
-        incident = uuid.uuid4().hex[:12]
-        logging.getLogger("sgrt.server.http").error("generation failed (incident %s): %s", incident, result.error)
-        meta["error"] = f"generation failed in the engine (incident {incident}; details in the server log)"
+    if result.error:  # NOTE: an engine failure's text goes to the log only (generation_error)
+        meta["error"] = str(generation_error(result))
     else:
         meta["error"] = None
     if params.return_logprob:

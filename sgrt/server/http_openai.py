@@ -4,9 +4,7 @@ out, OpenAI responses (or server-sent event chunks) back. The field handling liv
 :mod:`sgrt.server.http_core`."""
 from __future__ import annotations
 
-import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +16,7 @@ from sgrt.server import chat_turns as ct
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
 from sgrt.server.http_core import HttpApi, EngineCall
-from sgrt.server.http_errors import ApiError, api_error_from, json_response
+from sgrt.server.http_errors import ApiError, api_error_from, generation_error, json_response
 from sgrt.server.http_streams import SSE_DONE, EventStream, merge_streams, sse
 
 
@@ -255,10 +253,7 @@ def check_result(result: Any) -> None:
         if "engine shut down" in result.error:
             raise ApiError(503, f"the engine stopped: {result.error}", type="service_unavailable",
                            code="engine_unavailable")
-        incident = uuid.uuid4().hex[:12]  # NOTE: the engine's exception text goes to the log only
-        logging.getLogger("sgrt.server.http").error("generation failed (incident %s): %s", incident, result.error)
-        raise ApiError(500, f"generation failed in the engine (incident {incident}; details in the server log)",
-                       type="server_error", code="generation_failed")
+        raise generation_error(result)
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:

@@ -127,7 +127,7 @@ ERROR_CODES: dict[str, str] = {
     "invalid_request": "a field's value is out of range or inconsistent (see field)",
     "context_length": "the conversation plus max_tokens no longer fits the model's context",
     "capacity": "the request can never fit the engine's KV pool",
-    "grammar": "the tools' schemas could not be compiled into a grammar",
+    "grammar": "the tools' schemas could not be compiled into a grammar, or the grammar hit a limit mid-turn",
     "generation_failed": "the engine failed the generation (message says why)",
     "program_failed": "the program raised an exception (message says which)",
     "limit.message_size": "the frame is larger than max_message_bytes",

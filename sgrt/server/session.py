@@ -370,11 +370,16 @@ class ChatSession(Session):
             tool_call=call, ttft=result.ttft, prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens, cached_tokens=result.cached_tokens))
         if result.finish_reason == "abort" and result.error and not self._cancel_requested:
-            incident = uuid.uuid4().hex[:12]
-            logger.error("session %s: generation failed (incident %s): %s", self.id, incident, result.error)
-            await self.send(p.Error(code="generation_failed", session=self.id,
-                                    message=f"the engine failed the generation (incident {incident}; details "
-                                            "in the server log)"))
+            if result.error_code:  # the request's own fault (its grammar hit a limit): say which
+                await self.send(p.Error(code="grammar" if result.error_code == "grammar_error" else "invalid_request",
+                                        session=self.id, field=result.error_field,
+                                        message=result.error.split(": ", 1)[-1]))
+            else:
+                incident = uuid.uuid4().hex[:12]
+                logger.error("session %s: generation failed (incident %s): %s", self.id, incident, result.error)
+                await self.send(p.Error(code="generation_failed", session=self.id,
+                                        message=f"the engine failed the generation (incident {incident}; details "
+                                                "in the server log)"))
             await self.send(p.Done(session=self.id, turn=turn, reason="error"))
             return
         if call is not None and not self._cancel_requested:

@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from sgrt.errors import GrammarError
 from sgrt.server.protocol import ToolSpec
 from sgrt.server.schema_embed import embed_schema
 
@@ -119,7 +120,8 @@ def call_schema(tool: ToolSpec, args_key: str = "arguments") -> dict[str, Any]:
     :data:`JSON_LAYOUT` separators.
 
     Raises:
-        GrammarError: the parameters use a keyword sgrt cannot enforce (names it).
+        GrammarError: (field ``tools``; the message names the tool) the parameters use a
+            keyword sgrt cannot enforce, or have no finite instance.
     """
     defs: dict[str, Any] = {}
     params = embed_schema(tool.parameters, f"/properties/{args_key}", defs, "args_")
@@ -133,7 +135,15 @@ def call_schema(tool: ToolSpec, args_key: str = "arguments") -> dict[str, Any]:
         schema["$defs"] = defs
     from sgrt.constrained import GrammarOptions, normalize_schema
 
-    schema = normalize_schema(schema, GrammarOptions()).schema
+    from sgrt.constrained.satisfiable import check_satisfiable
+
+    try:
+        schema = normalize_schema(schema, GrammarOptions()).schema
+        # NOTE: the embedded schema is compiled as part of a Lark grammar (%json), where the
+        # compiler's own check of json_schema constraints does not reach: check it here.
+        check_satisfiable(schema)
+    except GrammarError as e:
+        raise GrammarError(f"tool {tool.name!r}: {e}", field="tools", path=e.path) from None
     return {**schema, "x-guidance": JSON_LAYOUT}
 
 

@@ -124,8 +124,8 @@ def validate_tool_grammar(tools: list[ToolSpec]) -> None:
             raise GrammarError(f"tool {tool.name!r}: {e}", field=f"tools[{i}].parameters", path=e.path) from None
         try:
             grammar = llguidance.grammar_from("lark", tool_grammar([tool]))
-        except GrammarError as e:
-            raise GrammarError(f"tool {tool.name!r}: {e}", field=f"tools[{i}].parameters", path=e.path) from None
+        except GrammarError as e:  # call_schema's message names the tool already
+            raise GrammarError(str(e), field=f"tools[{i}].parameters", path=e.path) from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
         if is_error:
             detail = "; ".join(str(m) for m in messages)[:500]

@@ -111,6 +111,38 @@ def test_an_unexpected_error_is_a_500_without_exception_text(http_server):
     assert "incident" in err["message"] and err["code"] == "internal_error"
 
 
+# ---- constraints that cannot finish: a typed 4xx at compile time or when the matcher gives up ----
+
+#: Every value it allows would have to contain itself: no finite instance.
+NO_FINITE = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                             "required": ["next"]}}, "$ref": "#/$defs/n"}
+COMPACT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "f"}}])
+def test_tool_parameters_with_no_finite_instance_are_a_400_naming_the_tool(http_server, choice):
+    body = chat_body(max_tokens=4, tool_choice=choice,
+                     tools=[{"type": "function", "function": {"name": "f", "parameters": NO_FINITE}}])
+    status, _, payload = raw(http_server.url, "POST", "/v1/chat/completions", body)
+    err = error_of(status, payload, 400)
+    assert err["code"] == "grammar_error" and err["param"] == "tools", err
+    assert "'f'" in err["message"] and "no finite instance" in err["message"]
+
+
+def test_a_grammar_that_hits_a_matcher_limit_mid_generation_is_the_clients_error(http_server):
+    # A Lark grammar embedding such a schema compiles (the %json inside is llguidance's); the
+    # matcher then hits its item limit on the first token. That is the request's fault.
+    grammar = "start: %json " + json.dumps({**NO_FINITE, "x-guidance": COMPACT})
+    status, _, payload = raw(http_server.url, "POST", "/v1/chat/completions", chat_body(max_tokens=4, grammar=grammar))
+    err = error_of(status, payload, 400)
+    assert err["code"] == "grammar_error" and err["param"] == "grammar", err
+    assert "grammar engine limit" in err["message"] and "incident" not in err["message"]
+    status, _, payload = raw(http_server.url, "POST", "/generate",
+                             {"text": "x", "sampling_params": {"max_tokens": 4, "grammar": grammar}})
+    assert status == 200 and payload["meta_info"]["finish_reason"] == "abort", payload
+    assert "grammar engine limit" in payload["meta_info"]["error"], payload
+
+
 # ---- web hardening --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])

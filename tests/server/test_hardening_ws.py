@@ -68,6 +68,17 @@ async def test_out_of_range_fields_are_invalid_request(ws_engine, sampling, fiel
             assert isinstance(err, p.Error) and err.field == "sampling.seed", err
 
 
+async def test_tool_parameters_with_no_finite_instance_are_refused_at_start(ws_engine):
+    no_finite = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                 "required": ["next"]}}, "$ref": "#/$defs/n"}
+    async with running_server(ws_engine) as server:
+        async with connect(server.url) as ws:
+            await ws.send(start("s", tools=[{"name": "f", "parameters": no_finite}]))
+            err = await recv(ws)
+            assert isinstance(err, p.Error) and err.code == "grammar" and err.field == "tools[0].parameters", err
+            assert err.message.startswith("tool 'f': ") and "no finite instance" in err.message
+
+
 async def test_unexpected_errors_carry_no_exception_text(ws_engine, monkeypatch):
     from sgrt.server import session as session_mod
 
