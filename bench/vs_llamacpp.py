@@ -1,0 +1,168 @@
+"""Batch-1 decode and prefill: sgrt against llama.cpp on the same GGUF files (issue 21).
+
+For each model (default: the default model's Q4_1 GGUF and Gemma 3 270M's Q4_K_M GGUF), both
+engines run the same token ids, alternating pair by pair so that the machine's drift lands on
+both sides alike:
+
+- **decode**: a ~60-token prompt, then 128 greedy tokens one at a time (EOS never ends it);
+  tok/s counts the tokens after the prompt's forward (sgrt: ``Result.output_tok_per_s``;
+  llama.cpp: 128 single-token ``eval`` calls, the argmax taken in between).
+- **prefill**: ``--prefill`` prompt tokens (1,024) in one forward; tok/s = tokens / time of that
+  forward (sgrt: its TTFT with one chunk).
+- **bandwidth limit**: the machine's read bandwidth is measured in the same run (a large tensor
+  summed with ``--threads`` threads, median of 5); a decode step reads every weight once (the
+  input embedding only one row, unless it is also the output layer) plus the KV of the context,
+  so the limit is bandwidth / bytes per token, and sgrt's share is its tok/s over that limit.
+  A figure for float32 and bfloat16 (``--dtypes``) comes with its own limit.
+
+llama.cpp comes from ``llama-cpp-python`` (the ``bench`` extra; pip compiles llama.cpp from
+source, several minutes once). Without it the script prints sgrt's rows and bandwidth shares
+alone and says so. Installs nothing itself.
+
+Targets (issue 21): int4 decode >= 2x llama.cpp and >= 60% of its bandwidth limit; bfloat16 and
+float32 >= 70% of theirs; prefill >= 3x llama.cpp.
+
+Run: ``python bench/vs_llamacpp.py [--models smollm2-135m-instruct,gemma3-270m-q4-k-m]
+[--dtypes float32,bfloat16] [--pairs 4] [--runs 3] [--prefill 1024] [--threads 2]``
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.common import emit_json, median_of, print_table, timed  # noqa: E402
+from bench.decode import NEW_TOKENS, PROMPT, sgrt_decode_tps, sgrt_prefill_tps  # noqa: E402
+
+
+def read_bandwidth_gbs(threads: int, mib: int = 1024) -> float:
+    """Bytes read per second (GB/s) summing a ``mib`` MiB float32 tensor, median of 5."""
+    torch.set_num_threads(threads)
+    data = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    data.sum()  # fault the pages in
+    return median_of(5, lambda: data.nbytes / timed(lambda: data.sum())[0]) / 1e9
+
+
+def bytes_per_token(loaded, context: int) -> int:
+    """Bytes a batch-1 decode step reads: every weight once (the input embedding one row only,
+    unless the output layer is tied to it), plus K and V of ``context`` tokens in every layer."""
+    from sgrt.models.quant import weight_bytes
+
+    model = loaded.model
+    total = weight_bytes(model)
+    embed = model.embed_tokens.weight
+    if getattr(model, "lm_head", None) is not None:
+        total -= embed.numel() * embed.element_size()
+    cfg = loaded.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    kv_elem = 4 if embed.dtype == torch.float32 else 2  # the KV pool's dtype follows activations
+    return total + 2 * cfg.num_hidden_layers * kv_heads * head_dim * context * kv_elem
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python on one GGUF file (greedy, ``threads`` threads)."""
+
+    def __init__(self, path: str, threads: int, n_ctx: int, n_batch: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                         n_batch=n_batch, n_ubatch=n_batch, verbose=False)
+
+    def _next(self) -> int:
+        return int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+
+    def decode_tps(self, prompt_ids: list[int]) -> float:
+        self.llm.reset()
+        self.llm.eval(prompt_ids)
+        start = time.perf_counter()
+        for _ in range(NEW_TOKENS):
+            self.llm.eval([self._next()])
+        return NEW_TOKENS / (time.perf_counter() - start)
+
+    def prefill_tps(self, prompt_ids: list[int]) -> float:
+        self.llm.reset()
+        seconds, _ = timed(lambda: self.llm.eval(prompt_ids))
+        return len(prompt_ids) / seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2-135m-instruct,gemma3-270m-q4-k-m")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="unquantized sgrt rows (bandwidth share only)")
+    ap.add_argument("--pairs", type=int, default=4, help="alternated llama.cpp / sgrt pairs")
+    ap.add_argument("--runs", type=int, default=3, help="runs per side in a pair (median)")
+    ap.add_argument("--prefill", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from sgrt.models import load_model
+
+    try:
+        import llama_cpp  # noqa: F401
+
+        have_llamacpp = True
+    except ImportError:
+        have_llamacpp = False
+        print("llama-cpp-python is not installed (pip install -e '.[bench]'): sgrt rows only")
+    bandwidth = read_bandwidth_gbs(args.threads)
+    print(f"read bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads)")
+    figures: dict = {"bandwidth_gbs": round(bandwidth, 1)}
+    rows = []
+    for spec in [m for m in args.models.split(",") if m]:
+        int4 = load_model(spec, dtype="bfloat16", quantization="int4")
+        kind, path = int4.source.split(":", 1)
+        if kind != "gguf":
+            raise SystemExit(f"{spec}: llama.cpp needs a GGUF file, this model loads from {int4.source}")
+        tok = int4.tokenizer
+        prompt_ids = tok.encode_prompt(PROMPT)
+        long_ids = (prompt_ids * (args.prefill // len(prompt_ids) + 1))[: args.prefill]
+        context = len(prompt_ids) + NEW_TOKENS // 2  # the mean context of a decode step
+        llama = LlamaCpp(path, args.threads, args.prefill + 64, args.prefill) if have_llamacpp else None
+        ours_dec, ours_pre, theirs_dec, theirs_pre = [], [], [], []
+        for _ in range(args.pairs):
+            if llama is not None:
+                theirs_dec.append(median_of(args.runs, lambda: llama.decode_tps(prompt_ids)))
+                theirs_pre.append(median_of(args.runs, lambda: llama.prefill_tps(long_ids)))
+            ours_dec.append(median_of(args.runs, lambda: sgrt_decode_tps(int4, prompt_ids)))
+            ours_pre.append(median_of(args.runs, lambda: sgrt_prefill_tps(int4, long_ids)))
+        limit = bandwidth * 1e9 / bytes_per_token(int4, context)
+        dec, pre = statistics.median(ours_dec), statistics.median(ours_pre)
+        key = spec.replace("-", "_")
+        figures[f"{key}_int4_decode_tok_s"] = round(dec, 1)
+        figures[f"{key}_int4_prefill_tok_s"] = round(pre, 1)
+        figures[f"{key}_int4_bandwidth_share"] = round(dec / limit, 3)
+        row = [spec, "int4", round(dec, 1), "-", "-", round(pre, 1), "-", "-", f"{dec / limit:.0%}"]
+        if llama is not None:
+            ratios = [a / b for a, b in zip(ours_dec, theirs_dec)]
+            pre_ratios = [a / b for a, b in zip(ours_pre, theirs_pre)]
+            tdec, tpre = statistics.median(theirs_dec), statistics.median(theirs_pre)
+            figures[f"{key}_llamacpp_decode_tok_s"] = round(tdec, 1)
+            figures[f"{key}_llamacpp_prefill_tok_s"] = round(tpre, 1)
+            figures[f"{key}_decode_ratio"] = round(statistics.median(ratios), 3)
+            figures[f"{key}_prefill_ratio"] = round(statistics.median(pre_ratios), 3)
+            row[3:5] = [round(tdec, 1), f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"]
+            row[6:8] = [round(tpre, 1), f"{statistics.median(pre_ratios):.2f}"]
+        rows.append(row)
+        del llama
+        for dtype in [d for d in args.dtypes.split(",") if d]:
+            plain = load_model(spec, dtype=dtype)
+            dec = median_of(args.runs, lambda: sgrt_decode_tps(plain, prompt_ids))
+            share = dec / (bandwidth * 1e9 / bytes_per_token(plain, context))
+            figures[f"{key}_{dtype}_decode_tok_s"] = round(dec, 1)
+            figures[f"{key}_{dtype}_bandwidth_share"] = round(share, 3)
+            rows.append([spec, dtype, round(dec, 1), "-", "-", "-", "-", "-", f"{share:.0%}"])
+            del plain
+    print_table(["model", "sgrt", "decode tok/s", "llama.cpp", "ratio (min-max)", "prefill tok/s",
+                 "llama.cpp", "ratio", "bandwidth share"], rows)
+    emit_json("vs_llamacpp", threads=args.threads, pairs=args.pairs, **figures)
+
+
+if __name__ == "__main__":
+    main()
