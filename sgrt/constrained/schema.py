@@ -30,6 +30,7 @@ from sgrt.constrained.formats import FORMAT_REGEXES, KNOWN_FORMATS, LLGUIDANCE_O
 from sgrt.constrained.options import GrammarOptions
 from sgrt.constrained.patterns import UnsupportedPattern, check_pattern, llguidance_pattern
 from sgrt.constrained.schema_algebra import (
+    ALL_TYPES,
     VALIDATION_KEYWORDS,
     Inexpressible,
     Schema,
@@ -55,13 +56,12 @@ _ANNOTATIONS = {
 }
 # Keywords that no backend can enforce and that we do not rewrite: fail closed.
 _UNSUPPORTED = {
-    "contains": "arrays that must contain a matching item",
-    "minContains": "arrays that must contain a matching item",
-    "maxContains": "arrays that must contain a matching item",
     "$dynamicRef": "dynamic references",
     "$recursiveRef": "recursive references",
 }
 _ROOT_BASE = "https://sgrt.invalid/root.json"  # base URI of a document without a root $id
+# ``minContains`` above this is refused: the sound subset spells that many items out.
+MAX_MIN_CONTAINS = 64
 _COUNT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
                "minContains", "maxContains")
 _OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
@@ -291,6 +291,7 @@ class _Normalizer:
         self.current = with_options
         self._rewritten: dict[str, Schema] = {}
         out = self._rewrite(with_options, "")
+        out = self._rewrite_contains(out, "", in_one_of=False)
         out = strip_marks(out)
         if self.backend == "llguidance":
             self._uses_multiple_of = '"multipleOf"' in json.dumps(out)
@@ -710,6 +711,59 @@ class _Normalizer:
                 break
             node = step(node, path)
         return node
+
+    def _rewrite_contains(self, node: Schema, path: str, in_one_of: bool) -> Schema:
+        """``contains`` / ``minContains`` / ``maxContains`` (2020-12) as a sound subset, after
+        the exact rewrites (so a negated ``contains`` was already rewritten exactly by
+        :func:`negate`). With m = ``minContains`` (default 1) and M = ``maxContains``: the first
+        m items must match the ``contains`` schema (``prefixItems``, intersected with the node's
+        own item schemas through ``allOf``); with M, the items after them must not match it when
+        the ``contains`` schema has an exact negation (the count is then exactly m), else the
+        array has at most M items. m > M allows no array. A grammar cannot count matches spread
+        anywhere in the array: valid arrays whose matches come later are rejected (a departure),
+        no invalid one is accepted. Inside a ``oneOf`` left to the backend it is refused (the
+        backend's exclusivity proof would be about the subset).
+
+        Raises:
+            GrammarError: bad ``minContains`` / ``maxContains`` values, ``minContains`` over
+                :data:`MAX_MIN_CONTAINS`, or ``contains`` under a backend-checked ``oneOf``.
+        """
+        if not isinstance(node, dict):
+            return node
+        if "contains" in node:
+            if in_one_of:
+                self._fail("contains", path, "it sits in a oneOf whose branches could not be proved exclusive")
+            lo, hi = node.get("minContains", 1), node.get("maxContains")
+            for key, value in (("minContains", lo), ("maxContains", hi)):
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                    raise GrammarError(f"{key} at {path or '/'} must be a non-negative integer",
+                                       field="json_schema", path=f"{path}/{key}")
+            if lo > MAX_MIN_CONTAINS:
+                self._fail("minContains", path, f"more than {MAX_MIN_CONTAINS} required matches")
+            target = node["contains"]
+            node = {k: v for k, v in node.items() if k not in ("contains", "minContains", "maxContains")}
+            member: dict = {}
+            if hi is not None and lo > hi:
+                member["type"] = [t for t in ALL_TYPES if t != "array"]
+            else:
+                if lo > 0:
+                    positive = self._apply_options(target, f"{path}/contains", None, negated=False)
+                    member["prefixItems"] = [positive] * lo
+                    member["minItems"] = lo
+                if hi is not None:
+                    try:
+                        member["items"] = negate(relax(target), self._resolve_current)
+                    except Inexpressible:
+                        member["maxItems"] = hi
+            if member:
+                node["allOf"] = list(node.get("allOf") or []) + [{**member, NARROWED_KEY: True}]
+        else:
+            node = {k: v for k, v in node.items() if k not in ("minContains", "maxContains")}
+
+        def child(sub: Schema, sub_path: str) -> Schema:
+            return self._rewrite_contains(sub, sub_path, in_one_of or sub_path[len(path):].startswith("/oneOf/"))
+
+        return map_subschemas(node, child, path)
 
     def _fail(self, keyword: str, path: str, why: str) -> None:
         raise GrammarError(
