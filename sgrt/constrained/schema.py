@@ -30,6 +30,7 @@ from sgrt.constrained.formats import FORMAT_REGEXES, KNOWN_FORMATS, LLGUIDANCE_O
 from sgrt.constrained.options import GrammarOptions
 from sgrt.constrained.patterns import UnsupportedPattern, check_pattern, llguidance_pattern
 from sgrt.constrained.schema_algebra import (
+    ALL_TYPES,
     VALIDATION_KEYWORDS,
     Inexpressible,
     Schema,
@@ -55,13 +56,12 @@ _ANNOTATIONS = {
 }
 # Keywords that no backend can enforce and that we do not rewrite: fail closed.
 _UNSUPPORTED = {
-    "contains": "arrays that must contain a matching item",
-    "minContains": "arrays that must contain a matching item",
-    "maxContains": "arrays that must contain a matching item",
     "$dynamicRef": "dynamic references",
     "$recursiveRef": "recursive references",
 }
 _ROOT_BASE = "https://sgrt.invalid/root.json"  # base URI of a document without a root $id
+# ``minContains`` above this is refused: the sound subset spells that many items out.
+MAX_MIN_CONTAINS = 64
 _COUNT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
                "minContains", "maxContains")
 _OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
@@ -78,6 +78,48 @@ _OBJECT_KEYS = ("properties", "patternProperties", "additionalProperties", "requ
 # off ``\uXXXX`` escapes for the whole schema: every key then has exactly one spelling (``\/``
 # is never accepted), so raw and decoded comparisons agree. The backend pops the key.
 PLAIN_ESCAPES_KEY = "x-sgrt-plain-escapes"
+
+# Set, while normalizing, on a node that we made narrower than the user wrote it: a list of the
+# keys we added (``additionalProperties: false`` of a closed object, the default string cap), or
+# ``True`` on a whole ``allOf`` member that only narrows (an ``unevaluated*`` rewrite, the
+# ``contains`` subset). Narrowing a positive position is sound; negating a narrowed schema is not
+# (``not: {$ref: string}`` must not accept long strings because the target got a cap), so every
+# negation and disjointness proof works on :func:`relax`'s view, which drops what we added. The
+# key never leaves this module.
+NARROWED_KEY = "x-sgrt-narrowed"
+
+
+def relax(node: Schema) -> Schema:
+    """``node`` without the narrowing we added (see :data:`NARROWED_KEY`): the user's schema, or a
+    wider one where a narrowing member stood (that member becomes ``true``). Negating the relaxed
+    view gives a subset of the true complement, so a negation in a positive position stays sound."""
+    if not isinstance(node, dict):
+        return node
+    mark = node.get(NARROWED_KEY)
+    if mark is True:
+        return True
+    if mark is not None:
+        node = {k: v for k, v in node.items() if k != NARROWED_KEY and k not in mark}
+    return map_subschemas(node, lambda sub, _p: relax(sub), "")
+
+
+def strip_marks(node: Schema) -> Schema:
+    """``node`` with every :data:`NARROWED_KEY` removed (what the backends see)."""
+    if not isinstance(node, dict):
+        return node
+    node = {k: v for k, v in node.items() if k != NARROWED_KEY}
+    return map_subschemas(node, lambda sub, _p: strip_marks(sub), "")
+
+
+def _narrowed_member(node: Schema) -> bool:
+    """Whether ``node`` holds a whole-member narrowing (``NARROWED_KEY: true``) anywhere."""
+    if not isinstance(node, dict):
+        return False
+    return node.get(NARROWED_KEY) is True or any(_narrowed_member(sub) for _, sub in subschemas(node))
+
+
+def _mark_narrowed(node: dict, key: str) -> None:
+    node[NARROWED_KEY] = list(node.get(NARROWED_KEY) or []) + [key]
 
 
 def mixes_named_and_free_keys(tree: Schema) -> bool:
@@ -249,6 +291,8 @@ class _Normalizer:
         self.current = with_options
         self._rewritten: dict[str, Schema] = {}
         out = self._rewrite(with_options, "")
+        out = self._rewrite_contains(out, "", in_one_of=False)
+        out = strip_marks(out)
         if self.backend == "llguidance":
             self._uses_multiple_of = '"multipleOf"' in json.dumps(out)
             out = self._bound_numbers(out, "")
@@ -471,6 +515,7 @@ class _Normalizer:
                 and path not in keep_open
             ):
                 node["additionalProperties"] = False
+                _mark_narrowed(node, "additionalProperties")
             cap = self.options.max_string_length
             ts = type_set({"type": node["type"]}) if "type" in node else None
             if (
@@ -482,6 +527,7 @@ class _Normalizer:
             ):
                 min_len = node.get("minLength", 0)
                 node["maxLength"] = max(cap, min_len if isinstance(min_len, int) else 0)
+                _mark_narrowed(node, "maxLength")
 
         def child(sub: Schema, sub_path: str) -> Schema:
             key = sub_path[len(path):].split("/")[1]
@@ -553,7 +599,8 @@ class _Normalizer:
             members.append(rule if branch is None else {"allOf": [branch, rule]})
         if all(m is True for m in members):
             return rest
-        added = members[0] if len(members) == 1 else {"anyOf": members}
+        # Only ever narrows the node (see _evaluated); negations see it as `true` (relax).
+        added = {"anyOf": members, NARROWED_KEY: True}
         rest["allOf"] = list(rest.get("allOf") or []) + [added]
         return rest
 
@@ -628,8 +675,10 @@ class _Normalizer:
     # ---- step 3: rewrites and checks --------------------------------------------------------
 
     def _resolve_current(self, ref: str) -> Schema:
+        """The target of ``ref`` as negations and disjointness proofs must see it: without the
+        narrowing we added (:func:`relax`)."""
         pointer = self.ref_pointer(ref, "")
-        return self.lookup(self.current, pointer, "")
+        return relax(self.lookup(self.current, pointer, ""))
 
     def _rewrite(self, node: Schema, path: str) -> Schema:
         if not isinstance(node, dict):
@@ -662,6 +711,59 @@ class _Normalizer:
                 break
             node = step(node, path)
         return node
+
+    def _rewrite_contains(self, node: Schema, path: str, in_one_of: bool) -> Schema:
+        """``contains`` / ``minContains`` / ``maxContains`` (2020-12) as a sound subset, after
+        the exact rewrites (so a negated ``contains`` was already rewritten exactly by
+        :func:`negate`). With m = ``minContains`` (default 1) and M = ``maxContains``: the first
+        m items must match the ``contains`` schema (``prefixItems``, intersected with the node's
+        own item schemas through ``allOf``); with M, the items after them must not match it when
+        the ``contains`` schema has an exact negation (the count is then exactly m), else the
+        array has at most M items. m > M allows no array. A grammar cannot count matches spread
+        anywhere in the array: valid arrays whose matches come later are rejected (a departure),
+        no invalid one is accepted. Inside a ``oneOf`` left to the backend it is refused (the
+        backend's exclusivity proof would be about the subset).
+
+        Raises:
+            GrammarError: bad ``minContains`` / ``maxContains`` values, ``minContains`` over
+                :data:`MAX_MIN_CONTAINS`, or ``contains`` under a backend-checked ``oneOf``.
+        """
+        if not isinstance(node, dict):
+            return node
+        if "contains" in node:
+            if in_one_of:
+                self._fail("contains", path, "it sits in a oneOf whose branches could not be proved exclusive")
+            lo, hi = node.get("minContains", 1), node.get("maxContains")
+            for key, value in (("minContains", lo), ("maxContains", hi)):
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                    raise GrammarError(f"{key} at {path or '/'} must be a non-negative integer",
+                                       field="json_schema", path=f"{path}/{key}")
+            if lo > MAX_MIN_CONTAINS:
+                self._fail("minContains", path, f"more than {MAX_MIN_CONTAINS} required matches")
+            target = node["contains"]
+            node = {k: v for k, v in node.items() if k not in ("contains", "minContains", "maxContains")}
+            member: dict = {}
+            if hi is not None and lo > hi:
+                member["type"] = [t for t in ALL_TYPES if t != "array"]
+            else:
+                if lo > 0:
+                    positive = self._apply_options(target, f"{path}/contains", None, negated=False)
+                    member["prefixItems"] = [positive] * lo
+                    member["minItems"] = lo
+                if hi is not None:
+                    try:
+                        member["items"] = negate(relax(target), self._resolve_current)
+                    except Inexpressible:
+                        member["maxItems"] = hi
+            if member:
+                node["allOf"] = list(node.get("allOf") or []) + [{**member, NARROWED_KEY: True}]
+        else:
+            node = {k: v for k, v in node.items() if k not in ("minContains", "maxContains")}
+
+        def child(sub: Schema, sub_path: str) -> Schema:
+            return self._rewrite_contains(sub, sub_path, in_one_of or sub_path[len(path):].startswith("/oneOf/"))
+
+        return map_subschemas(node, child, path)
 
     def _fail(self, keyword: str, path: str, why: str) -> None:
         raise GrammarError(
@@ -797,7 +899,7 @@ class _Normalizer:
         if then is True and other is True:
             return node
         try:
-            neg = negate(cond, self._resolve_current)
+            neg = negate(relax(cond), self._resolve_current)
         except Inexpressible as e:
             self._fail("if", path, f"its condition cannot be negated exactly ({e})")
         branch = {"anyOf": [{"allOf": [cond, then]}, {"allOf": [neg, other]}]}
@@ -808,7 +910,7 @@ class _Normalizer:
         if "not" not in node:
             return node
         try:
-            neg = negate(node["not"], self._resolve_current)
+            neg = negate(relax(node["not"]), self._resolve_current)
         except Inexpressible as e:
             self._fail("not", path, f"this negation cannot be expressed without `not` ({e})")
         node = {k: v for k, v in node.items() if k != "not"}
@@ -824,11 +926,12 @@ class _Normalizer:
             return node
         res = self._resolve_current
         n = len(branches)
+        wide = [relax(b) for b in branches]  # proofs about what the user wrote, not our narrowing
         overlap = {
             (i, j)
             for i in range(n)
             for j in range(n)
-            if i != j and not provably_disjoint(branches[i], branches[j], res)
+            if i != j and not provably_disjoint(wide[i], wide[j], res)
         }
         node = {k: v for k, v in node.items() if k != "oneOf"}
         if not overlap:
@@ -837,14 +940,19 @@ class _Normalizer:
             try:
                 expanded = []
                 for i in range(n):
-                    ctx = type_set(deref(branches[i], res))
-                    negs = [negate(branches[j], res, context=ctx) for j in range(n) if (i, j) in overlap]
+                    ctx = type_set(deref(wide[i], res))
+                    negs = [negate(wide[j], res, context=ctx) for j in range(n) if (i, j) in overlap]
                     expanded.append({"allOf": [branches[i], *negs]})
                 return self._add_any_of(node, expanded)
             except Inexpressible:
                 pass
-        # Leave it to the backend: llguidance accepts oneOf when it can prove exclusivity itself.
-        node["oneOf"] = branches
+        # Leave it to the backend (llguidance accepts oneOf when it can prove exclusivity itself),
+        # with the branches as the user wrote them: a proof about branches we narrowed (closed,
+        # capped) would not hold for the user's (issue 20). A branch with a narrowing we cannot
+        # undo exactly (an unevaluated* or contains subset) is refused.
+        if any(_narrowed_member(b) for b in branches):
+            self._fail("oneOf", path, "its branches may overlap, and one of them is compiled as a subset")
+        node["oneOf"] = wide
         return node
 
     @staticmethod

@@ -168,6 +168,7 @@ def negate(node: Schema, resolve: Callable[[str], Schema], depth: int = 0,
 
     Handles boolean schemas, ``type``, ``required``, ``properties``, ``prefixItems``, length / item / numeric
     bounds, ``const`` / ``enum`` of scalars, ``anyOf`` / ``allOf`` / ``not``, local ``$ref``,
+    ``contains`` (without ``minContains`` / ``maxContains`` other than ``minContains`` 0 or 1),
     and conjunctions of these. Raises ``Inexpressible`` otherwise.
 
     ``context``: the types of the schema the negation will be intersected with, if known. "not
@@ -228,6 +229,15 @@ def negate(node: Schema, resolve: Callable[[str], Schema], depth: int = 0,
             parts.append({"allOf": [negate(s, resolve, depth + 1, context) for s in v]})
         elif k == "allOf":
             parts.extend(negate(s, resolve, depth + 1, context) for s in v)
+        elif k == "contains":
+            # "some item matches" fails exactly when every item fails; minContains 0 always holds.
+            lo, hi = node.get("minContains", 1), node.get("maxContains")
+            if hi is None and lo == 1:
+                parts.append({"type": "array", "items": negate(v, resolve, depth + 1)})
+            elif not (hi is None and lo == 0):
+                raise Inexpressible("minContains / maxContains")
+        elif k in ("minContains", "maxContains"):
+            continue  # read with `contains`; without it they constrain nothing
         elif k == "not":
             parts.append(v)
         elif k in ("const", "enum"):
