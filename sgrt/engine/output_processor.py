@@ -218,7 +218,7 @@ class OutputProcessor:
                 hit = find_stop(req.text, params.stop, old_len)
                 if hit is not None:
                     idx, s = hit
-                    req.text = req.text[:idx]
+                    req.text = req.text[:idx + len(s)] if params.no_stop_trim else req.text[:idx]
                     self.finish(req, "stop", matched=s)
                     return
         if req.grammar is not None and req.grammar.is_terminated():

@@ -58,6 +58,8 @@ class SamplingParams:
     num_draft_tokens: int | None = None
     truncate: str | None = None
     skip_special_tokens: bool = True
+    # SGLang's: keep the matched stop string at the end of the text instead of cutting it off.
+    no_stop_trim: bool = False
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
@@ -148,6 +150,8 @@ class SamplingParams:
             raise InvalidRequest(
                 f"truncate must be one of {TRUNCATE_MODES}, got {self.truncate!r}", field="truncate"
             )
+        if not isinstance(self.no_stop_trim, bool):
+            raise InvalidRequest(f"no_stop_trim must be a bool, got {self.no_stop_trim!r}", field="no_stop_trim")
 
 
 def _check_int(value: Any, name: str, low: int | None = None, high: int | None = None) -> None:

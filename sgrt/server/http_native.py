@@ -5,7 +5,10 @@
     ``sampling_params``: :class:`sgrt.engine.SamplingParams` fields (``max_new_tokens`` is
     accepted for ``max_tokens``; the engine's defaults apply: greedy, ``max_tokens=128``); one
     dict for all prompts or one per prompt. ``max_tokens=0`` is a prefill-only request: the
-    prompt goes into the prefix cache and nothing is generated. ``return_logprob``,
+    prompt goes into the prefix cache and nothing is generated. SGLang's spellings and fields
+    are taken too (``max_new_tokens``, ``min_new_tokens``, ``sampling_seed``, ``no_stop_trim``,
+    and the ``GenerateReqInput`` fields an SGLang router adds): honoured, ignored with a
+    warning, or refused by name, as :mod:`sgrt.server.sglang_fields` lists. ``return_logprob``,
     ``logprob_start_len`` (an int or one per prompt) and ``top_logprobs_num`` may also be given
     at the top level. ``rid`` names the request(s), for ``/abort_request``. Text prompts are
     encoded as ``/v1/completions`` encodes them (the tokenizer's BOS, if it adds one).
@@ -49,6 +52,7 @@ from sgrt.engine import Result, SamplingParams
 from sgrt.errors import InvalidRequest
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
+from sgrt.server import sglang_fields as sglang
 from sgrt.server.http_core import HttpApi, EngineCall
 from sgrt.server.http_errors import ApiError, api_error_from, generation_error, json_response
 from sgrt.server.http_streams import SSE_DONE, EventStream, sse
@@ -93,11 +97,7 @@ def _params(req: op.GenerateRequest, n: int, limits: Any = None) -> list[Samplin
     for sp, start in zip(items, starts):
         if not isinstance(sp, dict):
             raise InvalidRequest("sampling_params must be an object", field="sampling_params")
-        fields = dict(sp)
-        if "max_new_tokens" in fields:
-            if "max_tokens" in fields:
-                raise InvalidRequest("give max_tokens or max_new_tokens, not both", field="sampling_params.max_tokens")
-            fields["max_tokens"] = fields.pop("max_new_tokens")
+        fields = sglang.sampling_fields(sp)
         if limits is not None:
             if "max_tokens" not in fields and limits.default_max_tokens is not None:
                 fields["max_tokens"] = limits.default_max_tokens
@@ -155,6 +155,8 @@ def meta_info(api: HttpApi, result: Result, params: SamplingParams, with_text: b
 
 async def generate(api: HttpApi, request: Request) -> Any:
     req: op.GenerateRequest = await api.decode(request, op.GenerateRequest)
+    sglang.check_generate_fields({name: getattr(req, name) for name in (
+        *sglang.IGNORED_GENERATE_FIELDS, *sglang.REFUSED_GENERATE_FIELDS)})
     prompts, is_batch = await api.offload(_batch, req, api)
     params = _params(req, len(prompts), api.limits)
     rids = _per_item(req.rid, len(prompts), "rid") if req.rid is not None else None

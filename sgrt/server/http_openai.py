@@ -15,6 +15,7 @@ from sgrt.errors import InvalidRequest
 from sgrt.server import chat_turns as ct
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
+from sgrt.server import sglang_fields
 from sgrt.server.http_core import HttpApi, EngineCall
 from sgrt.server.http_errors import ApiError, api_error_from, generation_error, json_response
 from sgrt.server.http_streams import SSE_DONE, EventStream, merge_streams, sse
@@ -31,7 +32,7 @@ async def chat_completions(api: HttpApi, request: Request) -> Any:
     plan = turn.plan
     calls = [EngineCall(turn.prompt_ids, ct.engine_params(turn.fields, i, oa.CHAT_FIELD_NAMES), i)
              for i in range(req.n)]
-    handles = api.submit(calls)
+    handles = api.submit(calls, sglang_fields.request_ids(req.rid, len(calls)))
     rid = oa.new_id("chatcmpl")
     if req.stream:
         primed = await api.prime(request, handles)
@@ -161,7 +162,7 @@ async def completions(api: HttpApi, request: Request) -> Any:
             ceiling=api.limits.max_tokens_limit, field="max_tokens")
         for j in range(req.n):
             calls.append(EngineCall(ids, _params(f, j, oa.COMPLETION_FIELD_NAMES), p * req.n + j, p, text))
-    handles = api.submit(calls)
+    handles = api.submit(calls, sglang_fields.request_ids(req.rid, len(calls)))
     rid = oa.new_id("cmpl")
     if req.stream:
         primed = await api.prime(request, handles)

@@ -20,6 +20,7 @@ from typing import Any
 from sgrt.engine import Result, SamplingParams
 from sgrt.errors import ContextLengthExceeded, InvalidRequest
 from sgrt.server import openai_protocol as op
+from sgrt.server import sglang_fields
 from sgrt.server.protocol import ToolSpec
 from sgrt.server import tool_formats as tf
 from sgrt.server.tools import TOOL_NAME, template_tools, tools_system_prompt
@@ -115,6 +116,7 @@ def sampling_fields(req: op.SamplingFields) -> dict[str, Any]:
         "skip_special_tokens": req.skip_special_tokens,
     }
     out.update({k: v for k, v in optional.items() if v is not None})
+    out.update(sglang_fields.completion_fields(req.no_stop_trim, req.ebnf, req.return_hidden_states))
     constraints = {k: v for k, v in (("regex", req.regex), ("json_schema", req.json_schema),
                                      ("grammar", req.grammar)) if v is not None}
     fmt = response_format_schema(req.response_format)

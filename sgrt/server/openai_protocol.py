@@ -136,6 +136,11 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     regex: str | None = None
     json_schema: Any = None
     grammar: str | None = None
+    # SGLang's extras (an SGLang router adds them; see sgrt.server.sglang_fields).
+    no_stop_trim: bool | None = None
+    ebnf: str | None = None
+    return_hidden_states: bool | None = None
+    rid: str | list[str] | None = None
 
     def __post_init__(self) -> None:
         # NOTE: some clients send explicit nulls for OpenAI's optional fields; null = default.
@@ -194,6 +199,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     accepted for ``max_tokens``); one dict for the whole batch or one per prompt. The top-level
     ``return_logprob``, ``logprob_start_len`` (an int, or one per prompt) and
     ``top_logprobs_num`` override the same fields of ``sampling_params``.
+
+    The rest are SGLang's ``GenerateReqInput`` fields (an SGLang router sends them all), checked
+    by :mod:`sgrt.server.sglang_fields`: honoured, ignored with a warning, or refused by name.
     """
 
     text: str | list[str] | None = None
@@ -205,6 +213,34 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None
+    # SGLang's GenerateReqInput (see sgrt.server.sglang_fields).
+    model: str | None = None
+    log_metrics: Any = True
+    no_logs: Any = False
+    priority: Any = None
+    extra_key: Any = None
+    custom_labels: Any = None
+    conversation_id: Any = None
+    data_parallel_rank: Any = None
+    routed_dp_rank: Any = None
+    input_embeds: Any = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    modalities: Any = None
+    token_ids_logprob: Any = None
+    return_hidden_states: Any = False
+    return_bytes: Any = False
+    return_entropy: Any = False
+    background: Any = False
+    session_params: Any = None
+    lora_path: Any = None
+    lora_id: Any = None
+    custom_logit_processor: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    bootstrap_pair_key: Any = None
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
