@@ -233,3 +233,18 @@ def test_qwen3_thinking_as_responses_reasoning_item(family_servers):
     assert events[-1].type == "response.completed"
     assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
     c.close()
+
+
+def test_qwen3_thinking_as_anthropic_thinking_block(family_servers):
+    anthropic = pytest.importorskip("anthropic")
+    server = family_servers["qwen3"]
+    with anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0) as a:
+        kw = dict(model="tiny-qwen3", max_tokens=12, messages=[{"role": "user", "content": "Is it?"}],
+                  thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0})
+        m = a.messages.create(**kw)
+        assert [b.type for b in m.content] == ["thinking", "text"] and m.content[0].thinking == THOUGHT
+        with a.messages.stream(**kw) as s:
+            events = list(s)
+        thought = "".join(e.delta.thinking for e in events if e.type == "content_block_delta"
+                          and e.delta.type == "thinking_delta")
+        assert thought == THOUGHT
