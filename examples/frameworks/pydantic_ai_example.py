@@ -1,13 +1,16 @@
 """pydantic-ai against sgrt: its default output mode (a tool call carrying the output type,
-here a nested Pydantic model), a function tool, and streamed text.
+here a nested Pydantic model), a function tool (forced on the first step), and streamed text.
 
     pip install pydantic-ai-slim[openai] && sgrt serve &   python examples/frameworks/pydantic_ai_example.py
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from _report import BASE_URL, MODEL, check
 from pydantic import BaseModel
 from pydantic_ai import Agent
+from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.providers.openai import OpenAIProvider
 
 try:
@@ -36,8 +39,20 @@ def output() -> Person:
     return out
 
 
+@dataclass
+class CallFirst(AbstractCapability):
+    """Forces a call of ``tool`` on the run's first step only (pydantic-ai refuses a static
+    forcing ``tool_choice``, which would never let the run finish): a 135M model left to
+    ``auto`` tends to answer in text."""
+
+    tool: str = "get_weather"
+
+    def get_model_settings(self):
+        return lambda ctx: {"tool_choice": [self.tool]} if ctx.run_step <= 1 else {}
+
+
 def tool() -> str:
-    agent = Agent(model, model_settings=SETTINGS)
+    agent = Agent(model, model_settings=SETTINGS, capabilities=[CallFirst()])
     called = []
 
     @agent.tool_plain

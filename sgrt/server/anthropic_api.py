@@ -29,7 +29,7 @@ from sgrt.server import chat_turns as ct
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
 from sgrt.server.http_core import EngineCall, HttpApi
-from sgrt.server.http_errors import api_error_from, json_response
+from sgrt.server.http_errors import ApiError, api_error_from, json_response
 from sgrt.server.http_openai import check_result
 from sgrt.server.http_streams import EventStream
 
@@ -66,6 +66,26 @@ class MessagesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 IGNORED_FIELDS = ("metadata", "service_tier", "container", "mcp_servers", "context_management", "inference_geo",
                   "output_config", "cache_control", "diagnostics", "speed", "user_profile_id", "workspace_id")
+
+
+#: HTTP status -> Anthropic's error ``type`` (https://docs.anthropic.com/en/api/errors).
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+               500: "api_error", 503: "overloaded_error"}
+
+
+def error_body(err: ApiError) -> dict[str, Any]:
+    """``err`` in Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}`` (the
+    field sgrt names stays as ``param``, with ``code``; the SDK ignores them)."""
+    kind = ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": err.info.message, "param": err.info.param,
+                                       "code": err.info.code}}
+
+
+def error_response(err: ApiError) -> Any:
+    """The HTTP response of an error on ``/v1/messages`` (same status and headers as the
+    OpenAI-shaped one, Anthropic's body)."""
+    return json_response(error_body(err), err.status, err.headers)
 
 
 def _blocks(content: Any, field: str) -> list[dict[str, Any]]:
@@ -262,5 +282,4 @@ async def _events(api: HttpApi, mid: str, primed: list, plan: oa.ToolPlan, req: 
                             "usage": _usage(ev.result)})
                 yield _sse({"type": "message_stop"})
     except Exception as exc:  # noqa: BLE001 - reported in-stream: the status line is gone
-        err = api_error_from(exc, "messages").info
-        yield _sse({"type": "error", "error": {"type": err.type, "message": err.message}})
+        yield _sse(error_body(api_error_from(exc, "messages")))

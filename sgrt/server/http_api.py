@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API in front of one :class:`sgrt.engine.Engine` (Starlette + uvicorn).
 
-Endpoints (all but ``/health`` need ``Authorization: Bearer <token>`` when the server has one):
+Endpoints (all but ``/health`` need the token when the server has one, as ``Authorization:
+Bearer <token>`` or ``x-api-key: <token>``, the header the ``anthropic`` SDK sends):
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions``: OpenAI's fields (``stream`` as
   server-sent events, ``n``, ``stop``, ``max_tokens`` / ``max_completion_tokens``,
@@ -19,7 +20,8 @@ Endpoints (all but ``/health`` need ``Authorization: Bearer <token>`` when the s
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 400 (``param``
 names the field), 401 (bad or missing token), 404, 413 (body over ``max_body_bytes``), 429
 (more than ``max_queue`` engine requests in flight; ``Retry-After: 1``), 500, 503 (the engine
-is not running or the server is closing). A stream answers errors that happen before its first
+is not running or the server is closing); ``/v1/messages`` answers the same statuses in
+Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``. A stream answers errors that happen before its first
 token with the same status codes; later ones arrive as a ``data: {"error": ...}`` event before
 ``data: [DONE]``.
 
@@ -72,7 +74,7 @@ def create_app(engine: Any, *, model_name: str, auth_token: str | None = None,
     Args:
         engine: a running :class:`sgrt.engine.Engine` (not owned: the caller shuts it down).
         model_name: the model id to report (any requested ``model`` is accepted).
-        auth_token: when set, every endpoint but ``/health`` needs ``Authorization: Bearer``.
+        auth_token: when set, every endpoint but ``/health`` needs it (``Authorization: Bearer`` or ``x-api-key``).
         limits: an :class:`HttpLimits`; or pass its fields as keywords (``max_queue=32``).
 
     Raises:
@@ -91,13 +93,16 @@ def create_app(engine: Any, *, model_name: str, auth_token: str | None = None,
     api = HttpApi(engine, model_name=model_name, auth_token=auth_token, limits=limits)
 
     def route(handler: Callable[[HttpApi, Request], Any], prompt_field: str) -> Callable[[Request], Any]:
+        # Anthropic's Messages API answers errors in its own shape (the anthropic SDK reads it).
+        shape = anthropic_api.error_response if handler is anthropic_api.create_message else ApiError.response
+
         async def endpoint(request: Request) -> Any:
             try:
                 return await handler(api, request)
             except ClientGone:
                 return Response(status_code=499)  # nobody reads it; the requests were aborted
-            except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI-style body
-                return api_error_from(exc, prompt_field).response()
+            except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI- (or Anthropic-) style body
+                return shape(api_error_from(exc, prompt_field))
         return endpoint
 
     table = [  # path, methods, handler(api, request), the field a context-length error names
@@ -234,7 +239,7 @@ async def serve_http(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_
 
     Args:
         engine: the :class:`sgrt.engine.Engine` (its owner shuts it down).
-        auth_token: when set, requests need ``Authorization: Bearer <auth_token>``.
+        auth_token: when set, requests need it (``Authorization: Bearer`` or ``x-api-key``).
         model_name: the model id to report (default: the engine's model source or path).
         limits, **limit_fields: :class:`HttpLimits` or its fields (``max_queue=...``).
         sock: a listening socket bound beforehand (``sgrt serve`` binds before loading the model).

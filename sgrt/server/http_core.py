@@ -52,7 +52,7 @@ class HttpApi:
         engine: the :class:`sgrt.engine.Engine` (its owner starts and shuts it down).
         model_name: the model id reported by ``/v1/models`` and in responses. Requests may
             name any model; it is not checked.
-        auth_token: when set, requests need ``Authorization: Bearer <auth_token>``.
+        auth_token: when set, requests need it (``Authorization: Bearer`` or ``x-api-key``).
         limits: :class:`HttpLimits`.
     """
 
@@ -75,13 +75,21 @@ class HttpApi:
 
     # ---- request plumbing ---------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
-        """Raises ``ApiError(401)`` unless the Bearer token matches (or none is required)."""
+        """Raises ``ApiError(401)`` unless the token matches (or none is required).
+
+        The token is read from ``Authorization: Bearer <token>`` (the OpenAI SDKs) or from
+        ``x-api-key: <token>`` (the Anthropic SDK, which sends only that header); either one
+        matching is enough. Compared in constant time.
+        """
         if self.auth_token is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.auth_token.encode()):
-            raise ApiError(401, "missing or invalid API key: send Authorization: Bearer <token>",
+        expected = self.auth_token.encode()
+        scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+        offered = [bearer.strip()] if scheme.lower() == "bearer" else []
+        if "x-api-key" in request.headers:
+            offered.append(request.headers["x-api-key"].strip())
+        if not any(hmac.compare_digest(token.encode(), expected) for token in offered):
+            raise ApiError(401, "missing or invalid API key: send Authorization: Bearer <token> or x-api-key: <token>",
                            param="authorization", code="invalid_api_key")
 
     def check_available(self) -> None:

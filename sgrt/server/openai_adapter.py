@@ -228,8 +228,14 @@ class ToolPlan:
         if self.think is not None and "json_schema" in fields:
             from sgrt.constrained import GrammarOptions, normalize_schema
 
+            from sgrt.constrained.llguidance_backend import json_options
+
             schema = fields.pop("json_schema")
-            self.answer_schema = {**normalize_schema(schema, GrammarOptions()).schema}
+            # NOTE: the JSON layout of a plain json_schema request (no free whitespace), which
+            # %json inside a Lark grammar does not get by default: a model could otherwise
+            # write whitespace until max_tokens after </think>.
+            options = GrammarOptions()
+            self.answer_schema = {**normalize_schema(schema, options).schema, "x-guidance": json_options(options)}
         if self.think is not None and any(k in fields for k in ("regex", "grammar")):
             self.think = None  # a raw regex / grammar constrains the whole turn, as asked
         if self.may_call or self.answer_schema is not None or (self.think and self.mode != "none"):

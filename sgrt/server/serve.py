@@ -165,7 +165,7 @@ def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8765, http_port
     ``http://host:http_port/v1``, until interrupted (Ctrl-C).
 
     ``auth_token=None`` falls back to ``SGRT_AUTH_TOKEN``; when set, WebSocket clients send it in
-    their first message and HTTP clients as ``Authorization: Bearer <token>``. ``listeners``:
+    their first message and HTTP clients as ``Authorization: Bearer <token>`` (or ``x-api-key: <token>``). ``listeners``:
     sockets bound beforehand (:func:`bind_listeners`); otherwise they are bound here.
     ``http_limits`` / ``ws_limits``: :class:`HttpLimits` / :class:`WsLimits` (defaults there).
 

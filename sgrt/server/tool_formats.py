@@ -38,6 +38,9 @@ from sgrt.server.protocol import ToolSpec
 from sgrt.server.schema_embed import embed_schema
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+#: Most whitespace characters between ``</think>`` and the answer (Qwen 3 writes two newlines):
+#: bounded, so that a model cannot spend its tokens on whitespace before a constrained answer.
+THINK_GAP_MAX = 4
 
 #: JSON layout of a tool call: compact separators with one space, as the generic system
 #: prompt's example shows, so that a small model cannot wander off into whitespace.
@@ -217,7 +220,7 @@ def turn_grammar(tools: list[ToolSpec], *, mode: str = "auto", parallel: bool = 
         opening = _rx(THINK_OPEN) if think == "open" else ""
         rules.insert(0, "start: think WS body")
         rules.append(f"think[lazy]: /{opening}(.|\\n)*{close}/")
-        rules.append("WS: /[ \\t\\n]*/")
+        rules.append(f"WS: /[ \\t\\n]{{0,{THINK_GAP_MAX}}}/")
     else:
         rules.insert(0, "start: body")
     return "\n".join(rules) + "\n"

@@ -82,3 +82,35 @@ def test_streamed_events(aclient):
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text and final.content[0].text == text and final.stop_reason == "max_tokens"
+
+
+def test_auth_token_x_api_key_and_bearer(http_engine):
+    """With an auth token, the anthropic SDK's ``x-api-key`` header and a Bearer token both
+    pass; a wrong or missing key is a 401 in Anthropic's error shape, which the SDK raises as
+    ``AuthenticationError``."""
+    from sgrt.server.http_api import HttpServerThread
+
+    with HttpServerThread(http_engine, model_name=MODEL_NAME, auth_token="s3cret") as server:
+        msgs = [{"role": "user", "content": "Say hi."}]
+        with anthropic.Anthropic(base_url=server.url, api_key="s3cret", max_retries=0) as good:
+            m = good.messages.create(model=MODEL_NAME, max_tokens=2, messages=msgs, extra_body=GREEDY)
+            assert m.usage.output_tokens == 2 and m.stop_reason == "max_tokens"
+            with good.messages.stream(model=MODEL_NAME, max_tokens=2, messages=msgs, extra_body=GREEDY) as s:
+                assert s.get_final_message().usage.output_tokens == 2
+        with anthropic.Anthropic(base_url=server.url, auth_token="s3cret", max_retries=0) as bearer:
+            assert bearer.messages.create(model=MODEL_NAME, max_tokens=1, messages=msgs).usage.output_tokens == 1
+        with anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0) as bad:
+            with pytest.raises(anthropic.AuthenticationError) as err:
+                bad.messages.create(model=MODEL_NAME, max_tokens=1, messages=msgs)
+            assert err.value.status_code == 401
+            assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "authentication_error"
+            with pytest.raises(anthropic.AuthenticationError):
+                with bad.messages.stream(model=MODEL_NAME, max_tokens=1, messages=msgs) as s:
+                    s.get_final_message()
+        status, _, body = raw(server.url, "POST", "/v1/messages", {"max_tokens": 1, "messages": msgs})
+        assert status == 401 and body["error"]["type"] == "authentication_error" and "x-api-key" in body["error"]["message"]
+        # A Bearer token and x-api-key are both read everywhere; the OpenAI routes keep OpenAI's shape.
+        status, _, body = raw(server.url, "GET", "/v1/models", headers={"x-api-key": "s3cret"})
+        assert status == 200 and body["data"][0]["id"] == MODEL_NAME
+        status, _, body = raw(server.url, "GET", "/v1/models", headers={"x-api-key": "nope", "authorization": "Bearer no"})
+        assert status == 401 and body["error"]["code"] == "invalid_api_key" and "type" not in body
