@@ -48,10 +48,14 @@ from sgrt.global_config import global_config  # noqa: E402
 
 
 def __getattr__(name: str):
-    if name in ("Runtime", "LocalBackend"):
-        from sgrt.backends import local
+    if name == "Runtime":
+        from sgrt.runtime import Runtime
 
-        return getattr(local, name)
+        return Runtime
+    if name == "LocalBackend":
+        from sgrt.backends.local import LocalBackend
+
+        return LocalBackend
     if name == "RuntimeEndpoint":
         from sgrt.backends.http import RuntimeEndpoint
 

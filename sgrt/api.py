@@ -41,8 +41,8 @@ __all__ = [
 
 
 def Runtime(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - SGLang's name
-    """``sgrt.backends.local.Runtime`` (imported on first use: it loads torch and the engine)."""
-    from sgrt.backends.local import Runtime as _Runtime
+    """``sgrt.runtime.Runtime`` (imported on first use: it loads torch and the engine)."""
+    from sgrt.runtime import Runtime as _Runtime
 
     return _Runtime(*args, **kwargs)
 

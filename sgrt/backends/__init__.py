@@ -1,8 +1,9 @@
 """Where a program's calls go: ``BaseBackend`` and its implementations.
 
-``LocalBackend`` / ``Runtime`` (the in-process engine) import torch and the engine, so they are
-loaded on first use: ``from sgrt.backends import Runtime`` works, ``import sgrt.backends`` stays
-light.
+``LocalBackend`` (the in-process engine) imports torch and the engine, so it is loaded on first
+use: ``from sgrt.backends import LocalBackend`` works, ``import sgrt.backends`` stays light.
+``Runtime`` lives in :mod:`sgrt.runtime` (it starts an HTTP server, so it sits above
+``sgrt.server``); its old name here is kept as an alias resolved on first use.
 """
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ __all__ = ["BaseBackend", "ChoiceScore", "GenChunk", "GenOutput", "LocalBackend"
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("LocalBackend", "Runtime"):
-        from sgrt.backends import local
+    if name == "LocalBackend":
+        from sgrt.backends.local import LocalBackend
 
-        return getattr(local, name)
+        return LocalBackend
+    if name == "Runtime":  # NOTE: an alias for sgrt.runtime.Runtime (above this package)
+        from sgrt.runtime import Runtime
+
+        return Runtime
     if name == "RuntimeEndpoint":
         from sgrt.backends.http import RuntimeEndpoint
 

@@ -182,7 +182,8 @@ class Engine:
         self.metrics = EngineMetrics()
         self.intake = Intake(self.tokenizer, self.vocab_size, self.context_length, self.pool.num_slots,
                              self.model.device, config.grammar_backend, self.spec.drafter is not None,
-                             config.grammar_limits, config.grammar_compile_timeout_s)
+                             config.grammar_limits, config.grammar_compile_timeout_s,
+                             compile_times=self.metrics.grammar_compile)
         self.outputs = OutputProcessor(self.scheduler, self.spec, self.metrics, self.eos_ids, self.context_length)
         self._inbox: queue.Queue = queue.Queue()
         self._reqs: dict[str, Req] = {}

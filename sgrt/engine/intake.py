@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -39,7 +40,8 @@ class Intake:
 
     def __init__(self, tokenizer: Any, vocab_size: int, context_length: int, pool_slots: int,
                  device: torch.device, grammar_backend: str, has_draft_model: bool,
-                 grammar_limits: Any = None, grammar_compile_timeout_s: float = 10.0):
+                 grammar_limits: Any = None, grammar_compile_timeout_s: float = 10.0,
+                 compile_times: Any = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_length = context_length
@@ -49,6 +51,7 @@ class Intake:
         self.has_draft_model = has_draft_model
         self.grammar_limits = grammar_limits
         self.grammar_compile_timeout_s = grammar_compile_timeout_s
+        self.compile_times = compile_times  # a metrics Histogram of compile seconds, or None
         self._ids = itertools.count()
         self._compiler: Any = None
         self._compiler_lock = threading.Lock()
@@ -152,14 +155,19 @@ class Intake:
     def _compile_grammar(self, params: SamplingParams) -> Any:
         """Runs on a compile worker. The compiler is built once, on first use: building its
         vocabulary costs seconds, which an engine that never sees a constraint should not pay."""
-        with self._compiler_lock:
-            if self._compiler is None:
-                from sgrt.constrained import GrammarCompiler
+        t0 = time.perf_counter()
+        try:
+            with self._compiler_lock:
+                if self._compiler is None:
+                    from sgrt.constrained import GrammarCompiler
 
-                self._compiler = GrammarCompiler(
-                    self.tokenizer, self.vocab_size, backend=self.grammar_backend,
-                    compile_timeout_s=self.grammar_compile_timeout_s, limits=self.grammar_limits)
-        return self._compiler.compile(params)
+                    self._compiler = GrammarCompiler(
+                        self.tokenizer, self.vocab_size, backend=self.grammar_backend,
+                        compile_timeout_s=self.grammar_compile_timeout_s, limits=self.grammar_limits)
+            return self._compiler.compile(params)
+        finally:
+            if self.compile_times is not None:
+                self.compile_times.observe(time.perf_counter() - t0)
 
     # -- loop thread -------------------------------------------------------------------------
     def collect_grammars(self, waiting: list[Req]) -> list[tuple[Req, BaseException]]:

@@ -1,11 +1,55 @@
-"""Engine-wide counters and the derived figures of ``Engine.stats()``."""
+"""Engine-wide counters, latency histograms and the derived figures of ``Engine.stats()``.
+
+The engine observes itself here; a server that exports metrics (``sgrt/server/metrics.py``)
+reads these figures when scraped: nothing in the engine calls back into a server.
+"""
 from __future__ import annotations
 
+import bisect
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from sgrt.engine.outputs import Result
+
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+COMPILE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Histogram:
+    """A cumulative histogram of durations in seconds, Prometheus-style: ``counts[i]`` counts the
+    observations ``<= bounds[i]`` that exceed ``bounds[i-1]``; the last count is the overflow
+    (``+Inf``). Safe to observe from several threads (grammar compiles run on workers)."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, seconds: float) -> None:
+        with self._lock:
+            self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+            self.total += seconds
+            self.count += 1
+
+    def cumulative(self) -> tuple[list[tuple[str, int]], float, int]:
+        """``([(upper bound, observations <= it), ..., ("+Inf", count)], sum, count)``, one
+        consistent reading."""
+        with self._lock:
+            counts, total, count = list(self.counts), self.total, self.count
+        out, running = [], 0
+        for bound, n in zip([*map(repr, self.bounds), "+Inf"], counts):
+            running += n
+            out.append((bound, running))
+        return out, total, count
 
 
 @dataclass
@@ -30,6 +74,13 @@ class EngineMetrics:
     forced_tokens: int = 0
     spec_drafted: int = 0
     spec_accepted: int = 0
+    completion_tokens: int = 0  # output tokens of finished requests
+    # Latency of finished requests (TTFT, each inter-token gap, arrival to finish) and the time
+    # to get each constrained request's grammar (a compile or a hit in the compiler's cache).
+    ttft: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    grammar_compile: Histogram = field(default_factory=lambda: Histogram(COMPILE_BUCKETS))
 
     def record_forward(self, rows: list, seconds: float) -> None:
         if self.first_arrival is None:
@@ -53,6 +104,12 @@ class EngineMetrics:
         self.forced_tokens += result.forced_tokens
         self.spec_drafted += result.spec_drafted
         self.spec_accepted += result.spec_accepted
+        self.completion_tokens += result.completion_tokens
+        if result.ttft is not None:
+            self.ttft.observe(result.ttft)
+        for gap in result.itl or ():
+            self.itl.observe(gap)
+        self.e2e.observe(result.total_time)
 
     def snapshot(self, **gauges: Any) -> dict[str, Any]:
         elapsed = time.monotonic() - (self.first_arrival or self.started)

@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import torch
 
+from sgrt.paths import cache_root
+
 logger = logging.getLogger("sgrt.kernels")
 
 # at::parallel_for's OpenMP body is inline in torch's headers: -fopenmp compiles it, and since the
@@ -54,9 +56,7 @@ def cpu_flags() -> set[str]:
 
 def cache_dir() -> Path:
     """Where compiled libraries live: ``kernels/`` under sgrt's cache root
-    (:func:`sgrt.models.loader.cache_root`: ``$SGRT_CACHE_DIR`` or ``~/.cache/sgrt``)."""
-    from sgrt.models.loader import cache_root
-
+    (:func:`sgrt.paths.cache_root`: ``$SGRT_CACHE_DIR`` or ``~/.cache/sgrt``)."""
     return cache_root() / "kernels"
 
 

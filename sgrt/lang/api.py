@@ -37,14 +37,13 @@ programs port by changing the import. Deliberate differences (each documented wh
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from sgrt.errors import InvalidRequest
 from sgrt.global_config import global_config
 from sgrt.lang import ir
 from sgrt.lang.choices import ChoicesSamplingMethod, token_length_normalized
-from sgrt.lang.defaults import dtype_regex
+from sgrt.lang.defaults import check_stop_regex, dtype_regex  # noqa: F401 - re-exported
 
 
 def set_default_backend(backend: Any) -> None:
@@ -187,25 +186,6 @@ def gen(
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise InvalidRequest(f"n must be an int >= 1, got {n!r}", field="n")
     return ir.Gen(name, params, dtype, n)
-
-
-def check_stop_regex(stop_regex: Any) -> list[str]:
-    """``stop_regex`` as a list of patterns that Python's ``re`` compiles.
-
-    Raises:
-        InvalidRequest: (field ``stop_regex``) not a str or list of str, or a bad pattern.
-    """
-    patterns = [stop_regex] if isinstance(stop_regex, str) else stop_regex
-    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
-        raise InvalidRequest(f"stop_regex must be a str or a list of str, got {stop_regex!r}",
-                             field="stop_regex")
-    for p in patterns:
-        try:
-            re.compile(p)
-        except re.error as e:
-            raise InvalidRequest(f"stop_regex {p!r} does not compile: {e}",
-                                 field="stop_regex") from None
-    return list(patterns)
 
 
 def gen_int(

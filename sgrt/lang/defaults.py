@@ -7,6 +7,7 @@ decoding unless a temperature is given, no stop strings added behind the user's 
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from sgrt.errors import InvalidRequest
@@ -63,6 +64,25 @@ MIN_HINTED_PREFIX_CHARS = 64
 AUTO_BATCH_THREADS = 64
 
 
+def check_stop_regex(stop_regex: Any) -> list[str]:
+    """``stop_regex`` as a list of patterns that Python's ``re`` compiles.
+
+    Raises:
+        InvalidRequest: (field ``stop_regex``) not a str or list of str, or a bad pattern.
+    """
+    patterns = [stop_regex] if isinstance(stop_regex, str) else stop_regex
+    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
+        raise InvalidRequest(f"stop_regex must be a str or a list of str, got {stop_regex!r}",
+                             field="stop_regex")
+    for p in patterns:
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise InvalidRequest(f"stop_regex {p!r} does not compile: {e}",
+                                 field="stop_regex") from None
+    return list(patterns)
+
+
 def dtype_regex(dtype: Any) -> str:
     """The bounded regex that constrains a ``gen(dtype=...)`` value.
 
@@ -106,8 +126,6 @@ def merge_run_options(options: dict[str, Any]) -> dict[str, Any]:
         if value is not None:
             merged[name] = value
     if "stop_regex" in merged:
-        from sgrt.lang.api import check_stop_regex
-
         merged["stop_regex"] = check_stop_regex(merged["stop_regex"])
     n = merged.get("n", 1)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:

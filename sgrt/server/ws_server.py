@@ -30,7 +30,7 @@ from sgrt.server import protocol as p
 from sgrt.server.limits import WsLimits, json_depth, origin_allowed
 from sgrt.server.programs import ProgramRegistry, SessionBackend
 from sgrt.server.protocol import LimitExceeded
-from sgrt.server.session import ChatSession, ProgramSession, Session, error_for
+from sgrt.server.session import ChatSession, ProgramSession, Session, SessionContext, error_for
 
 logger = logging.getLogger("sgrt.server")
 
@@ -159,6 +159,11 @@ class WsServer:
             self._chat_template = chat_template_for(LocalBackend(self.engine))
         return SessionBackend(self.engine, self._chat_template, on_text, self.limits)
 
+    def _session_context(self, conn: "Connection") -> SessionContext:
+        """What a session opened on ``conn`` gets: the engine, the limits, ``conn.send`` and
+        :meth:`program_backend`."""
+        return SessionContext(self.engine, self.limits, conn.send, self.program_backend)
+
     # -- one connection ------------------------------------------------------------------------
     def _check_upgrade(self, connection: ServerConnection, request: Any) -> Any:
         """Refuse an upgrade from a browser page of a foreign ``Origin`` (403: any web page the
@@ -261,11 +266,11 @@ class WsServer:
                     known = ", ".join(self.registry.names()) or "none"
                     raise p.ProtocolError("unknown_program", f"no program {msg.program!r} is registered "
                                           f"(registered: {known})", field="program", session=sid)
-                session: Session = ProgramSession(sid, conn, msg, program)
+                session: Session = ProgramSession(sid, self._session_context(conn), msg, program)
             else:
                 if msg.args:
                     raise InvalidRequest("args are for program sessions", field="args")
-                session = ChatSession(sid, conn, msg)
+                session = ChatSession(sid, self._session_context(conn), msg)
         except (p.ProtocolError, SgrtError) as exc:
             await conn.send(error_for(exc, sid))
             return

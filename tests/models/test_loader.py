@@ -11,7 +11,7 @@ import torch
 
 from sgrt.errors import ModelLoadError
 from sgrt.models import LoadedModel, load_model
-from sgrt.models import loader
+from sgrt.models import loader, specs
 
 PROMPT = "The capital of France is"
 
@@ -181,7 +181,7 @@ def test_missing_path_names_the_spec_and_where_it_looked(tmp_path: Path):
 
 
 def test_default_name_without_the_wheel(monkeypatch, tmp_path: Path):
-    monkeypatch.setattr(loader, "default_gguf_path", lambda: None)
+    monkeypatch.setattr(specs, "default_gguf_path", lambda: None)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelLoadError) as e:
         load_model("smollm2-135m-instruct", cache_dir=tmp_path)
