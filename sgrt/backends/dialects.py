@@ -249,10 +249,11 @@ DIALECTS: dict[str, Dialect] = {
 def detect_dialect(owned_by: str | None, headers: dict[str, str], probe: Any) -> str:
     """The dialect a server speaks, from what it says about itself.
 
-    In order: the ``x-sgrt-version`` header or ``owned_by == "sgrt"``; ``owned_by`` naming
-    ``vllm`` / ``sglang`` / ``llamacpp``; then ``probe(path)`` (a GET returning the JSON answer
-    or None): the title of ``/openapi.json`` (llama-cpp-python's is "llama.cpp Python API"),
-    vLLM's ``/version`` (``{"version": ...}``), llama-server's ``/props``; else ``"openai"``.
+    In order: ``owned_by`` naming ``vllm`` / ``sglang`` / ``llamacpp``; then ``probe(path)`` (a
+    GET returning the JSON answer or None): a router's ``/workers`` list (sglang-router,
+    vllm-router: ``sglang``, the dialect that passes through them, also in front of sgrt
+    workers); the ``x-sgrt-version`` header or ``owned_by == "sgrt"``; the title of
+    ``/openapi.json`` (llama-cpp-python's is "llama.cpp Python API"), vLLM's ``/version`` (``{"version": ...}``), llama-server's ``/props``; else ``"openai"``.
 
     Args:
         owned_by: the first model card's ``owned_by`` from ``GET /v1/models``.
@@ -260,11 +261,18 @@ def detect_dialect(owned_by: str | None, headers: dict[str, str], probe: Any) ->
         probe: ``probe(path) -> dict | None``, a GET that returns None on any error.
     """
     owner = str(owned_by or "").lower().replace(".", "").replace("-", "").replace("_", "")
-    if owner == "sgrt" or "x-sgrt-version" in headers:
-        return "sgrt"
     for name in ("vllm", "sglang", "llamacpp"):
         if owner == name:
             return name
+    # NOTE: a router (sglang-router / smg, vllm-router) re-serialises /generate as SGLang's
+    # GenerateReqInput, dropping the keys it does not know (max_tokens, grammar...), and passes
+    # /v1/completions' extra fields on: SGLang's dialect is the one that survives it, in front of
+    # sgrt workers too (vllm-router forwards /v1/models, so it says "sgrt" there).
+    workers = probe("/workers")
+    if isinstance(workers, dict) and isinstance(workers.get("workers"), list):
+        return "sglang"
+    if owner == "sgrt" or "x-sgrt-version" in headers:
+        return "sgrt"
     info = probe("/openapi.json") or {}
     title = str((info.get("info") or {}).get("title", "")).lower()
     if "llama.cpp python" in title:

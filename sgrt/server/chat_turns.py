@@ -18,6 +18,7 @@ from sgrt.engine import Result, SamplingParams, StreamChunk
 from sgrt.errors import InvalidRequest
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
+from sgrt.server import sglang_fields
 from sgrt.server import tool_formats as tf
 from sgrt.server.http_streams import merge_streams
 
@@ -59,6 +60,8 @@ def prepare_turn(api: Any, req: op.ChatCompletionRequest) -> PreparedTurn:
         InvalidRequest: a bad field (named), a prompt over the context window, ...
     """
     renderer = api.renderer
+    sglang_fields.check_chat_fields({name: getattr(req, name) for name in (
+        "continue_final_message", *sglang_fields.IGNORED_CHAT_FIELDS)})
     warn_ignored(req, thinking=renderer.traits.thinking_switch is not None)
     plan = oa.plan_tools(req, api.limits.max_tools, renderer.traits.tool_format)
     text = renderer.render(req.messages, plan, req.reasoning_effort)

@@ -15,7 +15,9 @@ Bearer <token>`` or ``x-api-key: <token>``, the header the ``anthropic`` SDK sen
 - ``GET /health``: 200 ``{"status": "ok", ...}`` while the engine runs, else 503.
 - Native (:mod:`sgrt.server.http_native`): ``POST /generate`` (text or token ids, one or a
   batch; prompt log-probabilities; ``max_tokens=0`` is prefill-only), ``/tokenize``,
-  ``/detokenize``, ``/apply_chat_template``, ``/flush_cache``, ``/abort_request``.
+  ``/detokenize``, ``/apply_chat_template``, ``/flush_cache``, ``/abort_request``; ``GET
+  /model_info`` and ``/server_info`` (and their ``/get_*`` names), SGLang's keys, which an SGLang
+  router reads.
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 400 (``param``
 names the field), 401 (bad or missing token), 404, 413 (body over ``max_body_bytes``), 429
@@ -122,6 +124,10 @@ def create_app(engine: Any, *, model_name: str, auth_token: str | None = None,
         ("/apply_chat_template", ["POST"], native.apply_chat_template, "messages"),
         ("/flush_cache", ["POST"], native.flush_cache, "prompt"),  # a state change: POST only
         ("/abort_request", ["POST"], native.abort_request, "prompt"),
+        ("/model_info", ["GET"], native.model_info, "prompt"),
+        ("/get_model_info", ["GET"], native.model_info, "prompt"),
+        ("/server_info", ["GET"], native.server_info, "prompt"),
+        ("/get_server_info", ["GET"], native.server_info, "prompt"),
     ]
     routes = [Route(path, route(handler, field), methods=methods) for path, methods, handler, field in table]
 

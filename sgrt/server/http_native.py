@@ -37,6 +37,13 @@
     Drop every unlocked prefix-cache entry -> ``{"ok": true}``.
 ``POST /abort_request``
     ``{"rid"}``: abort that request (its KV slots are freed) -> ``{"ok": true}``.
+``GET /model_info``, ``GET /server_info`` (also SGLang's older ``/get_model_info``,
+``/get_server_info``)
+    SGLang's keys: ``model_path`` (the served model name), ``tokenizer_path`` (null),
+    ``is_generation``, ``has_image_understanding``, ``has_audio_understanding``; the server info
+    adds ``served_model_name``, ``tp_size`` and ``dp_size`` (1), ``context_length`` and
+    ``version``. An SGLang router reads them to learn which model a worker serves (and lists that
+    name in its ``/v1/models``).
 """
 from __future__ import annotations
 
@@ -58,7 +65,7 @@ from sgrt.server.http_errors import ApiError, api_error_from, generation_error, 
 from sgrt.server.http_streams import SSE_DONE, EventStream, sse
 
 NATIVE_ENDPOINTS = ("/generate", "/tokenize", "/detokenize", "/apply_chat_template", "/flush_cache",
-                    "/abort_request")
+                    "/abort_request", "/model_info", "/server_info")
 
 
 def _batch(req: op.GenerateRequest, api: HttpApi) -> tuple[list[list[int]], bool]:
@@ -252,3 +259,21 @@ async def abort_request(api: HttpApi, request: Request) -> Any:
     req: op.AbortRequest = await api.decode(request, op.AbortRequest)
     api.engine.abort(req.rid)
     return json_response({"ok": True})
+
+
+def _model_info(api: HttpApi) -> dict[str, Any]:
+    return {"model_path": api.model_name, "tokenizer_path": None, "is_generation": True,
+            "has_image_understanding": False, "has_audio_understanding": False}
+
+
+async def model_info(api: HttpApi, request: Request) -> Any:
+    api.check_auth(request)
+    return json_response(_model_info(api))
+
+
+async def server_info(api: HttpApi, request: Request) -> Any:
+    import sgrt
+
+    api.check_auth(request)
+    return json_response({**_model_info(api), "served_model_name": api.model_name, "tp_size": 1, "dp_size": 1,
+                          "context_length": api.engine.context_length, "version": sgrt.__version__})

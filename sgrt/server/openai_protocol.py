@@ -162,6 +162,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None  # mapped to the template's thinking switch, if any
+    # SGLang's chat extras (an SGLang router or vllm-router adds them; see sgrt.server.sglang_fields).
+    continue_final_message: bool | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None
     # Accepted and ignored with a warning in the log (see IGNORED_CHAT_FIELDS).
     verbosity: str | None = None
     modalities: list[str] | None = None

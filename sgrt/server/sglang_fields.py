@@ -177,3 +177,24 @@ def request_ids(rid: str | list[str] | None, n_calls: int) -> list[str | None] |
     if len(rid) != n_calls:
         raise InvalidRequest(f"rid has {len(rid)} ids for {n_calls} choices", field="rid")
     return list(rid)
+
+
+#: SGLang's chat-completion extras that only shape where reasoning text goes -> SGLang's default.
+IGNORED_CHAT_FIELDS: dict[str, Any] = {"separate_reasoning": True, "stream_reasoning": True,
+                                       "include_reasoning": True}
+
+
+def check_chat_fields(values: dict[str, Any]) -> None:
+    """SGLang's chat extras: ``continue_final_message: true`` refused (sgrt always opens a new
+    assistant turn); the reasoning switches (:data:`IGNORED_CHAT_FIELDS`) ignored with a warning
+    when set to something other than SGLang's default.
+
+    Raises:
+        InvalidRequest: ``continue_final_message`` true (``field`` names it).
+    """
+    if values.get("continue_final_message"):
+        raise InvalidRequest("continue_final_message is not supported: sgrt opens a new assistant turn",
+                             field="continue_final_message")
+    for name, default in IGNORED_CHAT_FIELDS.items():
+        if not _is_default(values.get(name), default):
+            warn_ignored(name, values.get(name))

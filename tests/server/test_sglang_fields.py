@@ -119,3 +119,28 @@ def test_ignored_fields_are_accepted_with_one_warning(http_server, caplog):
             assert status == 200 and out["meta_info"]["completion_tokens"] == 2
     warnings = [r.getMessage() for r in caplog.records if "priority" in r.getMessage()]
     assert len(warnings) == 1 and "ignored" in warnings[0], warnings
+
+
+def test_model_and_server_info_name_the_served_model(http_server):
+    """An SGLang router learns a worker's model from these (and lists it in its /v1/models)."""
+    from .conftest_http import MODEL_NAME
+
+    for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
+        status, _, info = raw(http_server.url, "GET", path)
+        assert status == 200 and info["model_path"] == MODEL_NAME and info["is_generation"] is True, (path, info)
+    status, _, info = raw(http_server.url, "GET", "/server_info")
+    assert info["served_model_name"] == MODEL_NAME and info["dp_size"] == info["tp_size"] == 1
+
+
+def test_router_chat_extras_are_accepted(http_server):
+    """What sglang-router and vllm-router add to /v1/chat/completions."""
+    body = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 3, "temperature": 0}
+    status, _, want = raw(http_server.url, "POST", "/v1/chat/completions", body)
+    assert status == 200, want
+    extras = {"no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+              "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+              "return_hidden_states": False, "include_reasoning": True}
+    status, _, got = raw(http_server.url, "POST", "/v1/chat/completions", {**body, **extras})
+    assert status == 200 and got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    status, _, out = raw(http_server.url, "POST", "/v1/chat/completions", {**body, "continue_final_message": True})
+    assert status == 400 and out["error"]["param"] == "continue_final_message", out
