@@ -137,17 +137,36 @@ class SamplingParams:
                 f"jump_forward must be one of {JUMP_FORWARD_MODES}, got {self.jump_forward!r}",
                 field="jump_forward",
             )
-        if self.speculative not in SPECULATIVE_MODES:
-            raise InvalidRequest(
-                f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}",
-                field="speculative",
-            )
-        if self.num_draft_tokens is not None:
-            _check_int(self.num_draft_tokens, "num_draft_tokens", low=1, high=16)
+        check_speculative(self.speculative, self.num_draft_tokens)
         if self.truncate not in TRUNCATE_MODES:
             raise InvalidRequest(
                 f"truncate must be one of {TRUNCATE_MODES}, got {self.truncate!r}", field="truncate"
             )
+
+
+def check_speculative(speculative: Any, num_draft_tokens: Any, has_draft_model: bool | None = None,
+                      draft_field: str = "speculative") -> None:
+    """The one check of the speculative options, for a request (:meth:`SamplingParams.validate`)
+    and for an engine's default (:class:`sgrt.engine.speculative.SpecConfig`).
+
+    Args:
+        speculative: one of :data:`SPECULATIVE_MODES`.
+        num_draft_tokens: an int in [1, 16], or None (the engine's default).
+        has_draft_model: whether a draft model is there (None: not known here, not checked).
+        draft_field: the field an error names when ``"draft"`` has no draft model.
+
+    Raises:
+        InvalidRequest: a mode not in :data:`SPECULATIVE_MODES`, ``num_draft_tokens`` out of
+            [1, 16], or ``"draft"`` without a draft model.
+    """
+    if speculative not in SPECULATIVE_MODES:
+        raise InvalidRequest(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}",
+                             field="speculative")
+    if num_draft_tokens is not None:
+        _check_int(num_draft_tokens, "num_draft_tokens", low=1, high=16)
+    if speculative == "draft" and has_draft_model is False:
+        raise InvalidRequest("speculative='draft' needs a draft_model (an engine started with one)",
+                             field=draft_field)
 
 
 def _check_int(value: Any, name: str, low: int | None = None, high: int | None = None) -> None:
