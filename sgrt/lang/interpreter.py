@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sgrt.backends.base import BaseBackend, GenChunk
+from sgrt.chat_template import ChatTemplate
 from sgrt.errors import InvalidRequest
 from sgrt.lang import ir
-from sgrt.lang.chat_template import ChatTemplate
 from sgrt.lang.choices import token_length_normalized
 from sgrt.lang.defaults import (
     DSL_ONLY_KEYS,

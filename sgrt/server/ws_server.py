@@ -154,7 +154,7 @@ class WsServer:
         once per server)."""
         if self._chat_template is None:
             from sgrt.backends.local import LocalBackend
-            from sgrt.lang.chat_template import chat_template_for
+            from sgrt.chat_template import chat_template_for
 
             self._chat_template = chat_template_for(LocalBackend(self.engine))
         return SessionBackend(self.engine, self._chat_template, on_text, self.limits)
