@@ -30,8 +30,10 @@ from sgrt.server.tools import (
     check_tool_choice,
     check_tools,
     parse_tool_call,
+    template_renders_tools,
     template_tools,
     tool_grammar,
+    tool_results_as_user,
     tools_system_prompt,
     validate_tool_grammar,
 )
@@ -222,7 +224,7 @@ class ChatSession(Session):
         system = start.system
         if self.tools:
             tmpl = template_tools(self.tools)
-            if self._template_renders_tools(tmpl):
+            if template_renders_tools(self.tokenizer, tmpl):
                 self._template_tools = tmpl
             else:
                 desc = tools_system_prompt(self.tools)
@@ -237,19 +239,10 @@ class ChatSession(Session):
         self._tool_role = "tool"
 
     # -- prompt ----------------------------------------------------------------------------------
-    def _template_renders_tools(self, tmpl: list[dict]) -> bool:
-        probe = [{"role": "user", "content": "x"}]
-        try:
-            with_tools = self.tokenizer.apply_chat_template(probe, add_generation_prompt=True, tools=tmpl)
-            plain = self.tokenizer.apply_chat_template(probe, add_generation_prompt=True)
-        except Exception:  # noqa: BLE001 - a template that rejects tools= does not render them
-            return False
-        return with_tools != plain
-
     def _render(self) -> str:
         messages = self.messages
         if self._tool_role != "tool":
-            messages = [self._as_user(m) if m["role"] == "tool" else m for m in messages]
+            messages = tool_results_as_user(messages)
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                       tools=self._template_tools)
@@ -260,10 +253,6 @@ class ChatSession(Session):
                 self._tool_role = "user"
                 return self._render()
             raise
-
-    @staticmethod
-    def _as_user(m: dict[str, Any]) -> dict[str, Any]:
-        return {"role": "user", "content": f"Tool result ({m.get('name', 'tool')}): {m['content']}"}
 
     def _prompt(self) -> tuple[list[int], str]:
         """Token ids of the conversation with the generation prompt; they extend the previous
