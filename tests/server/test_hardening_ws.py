@@ -69,7 +69,7 @@ async def test_out_of_range_fields_are_invalid_request(ws_engine, sampling, fiel
 
 
 async def test_unexpected_errors_carry_no_exception_text(ws_engine, monkeypatch):
-    from sgrt.server import session as session_mod
+    from sgrt.server import chat_session as session_mod
 
     def broken(self):
         raise RuntimeError("secret detail /home/user/x")
