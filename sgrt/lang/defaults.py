@@ -13,10 +13,10 @@ from typing import Any
 from sgrt.errors import InvalidRequest
 from sgrt.sampling_params import SamplingParams
 
-#: Sampling options a ``gen`` inherits when neither it nor ``run()`` sets them: the defaults of
-#: ``sgrt.sampling_params.SamplingParams`` (one place for them) for these fields, plus two that are not engine
-#: fields (the backends apply ``stop_regex``, the interpreter ``return_text_in_logprobs``).
-#: Greedy: SGLang's frontend silently samples at 1.0 here; we do not.
+#: Sampling options a ``gen`` inherits when neither it nor ``run()`` sets them: for engine
+#: fields, the defaults of ``sgrt.sampling_params.SamplingParams`` (one place for them); two
+#: more that are not engine fields (the backends apply ``stop_regex``, the interpreter
+#: ``return_text_in_logprobs``). Greedy: SGLang's frontend silently samples at 1.0 here; we do not.
 _ENGINE_DEFAULTS = SamplingParams()
 GEN_DEFAULTS: dict[str, Any] = {
     **{name: getattr(_ENGINE_DEFAULTS, name) for name in (
