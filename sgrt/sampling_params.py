@@ -124,11 +124,7 @@ class SamplingParams:
             _check_int(self.seed, "seed")
         _check_int(self.top_logprobs_num, "top_logprobs_num", low=0, high=20)
         _check_int(self.logprob_start_len, "logprob_start_len", low=-1)
-        n_constraints = sum(x is not None for x in (self.regex, self.json_schema, self.grammar))
-        if n_constraints > 1:
-            raise InvalidRequest(
-                "set at most one of regex, json_schema and grammar", field="json_schema"
-            )
+        the_constraint({"regex": self.regex, "json_schema": self.json_schema, "grammar": self.grammar})
         if self.regex is not None and not isinstance(self.regex, str):
             raise InvalidRequest("regex must be a str", field="regex")
         if self.grammar is not None and not isinstance(self.grammar, str):
@@ -143,6 +139,24 @@ class SamplingParams:
             raise InvalidRequest(
                 f"truncate must be one of {TRUNCATE_MODES}, got {self.truncate!r}", field="truncate"
             )
+
+
+CONSTRAINT_FIELDS = ("regex", "json_schema", "grammar")
+
+
+def the_constraint(values: dict[str, Any], error: type[InvalidRequest] = InvalidRequest) -> tuple[str | None, Any]:
+    """``(field, value)`` of the one constraint set in ``values`` (keys among
+    :data:`CONSTRAINT_FIELDS`; ``None`` values are unset), or ``(None, None)``. The one check of
+    "at most one constraint", for ``SamplingParams``, the grammar compiler and the OpenAI fields.
+
+    Raises:
+        InvalidRequest: (or ``error``, a subclass) more than one set; names the second field.
+    """
+    found = [(k, values.get(k)) for k in CONSTRAINT_FIELDS if values.get(k) is not None]
+    if len(found) > 1:
+        raise error(f"set at most one of regex, json_schema and grammar (got {[k for k, _ in found]})",
+                    field=found[1][0])
+    return found[0] if found else (None, None)
 
 
 def check_speculative(speculative: Any, num_draft_tokens: Any, has_draft_model: bool | None = None,

@@ -20,6 +20,7 @@ from typing import Any
 from sgrt.engine import Result, SamplingParams
 from sgrt.errors import ContextLengthExceeded, InvalidRequest
 from sgrt.models.tokenizer import encode_prompt_text, plain_text_bos_id
+from sgrt.sampling_params import the_constraint
 from sgrt.server import openai_protocol as op
 from sgrt.server.protocol import ToolSpec
 from sgrt.server import tool_formats as tf
@@ -110,9 +111,7 @@ def sampling_fields(req: op.SamplingFields) -> dict[str, Any]:
             name = next(iter(constraints))
             raise InvalidRequest(f"set either response_format or {name}, not both", field="response_format")
         constraints["json_schema"] = fmt
-    if len(constraints) > 1:
-        raise InvalidRequest(f"set at most one of regex, json_schema and grammar (got {sorted(constraints)})",
-                             field=list(constraints)[1])
+    the_constraint(constraints)
     if "json_schema" in constraints and isinstance(constraints["json_schema"], str):
         try:
             constraints["json_schema"] = json.loads(constraints["json_schema"])
