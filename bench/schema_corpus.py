@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sgrt.constrained import GrammarCompiler  # noqa: E402
 from sgrt.constrained.grammar import CompiledGrammar, Grammar  # noqa: E402
 from sgrt.constrained.options import GrammarOptions  # noqa: E402
-from sgrt.constrained.validity import (  # noqa: E402
+from bench.validity import (  # noqa: E402
     CaseResult, SERIALIZATIONS, load_maskbench, load_test_suite, run_case,
 )
 from sgrt.errors import GrammarError  # noqa: E402

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sgrt.errors import InvalidRequest
+from sgrt.schema_value import schema_value
 
 #: Sampling fields that are engine extras, with the value that means "off".
 EXTRA_DEFAULTS: dict[str, Any] = {"top_k": -1, "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0,
@@ -292,28 +293,6 @@ def detect_dialect(owned_by: str | None, headers: dict[str, str], probe: Any) ->
     return "openai"
 
 
-def schema_dict(spec: Any) -> Any:
-    """A ``json_schema`` value as a JSON Schema dict: a dict or bool as is, JSON text parsed, a
-    Pydantic model / msgspec Struct / dataclass type converted.
-
-    Raises:
-        InvalidRequest: (field ``json_schema``) anything else.
-    """
-    import dataclasses
-
-    if isinstance(spec, (dict, bool)):
-        return spec
-    if isinstance(spec, (str, bytes)):
-        try:
-            return json.loads(spec)
-        except ValueError as e:
-            raise InvalidRequest(f"json_schema is not valid JSON: {e}", field="json_schema") from None
-    if isinstance(spec, type):
-        if hasattr(spec, "model_json_schema"):
-            return spec.model_json_schema()
-        import msgspec
-
-        if issubclass(spec, msgspec.Struct) or dataclasses.is_dataclass(spec):
-            return msgspec.json.schema(spec)
-    raise InvalidRequest(f"json_schema must be a dict, JSON text, a Pydantic model, a msgspec Struct or a "
-                         f"dataclass, got {type(spec).__name__}", field="json_schema")
+# NOTE: the one reading of a json_schema value (also the grammar compiler's); raises GrammarError,
+# an InvalidRequest.
+schema_dict = schema_value

@@ -127,7 +127,7 @@ class RuntimeEndpoint(BaseBackend):
             if chat_template is not None:
                 raise InvalidRequest("pass chat_template or chat_template_name, not both",
                                      field="chat_template_name")
-            from sgrt.lang.chat_template import get_chat_template
+            from sgrt.chat_template import get_chat_template
 
             chat_template = get_chat_template(chat_template_name)
         self.verify = verify
@@ -739,7 +739,7 @@ def _load_tokenizer(tokenizer: Any) -> Any:
 
 def _unknown_template(base_url: str) -> Any:
     """A chat template whose roles fail with a clear error: programs without roles still run."""
-    from sgrt.lang.chat_template import ChatTemplate
+    from sgrt.chat_template import ChatTemplate
 
     class UnknownChatTemplate(ChatTemplate):
         def prefix_and_suffix(self, role: str) -> tuple[str, str]:

@@ -27,6 +27,7 @@ from sgrt.backends.base import (
 )
 from sgrt.engine import Result, SamplingParams, StreamChunk
 from sgrt.errors import InvalidRequest, RequestAborted
+from sgrt.models.tokenizer import encode_prompt_text, plain_text_bos_id
 
 
 class LocalBackend(BaseBackend):
@@ -43,28 +44,14 @@ class LocalBackend(BaseBackend):
         self.tokenizer = engine.tokenizer
         if chat_template is not None:
             self.chat_template = chat_template
-        self._bos_id = self._find_bos_id()
-
-    def _find_bos_id(self) -> int | None:
-        """The BOS id the tokenizer adds to a plain text (None for SmolLM2, which adds none)."""
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        if bos is None:
-            return None
-        try:
-            ids = self.tokenizer.encode("a", add_special_tokens=True)
-        except TypeError:
-            return None
-        return bos if ids and ids[0] == bos else None
+        self._bos_id = plain_text_bos_id(self.tokenizer)
 
     # ---- tokens ---------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
         """Prompt ids of ``text``: special-token text becomes its id; BOS where the model's
         tokenizer adds one."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if self._bos_id is not None and (not ids or ids[0] != self._bos_id):
-            ids = [self._bos_id] + ids
-        return ids
+        return encode_prompt_text(self.tokenizer, text, self._bos_id)
 
     def count_tokens(self, text: str) -> int:
         return len(self.encode(text))

@@ -269,10 +269,6 @@ def _unwrap(result: CompiledGrammar | GrammarError) -> CompiledGrammar:
 
 
 def _constraint_of(params: Any) -> tuple[str | None, Any]:
-    found = [(k, getattr(params, k, None)) for k in ("regex", "json_schema", "grammar")]
-    found = [(k, v) for k, v in found if v is not None]
-    if not found:
-        return None, None
-    if len(found) > 1:
-        raise GrammarError("set at most one of regex, json_schema and grammar", field=found[1][0])
-    return found[0]
+    from sgrt.sampling_params import CONSTRAINT_FIELDS, the_constraint
+
+    return the_constraint({k: getattr(params, k, None) for k in CONSTRAINT_FIELDS}, GrammarError)

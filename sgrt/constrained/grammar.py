@@ -51,6 +51,13 @@ class Grammar(ABC):
         """True if no token but EOS can follow (or EOS was accepted): the request finishes
         with finish_reason ``stop``, matched ``grammar``."""
 
+    @classmethod
+    def fill_vocab_masks_of(cls, rows: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor) -> None:
+        """Fill the rows of several grammars of this class (``[(grammar, row), ...]``): row by
+        row here; a backend that can fill many at once overrides it."""
+        for g, r in rows:
+            g.fill_vocab_mask(bitmask, r)
+
     @abstractmethod
     def fill_vocab_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-token bits into ``bitmask[row]``.
@@ -103,17 +110,12 @@ class CompiledGrammar(ABC):
 def fill_vocab_masks(grammars: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor) -> None:
     """Fill the rows of many grammars at once: ``[(grammar, row), ...]``.
 
-    llguidance rows are computed in parallel by its thread pool (the GIL is released); the rest
-    row by row. Equivalent to calling ``g.fill_vocab_mask(bitmask, row)`` for each pair.
+    Each grammar class fills its own rows (:meth:`Grammar.fill_vocab_masks_of`): llguidance's
+    in parallel on its thread pool (the GIL is released), the rest row by row. Equivalent to
+    calling ``g.fill_vocab_mask(bitmask, row)`` for each pair.
     """
-    from sgrt.constrained import llguidance_backend
-
-    ll = [(g, r) for g, r in grammars if isinstance(g, llguidance_backend.LLGuidanceGrammar)]
-    if len(ll) > 1:
-        llguidance_backend.fill_masks_parallel(ll, bitmask)
-    else:
-        for g, r in ll:
-            g.fill_vocab_mask(bitmask, r)
+    by_kind: dict[type, list[tuple[Grammar, int]]] = {}
     for g, r in grammars:
-        if not isinstance(g, llguidance_backend.LLGuidanceGrammar):
-            g.fill_vocab_mask(bitmask, r)
+        by_kind.setdefault(type(g), []).append((g, r))
+    for kind, rows in by_kind.items():
+        kind.fill_vocab_masks_of(rows, bitmask)

@@ -136,6 +136,15 @@ class LLGuidanceGrammar(Grammar):
 
     backend = "llguidance"
 
+    @classmethod
+    def fill_vocab_masks_of(cls, rows: Any, bitmask: torch.Tensor) -> None:
+        """Several rows at once on llguidance's thread pool (:func:`fill_masks_parallel`)."""
+        if len(rows) > 1:
+            fill_masks_parallel(rows, bitmask)
+        else:
+            for g, r in rows:
+                g.fill_vocab_mask(bitmask, r)
+
     def __init__(self, backend: LLGuidanceBackend, matcher: llguidance.LLMatcher, warnings: list[str]):
         super().__init__(warnings)
         self._b = backend

@@ -20,7 +20,6 @@ Three steps, in order (:func:`normalize_schema`):
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +46,7 @@ from sgrt.constrained.schema_algebra import (
     unescape_pointer,
 )
 from sgrt.errors import GrammarError
+from sgrt.schema_value import schema_value
 
 _ANNOTATIONS = {
     "title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
@@ -208,38 +208,16 @@ class NormalizedSchema:
 
 
 def load_schema(spec: Any) -> Schema:
-    """Turn a ``json_schema`` request value into a dict (or a boolean schema).
-
-    Accepts a dict (deep-copied), JSON text, a Pydantic ``BaseModel`` subclass, a msgspec
-    ``Struct`` type, a dataclass type, or a boolean.
+    """Turn a ``json_schema`` request value into a dict (or a boolean schema) of our own: a dict
+    is deep-copied (the rewrites change it); the rest as :func:`sgrt.schema_value.schema_value`
+    reads it.
 
     Raises:
         GrammarError: (field ``json_schema``) invalid JSON text, or a type we cannot read.
     """
-    if isinstance(spec, bool):
-        return spec
     if isinstance(spec, dict):
         return copy.deepcopy(spec)
-    if isinstance(spec, (str, bytes)):
-        try:
-            value = json.loads(spec)
-        except ValueError as e:
-            raise GrammarError(f"json_schema is not valid JSON: {e}", field="json_schema") from e
-        if not isinstance(value, (dict, bool)):
-            raise GrammarError("json_schema must be a JSON object or a boolean", field="json_schema")
-        return value
-    if isinstance(spec, type):
-        if hasattr(spec, "model_json_schema"):  # Pydantic v2
-            return spec.model_json_schema()
-        import msgspec
-
-        if issubclass(spec, msgspec.Struct) or dataclasses.is_dataclass(spec):
-            return msgspec.json.schema(spec)
-    raise GrammarError(
-        "json_schema must be a dict, JSON text, a Pydantic model, a msgspec Struct or a dataclass, "
-        f"got {type(spec).__name__}",
-        field="json_schema",
-    )
+    return schema_value(spec)
 
 
 def normalize_schema(spec: Any, options: GrammarOptions, backend: str = "llguidance") -> NormalizedSchema:

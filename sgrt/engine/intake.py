@@ -21,7 +21,7 @@ import torch
 
 from sgrt.engine.handle import RequestHandle
 from sgrt.engine.request import Req
-from sgrt.engine.sampling_params import SamplingParams
+from sgrt.engine.sampling_params import SamplingParams, check_speculative
 from sgrt.errors import CapacityError, ContextLengthExceeded, InvalidRequest
 
 
@@ -108,9 +108,7 @@ class Intake:
         elif not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams or dict, got {type(params).__name__}", field="params")
         params.validate(self.vocab_size)
-        if params.speculative == "draft" and not self.has_draft_model:
-            raise InvalidRequest("speculative='draft' needs an engine started with a draft_model",
-                                 field="speculative")
+        check_speculative(params.speculative, None, has_draft_model=self.has_draft_model)
         return params
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -159,16 +159,12 @@ class SpecConfig:
     max_jump_forward_tokens: int = 16
 
     def __post_init__(self) -> None:
-        from sgrt.engine.sampling_params import SPECULATIVE_MODES
+        from sgrt.engine.sampling_params import check_speculative
 
-        if self.speculative not in SPECULATIVE_MODES:
-            raise InvalidRequest(f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}",
-                                 field="speculative")
-        if not _is_int(self.num_draft_tokens) or not 1 <= self.num_draft_tokens <= 16:
-            raise InvalidRequest(f"num_draft_tokens must be an int in [1, 16], got {self.num_draft_tokens!r}",
-                                 field="num_draft_tokens")
-        if self.speculative == "draft" and self.draft_model is None:
-            raise InvalidRequest("speculative='draft' needs a draft_model", field="draft_model")
+        if self.num_draft_tokens is None:  # None means "the engine's default" only on a request
+            raise InvalidRequest("num_draft_tokens must be an int in [1, 16], got None", field="num_draft_tokens")
+        check_speculative(self.speculative, self.num_draft_tokens, has_draft_model=self.draft_model is not None,
+                          draft_field="draft_model")
         if self.draft_max_total_tokens is not None and (
                 not _is_int(self.draft_max_total_tokens) or self.draft_max_total_tokens < 1):
             raise InvalidRequest(f"draft_max_total_tokens must be an int >= 1 or None, got "

@@ -36,7 +36,7 @@ from sgrt.lang.api import (
     user_end,
     video,
 )
-from sgrt.lang.chat_template import ChatTemplate, derive_chat_template
+from sgrt.chat_template import ChatTemplate, derive_chat_template
 from sgrt.lang.choices import (
     ChoicesDecision,
     ChoicesSamplingMethod,

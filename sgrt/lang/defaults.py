@@ -11,26 +11,18 @@ import re
 from typing import Any
 
 from sgrt.errors import InvalidRequest
+from sgrt.sampling_params import SamplingParams
 
-#: Sampling options a ``gen`` inherits when neither it nor ``run()`` sets them
-#: (``sgrt.engine.SamplingParams`` field names).
+#: Sampling options a ``gen`` inherits when neither it nor ``run()`` sets them: for engine
+#: fields, the defaults of ``sgrt.sampling_params.SamplingParams`` (one place for them); two
+#: more that are not engine fields (the backends apply ``stop_regex``, the interpreter
+#: ``return_text_in_logprobs``). Greedy: SGLang's frontend silently samples at 1.0 here; we do not.
+_ENGINE_DEFAULTS = SamplingParams()
 GEN_DEFAULTS: dict[str, Any] = {
-    "max_tokens": 128,
-    "min_tokens": 0,
-    "temperature": 0.0,  # greedy: SGLang's frontend silently samples at 1.0 here; we do not
-    "top_p": 1.0,
-    "top_k": -1,
-    "min_p": 0.0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "stop": [],
-    "stop_token_ids": [],
-    "ignore_eos": False,
-    "seed": None,
-    "return_logprob": False,
-    "top_logprobs_num": 0,
-    "logprob_start_len": -1,
-    # Not engine fields: the backends apply stop_regex, the interpreter return_text_in_logprobs.
+    **{name: getattr(_ENGINE_DEFAULTS, name) for name in (
+        "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+        "presence_penalty", "stop", "stop_token_ids", "ignore_eos", "seed", "return_logprob",
+        "top_logprobs_num", "logprob_start_len")},
     "stop_regex": [],
     "return_text_in_logprobs": None,
 }

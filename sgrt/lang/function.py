@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from sgrt.chat_template import PLAIN, chat_template_for
 from sgrt.lang.api import _resolve_backend
-from sgrt.lang.chat_template import PLAIN, chat_template_for
 from sgrt.lang.defaults import AUTO_BATCH_THREADS, MIN_HINTED_PREFIX_CHARS, merge_run_options
 from sgrt.lang.interpreter import ProgramState, StreamExecutor, run_program
 from sgrt.lang.tracer import TracedProgram, TracerProgramState, trace_program

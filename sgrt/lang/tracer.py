@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from sgrt.chat_template import ChatTemplate
 from sgrt.lang import ir
-from sgrt.lang.chat_template import ChatTemplate
 from sgrt.lang.transcript import Transcript
 
 _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"

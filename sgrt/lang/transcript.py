@@ -8,8 +8,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from sgrt.chat_template import ChatTemplate
 from sgrt.errors import InvalidRequest
-from sgrt.lang.chat_template import ChatTemplate
 
 
 @dataclass

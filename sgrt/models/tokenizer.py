@@ -228,3 +228,29 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size}, eos={sorted(self.eos_token_ids)})"
+
+
+# ---- prompt ids of plain text (one rule for the DSL's LocalBackend and the HTTP servers) --------
+
+def plain_text_bos_id(tokenizer: Any) -> int | None:
+    """The BOS id the tokenizer's post-processor puts before plain text, or None when it puts
+    none (SmolLM2) or has no BOS. Probed once by encoding ``"a"`` with special tokens."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    try:
+        ids = tokenizer.encode("a", add_special_tokens=True)
+    except TypeError:
+        return None
+    return bos if ids and ids[0] == bos else None
+
+
+def encode_prompt_text(tokenizer: Any, text: str, bos: int | None) -> list[int]:
+    """Prompt ids of ``text``: special-token text becomes its id, and ``bos`` (from
+    :func:`plain_text_bos_id`) is put first unless the text already starts with it. Used by
+    ``LocalBackend.encode``, ``/v1/completions`` and ``/generate`` alike."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if bos is not None and (not ids or ids[0] != bos):
+        ids = [bos] + ids
+    return ids
+

@@ -31,6 +31,9 @@ from sgrt.server.limits import HttpLimits, check_json_depth, check_sampling_rang
 #: a separate small pool, so a few multi-megabyte requests cannot occupy every worker thread that
 #: ordinary requests need.
 HEAVY_BODY_BYTES = 256 << 10
+#: sgrt's native endpoints (served by ``http_native.py``; listed in the model card).
+NATIVE_ENDPOINTS = ("/generate", "/tokenize", "/detokenize", "/apply_chat_template", "/flush_cache",
+                    "/abort_request", "/model_info", "/server_info")
 _heavy_request: contextvars.ContextVar[bool] = contextvars.ContextVar("sgrt_heavy_request", default=False)
 
 
@@ -258,8 +261,6 @@ class HttpApi:
 
     # ---- models, health -----------------------------------------------------------------------
     def model_card(self) -> op.ModelCard:
-        from sgrt.server.http_native import NATIVE_ENDPOINTS
-
         bos = self.bos_id
         return op.ModelCard(
             id=self.model_name, created=self.created, max_model_len=self.engine.context_length,

@@ -60,12 +60,9 @@ from sgrt.errors import InvalidRequest
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
 from sgrt.server import sglang_fields as sglang
-from sgrt.server.http_core import HttpApi, EngineCall
+from sgrt.server.http_core import NATIVE_ENDPOINTS, HttpApi, EngineCall  # noqa: F401 - re-exported
 from sgrt.server.http_errors import ApiError, api_error_from, generation_error, json_response
 from sgrt.server.http_streams import SSE_DONE, EventStream, sse
-
-NATIVE_ENDPOINTS = ("/generate", "/tokenize", "/detokenize", "/apply_chat_template", "/flush_cache",
-                    "/abort_request", "/model_info", "/server_info")
 
 
 def _batch(req: op.GenerateRequest, api: HttpApi) -> tuple[list[list[int]], bool]:

@@ -19,11 +19,15 @@ from typing import Any
 
 from sgrt.engine import Result, SamplingParams
 from sgrt.errors import ContextLengthExceeded, InvalidRequest
+from sgrt.models.tokenizer import encode_prompt_text, plain_text_bos_id
+from sgrt.sampling_params import the_constraint
 from sgrt.server import openai_protocol as op
 from sgrt.server import sglang_fields
 from sgrt.server.protocol import ToolSpec
 from sgrt.server import tool_formats as tf
-from sgrt.server.tools import TOOL_NAME, template_tools, tools_system_prompt
+from sgrt.server.tools import (
+    TOOL_NAME, template_renders_tools, template_tools, tool_results_as_user, tools_system_prompt,
+)
 
 #: ``SamplingParams`` field -> request field, where the names differ (for 400s that name the
 #: field the client sent).
@@ -34,26 +38,10 @@ COMPLETION_FIELD_NAMES = {"top_logprobs_num": "logprobs", "return_logprob": "log
 # ==== tokens ======================================================================================
 
 
-def encode_text(tokenizer: Any, text: str, bos: int | None) -> list[int]:
-    """Prompt ids of plain text (``/v1/completions``, ``/generate``): special-token text becomes
-    its id, and ``bos`` (from :func:`bos_id`) is put first unless already there, exactly as
-    :meth:`sgrt.backends.local.LocalBackend.encode` does."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if bos is not None and (not ids or ids[0] != bos):
-        ids = [bos] + ids
-    return ids
-
-
-def bos_id(tokenizer: Any) -> int | None:
-    """The BOS id the tokenizer's post-processor adds to plain text, or None (SmolLM2 adds none)."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return None
-    try:
-        ids = tokenizer.encode("a", add_special_tokens=True)
-    except TypeError:
-        return None
-    return bos if ids and ids[0] == bos else None
+# NOTE: one BOS rule for the DSL and the servers (sgrt.models.tokenizer); the names here are
+# the adapter's.
+encode_text = encode_prompt_text
+bos_id = plain_text_bos_id
 
 
 class TokenTexts:
@@ -125,9 +113,7 @@ def sampling_fields(req: op.SamplingFields) -> dict[str, Any]:
             name = next(iter(constraints))
             raise InvalidRequest(f"set either response_format or {name}, not both", field="response_format")
         constraints["json_schema"] = fmt
-    if len(constraints) > 1:
-        raise InvalidRequest(f"set at most one of regex, json_schema and grammar (got {sorted(constraints)})",
-                             field=list(constraints)[1])
+    the_constraint(constraints)
     if "json_schema" in constraints and isinstance(constraints["json_schema"], str):
         try:
             constraints["json_schema"] = json.loads(constraints["json_schema"])
@@ -346,15 +332,7 @@ class ChatRenderer:
 
     def renders_tools(self) -> bool:
         if self._renders_tools is None:
-            probe = [{"role": "user", "content": "x"}]
-            tmpl = [{"type": "function", "function": {"name": "f", "description": "d",
-                                                      "parameters": {"type": "object"}}}]
-            try:
-                with_tools = self.tokenizer.apply_chat_template(probe, add_generation_prompt=True, tools=tmpl)
-                plain = self.tokenizer.apply_chat_template(probe, add_generation_prompt=True)
-                self._renders_tools = with_tools != plain
-            except Exception:  # noqa: BLE001 - a template that rejects tools= does not render them
-                self._renders_tools = False
+            self._renders_tools = template_renders_tools(self.tokenizer)
         return self._renders_tools
 
     def messages(self, msgs: list[op.ChatMessage], fmt: tf.ToolFormat | None = None) -> list[dict[str, Any]]:
@@ -443,8 +421,7 @@ class ChatRenderer:
         except Exception as first:  # noqa: BLE001 - e.g. a template that refuses the "tool" role
             text = None
             if any(m["role"] == "tool" for m in messages):
-                as_user = [{"role": "user", "content": f"Tool result ({m['name']}): {m['content']}"}
-                           if m["role"] == "tool" else m for m in messages]
+                as_user = tool_results_as_user(messages)
                 try:
                     text = self._apply(as_user, tools_arg, kwargs)
                 except Exception:  # noqa: BLE001

@@ -167,6 +167,31 @@ def template_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
                                               "parameters": t.parameters}} for t in tools]
 
 
+#: The tool the probe of :func:`template_renders_tools` offers by default.
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
+
+
+def template_renders_tools(tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> bool:
+    """Whether the tokenizer's chat template renders ``tools=`` (HF's tool-use argument): a
+    one-message conversation rendered with ``tools`` (default: one trivial function) differs
+    from the same rendered without. A template that raises on ``tools=`` renders none. Used by
+    the WebSocket chat sessions and the OpenAI adapter alike."""
+    probe = [{"role": "user", "content": "x"}]
+    try:
+        with_tools = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tools=tools or _PROBE_TOOLS)
+        plain = tokenizer.apply_chat_template(probe, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that rejects tools= does not render them
+        return False
+    return with_tools != plain
+
+
+def tool_results_as_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each ``tool`` message turned into a user message ("Tool result (name):
+    content"), for a chat template that refuses the ``tool`` role."""
+    return [{"role": "user", "content": f"Tool result ({m.get('name', 'tool')}): {m['content']}"}
+            if m["role"] == "tool" else m for m in messages]
+
+
 def parse_tool_call(text: str, tools: list[ToolSpec]) -> tuple[str, dict[str, Any]] | None:
     """``(name, arguments)`` when ``text`` is one complete tool call of a known tool, else None."""
     text = text.strip()

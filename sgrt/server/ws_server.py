@@ -2,7 +2,8 @@
 
 Start it with :func:`serve_ws` (async; returns the running :class:`WsServer`) or
 :func:`run_ws_server` (blocking; what ``sgrt serve`` calls). The protocol is documented in
-:mod:`sgrt.server.protocol`; sessions live in :mod:`sgrt.server.session`.
+:mod:`sgrt.server.protocol`; sessions live in :mod:`sgrt.server.chat_session` and
+:mod:`sgrt.server.program_session` (their base in :mod:`sgrt.server.session`).
 
 Robustness rules: a bad frame, an unknown message type, a wrong field type or a request over a
 limit gets a typed ``error`` and nothing else changes; the connection and every other session
@@ -30,7 +31,9 @@ from sgrt.server import protocol as p
 from sgrt.server.limits import WsLimits, json_depth, origin_allowed
 from sgrt.server.programs import ProgramRegistry, SessionBackend
 from sgrt.server.protocol import LimitExceeded
-from sgrt.server.session import ChatSession, ProgramSession, Session, SessionContext, error_for
+from sgrt.server.chat_session import ChatSession
+from sgrt.server.program_session import ProgramSession
+from sgrt.server.session import Session, SessionContext, error_for
 
 logger = logging.getLogger("sgrt.server")
 
@@ -154,7 +157,7 @@ class WsServer:
         once per server)."""
         if self._chat_template is None:
             from sgrt.backends.local import LocalBackend
-            from sgrt.lang.chat_template import chat_template_for
+            from sgrt.chat_template import chat_template_for
 
             self._chat_template = chat_template_for(LocalBackend(self.engine))
         return SessionBackend(self.engine, self._chat_template, on_text, self.limits)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from sgrt.constrained import GrammarCompiler
-from sgrt.constrained.validity import load_maskbench, load_test_suite, run_case
+from bench.validity import load_maskbench, load_test_suite, run_case
 
 SUBSET = load_maskbench()[::8]
 SUITE = load_test_suite(files=["anyOf.json", "enum.json", "items.json", "minLength.json", "pattern.json", "required.json"])

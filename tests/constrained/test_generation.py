@@ -16,7 +16,7 @@ import time
 import jsonschema
 import pytest
 
-from sgrt.constrained.validity import instance_text, load_maskbench
+from bench.validity import instance_text, load_maskbench
 from sgrt.engine import Engine, SamplingParams
 from sgrt.errors import GrammarError
 

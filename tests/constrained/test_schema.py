@@ -111,7 +111,7 @@ def test_format_regexes_against_the_test_suite():
     import re
 
     from sgrt.constrained.formats import FORMAT_REGEXES
-    from sgrt.constrained.validity import DATA_DIR
+    from bench.validity import DATA_DIR
 
     folder = DATA_DIR / "json-schema-test-suite" / "draft2020-12" / "optional" / "format"
     for name, rx in FORMAT_REGEXES.items():

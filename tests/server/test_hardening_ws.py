@@ -80,7 +80,7 @@ async def test_tool_parameters_with_no_finite_instance_are_refused_at_start(ws_e
 
 
 async def test_unexpected_errors_carry_no_exception_text(ws_engine, monkeypatch):
-    from sgrt.server import session as session_mod
+    from sgrt.server import chat_session as session_mod
 
     def broken(self):
         raise RuntimeError("secret detail /home/user/x")

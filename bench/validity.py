@@ -9,6 +9,9 @@ fed one token at a time: it is accepted if every token is and the grammar accept
 A valid instance that is rejected counts as a *departure* (not an error) when it breaks one of
 the generation defaults we chose: it is invalid under the normalized schema (closed objects,
 string caps, formats enforced by :mod:`~sgrt.constrained.formats`).
+
+A corpus harness, not part of the runtime: it lives in ``bench/`` (imported as ``bench.validity``
+by the tests and by ``bench/schema_corpus.py``).
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ def _data_dir() -> Path:
     for parent in Path(__file__).resolve().parents:
         if (parent / "shared" / "data").is_dir():
             return parent / "shared" / "data"
-    return Path(__file__).resolve().parents[3] / "shared" / "data"
+    return Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 DATA_DIR = _data_dir()

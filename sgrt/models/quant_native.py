@@ -1,0 +1,117 @@
+"""Weight-only group-wise int4 / int8 linear layers on sgrt's native CPU kernel
+(:class:`GroupLinear`, :mod:`sgrt.kernels.woq`). :mod:`sgrt.models.quant` explains the format.
+"""
+from __future__ import annotations
+
+import torch
+
+from sgrt.models.quant_base import INT4_GROUP_SIZE, KERNEL_DTYPE, QuantizedLinear
+
+
+# ---- group-wise, on sgrt's native CPU kernel ------------------------------------------------------
+
+def quantize_groups(weight: torch.Tensor, bits: int, group_size: int = INT4_GROUP_SIZE
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric quantization per group of ``group_size`` inputs, min/max like llama.cpp's Q4_1
+    (``bits=4``) and the same with 8 bits: weight ``[N, K]`` float -> (codes ``[N, K]`` uint8 in
+    0..2**bits-1, scales ``[N, K // group]`` float16, offsets ``[N, K // group]`` float16) with
+    ``w ~ scale * code + offset``: ``scale = (max - min) / (2**bits - 1)``, ``offset = min``,
+    both rounded to float16 first and the codes rounded against the stored values, so the
+    error is at most half a step plus float16's rounding of ``offset``.
+
+    Raises:
+        ValueError: a weight beyond float16's range (the caller keeps such a layer in float).
+    """
+    levels = (1 << bits) - 1
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group_size, group_size)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale, offset = ((hi - lo) / levels).half(), lo.half()
+    if not (torch.isfinite(scale).all() and torch.isfinite(offset).all()):
+        raise ValueError("weights beyond float16's range")
+    step = torch.where(scale == 0, torch.ones_like(scale), scale).float().unsqueeze(-1)
+    codes = torch.round((w - offset.float().unsqueeze(-1)) / step).clamp_(0, levels).to(torch.uint8)
+    return codes.reshape(n, k), scale, offset
+
+
+class GroupLinear(QuantizedLinear):
+    """``y = x @ W.T`` with ``W[n, k] = scale[n, g] * code[n, k] + offset[n, g]``,
+    ``g = k // group_size``, 4- or 8-bit codes, on the native CPU kernel
+    (:mod:`sgrt.kernels.woq`: AVX-512 BF16, bfloat16 activations, float32 sums).
+
+    Input ``[..., K]`` of any float dtype; output ``[..., N]`` in the input's dtype.
+
+    Args:
+        codes: ``[N, K]`` uint8 (0..15 for ``bits=4``, 0..255 for ``bits=8``).
+        scales, offsets: ``[N, K // group_size]``, stored as float16 (a Q4_1 block's ``d`` and
+            ``m`` are float16 in the file, so they are kept exactly).
+        bits: 4 or 8. group_size: 32, 64 or 128.
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
+                 group_size: int = INT4_GROUP_SIZE):
+        super().__init__()
+        from sgrt.kernels import woq
+
+        self.out_features, self.in_features = codes.shape
+        self.bits, self.group_size = bits, group_size
+        self.register_buffer("packed", woq.pack(codes, bits))
+        self.register_buffer("scales", scales.to(torch.float16).contiguous())
+        self.register_buffer("offsets", offsets.to(torch.float16).contiguous())
+        self._linear = woq.kernel()
+        self._refresh_args()
+
+    def _refresh_args(self) -> None:
+        # NOTE: the kernel's arguments as a plain tuple: reading buffers goes through
+        # nn.Module.__getattr__ (~0.4 us each, 3 a call, 120 calls a decode step).
+        self._args = (self.packed, self.scales, self.offsets, self.out_features, self.in_features,
+                      self.bits, self.group_size)
+
+    def _apply(self, fn, recurse=True):  # .to() / .cpu() replace the buffers: refresh the tuple
+        out = super()._apply(fn, recurse)
+        self._refresh_args()
+        return out
+
+    @classmethod
+    def from_q4_1(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> "GroupLinear":
+        """From Q4_1 blocks (``d``, ``m``: ``[N, K // 32]`` float16), all three as they are."""
+        return cls(codes, d, m, 4, INT4_GROUP_SIZE)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bits: int, group_size: int = INT4_GROUP_SIZE) -> "GroupLinear":
+        """Quantize a float weight ``[N, K]`` at load (:func:`quantize_groups`).
+
+        Raises:
+            ValueError: a weight beyond float16's range.
+        """
+        return cls(*quantize_groups(weight, bits, group_size), bits, group_size)
+
+    @staticmethod
+    def supports(out_features: int, in_features: int, device: torch.device) -> bool:
+        return device.type == "cpu" and out_features % 16 == 0 and in_features % INT4_GROUP_SIZE == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == KERNEL_DTYPE:  # the model's own calls: straight to the kernel
+            return self._linear(x, *self._args)
+        return super().forward(x)
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        return self._linear(x2, *self._args)
+
+    def _dense_weight(self) -> None:
+        # NOTE: no dense path: at prefill sizes the kernel is within 1.2-1.3x of a bfloat16 matmul
+        # (2 threads, 512 rows, the default model's shapes), while dequantizing a weight alone
+        # costs 2-10x that matmul.
+        return None
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, ``[N, K]`` float32 (exact: float16 scales and
+        offsets times small integer codes)."""
+        from sgrt.kernels import woq
+
+        return woq.dequantize(self.packed, self.scales, self.offsets, self.out_features, self.in_features,
+                              self.bits, self.group_size, torch.float32)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int{self.bits} group_size={self.group_size}, native kernel")
