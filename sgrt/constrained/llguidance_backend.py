@@ -22,6 +22,7 @@ from sgrt.constrained.bitmask import row_view, set_bits
 from sgrt.constrained.grammar import CompiledGrammar, Grammar
 from sgrt.constrained.options import FLEXIBLE_WHITESPACE_MAX, GrammarOptions
 from sgrt.constrained.schema import PLAIN_ESCAPES_KEY
+from sgrt.constrained.unique_keys import KeyTracker, may_repeat_keys, quote_tokens
 from sgrt.constrained.vocab import Vocab
 from sgrt.errors import GrammarError
 
@@ -82,6 +83,7 @@ class LLGuidanceBackend:
         self.limits = limits
         self.eos_ids = list(vocab.eos_token_ids)
         self.row_bytes = 4 * ((vocab.vocab_size + 31) // 32)
+        self._quote_tokens: list[tuple[int, bytes]] | None = None
 
     def compile_json(self, schema: Any, options: GrammarOptions, warnings: list[str]) -> "LLCompiled":
         """``schema``: a normalized schema (:func:`~sgrt.constrained.schema.normalize_schema`)."""
@@ -94,7 +96,17 @@ class LLGuidanceBackend:
         else:
             schema = {} if schema is True else {"anyOf": []}
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=overrides)
-        return self._build(grammar, "json_schema", warnings, schema)
+        compiled = self._build(grammar, "json_schema", warnings, schema)
+        # Free keys come from a string lexeme: the grammar cannot stop one repeating (issue 18).
+        compiled.unique_keys = may_repeat_keys(schema)
+        return compiled
+
+    @property
+    def quote_tokens(self) -> list[tuple[int, bytes]]:
+        """Tokens whose bytes hold a ``"`` (the only ones that can close a key), built once."""
+        if self._quote_tokens is None:
+            self._quote_tokens = quote_tokens(self.vocab.token_bytes, lambda i: not self.vocab.is_forbidden(i))
+        return self._quote_tokens
 
     def compile_regex(self, regex: str) -> "LLCompiled":
         """Full-match regex (Rust ``regex`` syntax, no lookaround)."""
@@ -124,11 +136,13 @@ class LLCompiled(CompiledGrammar):
         self._template = matcher
         self._lock = threading.Lock()
         self.warnings = warnings
+        self.unique_keys = False  # set for JSON schemas whose objects may take free keys
 
     def new_grammar(self) -> "LLGuidanceGrammar":
         with self._lock:
             matcher = self._template.deep_copy()
-        return LLGuidanceGrammar(self.backend, matcher, self.warnings)
+        keys = KeyTracker(self.backend.quote_tokens) if self.unique_keys else None
+        return LLGuidanceGrammar(self.backend, matcher, self.warnings, keys)
 
 
 class LLGuidanceGrammar(Grammar):
@@ -145,10 +159,12 @@ class LLGuidanceGrammar(Grammar):
             for g, r in rows:
                 g.fill_vocab_mask(bitmask, r)
 
-    def __init__(self, backend: LLGuidanceBackend, matcher: llguidance.LLMatcher, warnings: list[str]):
+    def __init__(self, backend: LLGuidanceBackend, matcher: llguidance.LLMatcher, warnings: list[str],
+                 keys: KeyTracker | None = None):
         super().__init__(warnings)
         self._b = backend
         self._m = matcher
+        self._keys = keys  # no repeated object key (unique_keys.py), where the grammar cannot
         # One entry per accepted token: True if the matcher consumed it. An EOS accepted after the
         # matcher stopped is ours alone (llguidance does not record it), so rollback must skip it.
         self._consumed: list[bool] = []
@@ -169,9 +185,7 @@ class LLGuidanceGrammar(Grammar):
         if token_id in vocab.eos_token_ids:
             if self._m.is_stopped() and not self._m.is_error():
                 self._consumed.append(False)
-                self._ended = True
-                return True
-            if self._m.is_accepting():
+            elif self._m.is_accepting():
                 if self._m.try_consume_tokens([vocab.eos_token_id]) != 1:
                     return False
                 self._consumed.append(True)
@@ -179,15 +193,22 @@ class LLGuidanceGrammar(Grammar):
                 self._consumed.append(False)  # checked on a copy; the matcher stays put
             else:
                 return False
+            if self._keys is not None:
+                self._keys.push(b"")
             self._ended = True
             return True
         if not 0 <= token_id < vocab.n_tokenizer:
+            return False
+        data = vocab.token_bytes[token_id]
+        if self._keys is not None and not self._keys.allows(data):
             return False
         # Special ids are never in the mask unless the grammar names them (``<[id]>``, ``<name>``):
         # llguidance, which knows them as special tokens, decides.
         if self._m.try_consume_tokens([token_id]) != 1:
             return False
         self._consumed.append(True)
+        if self._keys is not None:
+            self._keys.push(data)
         return True
 
     def _takes_named_eos(self, token_id: int) -> bool:
@@ -205,6 +226,8 @@ class LLGuidanceGrammar(Grammar):
             return
         undone = self._consumed[len(self._consumed) - k :]
         del self._consumed[len(self._consumed) - k :]
+        if self._keys is not None:
+            self._keys.pop(k)
         n = sum(undone)
         if n and not self._m.rollback(n):
             raise RuntimeError(f"llguidance could not roll back {n} tokens: {self._m.get_error()}")
@@ -233,6 +256,10 @@ class LLGuidanceGrammar(Grammar):
         set_bits(words, self._b.eos_ids, stop)
         if named:
             set_bits(words, named, True)
+        if self._keys is not None:
+            repeated = self._keys.forbidden(words)
+            if repeated:
+                set_bits(words, repeated, False)
 
     def forced_tokens(self) -> list[int]:
         if self.is_terminated():
@@ -244,7 +271,8 @@ class LLGuidanceGrammar(Grammar):
         return b"" if self.is_terminated() else self._m.compute_ff_bytes()
 
     def copy(self) -> "LLGuidanceGrammar":
-        other = LLGuidanceGrammar(self._b, self._m.deep_copy(), self.warnings)
+        other = LLGuidanceGrammar(self._b, self._m.deep_copy(), self.warnings,
+                                  self._keys.copy() if self._keys is not None else None)
         other._consumed = list(self._consumed)
         other._ended = self._ended
         return other

@@ -123,7 +123,9 @@ def test_format_regexes_against_the_test_suite():
 
 
 @pytest.mark.parametrize("schema, path", [
-    ({"type": "object", "properties": {"tags": {"type": "array", "contains": {"const": 1}}}}, "/properties/tags/contains"),
+    ({"type": "object", "properties": {"tags": {"type": "array", "contains": {"const": 1}, "minContains": 100}}},
+     "/properties/tags/minContains"),  # a plain contains compiles since issue 20 (test_contains.py)
+    ({"not": {"contains": {"const": 1}, "maxContains": 2}}, "/not"),
     ({"type": "array", "uniqueItems": True}, "/uniqueItems"),
     ({"properties": {"p": {"type": "string", "pattern": "(a)\\1"}}}, "/properties/p/pattern"),
     ({"$ref": "https://example.com/schema.json"}, "/$ref"),
