@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from sgrt.constrained import GrammarOptions, normalize_schema
-from sgrt.constrained.validity import load_test_suite, run_case
+from bench.validity import load_test_suite, run_case
 from sgrt.errors import GrammarError
 
 from .util import BACKENDS, compile_or_refuse, feed, mask_of
