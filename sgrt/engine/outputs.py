@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sgrt.errors import InvalidRequest
+
 
 @dataclass
 class Result:
@@ -36,10 +38,9 @@ class Result:
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     incomplete: bool = False
     error: str | None = None
-    # Set when the request itself caused the abort (its constraint hit a grammar engine limit
-    # mid-generation, ...): servers answer these as the client's error, not as their own.
-    error_code: str | None = None
-    error_field: str | None = None
+    # The typed error when the request itself caused the abort (its constraint hit a grammar
+    # engine limit mid-generation, ...): servers answer it as the client's error, not their own.
+    request_error: InvalidRequest | None = None
     warnings: list[str] = field(default_factory=list)
     forced_tokens: int = 0
     spec_drafted: int = 0

@@ -8,18 +8,7 @@ from typing import Any
 
 from sgrt.engine.outputs import Result
 from sgrt.engine.sampling_params import SamplingParams
-from sgrt.errors import GrammarError, InvalidRequest
-
-
-def request_error_code(error: BaseException | None) -> str | None:
-    """``"grammar_error"`` / ``"invalid_value"`` when ``error`` is the request's own fault (a
-    typed :class:`~sgrt.errors.InvalidRequest`, e.g. its constraint hit a grammar engine limit
-    mid-generation), else None (an engine fault, or no error)."""
-    if isinstance(error, GrammarError):
-        return "grammar_error"
-    if isinstance(error, InvalidRequest):
-        return "invalid_value"
-    return None
+from sgrt.errors import InvalidRequest
 
 
 class ReqStatus(Enum):
@@ -117,8 +106,7 @@ class Req:
             else None,
             incomplete=self.incomplete,
             error=None if self.error is None else f"{type(self.error).__name__}: {self.error}",
-            error_code=request_error_code(self.error),
-            error_field=getattr(self.error, "field", None) if request_error_code(self.error) else None,
+            request_error=self.error if isinstance(self.error, InvalidRequest) else None,
             warnings=list(self.warnings),
             forced_tokens=self.forced_tokens,
             spec_drafted=self.spec_drafted,

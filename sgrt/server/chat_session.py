@@ -220,10 +220,8 @@ class ChatSession(Session):
             tool_call=call, ttft=result.ttft, prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens, cached_tokens=result.cached_tokens))
         if result.finish_reason == "abort" and result.error and not self._cancel_requested:
-            if result.error_code:  # the request's own fault (its grammar hit a limit): say which
-                await self.send(p.Error(code="grammar" if result.error_code == "grammar_error" else "invalid_request",
-                                        session=self.id, field=result.error_field,
-                                        message=result.error.split(": ", 1)[-1]))
+            if result.request_error is not None:  # the request's own fault (its grammar hit a limit)
+                await self.send_error(result.request_error)
             else:
                 incident = uuid.uuid4().hex[:12]
                 logger.error("session %s: generation failed (incident %s): %s", self.id, incident, result.error)

@@ -68,14 +68,13 @@ def api_error_from(exc: BaseException, prompt_field: str = "prompt") -> ApiError
 
 def generation_error(result: Any) -> ApiError:
     """The error for a request the engine aborted with ``result.error``: the request's own
-    fault (``result.error_code`` set: a typed error whose text sgrt wrote, naming the field and
-    the limit) is a 400 with that text; anything else is a 500 whose text stays in the log
-    under an incident id."""
-    message = str(result.error)
-    if result.error_code:
-        return ApiError(400, message.split(": ", 1)[-1], param=result.error_field, code=result.error_code)
+    fault (``result.request_error``, a typed error naming the field and the limit) maps as any
+    request error does (:func:`api_error_from`); anything else is a 500 whose text stays in the
+    log under an incident id."""
+    if result.request_error is not None:
+        return api_error_from(result.request_error)
     incident = uuid.uuid4().hex[:12]
-    logger.error("generation failed (incident %s): %s", incident, message)
+    logger.error("generation failed (incident %s): %s", incident, result.error)
     return ApiError(500, f"generation failed in the engine (incident {incident}; details in the server log)",
                     type="server_error", code="generation_failed")
 
