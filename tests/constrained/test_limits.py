@@ -297,10 +297,16 @@ def test_served_process_survives_every_attack_class(served):
         assert reply["type"] == "error" and names in reply["message"], reply
         assert proc.poll() is None, f"the server died on a WebSocket tool schema ({names})"
     assert _http(http_port, "GET", "/health")[0] == 200
-    # ... and a well-formed constrained request still gets its answer.
-    status, answer = _http(http_port, "POST", "/v1/chat/completions", _chat(_json_format(
-        {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})))
-    assert status == 200 and isinstance(json.loads(answer["choices"][0]["message"]["content"])["n"], int)
+    # ... and a well-formed constrained request still gets its answer. The integer is bounded and
+    # decoding greedy so that the whole instance fits in max_tokens (an unbounded integer at the
+    # chat default temperature 1 once ran past 8 tokens in CI: '{"n":1228').
+    body = {**_chat(_json_format({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 99}},
+                                  "required": ["n"], "additionalProperties": False})),
+            "max_tokens": 32, "temperature": 0}
+    status, answer = _http(http_port, "POST", "/v1/chat/completions", body)
+    assert status == 200 and answer["choices"][0]["finish_reason"] == "stop", answer
+    assert 0 <= json.loads(answer["choices"][0]["message"]["content"])["n"] <= 99
 
 
 def test_tree_depth_measures_shared_sub_objects_and_stops_on_cycles():
