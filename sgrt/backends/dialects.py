@@ -16,9 +16,10 @@ vllm      ``structured_outputs`` {regex, json,       top_k, min_p, min_tokens,  
           grammar}                                   repetition_penalty,
                                                      stop_token_ids, ignore_eos
 sglang    ``regex`` / ``json_schema`` extra fields   as vLLM                      echo + logprobs
-llamacpp  ``response_format`` json_schema; no regex  top_k, min_p,                echo + logprobs
-          nor Lark (the server takes GBNF)           repetition_penalty (as
-                                                     ``repeat_penalty``)
+llamacpp  ``json_schema`` field; regex and Lark      top_k, min_p, ignore_eos,    forced tokens
+          as an llguidance ``grammar``               repetition_penalty (as       (``<[id]>``
+          (``%llguidance``; only on a server built   ``repeat_penalty``)          grammar) +
+          with it, which is asked first)                                          ``logprobs``
 llama-    none: its ``/v1/completions`` has only a   as llamacpp, and min_tokens  echo + logprobs
 cpp-      GBNF ``grammar`` (no response_format)                                   (needs the server's
 python                                                                            ``logits_all``)
@@ -27,8 +28,10 @@ openai    ``response_format`` json_schema            none                       
 
 Sources: vLLM's OpenAI-compatible server docs (extra parameters, ``structured_outputs``,
 ``prompt_logprobs``), SGLang's sampling parameters, llama-cpp-python's server
-(``CreateCompletionRequest``), llama.cpp's server README (``cache_prompt``), OpenAI's API
-reference.
+(``CreateCompletionRequest``), llama.cpp's server README (``cache_prompt``, ``grammar``,
+``n_probs``, ``post_sampling_probs``) and ``common/sampling.cpp`` (a grammar that starts with
+``%llguidance`` goes to llguidance as Lark), llguidance's Lark syntax (``<[id]>`` tokens),
+OpenAI's API reference.
 """
 from __future__ import annotations
 
@@ -60,7 +63,8 @@ class Dialect:
         engine: the engine's name as refusals print it.
         extras: sampling extras the server takes, mapped to its field name.
         select: ``"native"`` (sgrt ``/generate``), ``"prompt_logprobs"`` (vLLM), ``"echo"``
-            (``echo`` + ``logprobs`` on ``/v1/completions``).
+            (``echo`` + ``logprobs`` on ``/v1/completions``), ``"forced_tokens"`` (llama.cpp:
+            :meth:`LlamaCppDialect.forced_tokens_body`).
         echo_max_tokens: the ``max_tokens`` an echo request sends (0 where the server takes it
             as "prefill only"; 1 where 0 means something else, e.g. llama-cpp-python's "until
             the context is full").
@@ -73,6 +77,8 @@ class Dialect:
     select: str = "echo"
     echo_max_tokens: int = 0
     native_cache: bool = False
+    #: Primitives that only a server built with llguidance can do (asked once per server).
+    needs_llguidance: tuple[str, ...] = ()
 
     def refuse(self, key: str, base_url: str, why: str = "") -> InvalidRequest:
         """The :class:`InvalidRequest` for a primitive this engine cannot do (``field`` = ``key``)."""
@@ -193,28 +199,113 @@ class SglangDialect(Dialect):
 
 
 def _refuse_lark_and_regex(dialect: Dialect, regex: str | None, grammar: str | None, base_url: str) -> None:
-    """llama.cpp's servers (both): their ``grammar`` field takes GBNF and they have no regex."""
+    """llama-cpp-python: its ``grammar`` field takes GBNF and it has no regex."""
     if regex is not None:
         raise dialect.refuse("regex", base_url, "its grammar field takes GBNF, and it has no regex constraint")
     if grammar is not None:
         raise dialect.refuse("grammar", base_url, "its grammar field takes GBNF, not Lark")
 
 
+#: The first line of a llama.cpp ``grammar`` that its sampler hands to llguidance (as Lark)
+#: instead of its own GBNF parser (llama.cpp's ``common/sampling.cpp``).
+LLGUIDANCE_HEADER = "%llguidance {}\n"
+
+
+def llguidance_grammar(regex: str | None = None, lark: str | None = None) -> str:
+    """The llama.cpp ``grammar`` value for a full-match ``regex`` or a ``lark`` grammar
+    (llguidance's Lark dialect, the one ``gen(grammar=...)`` takes; a name of a file under
+    ``grammars/`` is read as sgrt reads it).
+
+    The regex becomes Lark by llguidance's own translation (``LLMatcher.grammar_from_regex``,
+    the path sgrt's default backend compiles), so the server's llguidance constrains exactly what
+    sgrt's would. Both go through sgrt's grammar limits and llguidance's validator here: llama.cpp
+    answers an invalid llguidance grammar with an unconstrained 200, never an error.
+
+    Raises:
+        GrammarError: the regex / grammar is over a limit or llguidance rejects it (``field``
+            ``regex`` / ``grammar``).
+    """
+    import llguidance
+
+    from sgrt.constrained import limits as _limits
+    from sgrt.constrained.compiler import load_grammar_text
+    from sgrt.errors import GrammarError
+
+    limits = _limits.GrammarLimits()
+    if regex is not None:
+        key = "regex"
+        if not isinstance(regex, str):
+            raise GrammarError("regex must be a str", field="regex")
+        _limits.check_regex(regex, limits)
+        try:
+            text = json.loads(llguidance.LLMatcher.grammar_from_regex(regex))["grammars"][0]["lark_grammar"]
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise GrammarError(f"regex: llguidance gave no Lark form of {regex!r} ({e})", field="regex") from None
+    else:
+        key = "grammar"
+        if not isinstance(lark, str):
+            raise GrammarError("grammar must be a str", field="grammar")
+        text = load_grammar_text(lark)
+        _limits.check_lark(text, limits)
+    if not text.lstrip().startswith("%llguidance"):
+        text = LLGUIDANCE_HEADER + text
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(llguidance.grammar_from("lark", text))
+    if is_error:
+        raise GrammarError(f"{key}: {'; '.join(messages)}", field=key)
+    return text
+
+
+def forced_tokens_grammar(token_ids: list[int]) -> str:
+    """An llguidance grammar (llama.cpp ``grammar`` value) that admits exactly ``token_ids``,
+    token by token (llguidance's ``<[id]>`` terminals), not merely their text."""
+    return LLGUIDANCE_HEADER + "start: " + " ".join(f"<[{int(t)}]>" for t in token_ids)
+
+
 @dataclass(frozen=True)
 class LlamaCppDialect(Dialect):
-    """llama.cpp's ``llama-server``: a JSON Schema as ``response_format`` (which the server
-    compiles to a GBNF grammar), ``cache_prompt`` so the slot keeps the prompt's KV cache for the
-    next request. Its ``grammar`` field takes GBNF, not the Lark that ``gen(grammar=...)`` holds,
-    and it has no regex constraint: both refused."""
+    """llama.cpp's ``llama-server``: a JSON Schema as its ``json_schema`` field (the server
+    compiles it itself; its ``/v1/completions`` ignores ``response_format``), a regex or a Lark grammar as an llguidance ``grammar`` (:func:`llguidance_grammar`),
+    ``cache_prompt`` so the slot keeps the prompt's KV cache for the next request.
+
+    A grammar starting with ``%llguidance`` needs a server built with ``LLAMA_LLGUIDANCE=ON``
+    (xllamacpp's wheels are; a build without it aborts the whole process on one), so
+    ``RuntimeEndpoint`` first asks the server (:attr:`needs_llguidance`) and refuses regex, Lark
+    and ``select`` by name where it is not. ``select`` is exact: each option's tokens are forced
+    by a ``<[id]>`` grammar after the prompt's ids, and ``logprobs`` (``n_probs``, pre-sampling,
+    ``post_sampling_probs`` off) gives each forced token's log-probability under the model alone.
+    llama.cpp returns no prompt log-probabilities (``echo`` is ignored), so there is no other way.
+    """
+
+    #: Primitives that need the server's llguidance.
+    needs_llguidance: tuple[str, ...] = ("regex", "grammar", "select")
 
     def add_request_fields(self, body: dict[str, Any], request_id: str | None) -> None:
         body["cache_prompt"] = True
 
+    def add_logprob_fields(self, body: dict[str, Any]) -> None:
+        # NOTE: llama.cpp returns no logprobs at all for logprobs=0 (its n_probs); one top entry
+        # is the least that brings the sampled token's own.
+        body["logprobs"] = max(1, int(body.get("logprobs") or 0))
+
     def add_constraints(self, body: dict[str, Any], regex: str | None, schema: Any, grammar: str | None,
                         base_url: str) -> None:
-        _refuse_lark_and_regex(self, regex, grammar, base_url)
-        if schema is not None:
-            body["response_format"] = json_schema_format(schema)
+        given = [k for k, v in (("regex", regex), ("json_schema", schema), ("grammar", grammar)) if v is not None]
+        if len(given) > 1:
+            raise self.refuse(given[1], base_url, f"one constraint per request ({' and '.join(given)} given)")
+        if regex is not None:
+            body["grammar"] = llguidance_grammar(regex=regex)
+        elif grammar is not None:
+            body["grammar"] = llguidance_grammar(lark=grammar)
+        elif schema is not None:
+            # NOTE: llama.cpp's own field: its /v1/completions ignores response_format (only its
+            # chat completions read it), which would run the gen unconstrained.
+            body["json_schema"] = schema
+
+    def forced_tokens_body(self, model: str, prompt_ids: list[int], forced_ids: list[int]) -> dict[str, Any]:
+        """The ``/v1/completions`` body that scores ``forced_ids`` after ``prompt_ids``."""
+        return {"model": model, "prompt": list(prompt_ids), "max_tokens": len(forced_ids), "temperature": 0.0,
+                "logprobs": 1, "post_sampling_probs": False, "cache_prompt": True,
+                "grammar": forced_tokens_grammar(forced_ids)}
 
 
 @dataclass(frozen=True)
@@ -236,8 +327,8 @@ DIALECTS: dict[str, Dialect] = {
     "sgrt": Dialect("sgrt", "sgrt", extras=dict(_VLLM_EXTRAS), select="native", native_cache=True),
     "vllm": VllmDialect("vllm", "vLLM", extras=dict(_VLLM_EXTRAS), select="prompt_logprobs", echo_max_tokens=1),
     "sglang": SglangDialect("sglang", "SGLang", extras=dict(_VLLM_EXTRAS), native_cache=True),
-    "llamacpp": LlamaCppDialect("llamacpp", "llama.cpp", select="echo", echo_max_tokens=1,
-                                extras={"top_k": "top_k", "min_p": "min_p",
+    "llamacpp": LlamaCppDialect("llamacpp", "llama.cpp", select="forced_tokens", echo_max_tokens=1,
+                                extras={"top_k": "top_k", "min_p": "min_p", "ignore_eos": "ignore_eos",
                                         "repetition_penalty": "repeat_penalty"}),
     "llama-cpp-python": LlamaCppPythonDialect("llama-cpp-python", "llama-cpp-python", select="echo",
                                               echo_max_tokens=1,

@@ -20,14 +20,18 @@ each primitive onto that engine's request fields:
 - ``gen`` goes to ``/v1/completions`` with the program's text as the prompt (so the server's
   own chat template is not applied again), with the sampling extras the engine takes.
 - Constraints: vLLM's ``structured_outputs`` (regex, json, Lark grammar), SGLang's ``regex`` /
-  ``json_schema`` fields, ``response_format`` json_schema for llama.cpp and plain OpenAI.
-- ``select`` scores the options by prompt log-probabilities: vLLM's ``prompt_logprobs``,
-  else ``echo`` + ``logprobs`` on ``/v1/completions``; a server that returns none is an
+  ``json_schema`` fields, ``response_format`` json_schema for llama.cpp and plain OpenAI, and
+  for llama.cpp regex and Lark as an llguidance ``grammar`` where the server was built with
+  llguidance (asked once per server).
+- ``select`` scores the options by prompt log-probabilities: vLLM's ``prompt_logprobs``;
+  llama.cpp's log-probabilities of each option's tokens forced by a token grammar; else
+  ``echo`` + ``logprobs`` on ``/v1/completions``; a server that returns none is an
   ``InvalidRequest`` naming the engine and ``select``.
 - Prefix hints are skipped (the servers cache prefixes themselves); the chat template comes from
   ``chat_template=`` or a local ``tokenizer=`` (a folder or an already loaded tokenizer), else a
   program that uses roles fails with an ``InvalidRequest`` that says so.
-- Whatever the engine cannot do (a regex or a Lark grammar against llama.cpp, a sampling extra
+- Whatever the engine cannot do (a Lark grammar against SGLang, a regex against llama.cpp built
+  without llguidance, a sampling extra
   against plain OpenAI, ``logprob_start_len`` on a ``gen``, ``truncate``) raises
   :class:`sgrt.errors.InvalidRequest` naming the engine and the primitive, before any request:
   never a silent fallback.
@@ -140,6 +144,7 @@ class RuntimeEndpoint(BaseBackend):
         self._affinity: collections.OrderedDict[str, tuple[HttpClient, bool]] = collections.OrderedDict()
         self._in_flight = {id(c): 0 for c in self.clients}
         self._route_lock = threading.Lock()
+        self._llguidance: dict[str, bool] = {}
         self.base_url = self.clients[0].base_url
         models = self.client.request("GET", "/v1/models")
         cards = (models or {}).get("data") or []
@@ -407,7 +412,40 @@ class RuntimeEndpoint(BaseBackend):
     # ---- OpenAI-compatible completions (other servers) ----------------------------------------
     def _completion_body(self, prompt: str | list[str], params: dict[str, Any],
                          request_id: str | None) -> dict[str, Any]:
-        return self.adapter.completion_body(self.model, prompt, params, request_id, self.base_url)
+        body = self.adapter.completion_body(self.model, prompt, params, request_id, self.base_url)
+        for key in ("regex", "grammar"):
+            if params.get(key) is not None and key in self.adapter.needs_llguidance:
+                self._require_llguidance(key)
+        return body
+
+    def _require_llguidance(self, key: str) -> None:
+        """Refuse ``key`` (a primitive) unless the current server was built with llguidance.
+
+        llama.cpp: asked once per server by a ``/completion`` of no tokens with a JSON Schema
+        (``{"const": 1}``): a build with llguidance compiles it to a grammar that starts with
+        ``%llguidance`` and shows it in ``generation_settings.grammar``; a build without it
+        gives GBNF (and would abort the process on an ``%llguidance`` grammar, so none is sent).
+
+        Raises:
+            InvalidRequest: (``field`` = ``key``) the server is not known to have llguidance.
+        """
+        client = self.client
+        with self._route_lock:
+            known = self._llguidance.get(client.base_url)
+        if known is None:
+            try:
+                out = client.request("POST", "/completion", {"prompt": "", "n_predict": 0,
+                                                             "json_schema": {"const": 1}})
+                grammar = str(((out or {}).get("generation_settings") or {}).get("grammar") or "")
+                known = grammar.startswith("%llguidance")
+            except (InvalidRequest, RequestAborted, ConnectionError):
+                known = False
+            with self._route_lock:
+                self._llguidance[client.base_url] = known
+        if not known:
+            raise self.adapter.refuse(key, client.base_url, "it needs a server built with llguidance "
+                                      "(LLAMA_LLGUIDANCE=ON, as xllamacpp's wheels are), and this one did not "
+                                      "show it (its JSON Schema grammar is not %llguidance)")
 
     def _completion_output(self, out: dict[str, Any], start: float) -> GenOutput:
         choice = (out.get("choices") or [{}])[0]
@@ -443,6 +481,13 @@ class RuntimeEndpoint(BaseBackend):
         }
 
     def _legacy_logprobs(self, lp: dict[str, Any]) -> tuple[list[tuple], list[list[tuple]] | None]:
+        if isinstance(lp.get("content"), list):
+            # NOTE: llama.cpp answers /v1/completions logprobs in the chat form, with token ids.
+            rows = lp["content"]
+            lps = [(e.get("logprob"), e.get("id"), e.get("token", "")) for e in rows]
+            tops = [[(t.get("logprob"), t.get("id"), t.get("token", "")) for t in e.get("top_logprobs") or []]
+                    for e in rows]
+            return lps, tops if any(tops) else None
         tokens = lp.get("tokens") or []
         lps = [(v, self._token_id(t), t) for v, t in zip(lp.get("token_logprobs") or [], tokens)]
         tops = None
@@ -501,6 +546,8 @@ class RuntimeEndpoint(BaseBackend):
     def _score_choices(self, prompt: str, choices: Sequence[str], unconditional: bool) -> list[ChoiceScore]:
         if self.adapter.select == "prompt_logprobs":
             return self._score_by_prompt_logprobs(prompt, choices, unconditional)
+        if self.adapter.select == "forced_tokens":
+            return self._score_by_forced_tokens(prompt, choices, unconditional)
         if not self.is_sgrt:
             return self._score_by_echo(prompt, choices, unconditional)
         texts = [prompt] + [prompt + c for c in choices] + (list(choices) if unconditional else [])
@@ -579,6 +626,57 @@ class RuntimeEndpoint(BaseBackend):
                                           "server returned none for echo + logprobs")
             rows.append((tokens, values, offsets, len(tokens)))
         return rows
+
+    def _score_by_forced_tokens(self, prompt: str, choices: Sequence[str],
+                                unconditional: bool) -> list[ChoiceScore]:
+        """llama.cpp: for each option, the ids of ``prompt + option`` (the server's ``/tokenize``)
+        split where they stop matching the prompt's; the head goes as the prompt (token ids) and
+        the tail is forced by a ``<[id]>`` grammar, each forced token coming back with its
+        log-probability under the model alone (pre-sampling). The same tokens and alignment as
+        the echo and ``/generate`` paths score, with nothing approximated.
+
+        Raises:
+            InvalidRequest: (``field`` ``select``) no llguidance on the server, an option with no
+                prompt token before it, or an answer that did not follow the forced tokens.
+        """
+        self._require_llguidance("select")
+        prefix_ids = self._server_tokenize(prompt)
+        scores = []
+        for choice in choices:
+            ids = self._server_tokenize(prompt + choice)
+            k = max(min(common_prefix_len(prefix_ids, ids), len(ids) - 1), 1 if len(ids) > 1 else 0)
+            lps, texts, cached = self._forced_logprobs(ids[:k], ids[k:])
+            scores.append(ChoiceScore(choice=choice, token_ids=list(ids[k:]), token_logprobs=lps, token_texts=texts,
+                                      prompt_tokens=len(ids), cached_tokens=cached))
+        if unconditional:
+            for sc in scores:
+                alone = self._server_tokenize(sc.choice)
+                # NOTE: scored from position 1 (position 0 has no context), as the other paths.
+                lps = [None] + (self._forced_logprobs(alone[:1], alone[1:])[0] if len(alone) > 1 else [])
+                n = len(sc.token_logprobs)
+                sc.unconditional_logprobs = lps[:n] + [None] * max(0, n - len(lps))
+        return scores
+
+    def _server_tokenize(self, text: str) -> list[int]:
+        """The ids llama.cpp's ``/tokenize`` gives ``text``, special tokens (BOS) added as its
+        completions add them to a text prompt."""
+        out = self.client.request("POST", "/tokenize", {"content": text, "add_special": True})
+        return [int(t["id"]) if isinstance(t, dict) else int(t) for t in out["tokens"]]
+
+    def _forced_logprobs(self, prompt_ids: list[int], forced: list[int]) -> tuple[list[float], list[str], int]:
+        """(log-probabilities, texts) of ``forced`` after ``prompt_ids``, and the cached prompt tokens."""
+        if not prompt_ids:
+            raise self.adapter.refuse("select", self.base_url, "an option must follow at least one prompt token")
+        body = self.adapter.forced_tokens_body(self.model, prompt_ids, forced)
+        out = self.client.request("POST", "/v1/completions", body)
+        choice = (out.get("choices") or [{}])[0]
+        entries = (choice.get("logprobs") or {}).get("content") or []
+        got = [e.get("id") for e in entries]
+        if got != list(forced) or any(e.get("logprob") is None for e in entries):
+            raise self.adapter.refuse("select", self.base_url, f"the server did not follow the forced tokens "
+                                      f"{list(forced)} (it returned {got})")
+        cached = ((out.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return [float(e["logprob"]) for e in entries], [str(e.get("token", "")) for e in entries], int(cached)
 
     def _score_by_prompt_logprobs(self, prompt: str, choices: Sequence[str],
                                   unconditional: bool) -> list[ChoiceScore]:
