@@ -245,3 +245,17 @@ def test_llamacpp_without_llguidance_refuses_by_name(hf_folder):
     assert rows["gen"][0] == rows["json_schema"][0] == rows["stream"][0] == "works"
     sent_grammars = [ex for ex in transport.pending if "grammar" in (ex["request"] or {})]
     assert len(sent_grammars) == len([ex for ex in exchanges if "grammar" in (ex["request"] or {})])
+
+
+def test_llamacpp_logprobs_carry_token_ids(hf_folder):
+    """llama.cpp answers /v1/completions logprobs in the chat form (``content``, with ids): a
+    recorded select answer parses into (logprob, id, text) rows whose ids are the tokens its
+    grammar forced."""
+    ex = next(ex for ex in RECORDED["llamacpp"]["exchanges"] if "<[" in (ex["request"] or {}).get("grammar", ""))
+    forced = [int(t) for t in re.findall(r"<\[(\d+)\]>", ex["request"]["grammar"])]
+    ep, _ = _endpoint("llamacpp", hf_folder)
+    meta = ep._completion_output(json.loads(ex["response"]), 0.0).meta_info
+    assert meta["output_token_ids"] == forced
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == forced
+    assert all(lp < 0 for lp, _, _ in meta["output_token_logprobs"])
+    assert len(meta["output_top_logprobs"]) == len(forced)
