@@ -336,7 +336,7 @@ class RuntimeEndpoint(BaseBackend):
             return GenOutput(out["text"], self._native_meta(out["meta_info"], start))
         body = self._completion_body(prompt, params, request_id)
         out = self.client.request("POST", "/v1/completions", body)
-        return self._completion_output(out, start)
+        return self._completion_output(out, start, tops=bool(params.get("top_logprobs_num")))
 
     def generate_batch(self, prompts: Sequence[str], params: Sequence[dict[str, Any]]) -> list[GenOutput]:
         """One ``/generate`` batch against sgrt (the requests batch in the engine); concurrent
@@ -379,7 +379,8 @@ class RuntimeEndpoint(BaseBackend):
         body = self._completion_body(prompt, params, request_id)
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-        return self._completion_stream(body, start, self.client_for(prompt))
+        return self._completion_stream(body, start, self.client_for(prompt),
+                                       keep_tops=bool(params.get("top_logprobs_num")))
 
     def _native_stream(self, body: dict[str, Any], start: float, client: HttpClient) -> Iterator[GenChunk]:
         events = client.stream("/generate", body)
@@ -447,15 +448,17 @@ class RuntimeEndpoint(BaseBackend):
                                       "(LLAMA_LLGUIDANCE=ON, as xllamacpp's wheels are), and this one did not "
                                       "show it (its JSON Schema grammar is not %llguidance)")
 
-    def _completion_output(self, out: dict[str, Any], start: float) -> GenOutput:
+    def _completion_output(self, out: dict[str, Any], start: float, tops: bool = True) -> GenOutput:
+        """``tops``: keep top logprobs (False drops those a server sends unasked: llama.cpp
+        needs ``logprobs`` >= 1 to return any)."""
         choice = (out.get("choices") or [{}])[0]
         meta = self._completion_meta(out, choice, start, ttft=None)
         lp = choice.get("logprobs")
         if lp:
-            lps, tops = self._legacy_logprobs(lp)
+            lps, top_rows = self._legacy_logprobs(lp)
             meta["output_token_logprobs"] = lps
-            if tops is not None:
-                meta["output_top_logprobs"] = tops
+            if top_rows is not None and tops:
+                meta["output_top_logprobs"] = top_rows
             meta["output_token_ids"] = [t for _, t, _ in lps]
         return GenOutput(choice.get("text", ""), meta)
 
@@ -504,7 +507,8 @@ class RuntimeEndpoint(BaseBackend):
                 return None
         return None
 
-    def _completion_stream(self, body: dict[str, Any], start: float, client: HttpClient) -> Iterator[GenChunk]:
+    def _completion_stream(self, body: dict[str, Any], start: float, client: HttpClient,
+                           keep_tops: bool = True) -> Iterator[GenChunk]:
         events = client.stream("/v1/completions", body)
         ttft = None
         last: dict[str, Any] = {}
@@ -523,7 +527,7 @@ class RuntimeEndpoint(BaseBackend):
                         if ttft is None:
                             ttft = time.perf_counter() - start
                         ids = [t for _, t, _ in lps] if lps else []
-                        yield GenChunk(text, ids, lps, tops, False, None)
+                        yield GenChunk(text, ids, lps, tops if keep_tops else None, False, None)
                     if choice.get("finish_reason"):
                         choice_end = choice
                 last = ev

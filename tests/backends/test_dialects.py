@@ -196,6 +196,7 @@ def test_request_fields_per_dialect():
     assert llama["json_schema"] == {"type": "integer"} and "response_format" not in llama
     assert llama["repeat_penalty"] == 1.1 and "repetition_penalty" not in llama and llama["cache_prompt"] is True
     assert llama["logprobs"] == 1  # its n_probs: 0 would return no logprobs at all
+    assert DIALECTS["llamacpp"].completion_body("m", "p", {"ignore_eos": True}, None, "u")["ignore_eos"] is True
     sglang = DIALECTS["sglang"].completion_body("m", "p", params, "rid-1", "u")
     assert sglang["json_schema"] == '{"type": "integer"}' and sglang["rid"] == "rid-1"
 
@@ -259,3 +260,7 @@ def test_llamacpp_logprobs_carry_token_ids(hf_folder):
     assert [t for _, t, _ in meta["output_token_logprobs"]] == forced
     assert all(lp < 0 for lp, _, _ in meta["output_token_logprobs"])
     assert len(meta["output_top_logprobs"]) == len(forced)
+    # NOTE: the dialect asks for one top entry when the gen asked for none (llama.cpp sends no
+    # logprobs for 0); that unasked entry is dropped.
+    unasked = ep._completion_output(json.loads(ex["response"]), 0.0, tops=False).meta_info
+    assert "output_top_logprobs" not in unasked and unasked["output_token_ids"] == forced

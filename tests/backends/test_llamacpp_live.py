@@ -77,6 +77,11 @@ def test_detected_and_constrained(llamacpp_url):
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", out.text), out.text
     out = ep.generate("Is water wet? Answer yes or no: ", {"max_tokens": 4, "grammar": 'start: "yes" | "no"'})
     assert out.text in ("yes", "no"), out.text
+    out = ep.generate("The sky is", {"max_tokens": 3, "return_logprob": True})
+    lps = out.meta_info["output_token_logprobs"]
+    assert len(lps) == out.meta_info["completion_tokens"] == 3
+    assert all(isinstance(t, int) and lp <= 0 for lp, t, _ in lps)
+    assert "output_top_logprobs" not in out.meta_info  # none asked for
     ep.shutdown()
 
 
