@@ -344,7 +344,8 @@ def detect_dialect(owned_by: str | None, headers: dict[str, str], probe: Any) ->
     In order: ``owned_by`` naming ``vllm`` / ``sglang`` / ``llamacpp``; then ``probe(path)`` (a
     GET returning the JSON answer or None): a router's ``/workers`` list (sglang-router,
     vllm-router: ``sglang``, the dialect that passes through them, also in front of sgrt
-    workers); the ``x-sgrt-version`` header or ``owned_by == "sgrt"``; the title of
+    workers); the ``x-sgrt-version`` header or ``owned_by == "sgrt"``; llama-server's
+    ``Server: llama.cpp`` header; the title of
     ``/openapi.json`` (llama-cpp-python's is "llama.cpp Python API"), vLLM's ``/version`` (``{"version": ...}``), llama-server's ``/props``; else ``"openai"``.
 
     Args:
@@ -365,6 +366,8 @@ def detect_dialect(owned_by: str | None, headers: dict[str, str], probe: Any) ->
         return "sglang"
     if owner == "sgrt" or "x-sgrt-version" in headers:
         return "sgrt"
+    if headers.get("server", "").lower().startswith("llama.cpp"):
+        return "llamacpp"  # NOTE: llama-server's cpp-httplib answers "Server: llama.cpp"
     info = probe("/openapi.json") or {}
     title = str((info.get("info") or {}).get("title", "")).lower()
     if "llama.cpp python" in title:

@@ -183,6 +183,21 @@ def test_a_router_is_detected_before_what_its_workers_say():
     assert detect_dialect("vllm", {}, router.get) == "vllm"
 
 
+def test_llamacpp_is_detected_by_what_it_says():
+    """llama-server: owned_by "llamacpp" (the recorded answer), else its Server header, else its
+    /props (a proxy in front of it that renames the owner and drops the header)."""
+    from sgrt.backends.dialects import detect_dialect
+
+    models = next(ex for ex in RECORDED["llamacpp"]["exchanges"] if ex["path"] == "/v1/models")
+    card = json.loads(models["response"])["data"][0]
+    assert card["owned_by"] == "llamacpp" and models["headers"].get("server") == "llama.cpp"
+    assert detect_dialect(card["owned_by"], {}, {}.get) == "llamacpp"
+    assert detect_dialect("someone", {"server": models["headers"]["server"]}, {}.get) == "llamacpp"
+    props = {"/props": {"default_generation_settings": {"params": {}}, "total_slots": 4}}
+    assert detect_dialect("someone", {}, props.get) == "llamacpp"
+    assert detect_dialect("someone", {}, {}.get) == "openai"
+
+
 def test_request_fields_per_dialect():
     """The same gen maps onto each engine's own field names."""
     params = {"max_tokens": 4, "json_schema": {"type": "integer"}, "top_k": 5, "repetition_penalty": 1.1,
