@@ -141,6 +141,19 @@ class LlamaCpp:
         return len(prompt_ids) / seconds
 
 
+def load_torch_kernels(spec: str):
+    """``spec`` in int4 on torch's packed kernels (tinygemm int4, per-channel int8 head), as a CPU
+    without sgrt's native kernel loads it."""
+    from sgrt.models import load_model, quant
+
+    available = quant.native_kernel_available
+    quant.native_kernel_available = lambda: False
+    try:
+        return load_model(spec, dtype="bfloat16", quantization="int4")
+    finally:
+        quant.native_kernel_available = available
+
+
 def llamacpp_runner() -> type | None:
     """The llama.cpp binding to run: xllamacpp (the ``bench`` extra) where importable, else
     llama-cpp-python, else None."""
@@ -161,6 +174,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="runs per side in a pair (median)")
     ap.add_argument("--prefill", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--torch-kernels-row", action="store_true",
+                    help="also run sgrt int4 on torch's packed kernels (what CPUs without sgrt's native "
+                         "kernel run), alternated with the others: a before / after in one invocation")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from sgrt.models import load_model
@@ -187,7 +203,13 @@ def main() -> None:
             print(f"llama.cpp via {llama.version}")
             figures["llamacpp"] = llama.version
         ours_dec, ours_pre, theirs_dec, theirs_pre = [], [], [], []
+        base = load_torch_kernels(spec) if args.torch_kernels_row else None
+        base_dec: list[float] = []
+        base_pre: list[float] = []
         for _ in range(args.pairs):
+            if base is not None:
+                base_dec.append(median_of(args.runs, lambda: sgrt_decode_tps(base, prompt_ids)))
+                base_pre.append(median_of(args.runs, lambda: sgrt_prefill_tps(base, long_ids)))
             if llama is not None:
                 theirs_dec.append(median_of(args.runs, lambda: llama.decode_tps(prompt_ids)))
                 theirs_pre.append(median_of(args.runs, lambda: llama.prefill_tps(long_ids)))
@@ -211,6 +233,21 @@ def main() -> None:
             row[3:5] = [round(tdec, 1), f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"]
             row[6:8] = [round(tpre, 1), f"{statistics.median(pre_ratios):.2f}"]
         rows.append(row)
+        if base is not None:
+            bdec, bpre = statistics.median(base_dec), statistics.median(base_pre)
+            gain = statistics.median([a / b for a, b in zip(ours_dec, base_dec)])
+            figures[f"{key}_int4_torch_kernels_decode_tok_s"] = round(bdec, 1)
+            figures[f"{key}_int4_torch_kernels_prefill_tok_s"] = round(bpre, 1)
+            figures[f"{key}_int4_native_over_torch_kernels_decode"] = round(gain, 3)
+            brow = [spec, "int4 (torch kernels)", round(bdec, 1), "-", "-", round(bpre, 1), "-", "-",
+                    f"{bdec * bytes_per_token(base, context) / (bandwidth * 1e9):.0%}"]
+            if llama is not None:
+                bratios = [a / b for a, b in zip(base_dec, theirs_dec)]
+                brow[3:5] = [row[3], f"{statistics.median(bratios):.2f} ({min(bratios):.2f}-{max(bratios):.2f})"]
+                brow[6:8] = [row[6], f"{statistics.median([a / b for a, b in zip(base_pre, theirs_pre)]):.2f}"]
+            rows.append(brow)
+            print(f"{spec}: native int4 kernel / torch's kernels, decode: {gain:.2f} (median of pairs)")
+            del base
         del llama
         for dtype in [d for d in args.dtypes.split(",") if d]:
             plain = load_model(spec, dtype=dtype)
