@@ -22,13 +22,16 @@ its server, driven in process without HTTP), or else from ``llama-cpp-python`` i
 importable (pip compiles llama.cpp from source, several minutes once); the output says which ran
 and its build's CPU features. Without either the script prints sgrt's rows and bandwidth shares
 alone and says so. Installs nothing itself. Both engines get ``--threads`` threads and the same
-token ids (llama.cpp adds no BOS to a prompt given as ids).
+token ids (the prompt is given to llama.cpp as ids, not text).
+
+``--torch-kernels-row``: sgrt int4 also on torch's packed kernels (what a CPU without sgrt's
+native kernel runs), in the same alternation: a before / after of the native kernel.
 
 Targets (issue 21): int4 decode >= 2x llama.cpp and >= 60% of its bandwidth limit; bfloat16 and
 float32 >= 70% of theirs; prefill >= 3x llama.cpp.
 
 Run: ``python bench/vs_llamacpp.py [--models smollm2-135m-instruct,gemma3-270m-q4-k-m]
-[--dtypes float32,bfloat16] [--pairs 4] [--runs 3] [--prefill 1024] [--threads 2]``
+[--dtypes float32,bfloat16] [--pairs 4] [--runs 3] [--prefill 1024] [--threads 2] [--torch-kernels-row]``
 """
 from __future__ import annotations
 
