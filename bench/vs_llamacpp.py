@@ -6,28 +6,37 @@ both sides alike:
 
 - **decode**: a ~60-token prompt, then 128 greedy tokens one at a time (EOS never ends it);
   tok/s counts the tokens after the prompt's forward (sgrt: ``Result.output_tok_per_s``;
-  llama.cpp: 128 single-token ``eval`` calls, the argmax taken in between).
+  llama.cpp through xllamacpp: the ``predicted_per_second`` of its server's ``timings``, greedy,
+  ``ignore_eos``; through llama-cpp-python: 128 single-token ``eval`` calls, the argmax taken in
+  between).
 - **prefill**: ``--prefill`` prompt tokens (1,024) in one forward; tok/s = tokens / time of that
-  forward (sgrt: its TTFT with one chunk).
+  forward (sgrt: its TTFT with one chunk; xllamacpp: ``prompt_per_second``, one ubatch).
 - **bandwidth limit**: the machine's read bandwidth is measured in the same run (a large tensor
   summed with ``--threads`` threads, median of 5); a decode step reads every weight once (the
   input embedding only one row, unless it is also the output layer) plus the KV of the context,
   so the limit is bandwidth / bytes per token, and sgrt's share is its tok/s over that limit.
   A figure for float32 and bfloat16 (``--dtypes``) comes with its own limit.
 
-llama.cpp comes from ``llama-cpp-python`` (the ``bench`` extra; pip compiles llama.cpp from
-source, several minutes once). Without it the script prints sgrt's rows and bandwidth shares
-alone and says so. Installs nothing itself.
+llama.cpp comes from ``xllamacpp`` (the ``bench`` extra: a prebuilt CPU wheel of llama.cpp and
+its server, driven in process without HTTP), or else from ``llama-cpp-python`` if that is the one
+importable (pip compiles llama.cpp from source, several minutes once); the output says which ran
+and its build's CPU features. Without either the script prints sgrt's rows and bandwidth shares
+alone and says so. Installs nothing itself. Both engines get ``--threads`` threads and the same
+token ids (the prompt is given to llama.cpp as ids, not text).
+
+``--torch-kernels-row``: sgrt int4 also on torch's packed kernels (what a CPU without sgrt's
+native kernel runs), in the same alternation: a before / after of the native kernel.
 
 Targets (issue 21): int4 decode >= 2x llama.cpp and >= 60% of its bandwidth limit; bfloat16 and
 float32 >= 70% of theirs; prefill >= 3x llama.cpp.
 
 Run: ``python bench/vs_llamacpp.py [--models smollm2-135m-instruct,gemma3-270m-q4-k-m]
-[--dtypes float32,bfloat16] [--pairs 4] [--runs 3] [--prefill 1024] [--threads 2]``
+[--dtypes float32,bfloat16] [--pairs 4] [--runs 3] [--prefill 1024] [--threads 2] [--torch-kernels-row]``
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -51,19 +60,61 @@ def read_bandwidth_gbs(threads: int, mib: int = 1024) -> float:
 
 def bytes_per_token(loaded, context: int) -> int:
     """Bytes a batch-1 decode step reads: every weight once (the input embedding one row only,
-    unless the output layer is tied to it), plus K and V of ``context`` tokens in every layer."""
+    unless the output layer is that very tensor), plus K and V of ``context`` tokens in every layer."""
     from sgrt.models.quant import weight_bytes
 
     model = loaded.model
     total = weight_bytes(model)
     embed = model.embed_tokens.weight
-    if getattr(model, "lm_head", None) is not None:
+    if getattr(model, "lm_head", None) is not None or getattr(model, "logits_head", None) is not None:
+        # the output layer is a separate tensor (a quantized copy of a tied one included)
         total -= embed.numel() * embed.element_size()
     cfg = loaded.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     kv_elem = 4 if embed.dtype == torch.float32 else 2  # the KV pool's dtype follows activations
     return total + 2 * cfg.num_hidden_layers * kv_heads * head_dim * context * kv_elem
+
+
+class XLlamaCpp:
+    """llama.cpp's server (``xllamacpp.Server``, no HTTP) on one GGUF file: one slot, greedy,
+    ``threads`` threads for decode and prefill, no prompt cache (every request prefills)."""
+
+    name = "xllamacpp"
+
+    def __init__(self, path: str, threads: int, n_ctx: int, n_batch: int):
+        import xllamacpp
+
+        params = xllamacpp.CommonParams()
+        params.model.path = path
+        params.n_ctx, params.n_batch, params.n_ubatch, params.n_parallel = n_ctx, n_batch, n_batch, 1
+        params.cpuparams.n_threads = params.cpuparams_batch.n_threads = threads
+        params.verbosity = -1
+        self.server = xllamacpp.Server(params)
+        self.version = f"xllamacpp {_version('xllamacpp')}; {xllamacpp.get_system_info().strip()}"
+
+    def _complete(self, prompt_ids: list[int], n_predict: int) -> dict:
+        out = self.server.handle_completions({
+            "prompt": list(prompt_ids), "n_predict": n_predict, "ignore_eos": True, "temperature": 0.0,
+            "top_k": 1, "cache_prompt": False, "stream": False})
+        if "timings" not in out:
+            raise RuntimeError(f"llama.cpp server answered without timings: {str(out)[:300]}")
+        return out["timings"]
+
+    def decode_tps(self, prompt_ids: list[int]) -> float:
+        return float(self._complete(prompt_ids, NEW_TOKENS)["predicted_per_second"])
+
+    def prefill_tps(self, prompt_ids: list[int]) -> float:
+        return float(self._complete(prompt_ids, 1)["prompt_per_second"])
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "?"
 
 
 class LlamaCpp:
@@ -74,6 +125,7 @@ class LlamaCpp:
 
         self.llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                          n_batch=n_batch, n_ubatch=n_batch, verbose=False)
+        self.version = f"llama-cpp-python {_version('llama_cpp_python')}"
 
     def _next(self) -> int:
         return int(self.llm.scores[self.llm.n_tokens - 1].argmax())
@@ -92,6 +144,31 @@ class LlamaCpp:
         return len(prompt_ids) / seconds
 
 
+def load_torch_kernels(spec: str):
+    """``spec`` in int4 on torch's packed kernels (tinygemm int4, per-channel int8 head), as a CPU
+    without sgrt's native kernel loads it."""
+    from sgrt.models import load_model, quant
+
+    available = quant.native_kernel_available
+    quant.native_kernel_available = lambda: False
+    try:
+        return load_model(spec, dtype="bfloat16", quantization="int4")
+    finally:
+        quant.native_kernel_available = available
+
+
+def llamacpp_runner() -> type | None:
+    """The llama.cpp binding to run: xllamacpp (the ``bench`` extra) where importable, else
+    llama-cpp-python, else None."""
+    for module, cls in (("xllamacpp", XLlamaCpp), ("llama_cpp", LlamaCpp)):
+        try:
+            __import__(module)
+        except ImportError:
+            continue
+        return cls
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2-135m-instruct,gemma3-270m-q4-k-m")
@@ -100,17 +177,17 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="runs per side in a pair (median)")
     ap.add_argument("--prefill", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--torch-kernels-row", action="store_true",
+                    help="also run sgrt int4 on torch's packed kernels (what CPUs without sgrt's native "
+                         "kernel run), alternated with the others: a before / after in one invocation")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from sgrt.models import load_model
 
-    try:
-        import llama_cpp  # noqa: F401
-
-        have_llamacpp = True
-    except ImportError:
-        have_llamacpp = False
-        print("llama-cpp-python is not installed (pip install -e '.[bench]'): sgrt rows only")
+    runner = llamacpp_runner()
+    if runner is None:
+        print("neither xllamacpp nor llama-cpp-python is installed (pip install -e '.[bench]'): sgrt rows only")
+    print(f"load average at start: {os.getloadavg()[0]:.2f} (1 min)")
     bandwidth = read_bandwidth_gbs(args.threads)
     print(f"read bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads)")
     figures: dict = {"bandwidth_gbs": round(bandwidth, 1)}
@@ -124,9 +201,18 @@ def main() -> None:
         prompt_ids = tok.encode_prompt(PROMPT)
         long_ids = (prompt_ids * (args.prefill // len(prompt_ids) + 1))[: args.prefill]
         context = len(prompt_ids) + NEW_TOKENS // 2  # the mean context of a decode step
-        llama = LlamaCpp(path, args.threads, args.prefill + 64, args.prefill) if have_llamacpp else None
+        llama = runner(path, args.threads, args.prefill + 64, args.prefill) if runner is not None else None
+        if llama is not None and "llamacpp" not in figures:
+            print(f"llama.cpp via {llama.version}")
+            figures["llamacpp"] = llama.version
         ours_dec, ours_pre, theirs_dec, theirs_pre = [], [], [], []
+        base = load_torch_kernels(spec) if args.torch_kernels_row else None
+        base_dec: list[float] = []
+        base_pre: list[float] = []
         for _ in range(args.pairs):
+            if base is not None:
+                base_dec.append(median_of(args.runs, lambda: sgrt_decode_tps(base, prompt_ids)))
+                base_pre.append(median_of(args.runs, lambda: sgrt_prefill_tps(base, long_ids)))
             if llama is not None:
                 theirs_dec.append(median_of(args.runs, lambda: llama.decode_tps(prompt_ids)))
                 theirs_pre.append(median_of(args.runs, lambda: llama.prefill_tps(long_ids)))
@@ -150,6 +236,21 @@ def main() -> None:
             row[3:5] = [round(tdec, 1), f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"]
             row[6:8] = [round(tpre, 1), f"{statistics.median(pre_ratios):.2f}"]
         rows.append(row)
+        if base is not None:
+            bdec, bpre = statistics.median(base_dec), statistics.median(base_pre)
+            gain = statistics.median([a / b for a, b in zip(ours_dec, base_dec)])
+            figures[f"{key}_int4_torch_kernels_decode_tok_s"] = round(bdec, 1)
+            figures[f"{key}_int4_torch_kernels_prefill_tok_s"] = round(bpre, 1)
+            figures[f"{key}_int4_native_over_torch_kernels_decode"] = round(gain, 3)
+            brow = [spec, "int4 (torch kernels)", round(bdec, 1), "-", "-", round(bpre, 1), "-", "-",
+                    f"{bdec * bytes_per_token(base, context) / (bandwidth * 1e9):.0%}"]
+            if llama is not None:
+                bratios = [a / b for a, b in zip(base_dec, theirs_dec)]
+                brow[3:5] = [row[3], f"{statistics.median(bratios):.2f} ({min(bratios):.2f}-{max(bratios):.2f})"]
+                brow[6:8] = [row[6], f"{statistics.median([a / b for a, b in zip(base_pre, theirs_pre)]):.2f}"]
+            rows.append(brow)
+            print(f"{spec}: native int4 kernel / torch's kernels, decode: {gain:.2f} (median of pairs)")
+            del base
         del llama
         for dtype in [d for d in args.dtypes.split(",") if d]:
             plain = load_model(spec, dtype=dtype)
@@ -161,7 +262,8 @@ def main() -> None:
             del plain
     print_table(["model", "sgrt", "decode tok/s", "llama.cpp", "ratio (min-max)", "prefill tok/s",
                  "llama.cpp", "ratio", "bandwidth share"], rows)
-    emit_json("vs_llamacpp", threads=args.threads, pairs=args.pairs, **figures)
+    print(f"load average at end: {os.getloadavg()[0]:.2f} (1 min)")
+    emit_json("vs_llamacpp", threads=args.threads, new_tokens=NEW_TOKENS, prefill=args.prefill, pairs=args.pairs, **figures)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ inside the matmul kernel is where the speed comes from. Activations stay bfloat1
 Two kernel families; :func:`quantize_model` takes the first that runs here:
 
 1. **sgrt's native CPU kernel** (:class:`GroupLinear`, :mod:`sgrt.kernels.woq`; AVX-512 BF16
-   CPUs, compiled on first use): ``W[n, k] = scale[n, g] * code[n, k] + offset[n, g]`` per group
+   CPUs, or its AVX2 + FMA build elsewhere; compiled on first use): ``W[n, k] = scale[n, g] * code[n, k] + offset[n, g]`` per group
    of 32 inputs, float16 scale and offset, float32 sums.
 
    - **int4**: a GGUF's Q4_1 tensors as they are (codes, ``d``, ``m``: the file's weights bit
@@ -17,7 +17,7 @@ Two kernel families; :func:`quantize_model` takes the first that runs here:
      groups, a per-channel grid (one step of ``max|row| / 127``) re-rounds them and top-1
      agreement with bfloat16 falls to 94-96%; per group it is 97.5% (teacher-forced, 200 tokens).
 
-2. **torch's packed kernels** (CUDA, and CPUs without AVX-512 BF16):
+2. **torch's packed kernels** (CUDA, and CPUs without AVX-512 BF16 or AVX2):
 
    - **int8** (:class:`Int8Linear`): per-output-channel symmetric, ``scale[n] = max|W[n, :]| /
      127``, ``q = round(W / scale)`` in -127..127, ``y = (x @ q.T) * scale``
@@ -80,8 +80,8 @@ logger = logging.getLogger("sgrt.models")
 
 def native_kernel_available() -> bool:
     """Whether sgrt's group-wise CPU kernel (:mod:`sgrt.kernels.woq`) runs here (compiles on the
-    first call; False on CPUs without AVX-512 BF16, with ``SGRT_NATIVE_KERNELS=0``, or if the
-    build fails)."""
+    first call; False on CPUs with neither AVX-512 BF16 nor AVX2 + FMA, with
+    ``SGRT_NATIVE_KERNELS=0``, or if the build fails)."""
     from sgrt.kernels import woq
 
     return woq.available()

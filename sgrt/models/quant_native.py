@@ -37,7 +37,7 @@ def quantize_groups(weight: torch.Tensor, bits: int, group_size: int = INT4_GROU
 class GroupLinear(QuantizedLinear):
     """``y = x @ W.T`` with ``W[n, k] = scale[n, g] * code[n, k] + offset[n, g]``,
     ``g = k // group_size``, 4- or 8-bit codes, on the native CPU kernel
-    (:mod:`sgrt.kernels.woq`: AVX-512 BF16, bfloat16 activations, float32 sums).
+    (:mod:`sgrt.kernels.woq`: AVX-512 BF16 or AVX2 + FMA, bfloat16 activations, float32 sums).
 
     Input ``[..., K]`` of any float dtype; output ``[..., N]`` in the input's dtype.
 

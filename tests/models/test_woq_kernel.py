@@ -32,8 +32,16 @@ import torch
 from sgrt.kernels import woq
 
 if not woq.available():
-    pytest.skip("the native kernel is unavailable here (needs an AVX-512 BF16 CPU and a C++ "
-                "compiler; SGRT_NATIVE_KERNELS=0 disables it)", allow_module_level=True)
+    pytest.skip("the native kernel is unavailable here (needs an AVX-512 BF16 or AVX2 + FMA CPU and "
+                "a C++ compiler; SGRT_NATIVE_KERNELS=0 disables it)", allow_module_level=True)
+
+
+def test_isa_names_the_build_that_runs():
+    """The loaded build matches the CPU: AVX-512 BF16 where its flags are all there, else AVX2."""
+    from sgrt.kernels.build import cpu_flags
+
+    want = "avx512_bf16" if all(f in cpu_flags() for f in woq.REQUIRED_CPU_FLAGS) else "avx2"
+    assert woq.isa() == want
 
 SHAPES = [(16, 32), (960, 576), (576, 1536), (3072, 576)]
 ROWS = [1, 2, 3, 4, 5, 8, 11, 12, 13, 16, 17, 33]
