@@ -233,7 +233,15 @@ def normalize_schema(spec: Any, options: GrammarOptions, backend: str = "llguida
     Raises:
         GrammarError: naming the unsupported keyword and its JSON pointer (``path``).
     """
-    root = load_schema(spec)
+    return normalize_loaded(load_schema(spec), options, backend)
+
+
+def normalize_loaded(root: Schema, options: GrammarOptions, backend: str = "llguidance") -> NormalizedSchema:
+    """:func:`normalize_schema` of a schema that :func:`load_schema` already returned (a copy
+    of our own, which the rewrites change in place): the grammar compiler loads once, to check
+    the limits and make its cache key, and normalizes that copy. Raises as
+    :func:`normalize_schema`.
+    """
     if root is False:
         raise GrammarError("json_schema is `false`: no value is valid", field="json_schema", path="")
     if root is True:
