@@ -53,6 +53,8 @@ from sgrt.backends.base import (
     ChoiceScore,
     GenChunk,
     GenOutput,
+    ParamsLike,
+    as_sampling_params,
     common_prefix_len,
     next_token_request,
     split_stop_regex,
@@ -62,12 +64,14 @@ from sgrt.backends.base import (
 from sgrt.backends.dialects import Dialect, detect_dialect, schema_dict
 from sgrt.backends.http_client import HttpClient, Transport
 from sgrt.errors import InvalidRequest, RequestAborted
+from sgrt.sampling_params import SamplingParams
 
 DIALECTS = tuple(dialects.DIALECTS)
 
 
-def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
-    out = dict(params)
+def _jsonable(params: SamplingParams) -> dict[str, Any]:
+    """``params`` as sgrt's ``/generate`` ``sampling_params`` (JSON: a schema read into a dict)."""
+    out = params.to_wire_dict()
     if out.get("json_schema") is not None:
         out["json_schema"] = schema_dict(out["json_schema"])
     return out
@@ -286,14 +290,14 @@ class RuntimeEndpoint(BaseBackend):
         return None
 
     # ---- generation ---------------------------------------------------------------------------
-    def generate(self, prompt: str, params: dict[str, Any], request_id: str | None = None) -> GenOutput:
+    def generate(self, prompt: str, params: ParamsLike, request_id: str | None = None) -> GenOutput:
         """Complete ``prompt``; SGLang's ``stop_regex`` is applied here while the tokens stream in
         (the request is closed at the match), and its ``max_tokens=0`` next-token idiom becomes a
         one-token request (``sgrt.backends.base.next_token_request``)."""
         with self._route(prompt):
             return self._generate_routed(prompt, params, request_id)
 
-    def _generate_routed(self, prompt: str, params: dict[str, Any], request_id: str | None) -> GenOutput:
+    def _generate_routed(self, prompt: str, params: ParamsLike, request_id: str | None) -> GenOutput:
         params, patterns = split_stop_regex(params)
         params, next_only = next_token_request(params)
         if patterns and not next_only:
@@ -304,7 +308,7 @@ class RuntimeEndpoint(BaseBackend):
             return GenOutput("", strip_next_token(out.meta_info))
         return out
 
-    def _regex_stream(self, prompt: str, params: dict[str, Any], request_id: str | None,
+    def _regex_stream(self, prompt: str, params: SamplingParams, request_id: str | None,
                       patterns: list) -> Iterator[GenChunk]:
         start = time.perf_counter()
 
@@ -321,7 +325,7 @@ class RuntimeEndpoint(BaseBackend):
         return stop_stream_at_regex(self._generate_stream(prompt, params, request_id), patterns,
                                     stopped_meta)
 
-    def _generate(self, prompt: str, params: dict[str, Any], request_id: str | None = None) -> GenOutput:
+    def _generate(self, prompt: str, params: SamplingParams, request_id: str | None = None) -> GenOutput:
         start = time.perf_counter()
         if self.is_sgrt:
             body = {"text": prompt, "sampling_params": _jsonable(params), "return_text_in_logprobs": True}
@@ -333,17 +337,18 @@ class RuntimeEndpoint(BaseBackend):
         out = self.client.request("POST", "/v1/completions", body)
         return self._completion_output(out, start)
 
-    def generate_batch(self, prompts: Sequence[str], params: Sequence[dict[str, Any]]) -> list[GenOutput]:
+    def generate_batch(self, prompts: Sequence[str], params: Sequence[ParamsLike]) -> list[GenOutput]:
         """One ``/generate`` batch against sgrt (the requests batch in the engine); concurrent
         requests otherwise."""
         if not prompts:
             return []
-        if any(p.get("stop_regex") or next_token_request(p)[1] for p in params):
+        params = [as_sampling_params(p) for p in params]
+        if any(p.stop_regex or next_token_request(p)[1] for p in params):
             pool = self._executor()
             return [f.result() for f in [pool.submit(self.generate, p, sp) for p, sp in zip(prompts, params)]]
         if self.is_sgrt and len(self.clients) == 1:
             start = time.perf_counter()
-            body = {"text": list(prompts), "sampling_params": [_jsonable(split_stop_regex(p)[0]) for p in params],
+            body = {"text": list(prompts), "sampling_params": [_jsonable(p) for p in params],
                     "return_text_in_logprobs": True}
             outs = self.client.request("POST", "/generate", body)
             return [GenOutput(o["text"], self._native_meta(o["meta_info"], start)) for o in outs]
@@ -351,18 +356,18 @@ class RuntimeEndpoint(BaseBackend):
         futures = [pool.submit(self.generate, p, sp) for p, sp in zip(prompts, params)]
         return [f.result() for f in futures]
 
-    def generate_stream(self, prompt: str, params: dict[str, Any],
+    def generate_stream(self, prompt: str, params: ParamsLike,
                         request_id: str | None = None) -> Iterator[GenChunk]:
         params, patterns = split_stop_regex(params)
         params, next_only = next_token_request(params)
         if next_only:
             return iter([GenChunk("", [], None, None, True, self.generate(
-                prompt, {**params, "max_tokens": 0}, request_id).meta_info)])
+                prompt, params.replace(max_tokens=0), request_id).meta_info)])
         if patterns:
             return self._regex_stream(prompt, params, request_id, patterns)
         return self._generate_stream(prompt, params, request_id)
 
-    def _generate_stream(self, prompt: str, params: dict[str, Any],
+    def _generate_stream(self, prompt: str, params: SamplingParams,
                          request_id: str | None = None) -> Iterator[GenChunk]:
         start = time.perf_counter()
         if self.is_sgrt:
@@ -405,7 +410,7 @@ class RuntimeEndpoint(BaseBackend):
         return out
 
     # ---- OpenAI-compatible completions (other servers) ----------------------------------------
-    def _completion_body(self, prompt: str | list[str], params: dict[str, Any],
+    def _completion_body(self, prompt: str | list[str], params: SamplingParams,
                          request_id: str | None) -> dict[str, Any]:
         return self.adapter.completion_body(self.model, prompt, params, request_id, self.base_url)
 

@@ -269,6 +269,8 @@ def _unwrap(result: CompiledGrammar | GrammarError) -> CompiledGrammar:
 
 
 def _constraint_of(params: Any) -> tuple[str | None, Any]:
-    from sgrt.sampling_params import CONSTRAINT_FIELDS, the_constraint
+    from sgrt.sampling_params import CONSTRAINT_FIELDS, SamplingParams, the_constraint
 
+    if isinstance(params, SamplingParams):
+        return params.constraint()  # at most one: checked when the params were built
     return the_constraint({k: getattr(params, k, None) for k in CONSTRAINT_FIELDS}, GrammarError)

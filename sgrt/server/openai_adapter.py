@@ -20,7 +20,6 @@ from typing import Any
 from sgrt.engine import Result, SamplingParams
 from sgrt.errors import ContextLengthExceeded, InvalidRequest
 from sgrt.models.tokenizer import encode_prompt_text, plain_text_bos_id
-from sgrt.sampling_params import the_constraint
 from sgrt.server import openai_protocol as op
 from sgrt.server import sglang_fields
 from sgrt.server.protocol import ToolSpec
@@ -81,8 +80,9 @@ def sampling_fields(req: op.SamplingFields) -> dict[str, Any]:
     caller.
 
     Raises:
-        InvalidRequest: unsupported ``logit_bias``, a bad ``response_format``, or two
-            constraints at once (each naming its field).
+        InvalidRequest: unsupported ``logit_bias``, a bad ``response_format``, or
+            ``response_format`` beside a constraint field (two constraint fields are refused
+            when the params are built, by :class:`SamplingParams`).
     """
     if req.logit_bias:
         raise InvalidRequest("logit_bias is not supported", field="logit_bias")
@@ -113,7 +113,6 @@ def sampling_fields(req: op.SamplingFields) -> dict[str, Any]:
             name = next(iter(constraints))
             raise InvalidRequest(f"set either response_format or {name}, not both", field="response_format")
         constraints["json_schema"] = fmt
-    the_constraint(constraints)
     if "json_schema" in constraints and isinstance(constraints["json_schema"], str):
         try:
             constraints["json_schema"] = json.loads(constraints["json_schema"])
@@ -143,8 +142,15 @@ def response_format_schema(fmt: op.ResponseFormat | None) -> dict[str, Any] | No
                          field="response_format.type")
 
 
-def build_params(fields: dict[str, Any], field_names: dict[str, str]) -> SamplingParams:
-    """Validated ``SamplingParams``; an ``InvalidRequest`` names the request's own field."""
+def build_params(fields: dict[str, Any], field_names: dict[str, str], choice: int = 0) -> SamplingParams:
+    """The OpenAI-compatible APIs' translator (chat, text completions, Responses, Anthropic
+    messages): choice ``choice``'s :class:`SamplingParams` from :func:`sampling_fields` (and the
+    fields the caller added), built so checked once; ``seed + choice``, so that n choices with
+    one seed differ, reproducibly. An ``InvalidRequest`` names the request's own field
+    (``field_names``: ``SamplingParams`` name -> request name where they differ).
+    """
+    if choice and fields.get("seed") is not None:
+        fields = {**fields, "seed": fields["seed"] + choice}
     try:
         return SamplingParams.from_dict(fields)
     except InvalidRequest as e:
