@@ -143,10 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _params(args: argparse.Namespace, **extra):
-    from sgrt.engine import SamplingParams
+    """The CLI's translator: its sampling flags as one :class:`SamplingParams` (checked when
+    built; ``InvalidRequest`` names the field)."""
+    from sgrt.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           seed=args.seed, **extra)
+
+
+def _sampling(args: argparse.Namespace, **extra):
+    """The params :func:`check_args` built, or built now (a caller that skipped it)."""
+    params = getattr(args, "sampling_params", None)
+    return params if params is not None else _params(args, **extra)
 
 
 def _grammar_limits(args: argparse.Namespace):
@@ -174,7 +182,8 @@ def check_args(args: argparse.Namespace) -> None:
         constraint = _constraint(args)
         if len(constraint) > 1:
             raise InvalidRequest("give at most one of --json-schema, --regex and --grammar", field="constraint")
-        _params(args, **constraint).validate()
+        # NOTE: built (so checked) once, here, before the model loads; the commands reuse it.
+        args.sampling_params = _params(args, **constraint)
         if constraint:
             _check_constraint(args, *next(iter(constraint.items())))
     if args.command == "models":
@@ -272,7 +281,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not args.raw and has_template:
             messages = [{"role": "system", "content": args.system}] if args.system else []
             prompt = engine.tokenizer.apply_chat_template(messages + [{"role": "user", "content": args.text}])
-        params = _params(args, **_constraint(args))
+        params = _sampling(args, **_constraint(args))
         if params.is_constrained():
             with progress("compiling the constraint"):
                 engine._compile_grammar(params)  # cached: the request below finds it compiled
@@ -296,7 +305,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 break
             messages.append({"role": "user", "content": line})
             prompt = engine.tokenizer.apply_chat_template(messages)
-            result = engine.submit(prompt, _params(args))
+            result = engine.submit(prompt, _sampling(args))
             text = []
             for chunk in result:
                 sys.stdout.write(chunk.text)

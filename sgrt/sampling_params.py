@@ -8,6 +8,8 @@ expect them.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,17 +20,25 @@ SPECULATIVE_MODES = ("ngram", "draft", None)
 TRUNCATE_MODES = ("left", None)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples and when it stops.
+    """How one request samples and when it stops: the one typed record that crosses from the
+    DSL, the servers and the CLI into the backends and the engine.
 
     Lengths are in tokens. ``max_tokens=0`` makes a prefill-only request: the prompt is
     prefilled and inserted into the radix cache, nothing is generated. ``logprob_start_len``
     (>= 0) asks for the log-probabilities of the prompt's own tokens from that position;
-    -1 asks for none. Exactly one of ``regex``, ``json_schema`` and ``grammar`` may be set.
+    -1 asks for none. At most one of ``regex``, ``json_schema`` and ``grammar`` may be set.
+
+    Checked once, when built (the constructor, :meth:`from_dict` or :meth:`replace`), and
+    frozen, so that what was checked is what runs; each wire format has one translator to it
+    (the DSL's ``gen``: ``sgrt.lang.defaults.gen_sampling_params``; WebSocket: ``sgrt.server.
+    session.ws_sampling_params``; OpenAI: ``sgrt.server.openai_adapter.build_params``; SGLang's
+    ``/generate``: ``sgrt.server.sglang_fields.sampling_fields``; the CLI: ``sgrt.cli``).
+    The engine adds only the check that needs the model (:meth:`check_vocab`).
 
     Raises:
-        InvalidRequest: from :meth:`validate` or :meth:`from_dict`, naming the field.
+        InvalidRequest: a bad field, naming it and the limit.
     """
 
     max_tokens: int = 128
@@ -61,6 +71,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # SGLang's: keep the matched stop string at the end of the text instead of cutting it off.
     no_stop_trim: bool = False
+    # SGLang's: stop where the text matches one of these Python regexes. Applied by the DSL's
+    # backends while the text streams in (sgrt.backends.base.stop_stream_at_regex); the engine
+    # refuses a request that still carries it.
+    stop_regex: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
@@ -70,25 +87,50 @@ class SamplingParams:
         for key in data:
             if key not in names:
                 raise InvalidRequest(f"unknown sampling parameter {key!r}", field=key)
-        params = cls(**data)
-        params.validate()
-        return params
+        return cls(**data)
 
     def replace(self, **changes: Any) -> "SamplingParams":
-        """Return a validated copy with ``changes`` applied."""
-        params = dataclasses.replace(self, **changes)
-        params.validate()
-        return params
+        """Return a checked copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
 
     def is_constrained(self) -> bool:
         return self.regex is not None or self.json_schema is not None or self.grammar is not None
 
+    def constraint(self) -> tuple[str | None, Any]:
+        """``(field, value)`` of the constraint set (``regex``, ``json_schema`` or ``grammar``),
+        or ``(None, None)``; at most one is set (checked when built)."""
+        for name in CONSTRAINT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None, None
+
+    def to_wire_dict(self) -> dict[str, Any]:
+        """The fields a remote server's request needs, by ``SamplingParams`` name: the core
+        (:data:`WIRE_CORE_FIELDS`, whose defaults differ between servers) always, every other
+        field where it differs from its default. ``json_schema`` is passed as given (the HTTP
+        backend reads it into a dict). Lists are copies."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if f.name in WIRE_CORE_FIELDS or value != default:
+                out[f.name] = list(value) if isinstance(value, list) else value
+        return out
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The one check that needs the model: ``stop_token_ids`` in ``[0, vocab_size)``."""
+        for t in self.stop_token_ids:
+            _check_int(t, "stop_token_ids", low=0, high=vocab_size - 1)
+
     def validate(self, vocab_size: int | None = None) -> None:
-        """Check every field; raise ``InvalidRequest`` naming the first bad one."""
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        """Check every field (run when built; ``vocab_size`` adds :meth:`check_vocab`); raise
+        ``InvalidRequest`` naming the first bad one."""
+        # NOTE: frozen: the two list normalisations go through object.__setattr__.
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        object.__setattr__(self, "stop", list(stop or []))
+        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        object.__setattr__(self, "stop_regex", check_stop_regex(self.stop_regex or []))
         _check_int(self.max_tokens, "max_tokens", low=0)
         _check_int(self.min_tokens, "min_tokens", low=0)
         if self.min_tokens > self.max_tokens:
@@ -121,7 +163,9 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise InvalidRequest(f"stop strings must be non-empty str, got {s!r}", field="stop")
         for t in self.stop_token_ids:
-            _check_int(t, "stop_token_ids", low=0, high=None if vocab_size is None else vocab_size - 1)
+            _check_int(t, "stop_token_ids", low=0)
+        if vocab_size is not None:
+            self.check_vocab(vocab_size)
         if self.seed is not None:
             _check_int(self.seed, "seed")
         _check_int(self.top_logprobs_num, "top_logprobs_num", low=0, high=20)
@@ -143,6 +187,14 @@ class SamplingParams:
             )
         if not isinstance(self.no_stop_trim, bool):
             raise InvalidRequest(f"no_stop_trim must be a bool, got {self.no_stop_trim!r}", field="no_stop_trim")
+        check_sampling_ranges(self)
+
+
+#: Fields :meth:`SamplingParams.to_wire_dict` always sends (the DSL's ``gen`` defaults: other
+#: servers default some of them differently, e.g. ``temperature=1``).
+WIRE_CORE_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
+                    "frequency_penalty", "presence_penalty", "stop", "stop_token_ids", "ignore_eos",
+                    "seed", "return_logprob", "top_logprobs_num", "logprob_start_len")
 
 
 CONSTRAINT_FIELDS = ("regex", "json_schema", "grammar")
@@ -186,6 +238,73 @@ def check_speculative(speculative: Any, num_draft_tokens: Any, has_draft_model: 
     if speculative == "draft" and has_draft_model is False:
         raise InvalidRequest("speculative='draft' needs a draft_model (an engine started with one)",
                              field=draft_field)
+
+
+def check_stop_regex(stop_regex: Any) -> list[str]:
+    """``stop_regex`` as a list of patterns that Python's ``re`` compiles.
+
+    Raises:
+        InvalidRequest: (field ``stop_regex``) not a str or list of str, or a bad pattern.
+    """
+    patterns = [stop_regex] if isinstance(stop_regex, str) else stop_regex
+    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
+        raise InvalidRequest(f"stop_regex must be a str or a list of str, got {stop_regex!r}",
+                             field="stop_regex")
+    for p in patterns:
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise InvalidRequest(f"stop_regex {p!r} does not compile: {e}",
+                                 field="stop_regex") from None
+    return list(patterns)
+
+
+# ---- ranges the engine can take -------------------------------------------------------------
+# NOTE: the fields accept any Python int or float, but the engine hands them to torch: a seed
+# must fit torch's 64-bit generator, a float field must be finite and, given as an int, within
+# 2**53 (torch converts an int operand to int64 and overflows past 2**63).
+
+#: torch.Generator.manual_seed's range (a 64-bit value, signed or unsigned).
+SEED_MIN = -(1 << 63)
+SEED_MAX = (1 << 64) - 1
+#: Largest integer any count or length field may take (int32, what kernels index with).
+INT_FIELD_MAX = (1 << 31) - 1
+#: Largest integer a float field may be given as.
+FLOAT_FIELD_INT_MAX = 1 << 53
+
+
+def check_sampling_ranges(params: Any) -> None:
+    """Check the numeric fields of a :class:`SamplingParams` (or a dict of its fields) against
+    what the engine can take; types are :meth:`SamplingParams.validate`'s job (which runs this).
+
+    Raises:
+        InvalidRequest: ``seed`` outside 64 bits, a count/length field above 2**31 - 1, a
+            non-finite float or an integer past 2**53 in a float field (``temperature``,
+            ``top_p``, ``min_p``, penalties).
+    """
+    get = params.get if isinstance(params, dict) else (lambda k, d=None: getattr(params, k, d))
+    _int_in(get("seed"), "seed", SEED_MIN, SEED_MAX)
+    for name in ("max_tokens", "min_tokens", "top_k", "top_logprobs_num", "logprob_start_len",
+                 "num_draft_tokens"):
+        _int_in(get(name), name, -INT_FIELD_MAX, INT_FIELD_MAX)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty"):
+        _finite(get(name), name)
+    for t in get("stop_token_ids") or ():
+        _int_in(t, "stop_token_ids", 0, INT_FIELD_MAX)
+
+
+def _int_in(value: Any, name: str, low: int, high: int) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high:
+        raise InvalidRequest(f"{name} must be in [{low}, {high}], got {value}", field=name)
+
+
+def _finite(value: Any, name: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a finite number, got {value}", field=name)
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > FLOAT_FIELD_INT_MAX:
+        raise InvalidRequest(f"{name} must be a number in [-2**53, 2**53] when given as an integer, got {value}",
+                             field=name)
 
 
 def _check_int(value: Any, name: str, low: int | None = None, high: int | None = None) -> None:

@@ -1,13 +1,14 @@
 """The interface every DSL backend implements, and the plain records that cross it.
 
 A backend is where a program's model calls go. The interpreter (``sgrt.lang``) speaks only
-this interface, in text and plain dicts, so that the in-process engine (``LocalBackend``) and a
-remote OpenAI-compatible server (the HTTP backend) are interchangeable:
+this interface, in text and typed records, so that the in-process engine (``LocalBackend``) and
+a remote OpenAI-compatible server (the HTTP backend) are interchangeable:
 
 - prompts are text (the program's transcript, chat template already applied);
-- sampling options are a dict keyed by ``sgrt.engine.SamplingParams`` field names
-  (``max_tokens``, ``temperature``, ``stop``, ``regex``, ...), JSON-serialisable except
-  ``json_schema``, which may be a Pydantic model or dataclass;
+- sampling options are one :class:`sgrt.sampling_params.SamplingParams`, built and checked
+  once by the DSL (``sgrt.lang.defaults.gen_sampling_params``); a plain dict of its fields is
+  still taken (:func:`as_sampling_params`) for callers of the backends' own API. Its
+  ``stop_regex`` is the backends' to apply (the engine has no such field);
 - results are :class:`GenOutput`, :class:`GenChunk` and :class:`ChoiceScore` records whose
   ``meta_info`` keys follow SGLang's (``prompt_tokens``, ``completion_tokens``,
   ``cached_tokens``, ``finish_reason``, ``output_token_logprobs`` ...).
@@ -25,6 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sgrt.errors import InvalidRequest
+from sgrt.sampling_params import SamplingParams
+
+#: What the ``generate*`` methods take: a :class:`SamplingParams`, or a dict of its fields.
+ParamsLike = SamplingParams | dict[str, Any]
 
 #: A sampled token's log-probability as the DSL reports it: ``(logprob, token_id, token_text)``.
 TokenLogprob = tuple[float, int, str]
@@ -158,7 +163,7 @@ class BaseBackend(ABC):
     # ---- generation -----------------------------------------------------------------------
 
     @abstractmethod
-    def generate(self, prompt: str, params: dict[str, Any],
+    def generate(self, prompt: str, params: ParamsLike,
                  request_id: str | None = None) -> GenOutput:
         """Complete ``prompt`` under ``params`` (SamplingParams field names) and wait.
 
@@ -169,7 +174,7 @@ class BaseBackend(ABC):
         """
 
     def generate_batch(self, prompts: Sequence[str],
-                       params: Sequence[dict[str, Any]]) -> list[GenOutput]:
+                       params: Sequence[ParamsLike]) -> list[GenOutput]:
         """Complete several prompts; a backend that can should run them concurrently.
 
         The default runs them one after another. Errors as :meth:`generate`.
@@ -177,7 +182,7 @@ class BaseBackend(ABC):
         return [self.generate(p, sp) for p, sp in zip(prompts, params)]
 
     @abstractmethod
-    def generate_stream(self, prompt: str, params: dict[str, Any],
+    def generate_stream(self, prompt: str, params: ParamsLike,
                         request_id: str | None = None) -> Iterator[GenChunk]:
         """Complete ``prompt``, yielding :class:`GenChunk` s; the last has ``finished=True``.
 
@@ -252,13 +257,26 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 # ---- helpers the backends share for SGLang's keywords --------------------------------------
 
-def split_stop_regex(params: dict[str, Any]) -> tuple[dict[str, Any], list[re.Pattern]]:
-    """``params`` without ``stop_regex`` (no engine field) and its compiled patterns."""
-    out = dict(params)
-    patterns = out.pop("stop_regex", None) or []
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    return out, [re.compile(p) for p in patterns]
+def as_sampling_params(params: ParamsLike) -> SamplingParams:
+    """``params`` as a :class:`SamplingParams`: itself, or built (so checked) from a dict.
+
+    Raises:
+        InvalidRequest: an unknown or bad field, named; anything else than the two types.
+    """
+    if isinstance(params, SamplingParams):
+        return params
+    if isinstance(params, dict):
+        return SamplingParams.from_dict(params)
+    raise InvalidRequest(f"params must be SamplingParams or dict, got {type(params).__name__}", field="params")
+
+
+def split_stop_regex(params: ParamsLike) -> tuple[SamplingParams, list[re.Pattern]]:
+    """``params`` without ``stop_regex`` (the engine has no such field) and its compiled
+    patterns."""
+    params = as_sampling_params(params)
+    if not params.stop_regex:
+        return params, []
+    return params.replace(stop_regex=[]), [re.compile(p) for p in params.stop_regex]
 
 
 def regex_stop_point(text: str, done: int, patterns: Sequence[re.Pattern]) -> tuple[int, str] | None:
@@ -280,7 +298,7 @@ def regex_stop_point(text: str, done: int, patterns: Sequence[re.Pattern]) -> tu
     return len(text), hits[0].pattern
 
 
-def next_token_request(params: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+def next_token_request(params: SamplingParams) -> tuple[SamplingParams, bool]:
     """Rewrite SGLang's ``max_tokens=0, return_logprob=True, top_logprobs_num=k`` (the k most
     likely next tokens after the prompt, nothing generated) into a one-token request.
 
@@ -288,9 +306,8 @@ def next_token_request(params: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     :func:`strip_next_token`. The one token ignores stop strings and EOS, so that its top
     log-probabilities always come back.
     """
-    if (params.get("max_tokens") == 0 and params.get("return_logprob")
-            and int(params.get("top_logprobs_num") or 0) > 0):
-        return {**params, "max_tokens": 1, "min_tokens": 0, "stop": [], "ignore_eos": True}, True
+    if params.max_tokens == 0 and params.return_logprob and params.top_logprobs_num > 0:
+        return params.replace(max_tokens=1, min_tokens=0, stop=[], ignore_eos=True), True
     return params, False
 
 

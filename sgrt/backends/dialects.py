@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sgrt.errors import InvalidRequest
+from sgrt.sampling_params import SamplingParams
 from sgrt.schema_value import schema_value
 
 #: Sampling fields that are engine extras, with the value that means "off".
@@ -88,14 +89,17 @@ class Dialect:
                               field=key)
 
     # ---- request body -------------------------------------------------------------------------
-    def completion_body(self, model: str, prompt: str | list[str], params: dict[str, Any],
+    def completion_body(self, model: str, prompt: str | list[str], params: SamplingParams | dict[str, Any],
                         request_id: str | None, base_url: str) -> dict[str, Any]:
-        """The ``/v1/completions`` body for one ``gen``.
+        """The ``/v1/completions`` body for one ``gen`` (this dialect's translator from
+        :class:`SamplingParams`; a dict of its fields is also taken).
 
         Raises:
             InvalidRequest: a field this engine cannot honour (``field`` names it).
         """
-        p = dict(params)
+        if not isinstance(params, SamplingParams):
+            params = SamplingParams.from_dict(params)  # checked once, here
+        p = params.to_wire_dict()
         body: dict[str, Any] = {"model": model, "prompt": prompt, "n": 1,
                                 "max_tokens": p.pop("max_tokens", 128),
                                 "temperature": p.pop("temperature", 0.0)}
@@ -172,10 +176,8 @@ class VllmDialect(Dialect):
 
     def add_constraints(self, body: dict[str, Any], regex: str | None, schema: Any, grammar: str | None,
                         base_url: str) -> None:
+        # NOTE: at most one is set (SamplingParams' own check), as structured_outputs wants.
         so = {k: v for k, v in (("regex", regex), ("json", schema), ("grammar", grammar)) if v is not None}
-        if len(so) > 1:
-            raise self.refuse("json_schema" if schema is not None else "grammar", base_url,
-                              "structured_outputs takes one constraint per request")
         if so:
             body["structured_outputs"] = so
 
@@ -289,9 +291,7 @@ class LlamaCppDialect(Dialect):
 
     def add_constraints(self, body: dict[str, Any], regex: str | None, schema: Any, grammar: str | None,
                         base_url: str) -> None:
-        given = [k for k, v in (("regex", regex), ("json_schema", schema), ("grammar", grammar)) if v is not None]
-        if len(given) > 1:
-            raise self.refuse(given[1], base_url, f"one constraint per request ({' and '.join(given)} given)")
+        # NOTE: at most one is set: SamplingParams checks that when it is built.
         if regex is not None:
             body["grammar"] = llguidance_grammar(regex=regex)
         elif grammar is not None:

@@ -36,6 +36,10 @@ each primitive onto that engine's request fields:
   :class:`sgrt.errors.InvalidRequest` naming the engine and the primitive, before any request:
   never a silent fallback.
 
+The class holds the connection (clients, routing, the model card, the dialect), the tokens, the
+chat template, the prefix cache and control; ``gen`` lives in :mod:`sgrt.backends.http_generate`,
+``select`` in :mod:`sgrt.backends.http_select`.
+
 Errors from the server map to sgrt's types (:func:`sgrt.backends.http_client.error_for`); a
 request the server aborted raises :class:`sgrt.errors.RequestAborted`.
 """
@@ -52,32 +56,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from sgrt.backends import dialects
-from sgrt.backends.base import (
-    BaseBackend,
-    ChoiceScore,
-    GenChunk,
-    GenOutput,
-    common_prefix_len,
-    next_token_request,
-    split_stop_regex,
-    stop_stream_at_regex,
-    strip_next_token,
-)
-from sgrt.backends.dialects import Dialect, detect_dialect, schema_dict
+from sgrt.backends.base import BaseBackend
+from sgrt.backends.dialects import Dialect, detect_dialect
 from sgrt.backends.http_client import HttpClient, Transport
+from sgrt.backends.http_generate import GenerateMixin
+from sgrt.backends.http_select import SelectMixin
 from sgrt.errors import InvalidRequest, RequestAborted
 
 DIALECTS = tuple(dialects.DIALECTS)
 
 
-def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
-    out = dict(params)
-    if out.get("json_schema") is not None:
-        out["json_schema"] = schema_dict(out["json_schema"])
-    return out
-
-
-class RuntimeEndpoint(BaseBackend):
+class RuntimeEndpoint(GenerateMixin, SelectMixin, BaseBackend):
     """A DSL backend over HTTP (see the module docstring for what each server kind supports).
 
     Several servers of one model behind one program: ``base_url`` may be a list of roots, and
@@ -290,447 +279,6 @@ class RuntimeEndpoint(BaseBackend):
             return (self.model_card.get("sgrt") or {}).get("bos_token")
         return None
 
-    # ---- generation ---------------------------------------------------------------------------
-    def generate(self, prompt: str, params: dict[str, Any], request_id: str | None = None) -> GenOutput:
-        """Complete ``prompt``; SGLang's ``stop_regex`` is applied here while the tokens stream in
-        (the request is closed at the match), and its ``max_tokens=0`` next-token idiom becomes a
-        one-token request (``sgrt.backends.base.next_token_request``)."""
-        with self._route(prompt):
-            return self._generate_routed(prompt, params, request_id)
-
-    def _generate_routed(self, prompt: str, params: dict[str, Any], request_id: str | None) -> GenOutput:
-        params, patterns = split_stop_regex(params)
-        params, next_only = next_token_request(params)
-        if patterns and not next_only:
-            chunks = list(self._regex_stream(prompt, params, request_id, patterns))
-            return GenOutput("".join(c.text for c in chunks), chunks[-1].meta_info or {})
-        out = self._generate(prompt, params, request_id)
-        if next_only:
-            return GenOutput("", strip_next_token(out.meta_info))
-        return out
-
-    def _regex_stream(self, prompt: str, params: dict[str, Any], request_id: str | None,
-                      patterns: list) -> Iterator[GenChunk]:
-        start = time.perf_counter()
-
-        def stopped_meta(text: str, n_tokens: int, pattern: str) -> dict[str, Any]:
-            try:
-                prompt_tokens = self.count_tokens(prompt)
-            except InvalidRequest:
-                prompt_tokens = None
-            return {"id": request_id, "prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
-                    "cached_tokens": None, "finish_reason": "stop", "matched": pattern,
-                    "e2e_latency": time.perf_counter() - start, "ttft": None, "incomplete": False,
-                    "warnings": []}
-
-        return stop_stream_at_regex(self._generate_stream(prompt, params, request_id), patterns,
-                                    stopped_meta)
-
-    def _generate(self, prompt: str, params: dict[str, Any], request_id: str | None = None) -> GenOutput:
-        start = time.perf_counter()
-        if self.is_sgrt:
-            body = {"text": prompt, "sampling_params": _jsonable(params), "return_text_in_logprobs": True}
-            if request_id is not None:
-                body["rid"] = request_id
-            out = self.client.request("POST", "/generate", body)
-            return GenOutput(out["text"], self._native_meta(out["meta_info"], start))
-        body = self._completion_body(prompt, params, request_id)
-        out = self.client.request("POST", "/v1/completions", body)
-        return self._completion_output(out, start, tops=bool(params.get("top_logprobs_num")))
-
-    def generate_batch(self, prompts: Sequence[str], params: Sequence[dict[str, Any]]) -> list[GenOutput]:
-        """One ``/generate`` batch against sgrt (the requests batch in the engine); concurrent
-        requests otherwise."""
-        if not prompts:
-            return []
-        if any(p.get("stop_regex") or next_token_request(p)[1] for p in params):
-            pool = self._executor()
-            return [f.result() for f in [pool.submit(self.generate, p, sp) for p, sp in zip(prompts, params)]]
-        if self.is_sgrt and len(self.clients) == 1:
-            start = time.perf_counter()
-            body = {"text": list(prompts), "sampling_params": [_jsonable(split_stop_regex(p)[0]) for p in params],
-                    "return_text_in_logprobs": True}
-            outs = self.client.request("POST", "/generate", body)
-            return [GenOutput(o["text"], self._native_meta(o["meta_info"], start)) for o in outs]
-        pool = self._executor()
-        futures = [pool.submit(self.generate, p, sp) for p, sp in zip(prompts, params)]
-        return [f.result() for f in futures]
-
-    def generate_stream(self, prompt: str, params: dict[str, Any],
-                        request_id: str | None = None) -> Iterator[GenChunk]:
-        params, patterns = split_stop_regex(params)
-        params, next_only = next_token_request(params)
-        if next_only:
-            return iter([GenChunk("", [], None, None, True, self.generate(
-                prompt, {**params, "max_tokens": 0}, request_id).meta_info)])
-        if patterns:
-            return self._regex_stream(prompt, params, request_id, patterns)
-        return self._generate_stream(prompt, params, request_id)
-
-    def _generate_stream(self, prompt: str, params: dict[str, Any],
-                         request_id: str | None = None) -> Iterator[GenChunk]:
-        start = time.perf_counter()
-        if self.is_sgrt:
-            body = {"text": prompt, "sampling_params": _jsonable(params), "return_text_in_logprobs": True,
-                    "stream": True}
-            if request_id is not None:
-                body["rid"] = request_id
-            return self._native_stream(body, start, self.client_for(prompt))
-        body = self._completion_body(prompt, params, request_id)
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-        return self._completion_stream(body, start, self.client_for(prompt),
-                                       keep_tops=bool(params.get("top_logprobs_num")))
-
-    def _native_stream(self, body: dict[str, Any], start: float, client: HttpClient) -> Iterator[GenChunk]:
-        events = client.stream("/generate", body)
-        try:
-            for ev in events:
-                lps = _tuples(ev.get("output_token_logprobs"))
-                tops = [_tuples(row) for row in ev["output_top_logprobs"]] if ev.get("output_top_logprobs") else None
-                meta = self._native_meta(ev["meta_info"], start) if ev.get("finished") else None
-                yield GenChunk(ev.get("text", ""), list(ev.get("token_ids") or []), lps, tops,
-                               bool(ev.get("finished")), meta)
-                if ev.get("finished"):
-                    return
-            raise RequestAborted(f"{self.base_url}/generate: the stream ended without a result")
-        finally:
-            events.close()
-
-    def _native_meta(self, meta: dict[str, Any], start: float) -> dict[str, Any]:
-        if meta.get("finish_reason") == "abort":
-            raise RequestAborted(f"request {meta.get('id')} aborted: {meta.get('error') or 'no reason given'}")
-        out = dict(meta)
-        out["e2e_latency"] = time.perf_counter() - start
-        if "output_token_logprobs" in out:
-            out["output_token_logprobs"] = _tuples(out["output_token_logprobs"])
-        if "output_top_logprobs" in out:
-            out["output_top_logprobs"] = [_tuples(row) for row in out["output_top_logprobs"]]
-        for key in ("input_token_logprobs", "input_top_logprobs", "error"):
-            out.pop(key, None)
-        return out
-
-    # ---- OpenAI-compatible completions (other servers) ----------------------------------------
-    def _completion_body(self, prompt: str | list[str], params: dict[str, Any],
-                         request_id: str | None) -> dict[str, Any]:
-        body = self.adapter.completion_body(self.model, prompt, params, request_id, self.base_url)
-        for key in ("regex", "grammar"):
-            if params.get(key) is not None and key in self.adapter.needs_llguidance:
-                self._require_llguidance(key)
-        return body
-
-    def _require_llguidance(self, key: str) -> None:
-        """Refuse ``key`` (a primitive) unless the current server was built with llguidance.
-
-        llama.cpp: asked once per server by a ``/completion`` of no tokens with a JSON Schema
-        (``{"const": 1}``): a build with llguidance compiles it to a grammar that starts with
-        ``%llguidance`` and shows it in ``generation_settings.grammar``; a build without it
-        gives GBNF (and would abort the process on an ``%llguidance`` grammar, so none is sent).
-
-        Raises:
-            InvalidRequest: (``field`` = ``key``) the server is not known to have llguidance.
-        """
-        client = self.client
-        with self._route_lock:
-            known = self._llguidance.get(client.base_url)
-        if known is None:
-            try:
-                out = client.request("POST", "/completion", {"prompt": "", "n_predict": 0,
-                                                             "json_schema": {"const": 1}})
-                grammar = str(((out or {}).get("generation_settings") or {}).get("grammar") or "")
-                known = grammar.startswith("%llguidance")
-            except (InvalidRequest, RequestAborted, ConnectionError):
-                known = False
-            with self._route_lock:
-                self._llguidance[client.base_url] = known
-        if not known:
-            raise self.adapter.refuse(key, client.base_url, "it needs a server built with llguidance "
-                                      "(LLAMA_LLGUIDANCE=ON, as xllamacpp's wheels are), and this one did not "
-                                      "show it (its JSON Schema grammar is not %llguidance)")
-
-    def _completion_output(self, out: dict[str, Any], start: float, tops: bool = True) -> GenOutput:
-        """``tops``: keep top logprobs (False drops those a server sends unasked: llama.cpp
-        needs ``logprobs`` >= 1 to return any)."""
-        choice = (out.get("choices") or [{}])[0]
-        meta = self._completion_meta(out, choice, start, ttft=None)
-        lp = choice.get("logprobs")
-        if lp:
-            lps, top_rows = self._legacy_logprobs(lp)
-            meta["output_token_logprobs"] = lps
-            if top_rows is not None and tops:
-                meta["output_top_logprobs"] = top_rows
-            meta["output_token_ids"] = [t for _, t, _ in lps]
-        return GenOutput(choice.get("text", ""), meta)
-
-    def _completion_meta(self, out: dict[str, Any], choice: dict[str, Any], start: float,
-                         ttft: float | None) -> dict[str, Any]:
-        reason = choice.get("finish_reason")
-        if reason == "abort":
-            raise RequestAborted(f"request {out.get('id')} aborted by {self.base_url}")
-        usage = out.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
-        return {
-            "id": out.get("id"),
-            "prompt_tokens": usage.get("prompt_tokens", 0),
-            "completion_tokens": usage.get("completion_tokens", 0),
-            "cached_tokens": details.get("cached_tokens") or 0,
-            "finish_reason": "length" if reason == "length" else "stop",
-            "matched": choice.get("stop_reason", choice.get("matched_stop")),
-            "e2e_latency": time.perf_counter() - start,
-            "ttft": ttft,
-            "incomplete": False,
-            "warnings": [],
-            "output_token_ids": [],
-        }
-
-    def _legacy_logprobs(self, lp: dict[str, Any]) -> tuple[list[tuple], list[list[tuple]] | None]:
-        if isinstance(lp.get("content"), list):
-            # NOTE: llama.cpp answers /v1/completions logprobs in the chat form, with token ids.
-            rows = lp["content"]
-            lps = [(e.get("logprob"), e.get("id"), e.get("token", "")) for e in rows]
-            tops = [[(t.get("logprob"), t.get("id"), t.get("token", "")) for t in e.get("top_logprobs") or []]
-                    for e in rows]
-            return lps, tops if any(tops) else None
-        tokens = lp.get("tokens") or []
-        lps = [(v, self._token_id(t), t) for v, t in zip(lp.get("token_logprobs") or [], tokens)]
-        tops = None
-        if lp.get("top_logprobs"):
-            tops = [[(v, self._token_id(t), t) for t, v in (row or {}).items()] for row in lp["top_logprobs"]]
-        return lps, tops
-
-    def _token_id(self, token: str) -> int | None:
-        # NOTE: only vLLM (return_tokens_as_token_ids) tells the ids; others give text only.
-        if token.startswith("token_id:"):
-            try:
-                return int(token[9:])
-            except ValueError:
-                return None
-        return None
-
-    def _completion_stream(self, body: dict[str, Any], start: float, client: HttpClient,
-                           keep_tops: bool = True) -> Iterator[GenChunk]:
-        events = client.stream("/v1/completions", body)
-        ttft = None
-        last: dict[str, Any] = {}
-        choice_end: dict[str, Any] = {}
-        usage_event: dict[str, Any] = {}
-        try:
-            for ev in events:
-                if ev.get("usage"):
-                    usage_event = ev
-                for choice in ev.get("choices") or []:
-                    text = choice.get("text") or ""
-                    lps = tops = None
-                    if choice.get("logprobs"):
-                        lps, tops = self._legacy_logprobs(choice["logprobs"])
-                    if text or lps:
-                        if ttft is None:
-                            ttft = time.perf_counter() - start
-                        ids = [t for _, t, _ in lps] if lps else []
-                        yield GenChunk(text, ids, lps, tops if keep_tops else None, False, None)
-                    if choice.get("finish_reason"):
-                        choice_end = choice
-                last = ev
-        finally:
-            events.close()
-        if not choice_end:
-            raise RequestAborted(f"{self.base_url}/v1/completions: the stream ended without a finish reason")
-        merged = {**last, "usage": usage_event.get("usage") or last.get("usage")}
-        yield GenChunk("", [], None, None, True, self._completion_meta(merged, choice_end, start, ttft))
-
-    # ---- select -------------------------------------------------------------------------------
-    def score_choices(self, prompt: str, choices: Sequence[str], unconditional: bool = False) -> list[ChoiceScore]:
-        """sgrt: prefill ``prompt`` once, then score every option (and, with ``unconditional``,
-        every option alone) in one batch of prefill-only ``/generate`` requests, aligned as
-        :meth:`sgrt.backends.local.LocalBackend.score_choices` aligns them. vLLM:
-        ``prompt_logprobs``; other servers: ``echo`` + ``logprobs`` on ``/v1/completions``."""
-        with self._route(prompt):
-            return self._score_choices(prompt, choices, unconditional)
-
-    def _score_choices(self, prompt: str, choices: Sequence[str], unconditional: bool) -> list[ChoiceScore]:
-        if self.adapter.select == "prompt_logprobs":
-            return self._score_by_prompt_logprobs(prompt, choices, unconditional)
-        if self.adapter.select == "forced_tokens":
-            return self._score_by_forced_tokens(prompt, choices, unconditional)
-        if not self.is_sgrt:
-            return self._score_by_echo(prompt, choices, unconditional)
-        texts = [prompt] + [prompt + c for c in choices] + (list(choices) if unconditional else [])
-        ids = self.encode(texts)
-        prefix_ids, full = ids[0], ids[1:1 + len(choices)]
-        alone = ids[1 + len(choices):]
-        self._prefill_ids(prefix_ids)
-        starts = [min(common_prefix_len(prefix_ids, f), len(f) - 1) for f in full]
-        body = {"input_ids": full + alone, "sampling_params": {"max_tokens": 0}, "return_logprob": True,
-                "logprob_start_len": starts + [1] * len(alone), "return_text_in_logprobs": True}
-        outs = self.client.request("POST", "/generate", body)
-        scores = []
-        for choice, out in zip(choices, outs[:len(choices)]):
-            meta = out["meta_info"]
-            self._native_meta(meta, time.perf_counter())  # raises for an abort
-            pairs = [(lp, t, txt) for lp, t, txt in meta.get("input_token_logprobs") or [] if lp is not None]
-            scores.append(ChoiceScore(choice=choice, token_ids=[t for _, t, _ in pairs],
-                                      token_logprobs=[lp for lp, _, _ in pairs],
-                                      token_texts=[txt for _, _, txt in pairs],
-                                      prompt_tokens=meta["prompt_tokens"], cached_tokens=meta["cached_tokens"]))
-        for sc, out in zip(scores, outs[len(choices):]):
-            # NOTE: scored from position 1 (position 0 has no context, its entry is None).
-            lps = [None] + [lp for lp, _, _ in out["meta_info"].get("input_token_logprobs") or []]
-            # NOTE: aligned like LocalBackend: the option's own tokenization, cut or padded.
-            n = len(sc.token_logprobs)
-            sc.unconditional_logprobs = lps[:n] + [None] * max(0, n - len(lps))
-        return scores
-
-    def _score_by_echo(self, prompt: str, choices: Sequence[str], unconditional: bool) -> list[ChoiceScore]:
-        full = self._echo_logprobs([prompt + c for c in choices], "select")
-        scores = []
-        for choice, (tokens, lps, offsets, n_prompt) in zip(choices, full):
-            k = next((i for i, (off, tok) in enumerate(zip(offsets, tokens)) if off + len(tok) > len(prompt)),
-                     len(tokens))
-            k = max(min(k, len(tokens) - 1), 1 if len(tokens) > 1 else 0)
-            pairs = [(lp, tok) for lp, tok in zip(lps[k:], tokens[k:]) if lp is not None]
-            scores.append(ChoiceScore(choice=choice, token_ids=[self._token_id(t) for _, t in pairs],
-                                      token_logprobs=[lp for lp, _ in pairs], token_texts=[t for _, t in pairs],
-                                      prompt_tokens=n_prompt, cached_tokens=0))
-        if unconditional:
-            for sc, (_, lps, _, _) in zip(scores, self._echo_logprobs(list(choices), "select")):
-                n = len(sc.token_logprobs)
-                sc.unconditional_logprobs = list(lps[:n]) + [None] * max(0, n - len(lps))
-        return scores
-
-    def _echo_logprobs(self, texts: list[str], what: str) -> list[tuple[list[str], list, list[int], int]]:
-        """Per text: (tokens, logprobs, text offsets, prompt token count) of the prompt itself."""
-        generated = self.adapter.echo_max_tokens
-        body = {"model": self.model, "prompt": texts, "max_tokens": generated, "echo": True, "logprobs": 0,
-                "temperature": 0.0}
-        try:
-            try:
-                out = self.client.request("POST", "/v1/completions", body)
-            except InvalidRequest as e:
-                if generated or (e.field != "max_tokens" and "max_tokens" not in str(e)):
-                    raise
-                out = self.client.request("POST", "/v1/completions", {**body, "max_tokens": 1})
-                generated = 1
-        except InvalidRequest as e:
-            raise self.adapter.refuse("select", self.base_url, "it needs prompt log-probabilities (echo + logprobs "
-                                      f"on /v1/completions), which the server refused: {e}") from None
-        results = sorted(out.get("choices") or [], key=lambda c: c.get("index", 0))
-        if len(results) != len(texts):
-            raise InvalidRequest(f"{what}: {self.engine} at {self.base_url} answered {len(results)} choices for "
-                                 f"{len(texts)} prompts", field="select")
-        rows = []
-        for choice in results:
-            lp = choice.get("logprobs") or {}
-            tokens = list(lp.get("tokens") or [])
-            values = list(lp.get("token_logprobs") or [])
-            offsets = list(lp.get("text_offset") or [])
-            if generated:
-                tokens, values, offsets = tokens[:-1], values[:-1], offsets[:-1]
-            if not tokens or len(offsets) != len(tokens) or all(v is None for v in values):
-                raise self.adapter.refuse("select", self.base_url, "it needs prompt log-probabilities, and the "
-                                          "server returned none for echo + logprobs")
-            rows.append((tokens, values, offsets, len(tokens)))
-        return rows
-
-    def _score_by_forced_tokens(self, prompt: str, choices: Sequence[str],
-                                unconditional: bool) -> list[ChoiceScore]:
-        """llama.cpp: for each option, the ids of ``prompt + option`` (the server's ``/tokenize``)
-        split where they stop matching the prompt's; the head goes as the prompt (token ids) and
-        the tail is forced by a ``<[id]>`` grammar, each forced token coming back with its
-        log-probability under the model alone (pre-sampling). The same tokens and alignment as
-        the echo and ``/generate`` paths score, with nothing approximated.
-
-        Raises:
-            InvalidRequest: (``field`` ``select``) no llguidance on the server, an option with no
-                prompt token before it, or an answer that did not follow the forced tokens.
-        """
-        self._require_llguidance("select")
-        prefix_ids = self._server_tokenize(prompt)
-        scores = []
-        for choice in choices:
-            ids = self._server_tokenize(prompt + choice)
-            k = max(min(common_prefix_len(prefix_ids, ids), len(ids) - 1), 1 if len(ids) > 1 else 0)
-            lps, texts, cached = self._forced_logprobs(ids[:k], ids[k:])
-            scores.append(ChoiceScore(choice=choice, token_ids=list(ids[k:]), token_logprobs=lps, token_texts=texts,
-                                      prompt_tokens=len(ids), cached_tokens=cached))
-        if unconditional:
-            for sc in scores:
-                alone = self._server_tokenize(sc.choice)
-                # NOTE: scored from position 1 (position 0 has no context), as the other paths.
-                lps = [None] + (self._forced_logprobs(alone[:1], alone[1:])[0] if len(alone) > 1 else [])
-                n = len(sc.token_logprobs)
-                sc.unconditional_logprobs = lps[:n] + [None] * max(0, n - len(lps))
-        return scores
-
-    def _server_tokenize(self, text: str) -> list[int]:
-        """The ids llama.cpp's ``/tokenize`` gives ``text``, special tokens (BOS) added as its
-        completions add them to a text prompt."""
-        out = self.client.request("POST", "/tokenize", {"content": text, "add_special": True})
-        return [int(t["id"]) if isinstance(t, dict) else int(t) for t in out["tokens"]]
-
-    def _forced_logprobs(self, prompt_ids: list[int], forced: list[int]) -> tuple[list[float], list[str], int]:
-        """(log-probabilities, texts) of ``forced`` after ``prompt_ids``, and the cached prompt tokens."""
-        if not prompt_ids:
-            raise self.adapter.refuse("select", self.base_url, "an option must follow at least one prompt token")
-        body = self.adapter.forced_tokens_body(self.model, prompt_ids, forced)
-        out = self.client.request("POST", "/v1/completions", body)
-        choice = (out.get("choices") or [{}])[0]
-        entries = (choice.get("logprobs") or {}).get("content") or []
-        got = [e.get("id") for e in entries]
-        if got != list(forced) or any(e.get("logprob") is None for e in entries):
-            raise self.adapter.refuse("select", self.base_url, f"the server did not follow the forced tokens "
-                                      f"{list(forced)} (it returned {got})")
-        cached = ((out.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        return [float(e["logprob"]) for e in entries], [str(e.get("token", "")) for e in entries], int(cached)
-
-    def _score_by_prompt_logprobs(self, prompt: str, choices: Sequence[str],
-                                  unconditional: bool) -> list[ChoiceScore]:
-        """vLLM: one ``/v1/completions`` request with ``prompt_logprobs=0`` for every
-        ``prompt + choice`` (the shared prefix is computed once by the server's prefix cache);
-        the option's tokens start where its ids stop matching the prompt's (``/tokenize``)."""
-        texts = [prompt + c for c in choices]
-        prefix_ids = self.encode(prompt)
-        rows = self._prompt_logprobs(texts)
-        scores = []
-        for choice, (ids, lps, texts_, n_cached) in zip(choices, rows):
-            k = max(min(common_prefix_len(prefix_ids, ids), len(ids) - 1), 1 if len(ids) > 1 else 0)
-            pairs = [(lp, t, txt) for lp, t, txt in zip(lps[k:], ids[k:], texts_[k:]) if lp is not None]
-            scores.append(ChoiceScore(choice=choice, token_ids=[t for _, t, _ in pairs],
-                                      token_logprobs=[lp for lp, _, _ in pairs], token_texts=[x for _, _, x in pairs],
-                                      prompt_tokens=len(ids), cached_tokens=n_cached))
-        if unconditional:
-            for sc, (_, lps, _, _) in zip(scores, self._prompt_logprobs(list(choices))):
-                n = len(sc.token_logprobs)
-                sc.unconditional_logprobs = list(lps[:n]) + [None] * max(0, n - len(lps))
-        return scores
-
-    def _prompt_logprobs(self, texts: list[str]) -> list[tuple[list[int], list, list[str], int]]:
-        """Per text: (prompt token ids, their logprobs (first None), token texts, cached tokens)."""
-        ids_per_text = self.encode(texts)
-        body = {"model": self.model, "prompt": texts, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
-        try:
-            out = self.client.request("POST", "/v1/completions", body)
-        except InvalidRequest as e:
-            raise self.adapter.refuse("select", self.base_url, f"the server refused prompt_logprobs: {e}") from None
-        results = sorted(out.get("choices") or [], key=lambda c: c.get("index", 0))
-        cached = ((out.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        rows = []
-        for ids, choice in zip(ids_per_text, results):
-            entries = choice.get("prompt_logprobs")
-            if not entries or len(entries) != len(ids):
-                raise self.adapter.refuse("select", self.base_url, "the server returned no prompt_logprobs "
-                                          f"aligned with the prompt's {len(ids)} tokens")
-            lps: list[float | None] = []
-            toks: list[str] = []
-            for tid, entry in zip(ids, entries):
-                hit = (entry or {}).get(str(tid))
-                lps.append(None if hit is None else hit.get("logprob"))
-                toks.append("" if hit is None else str(hit.get("decoded_token", "")))
-            rows.append((list(ids), lps, toks, cached // max(len(texts), 1)))
-        if len(rows) != len(texts):
-            raise InvalidRequest(f"select: {self.engine} at {self.base_url} answered {len(rows)} choices for "
-                                 f"{len(texts)} prompts", field="select")
-        return rows
-
     # ---- prefix cache -------------------------------------------------------------------------
     def _prefill_ids(self, ids: list[int]) -> dict[str, Any]:
         out = self.client.request("POST", "/generate", {"input_ids": ids, "sampling_params": {"max_tokens": 0}})
@@ -816,16 +364,39 @@ class RuntimeEndpoint(BaseBackend):
     def __repr__(self) -> str:
         return f"RuntimeEndpoint({self.base_url!r}, model={self.model!r}, dialect={self.dialect!r})"
 
+    def _require_llguidance(self, key: str) -> None:
+        """Refuse ``key`` (a primitive) unless the current server was built with llguidance.
+
+        llama.cpp: asked once per server by a ``/completion`` of no tokens with a JSON Schema
+        (``{"const": 1}``): a build with llguidance compiles it to a grammar that starts with
+        ``%llguidance`` and shows it in ``generation_settings.grammar``; a build without it
+        gives GBNF (and would abort the process on an ``%llguidance`` grammar, so none is sent).
+
+        Raises:
+            InvalidRequest: (``field`` = ``key``) the server is not known to have llguidance.
+        """
+        client = self.client
+        with self._route_lock:
+            known = self._llguidance.get(client.base_url)
+        if known is None:
+            try:
+                out = client.request("POST", "/completion", {"prompt": "", "n_predict": 0,
+                                                             "json_schema": {"const": 1}})
+                grammar = str(((out or {}).get("generation_settings") or {}).get("grammar") or "")
+                known = grammar.startswith("%llguidance")
+            except (InvalidRequest, RequestAborted, ConnectionError):
+                known = False
+            with self._route_lock:
+                self._llguidance[client.base_url] = known
+        if not known:
+            raise self.adapter.refuse(key, client.base_url, "it needs a server built with llguidance "
+                                      "(LLAMA_LLGUIDANCE=ON, as xllamacpp's wheels are), and this one did not "
+                                      "show it (its JSON Schema grammar is not %llguidance)")
+
 
 def _strip_v1(url: str) -> str:
     base = url.rstrip("/")
     return base[:-3] if base.endswith("/v1") else base
-
-
-def _tuples(rows: Any) -> list[tuple] | None:
-    if rows is None:
-        return None
-    return [tuple(r) for r in rows]
 
 
 def _load_tokenizer(tokenizer: Any) -> Any:

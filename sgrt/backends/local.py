@@ -19,6 +19,8 @@ from sgrt.backends.base import (
     ChoiceScore,
     GenChunk,
     GenOutput,
+    ParamsLike,
+    as_sampling_params,
     common_prefix_len,
     next_token_request,
     split_stop_regex,
@@ -74,10 +76,6 @@ class LocalBackend(BaseBackend):
 
     # ---- generation -----------------------------------------------------------------------
 
-    def _params(self, params: dict[str, Any]) -> SamplingParams:
-        # NOTE: an empty stop_regex (the DSL's default) is not an engine field.
-        return SamplingParams.from_dict({k: v for k, v in params.items() if k != "stop_regex"})
-
     def _meta(self, result: Result, start: float) -> dict[str, Any]:
         meta = result.meta_info(time.perf_counter() - start)
         if result.output_logprobs is not None:
@@ -97,7 +95,7 @@ class LocalBackend(BaseBackend):
                 f"request {result.request_id} aborted: {result.error or 'no reason given'}")
         return result
 
-    def generate(self, prompt: str, params: dict[str, Any],
+    def generate(self, prompt: str, params: ParamsLike,
                  request_id: str | None = None) -> GenOutput:
         """Complete ``prompt``; ``params`` may hold SGLang's ``stop_regex`` (applied while the
         tokens stream in; the request is aborted at the match) and its ``max_tokens=0`` next-token
@@ -108,44 +106,42 @@ class LocalBackend(BaseBackend):
             chunks = list(self._stream(prompt, params, request_id, patterns))
             return GenOutput("".join(c.text for c in chunks), chunks[-1].meta_info or {})
         start = time.perf_counter()
-        handle = self.engine.submit(self.encode(prompt), self._params(params),
-                                    request_id=request_id)
+        handle = self.engine.submit(self.encode(prompt), params, request_id=request_id)
         result = self._check(handle.result())
         if next_only:
             return GenOutput("", strip_next_token(self._meta(result, start)))
         return GenOutput(result.text, self._meta(result, start))
 
     def generate_batch(self, prompts: Sequence[str],
-                       params: Sequence[dict[str, Any]]) -> list[GenOutput]:
-        if any(p.get("stop_regex") or next_token_request(p)[1] for p in params):
+                       params: Sequence[ParamsLike]) -> list[GenOutput]:
+        params = [as_sampling_params(p) for p in params]
+        if any(p.stop_regex or next_token_request(p)[1] for p in params):
             # NOTE: these need their own stream each; run them from threads so they still batch.
             from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(max(1, len(prompts))) as pool:
                 return list(pool.map(self.generate, prompts, params))
         start = time.perf_counter()
-        handles = [self.engine.submit(self.encode(p), self._params(sp))
-                   for p, sp in zip(prompts, params)]
+        handles = [self.engine.submit(self.encode(p), sp) for p, sp in zip(prompts, params)]
         outs = []
         for h in handles:
             result = self._check(h.result())
             outs.append(GenOutput(result.text, self._meta(result, start)))
         return outs
 
-    def generate_stream(self, prompt: str, params: dict[str, Any],
+    def generate_stream(self, prompt: str, params: ParamsLike,
                         request_id: str | None = None) -> Iterator[GenChunk]:
         params, patterns = split_stop_regex(params)
         params, next_only = next_token_request(params)
         if next_only:
             return iter([GenChunk("", [], None, None, True, self.generate(
-                prompt, {**params, "max_tokens": 0}, request_id).meta_info)])
+                prompt, params.replace(max_tokens=0), request_id).meta_info)])
         return self._stream(prompt, params, request_id, patterns)
 
-    def _stream(self, prompt: str, params: dict[str, Any], request_id: str | None,
+    def _stream(self, prompt: str, params: SamplingParams, request_id: str | None,
                 patterns: list) -> Iterator[GenChunk]:
         start = time.perf_counter()
-        handle = self.engine.submit(self.encode(prompt), self._params(params),
-                                    request_id=request_id)
+        handle = self.engine.submit(self.encode(prompt), params, request_id=request_id)
         chunks = self._chunks(handle, start)
         if not patterns:
             return chunks
@@ -327,8 +323,8 @@ class LocalBackend(BaseBackend):
         Raises:
             InvalidRequest: an unknown or bad sampling field.
         """
-        params = srt_sampling_params(sampling_params)
-        handle = self.engine.submit(self.encode(prompt), self._params(params))
+        params = SamplingParams.from_dict(srt_sampling_params(sampling_params))
+        handle = self.engine.submit(self.encode(prompt), params)
         finished = False
         try:
             async for chunk in handle.astream():

@@ -29,7 +29,7 @@ from sgrt.constrained import limits as _limits
 from sgrt.constrained.grammar import CompiledGrammar, Grammar
 from sgrt.constrained.limits import GrammarLimits
 from sgrt.constrained.options import GrammarOptions
-from sgrt.constrained.schema import load_schema, normalize_schema
+from sgrt.constrained.schema import load_schema, normalize_loaded
 from sgrt.constrained.vocab import Vocab, build_vocab
 from sgrt.errors import GrammarError
 
@@ -163,7 +163,7 @@ class GrammarCompiler:
     def _compile_json(self, backend: str, schema: Any, options: GrammarOptions) -> CompiledGrammar:
         from sgrt.constrained.satisfiable import check_satisfiable
 
-        normalized = normalize_schema(schema, options, backend)
+        normalized = normalize_loaded(schema, options, backend)  # loaded once, in compile_spec
         # NOTE: the user's schema met the limits above. Our rewrites (unevaluated*, object
         # const / enum, the default bounds) wrap parts of it in allOf / anyOf levels it did not
         # write, so the rewritten schema gets twice the depth: still far below what the compile
@@ -269,6 +269,8 @@ def _unwrap(result: CompiledGrammar | GrammarError) -> CompiledGrammar:
 
 
 def _constraint_of(params: Any) -> tuple[str | None, Any]:
-    from sgrt.sampling_params import CONSTRAINT_FIELDS, the_constraint
+    from sgrt.sampling_params import CONSTRAINT_FIELDS, SamplingParams, the_constraint
 
+    if isinstance(params, SamplingParams):
+        return params.constraint()  # at most one: checked when the params were built
     return the_constraint({k: getattr(params, k, None) for k in CONSTRAINT_FIELDS}, GrammarError)

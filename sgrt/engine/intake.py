@@ -95,11 +95,15 @@ class Intake:
         return req
 
     def check_params(self, params: SamplingParams | dict | None) -> SamplingParams:
-        """``params`` as a validated :class:`SamplingParams` (None: the defaults).
+        """``params`` as a :class:`SamplingParams` (None: the defaults; a dict is built, so
+        checked, here), plus the checks that need this engine: ``stop_token_ids`` inside the
+        vocabulary, ``speculative="draft"`` with a draft model, no ``stop_regex``. A
+        ``SamplingParams`` was checked when it was built and is not checked again.
 
         Raises:
-            InvalidRequest: a bad field (named), or ``speculative="draft"`` on an engine
-                without a draft model.
+            InvalidRequest: a bad field (named), a stop token id past the vocabulary,
+                ``speculative="draft"`` on an engine without a draft model, or a
+                ``stop_regex`` (the DSL's backends apply it; the engine has no such stop).
         """
         if params is None:
             params = SamplingParams()
@@ -107,8 +111,11 @@ class Intake:
             params = SamplingParams.from_dict(params)
         elif not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams or dict, got {type(params).__name__}", field="params")
-        params.validate(self.vocab_size)
+        params.check_vocab(self.vocab_size)
         check_speculative(params.speculative, None, has_draft_model=self.has_draft_model)
+        if params.stop_regex:
+            raise InvalidRequest("stop_regex is applied by the DSL's backends (sgrt.backends), not by the "
+                                 "engine: use stop or stop_token_ids", field="stop_regex")
         return params
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

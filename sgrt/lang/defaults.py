@@ -7,23 +7,22 @@ decoding unless a temperature is given, no stop strings added behind the user's 
 """
 from __future__ import annotations
 
-import re
+import warnings
 from typing import Any
 
 from sgrt.errors import InvalidRequest
-from sgrt.sampling_params import SamplingParams
+from sgrt.sampling_params import SamplingParams, check_stop_regex  # noqa: F401 - re-exported
 
-#: Sampling options a ``gen`` inherits when neither it nor ``run()`` sets them: for engine
-#: fields, the defaults of ``sgrt.sampling_params.SamplingParams`` (one place for them); two
-#: more that are not engine fields (the backends apply ``stop_regex``, the interpreter
-#: ``return_text_in_logprobs``). Greedy: SGLang's frontend silently samples at 1.0 here; we do not.
+#: Sampling options a ``gen`` inherits when neither it nor ``run()`` sets them: the defaults of
+#: ``sgrt.sampling_params.SamplingParams`` (one place for them; ``stop_regex`` is one, applied
+#: by the backends), and the interpreter's ``return_text_in_logprobs``. Greedy: SGLang's
+#: frontend silently samples at 1.0 here; we do not.
 _ENGINE_DEFAULTS = SamplingParams()
 GEN_DEFAULTS: dict[str, Any] = {
     **{name: getattr(_ENGINE_DEFAULTS, name) for name in (
         "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
         "presence_penalty", "stop", "stop_token_ids", "ignore_eos", "seed", "return_logprob",
-        "top_logprobs_num", "logprob_start_len")},
-    "stop_regex": [],
+        "top_logprobs_num", "logprob_start_len", "stop_regex")},
     "return_text_in_logprobs": None,
 }
 
@@ -54,25 +53,6 @@ MIN_HINTED_PREFIX_CHARS = 64
 #: Threads ``run_batch(num_threads="auto")`` uses at most. On one engine more threads only
 #: queue requests; the engine's continuous batching does the real parallel work.
 AUTO_BATCH_THREADS = 64
-
-
-def check_stop_regex(stop_regex: Any) -> list[str]:
-    """``stop_regex`` as a list of patterns that Python's ``re`` compiles.
-
-    Raises:
-        InvalidRequest: (field ``stop_regex``) not a str or list of str, or a bad pattern.
-    """
-    patterns = [stop_regex] if isinstance(stop_regex, str) else stop_regex
-    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
-        raise InvalidRequest(f"stop_regex must be a str or a list of str, got {stop_regex!r}",
-                             field="stop_regex")
-    for p in patterns:
-        try:
-            re.compile(p)
-        except re.error as e:
-            raise InvalidRequest(f"stop_regex {p!r} does not compile: {e}",
-                                 field="stop_regex") from None
-    return list(patterns)
 
 
 def dtype_regex(dtype: Any) -> str:
@@ -143,3 +123,34 @@ def resolve_gen_params(run_options: dict[str, Any], gen_params: dict[str, Any],
         value = params[key]
         params[key] = [value] if isinstance(value, (str, int)) else list(value or [])
     return params
+
+
+def gen_sampling_params(run_options: dict[str, Any], gen_params: dict[str, Any], dtype: Any = None,
+                        n: int = 1, skip_special_tokens: bool = True,
+                        name: str | None = None) -> tuple[SamplingParams, dict[str, Any]]:
+    """The DSL's translator: one ``gen``'s :class:`SamplingParams`, built once (so checked
+    once) from the call's options, then ``run()``'s, then :data:`GEN_DEFAULTS`, and the
+    DSL-only options (:data:`DSL_ONLY_KEYS`) beside it.
+
+    ``n > 1`` with no temperature anywhere samples at :data:`SGLANG_DEFAULT_TEMPERATURE`
+    (greedy decoding would give n identical completions), with a ``UserWarning``.
+    ``skip_special_tokens=False`` (``global_config.skip_special_tokens_in_output``) applies
+    where the call does not set it.
+
+    Raises:
+        InvalidRequest: a bad or unknown option, named (``SamplingParams``' own check).
+    """
+    fields = resolve_gen_params(run_options, gen_params, dtype)
+    dsl = {k: fields.pop(k) for k in DSL_ONLY_KEYS}
+    if n > 1 and "temperature" not in gen_params and "temperature" not in run_options:
+        # NOTE: greedy decoding (sgrt's default) would make the n completions identical;
+        # SGLang samples at its run() default here, and so do we, saying so.
+        fields["temperature"] = SGLANG_DEFAULT_TEMPERATURE
+        warnings.warn(
+            f"gen({name!r}, n={n}) sets no temperature: sampling at SGLang's default "
+            f"temperature={SGLANG_DEFAULT_TEMPERATURE} (sgrt's greedy default would return "
+            f"{n} identical completions); pass temperature=... to choose", UserWarning,
+            stacklevel=3)
+    if not skip_special_tokens:
+        fields.setdefault("skip_special_tokens", False)
+    return SamplingParams.from_dict(fields), dsl

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import uuid
-import warnings
 from collections import deque
 from typing import Any
 
@@ -17,13 +16,9 @@ from sgrt.chat_template import ChatTemplate
 from sgrt.errors import InvalidRequest
 from sgrt.lang import ir
 from sgrt.lang.choices import token_length_normalized
-from sgrt.lang.defaults import (
-    DSL_ONLY_KEYS,
-    SGLANG_DEFAULT_TEMPERATURE,
-    parse_dtype_value,
-    resolve_gen_params,
-)
+from sgrt.lang.defaults import gen_sampling_params, parse_dtype_value
 from sgrt.lang.transcript import Transcript
+from sgrt.sampling_params import SamplingParams
 
 
 class StreamExecutor:
@@ -204,24 +199,15 @@ class StreamExecutor:
         self._gen_count += 1
         return f"{self.sid}-{self._gen_count}"
 
-    def _gen_params(self, expr: ir.Gen) -> tuple[dict[str, Any], int, dict[str, Any]]:
-        """The backend params, n and the DSL-only options of one ``gen``."""
+    def _gen_params(self, expr: ir.Gen) -> tuple[SamplingParams, int, dict[str, Any]]:
+        """The backend params (built and checked once, here), n and the DSL-only options of
+        one ``gen``."""
         from sgrt.global_config import global_config
 
-        params = resolve_gen_params(self.run_options, expr.params, expr.dtype)
-        dsl = {k: params.pop(k) for k in DSL_ONLY_KEYS}
         n = expr.n if expr.n is not None else int(self.run_options.get("n", 1))
-        if n > 1 and "temperature" not in expr.params and "temperature" not in self.run_options:
-            # NOTE: greedy decoding (sgrt's default) would make the n completions identical;
-            # SGLang samples at its run() default here, and so do we, saying so.
-            params["temperature"] = SGLANG_DEFAULT_TEMPERATURE
-            warnings.warn(
-                f"gen({expr.name!r}, n={n}) sets no temperature: sampling at SGLang's default "
-                f"temperature={SGLANG_DEFAULT_TEMPERATURE} (sgrt's greedy default would return "
-                f"{n} identical completions); pass temperature=... to choose", UserWarning,
-                stacklevel=2)
-        if not global_config.skip_special_tokens_in_output:
-            params.setdefault("skip_special_tokens", False)
+        params, dsl = gen_sampling_params(
+            self.run_options, expr.params, expr.dtype, n=n, name=expr.name,
+            skip_special_tokens=global_config.skip_special_tokens_in_output)
         return params, n, dsl
 
     def _record_usage(self, metas: list[Any]) -> None:
@@ -263,7 +249,7 @@ class StreamExecutor:
         if name is not None:
             self.set_var(name, text, meta)
 
-    def _stream_gen(self, prompt: str, params: dict[str, Any], rid: str,
+    def _stream_gen(self, prompt: str, params: SamplingParams, rid: str,
                     name: str | None, with_text: bool | None = None) -> dict[str, Any] | None:
         if name is not None:
             with self.cond:

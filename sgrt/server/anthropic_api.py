@@ -215,7 +215,7 @@ async def create_message(api: HttpApi, request: Request) -> Any:
     req: MessagesRequest = await api.decode(request, MessagesRequest)
     ct.warn_ignored(req, IGNORED_FIELDS)
     turn = await api.offload(ct.prepare_turn, api, to_chat_request(req))  # NOTE: off the loop
-    handles = api.submit([EngineCall(turn.prompt_ids, ct.engine_params(turn.fields, 0, oa.CHAT_FIELD_NAMES), 0)])
+    handles = api.submit([EngineCall(turn.prompt_ids, oa.build_params(turn.fields, oa.CHAT_FIELD_NAMES), 0)])
     mid = f"msg_{uuid.uuid4().hex}"
     if req.stream:
         primed = await api.prime(request, handles)

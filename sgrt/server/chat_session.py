@@ -20,7 +20,7 @@ from sgrt.engine import SamplingParams
 from sgrt.errors import CapacityError, InvalidRequest
 from sgrt.server import protocol as p
 from sgrt.server.protocol import LimitExceeded
-from sgrt.server.session import Session, SessionContext, sampling_dict
+from sgrt.server.session import Session, SessionContext, ws_sampling_params
 from sgrt.server.tools import (
     check_tool_choice,
     check_tools,
@@ -57,7 +57,7 @@ class ChatSession(Session):
         check_tools(self.tools, limits.max_tools)
         if self.tools:
             validate_tool_grammar(self.tools)
-        sampling_dict({}, start.sampling, limits)  # refuse bad sampling at session.start
+        ws_sampling_params({}, start.sampling, limits)  # refuse bad sampling at session.start
         self.sampling_base = start.sampling.fields_set() if start.sampling else {}
         check_tool_choice(start.tool_choice, self.tools)
         self.tool_choice = start.tool_choice
@@ -118,13 +118,13 @@ class ChatSession(Session):
             raise p.ProtocolError(
                 "bad_state", f"tool call {next(iter(self.open_calls))!r} is open; send its tool_result first",
                 field="type", session=self.id)
-        sampling = sampling_dict(self.sampling_base, msg.sampling, self.limits)
         choice = msg.tool_choice or self.tool_choice
         check_tool_choice(choice, self.tools)
+        params = self._params(msg.sampling, choice)
         self.messages.append({"role": "user", "content": msg.content})
         self.tool_rounds = 0
         self._cancel_requested = False
-        self._spawn(self._generate(sampling, choice))
+        self._spawn(self._generate(params))
 
     async def on_tool_result(self, msg: p.ToolResult) -> None:
         if msg.call_id not in self.open_calls:
@@ -144,7 +144,7 @@ class ChatSession(Session):
             await self.send(p.Done(session=self.id, turn=self.turn, reason="error"))
             return
         self._cancel_requested = False
-        self._spawn(self._generate(sampling_dict(self.sampling_base, None, self.limits), choice))
+        self._spawn(self._generate(self._params(None, choice)))
 
     async def on_cancel(self) -> None:
         if self.busy:
@@ -165,17 +165,21 @@ class ChatSession(Session):
             self._grammars[choice] = tool_grammar(self.tools, choice)
         return self._grammars[choice]
 
-    async def _generate(self, sampling: dict[str, Any], choice: str) -> None:
+    def _params(self, override: p.Sampling | None, choice: str) -> SamplingParams:
+        """The turn's params, built once: the session's sampling, the turn's override and the
+        tool grammar of ``choice``."""
+        grammar = self._grammar(choice)
+        extra = {} if grammar is None else {"grammar": grammar}
+        return ws_sampling_params(self.sampling_base, override, self.limits, **extra)
+
+    async def _generate(self, params: SamplingParams) -> None:
         self.turn += 1
         turn = self.turn
         # NOTE: rendering + tokenizing a long conversation is CPU work: off the event loop.
         ids, text = await asyncio.to_thread(self._prompt)
-        params = dict(sampling)
-        grammar = self._grammar(choice)
-        if grammar is not None:
-            params["grammar"] = grammar
+        grammar = params.grammar
         try:
-            handle = self.engine.submit(ids, SamplingParams.from_dict(params))
+            handle = self.engine.submit(ids, params)
         except (InvalidRequest, CapacityError) as exc:
             if self.messages and self.messages[-1]["role"] == "user":
                 self.messages.pop()  # the turn never ran; the client may retry shorter

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sgrt.engine import Result, SamplingParams, StreamChunk
+from sgrt.engine import Result, StreamChunk
 from sgrt.errors import InvalidRequest
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
@@ -78,14 +78,6 @@ def prepare_turn(api: Any, req: op.ChatCompletionRequest) -> PreparedTurn:
     fields["return_logprob"] = bool(req.logprobs)
     fields["top_logprobs_num"] = req.top_logprobs or 0
     return PreparedTurn(plan, ids, fields)
-
-
-def engine_params(fields: dict[str, Any], i: int, names: dict[str, str]) -> SamplingParams:
-    """``SamplingParams`` of choice ``i`` (``seed + i`` so that n choices with one seed differ)."""
-    f = dict(fields)
-    if i and f.get("seed") is not None:
-        f["seed"] = f["seed"] + i
-    return oa.build_params(f, names)
 
 
 @dataclass

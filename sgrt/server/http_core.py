@@ -24,7 +24,7 @@ from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
 from sgrt.server.http_errors import ApiError, ClientGone, json_response
 from sgrt.server.http_streams import until_disconnect
-from sgrt.server.limits import HttpLimits, check_json_depth, check_sampling_ranges, origin_allowed
+from sgrt.server.limits import HttpLimits, check_json_depth, origin_allowed
 
 
 #: Bodies above this size are "heavy": their CPU work (parsing, rendering, tokenizing) runs on
@@ -201,8 +201,6 @@ class HttpApi:
             raise ApiError(429, f"too many requests in flight ({self.in_flight} + {len(calls)} > max_queue "
                            f"{limit}); retry later", type="rate_limit_error", code="queue_full",
                            headers={"retry-after": "1"})
-        for call in calls:
-            check_sampling_ranges(call.params)
         handles: list[Any] = []
         try:
             for i, call in enumerate(calls):

@@ -10,7 +10,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from sgrt.engine import SamplingParams, StreamChunk
+from sgrt.engine import StreamChunk
 from sgrt.errors import InvalidRequest
 from sgrt.server import chat_turns as ct
 from sgrt.server import openai_adapter as oa
@@ -30,7 +30,7 @@ async def chat_completions(api: HttpApi, request: Request) -> Any:
     check_n(req.n, 1, api.limits.max_n)
     turn = await api.offload(ct.prepare_turn, api, req)  # NOTE: rendering and tokenizing off the loop
     plan = turn.plan
-    calls = [EngineCall(turn.prompt_ids, ct.engine_params(turn.fields, i, oa.CHAT_FIELD_NAMES), i)
+    calls = [EngineCall(turn.prompt_ids, oa.build_params(turn.fields, oa.CHAT_FIELD_NAMES, i), i)
              for i in range(req.n)]
     handles = api.submit(calls, sglang_fields.request_ids(req.rid, len(calls)))
     rid = oa.new_id("chatcmpl")
@@ -161,7 +161,7 @@ async def completions(api: HttpApi, request: Request) -> Any:
             req.max_tokens, len(ids), api.context_room(), default=api.limits.default_max_tokens,
             ceiling=api.limits.max_tokens_limit, field="max_tokens")
         for j in range(req.n):
-            calls.append(EngineCall(ids, _params(f, j, oa.COMPLETION_FIELD_NAMES), p * req.n + j, p, text))
+            calls.append(EngineCall(ids, oa.build_params(f, oa.COMPLETION_FIELD_NAMES, j), p * req.n + j, p, text))
     handles = api.submit(calls, sglang_fields.request_ids(req.rid, len(calls)))
     rid = oa.new_id("cmpl")
     if req.stream:
@@ -233,13 +233,6 @@ async def _completion_events(api: HttpApi, rid: str, calls: list[EngineCall], pr
     except Exception as exc:  # noqa: BLE001 - reported in-stream
         yield sse(op.ErrorResponse(error=api_error_from(exc).info))
     yield SSE_DONE
-
-def _params(fields: dict[str, Any], i: int, names: dict[str, str]) -> SamplingParams:
-    f = dict(fields)
-    if i and f.get("seed") is not None:
-        f["seed"] = f["seed"] + i  # NOTE: n choices with one seed still differ, reproducibly
-    return oa.build_params(f, names)
-
 
 def check_n(n: Any, prompts: int, max_n: int) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:

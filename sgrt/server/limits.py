@@ -1,15 +1,15 @@
 """The servers' limits (:class:`HttpLimits`, :class:`WsLimits`) and the checks every server
 applies where a request is parsed, before the engine or any native code
-sees it: the nesting depth of a JSON body or frame, and the ranges of the numeric sampling fields
-that :class:`sgrt.engine.SamplingParams` accepts as any Python int or float but that the engine
-hands to torch (a seed must fit torch's 64-bit generator; a temperature must be finite).
+sees it: the nesting depth of a JSON body or frame. The ranges of the numeric sampling fields
+(a seed must fit torch's 64-bit generator; a temperature must be finite) are checked by
+:class:`sgrt.sampling_params.SamplingParams` itself when a request's params are built; their
+names are re-exported here.
 
 Each check raises :class:`sgrt.errors.InvalidRequest` naming the field and the limit; the HTTP
 API answers it with 400, the WebSocket server with an ``error`` (code ``invalid_request``).
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -19,12 +19,6 @@ from sgrt.errors import InvalidRequest
 #: Default bound on the nesting depth of a request body or WebSocket frame (arrays and objects).
 #: A JSON Schema or a chat message needs far less; deeper input only exercises recursion.
 DEFAULT_MAX_JSON_DEPTH = 64
-
-#: torch.Generator.manual_seed's range (a 64-bit value, signed or unsigned).
-SEED_MIN = -(1 << 63)
-SEED_MAX = (1 << 64) - 1
-#: Largest integer any count or length field may take (int32, what kernels index with).
-INT_FIELD_MAX = (1 << 31) - 1
 
 # NOTE: the two servers' limit dataclasses live here, free of heavy imports, so that `sgrt serve`
 # can build its flags (with their defaults) and bind its ports before torch and the model load.
@@ -107,43 +101,11 @@ def check_json_depth(data: bytes | str, limit: int, what: str = "request body") 
                              field="body")
 
 
-def _int_in(value: Any, name: str, low: int, high: int) -> None:
-    if isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high:
-        raise InvalidRequest(f"{name} must be in [{low}, {high}], got {value}", field=name)
-
-
-#: Largest integer a float field may be given as (torch converts a Python int operand to int64
-#: and overflows past 2**63: ``logits / 2**64`` raises inside the engine's step).
-FLOAT_FIELD_INT_MAX = 1 << 53
-
-
-def _finite(value: Any, name: str) -> None:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise InvalidRequest(f"{name} must be a finite number, got {value}", field=name)
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > FLOAT_FIELD_INT_MAX:
-        raise InvalidRequest(f"{name} must be a number in [-2**53, 2**53] when given as an integer, got {value}",
-                             field=name)
-
-
-def check_sampling_ranges(params: Any) -> None:
-    """Check the numeric fields of a :class:`sgrt.engine.SamplingParams` (or a dict of its
-    fields) against what the engine can take; types are ``SamplingParams.validate``'s job.
-
-    Raises:
-        InvalidRequest: ``seed`` outside 64 bits, a count/length field above 2**31 - 1, a
-            non-finite float or an integer past 2**53 in a float field (``temperature``,
-            ``top_p``, ``min_p``, penalties).
-    """
-    get = params.get if isinstance(params, dict) else (lambda k, d=None: getattr(params, k, d))
-    _int_in(get("seed"), "seed", SEED_MIN, SEED_MAX)
-    for name in ("max_tokens", "min_tokens", "top_k", "top_logprobs_num", "logprob_start_len",
-                 "num_draft_tokens"):
-        _int_in(get(name), name, -INT_FIELD_MAX, INT_FIELD_MAX)
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-                 "presence_penalty"):
-        _finite(get(name), name)
-    for t in get("stop_token_ids") or ():
-        _int_in(t, "stop_token_ids", 0, INT_FIELD_MAX)
+# NOTE: the ranges of the numeric sampling fields are SamplingParams' own check (run when one is
+# built); the names stay importable from here.
+from sgrt.sampling_params import (  # noqa: E402
+    FLOAT_FIELD_INT_MAX, INT_FIELD_MAX, SEED_MAX, SEED_MIN, check_sampling_ranges,
+)
 
 
 def is_loopback_origin(origin: str) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 
 from sgrt.errors import CapacityError, InvalidRequest, RequestAborted
 from sgrt.server import protocol as p
-from sgrt.server.session import Session, SessionContext, in_thread, sampling_dict
+from sgrt.server.session import Session, SessionContext, in_thread, ws_sampling_params
 
 logger = logging.getLogger("sgrt.server")
 
@@ -25,9 +25,10 @@ class ProgramSession(Session):
         if start.tools:
             raise InvalidRequest("tools are for chat sessions; a program defines its own", field="tools")
         self.program = program
-        self.sampling = sampling_dict({}, start.sampling, self.limits)
-        if start.sampling is None or start.sampling.max_tokens is None:
-            self.sampling.pop("max_tokens")  # each gen keeps its own max_tokens (checked per call)
+        ws_sampling_params({}, start.sampling, self.limits)  # refuse bad sampling at session.start
+        # NOTE: the run() options every gen inherits: what the client set (each gen keeps its own
+        # max_tokens unless the client set one; checked per call).
+        self.sampling = start.sampling.fields_set() if start.sampling else {}
         self.run: Any = None
 
     async def on_start(self) -> None:

@@ -23,7 +23,6 @@ from typing import Any
 
 from sgrt.backends.local import LocalBackend
 from sgrt.errors import RequestAborted
-from sgrt.server.limits import check_sampling_ranges
 from sgrt.server.protocol import LimitExceeded
 
 logger = logging.getLogger("sgrt.server")
@@ -138,8 +137,6 @@ class RequestTree:
 
     def submit(self, prompt: Any, params: Any = None, request_id: str | None = None) -> Any:
         """``Engine.submit``, recorded. Raises :class:`RequestAborted` once the tree was aborted."""
-        if params is not None:
-            check_sampling_ranges(params)
         with self._lock:
             if self.aborted:
                 raise RequestAborted("the program was aborted (cancel, close or disconnect)")
@@ -185,10 +182,10 @@ class SessionBackend(LocalBackend):
         self._in_flight = 0
         self.stats = ProgramReport()
 
-    def _enter(self, params: Sequence[dict[str, Any]]) -> None:
+    def _enter(self, params: Sequence[Any]) -> None:
         limit = self.limits.max_tokens_per_turn
         for sp in params:
-            mt = sp.get("max_tokens")
+            mt = sp.get("max_tokens") if isinstance(sp, dict) else sp.max_tokens
             if isinstance(mt, int) and mt > limit:
                 raise LimitExceeded("limit.max_tokens",
                                     f"a gen asks for max_tokens {mt}, above max_tokens_per_turn ({limit})",
@@ -218,7 +215,7 @@ class SessionBackend(LocalBackend):
             if s.ttft is None and meta.get("ttft") is not None:
                 s.ttft = meta["ttft"]
 
-    def generate(self, prompt: str, params: dict[str, Any], request_id: str | None = None):
+    def generate(self, prompt: str, params: Any, request_id: str | None = None):
         self._enter([params])
         try:
             out = super().generate(prompt, params, request_id=request_id)
@@ -229,7 +226,7 @@ class SessionBackend(LocalBackend):
             self.on_text(out.text)
         return out
 
-    def generate_batch(self, prompts: Sequence[str], params: Sequence[dict[str, Any]]):
+    def generate_batch(self, prompts: Sequence[str], params: Sequence[Any]):
         self._enter(list(params))
         try:
             outs = super().generate_batch(prompts, params)
@@ -239,7 +236,7 @@ class SessionBackend(LocalBackend):
             self._record(out.meta_info)
         return outs
 
-    def generate_stream(self, prompt: str, params: dict[str, Any], request_id: str | None = None) -> Iterator[Any]:
+    def generate_stream(self, prompt: str, params: Any, request_id: str | None = None) -> Iterator[Any]:
         self._enter([params])
         try:
             for chunk in super().generate_stream(prompt, params, request_id=request_id):

@@ -355,7 +355,7 @@ async def create_response(api: HttpApi, request: Request) -> Any:
     chat, conversation = to_chat_request(req, history)
     turn = await api.offload(ct.prepare_turn, api, chat)  # NOTE: off the loop
     names = {**oa.CHAT_FIELD_NAMES, "max_tokens": "max_output_tokens"}
-    handles = api.submit([EngineCall(turn.prompt_ids, ct.engine_params(turn.fields, 0, names), 0)])
+    handles = api.submit([EngineCall(turn.prompt_ids, oa.build_params(turn.fields, names), 0)])
     ctx = _Ctx(api, req, f"resp_{uuid.uuid4().hex}", int(time.time()), conversation)
     if req.stream:
         primed = await api.prime(request, handles)

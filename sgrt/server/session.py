@@ -20,7 +20,6 @@ from typing import Any, Awaitable, Callable
 from sgrt.engine import SamplingParams
 from sgrt.errors import CapacityError, ContextLengthExceeded, GrammarError, InvalidRequest
 from sgrt.server import protocol as p
-from sgrt.server.limits import check_sampling_ranges
 from sgrt.server.protocol import LimitExceeded
 
 logger = logging.getLogger("sgrt.server")
@@ -50,10 +49,11 @@ def error_for(exc: BaseException, session: str | None) -> p.Error:
     return p.Error(code=code, message=str(exc) or type(exc).__name__, field=field, session=session)
 
 
-def sampling_dict(base: dict[str, Any], override: p.Sampling | None, limits: Any,
-                  field_prefix: str = "sampling") -> dict[str, Any]:
-    """Merge a turn's sampling override into the session's, apply the server's default
-    ``max_tokens`` and check every field (``SamplingParams.validate``).
+def ws_sampling_params(base: dict[str, Any], override: p.Sampling | None, limits: Any,
+                       field_prefix: str = "sampling", **extra: Any) -> SamplingParams:
+    """The WebSocket protocol's translator: a turn's :class:`SamplingParams`, built (so checked)
+    once, from the turn's ``sampling`` override over the session's ``base`` fields, the server's
+    default ``max_tokens``, and ``extra`` fields the server adds (a tool grammar).
 
     Raises:
         LimitExceeded: ``limit.max_tokens`` when max_tokens > ``limits.max_tokens_per_turn``.
@@ -69,12 +69,10 @@ def sampling_dict(base: dict[str, Any], override: p.Sampling | None, limits: Any
             f"max_tokens {merged['max_tokens']} exceeds max_tokens_per_turn ({limits.max_tokens_per_turn})",
             field=f"{field_prefix}.max_tokens")
     try:
-        check_sampling_ranges(merged)
-        SamplingParams.from_dict(merged)
+        return SamplingParams.from_dict({**merged, **extra})
     except InvalidRequest as e:
         e.field = f"{field_prefix}.{e.field}" if e.field else field_prefix
         raise
-    return merged
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from sgrt.constrained.bitmask import allowed_tokens
 from sgrt.engine.sampling_params import SamplingParams
 from sgrt.errors import GrammarError
 
-from .util import BACKENDS, compact, mask_of
+from .util import BACKENDS, compact, feed, mask_of
 
 SCHEMA = {
     "type": "object",
@@ -233,3 +233,30 @@ def test_lark_grammar_may_name_special_tokens(compiler, tokenizer):
     assert mask_of(g, vs) == {other}
     assert not g.copy().accept_token(eos)  # not accepting, and the grammar does not name it
     assert g.accept_token(other) and g.is_accepting()
+
+
+def test_a_schema_is_loaded_once_per_compile(tokenizer, monkeypatch):
+    # The compiler reads the request's json_schema once (limits, cache key, normalization all
+    # work on that one copy); the copy is its own, so the caller's dict is left as it was.
+    import copy
+
+    import sgrt.constrained.compiler as compiler_mod
+    import sgrt.constrained.schema as schema_mod
+
+    calls = []
+    real = schema_mod.load_schema
+
+    def counting(spec):
+        calls.append(spec)
+        return real(spec)
+
+    monkeypatch.setattr(compiler_mod, "load_schema", counting)
+    monkeypatch.setattr(schema_mod, "load_schema", counting)
+    spec = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}, "required": ["n"]}
+    before = copy.deepcopy(spec)
+    comp = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+    g = comp.compile(SamplingParams(json_schema=spec))
+    assert len(calls) == 1
+    assert spec == before
+    assert feed(g, tokenizer.encode(compact({"n": 4}), add_special_tokens=False))
+    assert not feed(g, tokenizer.encode(compact({"n": 2}), add_special_tokens=False))  # minimum kept

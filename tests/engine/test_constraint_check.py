@@ -1,6 +1,9 @@
-""""At most one constraint" is one check (sgrt.sampling_params.the_constraint), used by
-SamplingParams, the grammar compiler and the OpenAI adapter: same message, same field."""
+""""At most one constraint" is one check (sgrt.sampling_params.the_constraint), run when a
+SamplingParams is built; the grammar compiler reads the one constraint of a SamplingParams and
+runs the same check only for other objects: same message, same field."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,11 +17,13 @@ from sgrt.sampling_params import SamplingParams, the_constraint
                                            ({"json_schema": {}, "grammar": "start: 'a'"}, "grammar")])
 def test_two_constraints_name_the_second_everywhere(given, second):
     with pytest.raises(InvalidRequest) as on_params:
-        SamplingParams(**given).validate()
+        SamplingParams(**given)  # checked when built
+    with pytest.raises(InvalidRequest) as from_dict:
+        SamplingParams.from_dict(given)
     with pytest.raises(GrammarError) as in_compiler:
-        _constraint_of(SamplingParams(**given))  # built unchecked: the compiler checks again
-    assert on_params.value.field == in_compiler.value.field == second
-    assert str(on_params.value) == str(in_compiler.value)
+        _constraint_of(SimpleNamespace(**given))  # not a SamplingParams: the compiler checks
+    assert on_params.value.field == from_dict.value.field == in_compiler.value.field == second
+    assert str(on_params.value) == str(from_dict.value) == str(in_compiler.value)
 
 
 def test_one_or_none():

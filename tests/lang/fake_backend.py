@@ -1,6 +1,7 @@
 """A model-free backend for the DSL's unit tests: canned completions, one token per character."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -9,6 +10,7 @@ import jinja2
 
 from sgrt.backends.base import BaseBackend, ChoiceScore, GenChunk, GenOutput
 from sgrt.errors import GrammarError
+from sgrt.sampling_params import SamplingParams
 
 # SmolLM2-Instruct's template (ChatML with a default system prompt).
 CHATML_WITH_DEFAULT_SYSTEM = (
@@ -92,11 +94,13 @@ class FakeBackend(BaseBackend):
         return meta
 
     def generate(self, prompt, params, request_id=None):
+        params = _fields(params)
         self._log("gen", prompt, params)
         text, reason = self._complete(prompt, params)
         return GenOutput(text, self._meta(prompt, text, reason, params))
 
     def generate_stream(self, prompt, params, request_id=None) -> Iterator[GenChunk]:
+        params = _fields(params)
         self._log("stream", prompt, params)
         text, reason = self._complete(prompt, params)
         lp = bool(params.get("return_logprob"))
@@ -136,3 +140,9 @@ class FakeBackend(BaseBackend):
 
     def count_tokens(self, text):
         return len(text)
+
+
+def _fields(params: SamplingParams) -> dict:
+    """The backend takes the DSL's typed params; the fake records them as a dict of fields."""
+    assert isinstance(params, SamplingParams), type(params)
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}

@@ -86,8 +86,12 @@ def test_stream_close_and_abort_free_the_request(endpoint, http_engine):
 
 def test_errors_map_to_sgrt_types(endpoint, http_engine):
     with pytest.raises(InvalidRequest) as e:
-        endpoint.generate(PROMPT, {"max_tokens": -1})
-    assert e.value.field == "sampling_params.max_tokens"
+        endpoint.generate(PROMPT, {"max_tokens": -1})  # refused by SamplingParams, before sending
+    assert e.value.field == "max_tokens"
+    # What only the server can check (the model's vocabulary) comes back as the same type.
+    with pytest.raises(InvalidRequest) as e:
+        endpoint.generate(PROMPT, {"max_tokens": 2, "stop_token_ids": [10**6]})
+    assert "stop_token_ids" in e.value.field
     from sgrt.server.http_api import HttpServerThread
 
     with HttpServerThread(http_engine, model_name=MODEL_NAME, auth_token="tok") as server:
