@@ -29,7 +29,7 @@ demo: install
 	$(PY) examples/showcase.py
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 bench: install-bench
 	for b in bench/decode.py bench/throughput.py bench/shared_prefix.py bench/multi_turn.py; do $(PY) $$b || exit 1; done

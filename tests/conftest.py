@@ -42,3 +42,23 @@ def runtime(loaded_model):
     yield rt
     sgrt.set_default_backend(previous)
     rt.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _runtime_idle_first(request):
+    """Before a test that uses ``runtime``, wait until its engine has nothing running or waiting.
+
+    A program's ``run()`` returns before its gens finish (SGLang's executor thread); a test that
+    ends without waiting for them must not leave requests decoding into the next test, whose
+    cache and pool assertions would then depend on test order and timing. The bound is generous
+    (a loaded 2-core machine); it checks no speed.
+    """
+    if "runtime" in request.fixturenames:
+        import time
+
+        engine = request.getfixturevalue("runtime").engine
+        deadline = time.monotonic() + 600
+        while (stats := engine.stats())["running"] or stats["waiting"]:
+            assert time.monotonic() < deadline, f"the session runtime is still busy: {stats}"
+            time.sleep(0.02)
+    yield

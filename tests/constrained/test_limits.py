@@ -181,18 +181,6 @@ def test_recursive_schema_with_a_base_case_compiles(compiler, schema):
 
 # ---- a served process survives every attack class (HTTP and WebSocket) --------------------------
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _http(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
     import urllib.error
     import urllib.request
@@ -207,35 +195,60 @@ def _http(port: int, method: str, path: str, body: dict | None = None) -> tuple[
         return e.code, json.loads(e.read() or b"{}")
 
 
+def _announced_ports(proc: subprocess.Popen, stderr, timeout: float) -> tuple[int, int]:
+    """The (ws, http) ports ``sgrt serve`` prints once it listens (its stdout lines
+    ``sgrt: sessions on ws://...`` and ``sgrt: OpenAI-compatible API on http://...``)."""
+    import queue
+    import re
+    import threading
+
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:  # the rest of stdout is drained too, so the server never blocks on it
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    ports: dict[str, int] = {}
+    while len(ports) < 2:
+        try:
+            line = lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError("sgrt serve did not come up") from None
+        if line is None:
+            stderr.seek(0)
+            raise AssertionError(f"sgrt serve exited early: {stderr.read()[-2000:]}")
+        if m := re.search(r"(ws|http)://127\.0\.0\.1:(\d+)", line):
+            ports[m.group(1)] = int(m.group(2))
+    return ports["ws"], ports["http"]
+
+
 @pytest.fixture(scope="module")
 def served():
-    """``sgrt serve`` as a process on free ports: (process, ws_port, http_port)."""
-    import time
-    import urllib.error
+    """``sgrt serve`` as a process: (process, ws_port, http_port). Both ports are 0 (the OS
+    picks free ones as the server binds; a port probed free beforehand could be taken by another
+    process first) and read back from the lines the server prints."""
+    import tempfile
 
-    ws_port, http_port = _free_ports(2)
-    proc = subprocess.Popen([sys.executable, "-m", "sgrt.cli", "serve", "--port", str(ws_port), "--http-port",
-                             str(http_port), "--max-total-tokens", "4096", "--quiet",
+    stderr = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the server
+    proc = subprocess.Popen([sys.executable, "-m", "sgrt.cli", "serve", "--port", "0", "--http-port", "0",
+                             "--max-total-tokens", "4096", "--quiet",
                              # NOTE: the server's body and frame limits refuse most of these
                              # inputs first by default (tests/server/test_hardening_*.py); opened
                              # here, so that the grammar limits behind them are what is reached.
                              "--max-json-depth", "2000", "--max-body-bytes", str(8 << 20),
                              "--max-message-bytes", str(8 << 20)], cwd=ROOT,
                             env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 600
-    while True:
-        assert proc.poll() is None, f"sgrt serve exited early: {proc.stderr.read()[-2000:]}"
-        try:
-            if _http(http_port, "GET", "/health")[0] == 200:
-                break
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass
-        assert time.monotonic() < deadline, "sgrt serve did not come up"
-        time.sleep(0.5)
-    yield proc, ws_port, http_port
-    proc.terminate()
-    proc.wait(timeout=60)
+                            stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        ws_port, http_port = _announced_ports(proc, stderr, timeout=600)
+        assert _http(http_port, "GET", "/health")[0] == 200
+        yield proc, ws_port, http_port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        stderr.close()
 
 
 def tool_params(chain: dict) -> dict:

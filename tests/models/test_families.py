@@ -220,26 +220,40 @@ def test_longrope_long_factors_past_the_original_length(checkpoints, loaded):
         torch.testing.assert_close(rotary.sin[pos], sin[0], rtol=0, atol=1e-5)
 
 
-def test_sgrt_models_lists_each_family_folder(checkpoints, tmp_path):
+def test_sgrt_models_lists_each_family_folder(checkpoints, tmp_path, monkeypatch, capsys):
     """``sgrt models PATH...`` as a process: every family's folder is loadable, a folder of
-    something else is reported as not loadable (exit status 1)."""
+    something else is reported as not loadable (exit status 1); with only loadable paths the
+    status is 0."""
     import subprocess
     import sys
     from pathlib import Path
 
+    import sgrt.models.catalog
+    from sgrt.cli import main
+
     folders = [str(checkpoints[name][0]) for name in FAMILIES]
+    other = tmp_path / "mamba"
+    other.mkdir()
+    (other / "config.json").write_text('{"architectures": ["MambaForCausalLM"], "model_type": "mamba"}')
+    # NOTE: one process for all the folders: each run also lists the default and packaged GGUFs
+    # (their metadata is most of its time).
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "sgrt.cli", "models", *folders], capture_output=True, text=True,
-                          timeout=300, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "sgrt.cli", "models", *folders, str(other)], capture_output=True,
+                          text=True, timeout=600, cwd=root)
+    assert proc.returncode == 1, proc.stderr[-2000:]
     rows = {line.split("\t")[0]: line.split("\t") for line in proc.stdout.splitlines()}
     for name, folder in zip(FAMILIES, folders):
         assert rows[folder][1:3] == ["path", name]
-    (tmp_path / "config.json").write_text('{"architectures": ["MambaForCausalLM"], "model_type": "mamba"}')
-    proc = subprocess.run([sys.executable, "-m", "sgrt.cli", "models", str(tmp_path)], capture_output=True,
-                          text=True, timeout=300, cwd=root)
-    assert proc.returncode == 1
-    assert "NOT LOADABLE" in proc.stdout and "MambaForCausalLM" in proc.stdout
+    assert rows[str(other)][1:3] == ["path", "NOT LOADABLE"] and "MambaForCausalLM" in rows[str(other)][3]
+    # Only loadable paths: status 0 (in this process, with the default/packaged/cached GGUFs
+    # out of the listing, which the process above covered).
+    monkeypatch.setattr(sgrt.models.catalog, "default_gguf_path", lambda: None)
+    monkeypatch.setattr(sgrt.models.catalog, "packaged_gguf", lambda name: None)
+    monkeypatch.setenv("SGRT_CACHE_DIR", str(tmp_path / "empty-cache"))
+    capsys.readouterr()
+    assert main(["models", *folders]) == 0
+    listed = [line.split("\t")[:3] for line in capsys.readouterr().out.splitlines()]
+    assert listed == [[folder, "path", name] for name, folder in zip(FAMILIES, folders)]
 
 
 @pytest.mark.parametrize("name", ["mistral", "gemma3"])

@@ -42,8 +42,9 @@ async def running_server(engine: Any, **kw: Any):
         await server.close()
 
 
-async def wait_engine_idle(engine: Any, timeout: float = 30.0) -> None:
-    """Wait until the engine has no running or waiting request."""
+async def wait_engine_idle(engine: Any, timeout: float = 120.0) -> None:
+    """Wait until the engine has no running or waiting request (``timeout`` bounds the wait; it
+    checks no speed)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         st = engine.stats()

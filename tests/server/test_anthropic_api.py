@@ -98,7 +98,8 @@ def test_auth_token_x_api_key_and_bearer(http_engine):
             with good.messages.stream(model=MODEL_NAME, max_tokens=2, messages=msgs, extra_body=GREEDY) as s:
                 assert s.get_final_message().usage.output_tokens == 2
         with anthropic.Anthropic(base_url=server.url, auth_token="s3cret", max_retries=0) as bearer:
-            assert bearer.messages.create(model=MODEL_NAME, max_tokens=1, messages=msgs).usage.output_tokens == 1
+            m = bearer.messages.create(model=MODEL_NAME, max_tokens=1, messages=msgs, extra_body=GREEDY)
+            assert m.usage.output_tokens == 1
         with anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0) as bad:
             with pytest.raises(anthropic.AuthenticationError) as err:
                 bad.messages.create(model=MODEL_NAME, max_tokens=1, messages=msgs)

@@ -232,7 +232,8 @@ def _closed_by_server(sock: socket.socket) -> bool:
 def test_half_open_and_slow_connections_are_closed(http_engine):
     from sgrt.server.http_api import HttpServerThread
 
-    with HttpServerThread(http_engine, model_name=MODEL_NAME, header_timeout_s=0.3, body_timeout_s=0.3) as srv:
+    # NOTE: 1 s timeouts: long enough that the test's own sends arrive in time on a loaded machine.
+    with HttpServerThread(http_engine, model_name=MODEL_NAME, header_timeout_s=1.0, body_timeout_s=1.0) as srv:
         silent = _open(srv.url)  # connects, sends nothing
         partial = _open(srv.url)  # part of the headers, then nothing
         partial.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")
@@ -264,7 +265,7 @@ def test_connection_cap(http_engine):
         for s in held:
             s.close()
         extra.close()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120
         while True:  # the held sockets' close reaches the server asynchronously
             try:
                 status = raw(srv.url, "GET", "/health")[0]

@@ -32,7 +32,8 @@ WEATHER = {"type": "function", "function": {
 def test_documented_fields_accepted_unknown_refused(client, http_server, caplog):
     caplog.set_level(logging.WARNING, logger="sgrt.server.http")
     r = client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, reasoning_effort="low",
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0,
+        reasoning_effort="low",
         verbosity="low", modalities=["text"], prediction={"type": "content", "content": "x"},
         prompt_cache_retention="24h", user="u1", store=False, metadata={"a": "b"},
         stream=True, stream_options={"include_usage": True, "include_obfuscation": False})
