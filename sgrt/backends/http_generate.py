@@ -164,8 +164,9 @@ class GenerateMixin:
         return out
 
     # ---- OpenAI-compatible completions (other servers) ----------------------------------------
-    def _completion_body(self, prompt: str | list[str], params: SamplingParams,
+    def _completion_body(self, prompt: str | list[str], params: ParamsLike,
                          request_id: str | None) -> dict[str, Any]:
+        params = as_sampling_params(params)
         body = self.adapter.completion_body(self.model, prompt, params, request_id, self.base_url)
         for key in ("regex", "grammar"):
             if getattr(params, key) is not None and key in self.adapter.needs_llguidance:
