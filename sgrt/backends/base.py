@@ -190,6 +190,13 @@ class BaseBackend(ABC):
         the iteration.
         """
 
+    def next_token_stream(self, prompt: str, params: SamplingParams,
+                          request_id: str | None = None) -> Iterator[GenChunk]:
+        """The stream of a next-token request (:func:`next_token_request` said so): one finished
+        :class:`GenChunk` with no text, carrying :meth:`generate`'s meta (its top logprobs)."""
+        out = self.generate(prompt, params.replace(max_tokens=0), request_id)
+        return iter([GenChunk("", [], None, None, True, out.meta_info)])
+
     # ---- select ---------------------------------------------------------------------------
 
     @abstractmethod

@@ -114,8 +114,7 @@ class GenerateMixin:
         params, patterns = split_stop_regex(params)
         params, next_only = next_token_request(params)
         if next_only:
-            return iter([GenChunk("", [], None, None, True, self.generate(
-                prompt, params.replace(max_tokens=0), request_id).meta_info)])
+            return self.next_token_stream(prompt, params, request_id)
         if patterns:
             return self._regex_stream(prompt, params, request_id, patterns)
         return self._generate_stream(prompt, params, request_id)

@@ -134,8 +134,7 @@ class LocalBackend(BaseBackend):
         params, patterns = split_stop_regex(params)
         params, next_only = next_token_request(params)
         if next_only:
-            return iter([GenChunk("", [], None, None, True, self.generate(
-                prompt, params.replace(max_tokens=0), request_id).meta_info)])
+            return self.next_token_stream(prompt, params, request_id)
         return self._stream(prompt, params, request_id, patterns)
 
     def _stream(self, prompt: str, params: SamplingParams, request_id: str | None,
