@@ -116,20 +116,6 @@ def test_cot_decoding_top_k_first_tokens(runtime):
     assert all(_is_logprob_entry(e) for e in top[0])
     assert [e[0] for e in top[0]] == sorted((e[0] for e in top[0]), reverse=True)
     assert len({e[1] for e in top[0]}) == k
-
-
-def test_next_token_request_streamed_has_the_same_top_tokens(runtime):
-    # The next-token idiom through generate_stream (BaseBackend.next_token_stream): one finished
-    # chunk, no text, and the same top tokens as the complete request.
-    from sgrt.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=0, return_logprob=True, top_logprobs_num=3)
-    whole = runtime.generate("Question: What is 2 plus 3?\nAnswer:", params)
-    chunks = list(runtime.generate_stream("Question: What is 2 plus 3?\nAnswer:", params))
-    assert len(chunks) == 1 and chunks[0].finished and chunks[0].text == ""
-    streamed = chunks[0].meta_info["output_top_logprobs"]
-    assert [e[1] for e in streamed[0]] == [e[1] for e in whole.meta_info["output_top_logprobs"][0]]
-    assert len(streamed[0]) == 3
     assert len(st["answer"]) == k
     for i, answer_meta in enumerate(st.get_meta_info("answer")):
         assert all(_is_logprob_entry(e) for e in answer_meta["output_token_logprobs"])
@@ -584,3 +570,17 @@ def test_image_and_video_refused(runtime, primitive):
         st.text()
     assert e.value.field == primitive
     assert f"sgrt.{primitive}" in str(e.value) and "vision tower" in str(e.value)
+
+
+def test_next_token_request_streamed_has_the_same_top_tokens(runtime):
+    # The next-token idiom through generate_stream (BaseBackend.next_token_stream): one finished
+    # chunk, no text, and the same top tokens as the complete request.
+    from sgrt.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=0, return_logprob=True, top_logprobs_num=3)
+    whole = runtime.generate("Question: What is 2 plus 3?\nAnswer:", params)
+    chunks = list(runtime.generate_stream("Question: What is 2 plus 3?\nAnswer:", params))
+    assert len(chunks) == 1 and chunks[0].finished and chunks[0].text == ""
+    streamed = chunks[0].meta_info["output_top_logprobs"]
+    assert [e[1] for e in streamed[0]] == [e[1] for e in whole.meta_info["output_top_logprobs"][0]]
+    assert len(streamed[0]) == 3
