@@ -45,13 +45,11 @@ request the server aborted raises :class:`sgrt.errors.RequestAborted`.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
-import hashlib
 import json
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -60,6 +58,7 @@ from sgrt.backends.base import BaseBackend
 from sgrt.backends.dialects import Dialect, detect_dialect
 from sgrt.backends.http_client import HttpClient, Transport
 from sgrt.backends.http_generate import GenerateMixin
+from sgrt.backends.http_routing import ServerRouter
 from sgrt.backends.http_select import SelectMixin
 from sgrt.errors import InvalidRequest, RequestAborted
 
@@ -74,9 +73,8 @@ class RuntimeEndpoint(GenerateMixin, SelectMixin, BaseBackend):
     ``gen`` after a ``select``, a fork's branches, a chat's next turn) goes to the server that
     had that earlier prompt, whose radix cache holds it; a prompt that extends none goes to the
     server with the fewest requests in flight (ties go to the server of a prefix cached ahead
-    of use, then by a hash of its first :attr:`AFFINITY_CHARS` characters), so independent
-    sessions and ``run_batch`` items spread out even when they share a system prompt. The last :attr:`AFFINITY_ENTRIES` prompts are
-    remembered. Every server must serve ``model`` and be sgrt or not alike (checked when
+    of use, then by a hash of its first characters), so independent sessions and ``run_batch`` items
+    spread out even when they share a system prompt (:class:`sgrt.backends.http_routing.ServerRouter`). Every server must serve ``model`` and be sgrt or not alike (checked when
     constructed).
 
     Args:
@@ -104,11 +102,6 @@ class RuntimeEndpoint(GenerateMixin, SelectMixin, BaseBackend):
         InvalidRequest: a bad ``dialect`` or ``base_url``, or the server refused the API key.
     """
 
-    #: Leading characters hashed to break ties between equally loaded servers.
-    AFFINITY_CHARS = 64
-    #: How many routed prompts are remembered for prefix affinity.
-    AFFINITY_ENTRIES = 4096
-
     def __init__(self, base_url: str | Sequence[str], api_key: str | None = None,
                  verify: bool | str | None = None, chat_template_name: str | None = None, *,
                  model: str | None = None,
@@ -129,11 +122,9 @@ class RuntimeEndpoint(GenerateMixin, SelectMixin, BaseBackend):
             raise InvalidRequest("base_url: give at least one server", field="base_url")
         self.clients = [HttpClient(_strip_v1(u), api_key=api_key, timeout=timeout, max_retries=max_retries,
                                    verify=verify, transport=transport) for u in urls]
-        self._routed = threading.local()
-        self._affinity: collections.OrderedDict[str, tuple[HttpClient, bool]] = collections.OrderedDict()
-        self._in_flight = {id(c): 0 for c in self.clients}
-        self._route_lock = threading.Lock()
-        self._llguidance: dict[str, bool] = {}
+        self.router = ServerRouter(self.clients)
+        self._llguidance: dict[str, bool] = {}  # server root -> built with llguidance (llama.cpp)
+        self._llguidance_lock = threading.Lock()
         self.base_url = self.clients[0].base_url
         models = self.client.request("GET", "/v1/models")
         cards = (models or {}).get("data") or []
@@ -171,53 +162,16 @@ class RuntimeEndpoint(GenerateMixin, SelectMixin, BaseBackend):
     @property
     def client(self) -> HttpClient:
         """The server this thread's current call goes to (the first one outside a call)."""
-        return getattr(self._routed, "client", None) or self.clients[0]
+        return self.router.current()
 
     def client_for(self, prompt: str, remember: bool = True, hint: bool = False) -> HttpClient:
-        """The server for ``prompt`` (see the class docstring). ``remember`` records the choice
-        so that prompts extending this one follow it; a ``hint`` (a prefix cached ahead of
-        use, e.g. ``run_batch``'s shared prefix) is followed only while its server is no busier
-        than the others, so the items of a batch still spread out."""
-        if len(self.clients) == 1:
-            return self.clients[0]
-        with self._route_lock:
-            hard = soft = None
-            for earlier, (client, is_hint) in self._affinity.items():
-                if prompt.startswith(earlier):
-                    if not is_hint and (hard is None or len(earlier) > len(hard[0])):
-                        hard = (earlier, client)
-                    if is_hint and (soft is None or len(earlier) > len(soft[0])):
-                        soft = (earlier, client)
-            if hard is not None:
-                chosen = hard[1]
-                self._affinity.move_to_end(hard[0])
-            else:
-                key = prompt[:self.AFFINITY_CHARS].encode("utf-8", "surrogatepass")
-                chosen = min(self.clients, key=lambda c: (
-                    self._in_flight[id(c)], soft is None or c is not soft[1],
-                    hashlib.blake2b(c.base_url.encode() + b"\0" + key, digest_size=8).digest()))
-            if remember and prompt:
-                self._affinity[prompt] = (chosen, hint)
-                self._affinity.move_to_end(prompt)
-                while len(self._affinity) > self.AFFINITY_ENTRIES:
-                    self._affinity.popitem(last=False)
-            return chosen
+        """The server for ``prompt`` (:meth:`sgrt.backends.http_routing.ServerRouter.client_for`)."""
+        return self.router.client_for(prompt, remember, hint)
 
-    @contextlib.contextmanager
-    def _route(self, prompt: str) -> Iterator[HttpClient]:
-        """Send this thread's requests to ``prompt``'s server until the block ends (nested calls
-        keep the outer choice, so a select's tokenize, prefill and scoring share one server)."""
-        outer = getattr(self._routed, "client", None)
-        client = outer or self.client_for(prompt)
-        self._routed.client = client
-        with self._route_lock:
-            self._in_flight[id(client)] += 1
-        try:
-            yield client
-        finally:
-            self._routed.client = outer
-            with self._route_lock:
-                self._in_flight[id(client)] -= 1
+    def _route(self, prompt: str) -> contextlib.AbstractContextManager[HttpClient]:
+        """This thread's requests go to ``prompt``'s server until the block ends
+        (:meth:`sgrt.backends.http_routing.ServerRouter.route`)."""
+        return self.router.route(prompt)
 
     def _probe(self, path: str) -> Any:
         """GET ``path``; the JSON answer, or None for any error (detection only)."""
@@ -252,8 +206,8 @@ class RuntimeEndpoint(GenerateMixin, SelectMixin, BaseBackend):
             enc = self._tokenizer.encode
             return [enc(t) for t in text] if isinstance(text, list) else enc(text)
         body = {"prompt": text, "model": self.model}
-        client = self.client if len(self.clients) == 1 or getattr(self._routed, "client", None) \
-            else self.client_for(text if isinstance(text, str) else (text[0] if text else ""), remember=False)
+        client = self.router.active() or self.client_for(
+            text if isinstance(text, str) else (text[0] if text else ""), remember=False)
         out = client.request("POST", "/tokenize", body)
         if isinstance(text, list):
             return [o["tokens"] for o in out]
@@ -376,7 +330,7 @@ class RuntimeEndpoint(GenerateMixin, SelectMixin, BaseBackend):
             InvalidRequest: (``field`` = ``key``) the server is not known to have llguidance.
         """
         client = self.client
-        with self._route_lock:
+        with self._llguidance_lock:
             known = self._llguidance.get(client.base_url)
         if known is None:
             try:
@@ -386,7 +340,7 @@ class RuntimeEndpoint(GenerateMixin, SelectMixin, BaseBackend):
                 known = grammar.startswith("%llguidance")
             except (InvalidRequest, RequestAborted, ConnectionError):
                 known = False
-            with self._route_lock:
+            with self._llguidance_lock:
                 self._llguidance[client.base_url] = known
         if not known:
             raise self.adapter.refuse(key, client.base_url, "it needs a server built with llguidance "
