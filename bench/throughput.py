@@ -6,7 +6,12 @@ request starts as soon as one finishes); transformers runs static left-padded ba
 each batch running to its longest request. Output tok/s counts the requested tokens only.
 Target: sgrt >= 2x.
 
-Run: ``python bench/throughput.py [--requests 64] [--concurrency 16]``
+``--variants bfloat16,int4`` adds sgrt rows for the same workload in those forms (``int4``: the
+GGUF's Q4_1 blocks with bfloat16 activations, as ``load_model(..., quantization="int4")``), each
+with its ratio to transformers' float32 static batches and to sgrt bfloat16 (issue 21's targets:
+int4 >= bfloat16 and >= 3x transformers). The sgrt rows run one after another in one process.
+
+Run: ``python bench/throughput.py [--requests 64] [--concurrency 16] [--variants bfloat16,int4]``
 """
 from __future__ import annotations
 
@@ -79,6 +84,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", default="", help="extra sgrt rows: bfloat16, int8, int4 (comma list)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from sgrt.models import load_model
@@ -95,9 +101,38 @@ def main() -> None:
         [f"transformers generate (static batches of {args.concurrency})", hf_s, theirs],
     ])
     print(f"ratio: {ours / theirs:.2f}x (target >= 2x); sgrt retracted {stats['retracted']} requests")
+    extra = run_variants([v for v in args.variants.split(",") if v], work, args.concurrency, tokens, theirs)
     emit_json("throughput", requests=args.requests, concurrency=args.concurrency, output_tokens=tokens,
               sgrt_seconds=round(sgrt_s, 2), hf_seconds=round(hf_s, 2), sgrt_tok_s=round(ours, 2),
-              hf_tok_s=round(theirs, 2), ratio=round(ours / theirs, 3))
+              hf_tok_s=round(theirs, 2), ratio=round(ours / theirs, 3), **extra)
+
+
+def run_variants(variants: list[str], work: list[tuple[str, int]], concurrency: int, tokens: int,
+                 hf_tok_s: float) -> dict:
+    """sgrt on the same workload in other dtypes / quantizations; their rows and JSON figures."""
+    from sgrt.models import load_model
+
+    if not variants:
+        return {}
+    rates: dict[str, float] = {}
+    for variant in variants:
+        if variant in ("float32", "bfloat16"):
+            loaded = load_model("smollm2-135m-instruct", dtype=variant)
+        else:
+            loaded = load_model("smollm2-135m-instruct", dtype="bfloat16", quantization=variant)
+        seconds, _ = run_sgrt(loaded, work, concurrency)
+        rates[variant] = tokens / seconds
+        del loaded
+    rows, figures = [], {}
+    for variant, rate in rates.items():
+        vs_bf16 = rate / rates["bfloat16"] if "bfloat16" in rates else None
+        rows.append([f"sgrt {variant}", rate, rate / hf_tok_s, "-" if vs_bf16 is None else f"{vs_bf16:.2f}"])
+        figures[f"sgrt_{variant}_tok_s"] = round(rate, 2)
+        figures[f"sgrt_{variant}_over_hf"] = round(rate / hf_tok_s, 3)
+        if vs_bf16 is not None:
+            figures[f"sgrt_{variant}_over_bfloat16"] = round(vs_bf16, 3)
+    print_table(["variant", "output tok/s", "/ transformers float32", "/ sgrt bfloat16"], rows)
+    return figures
 
 
 if __name__ == "__main__":
