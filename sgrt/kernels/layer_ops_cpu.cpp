@@ -339,13 +339,30 @@ void accumulate_values(const float* p, int64_t g, int64_t d, const R* vbase, con
   }
 }
 
+// Flash decoding (Dao et al., "Flash-Decoding for long-context inference", 2023): a context
+// longer than kDecodeChunk keys is split into chunks of kDecodeChunk keys; every (row, kv head,
+// chunk) is one work item that computes its chunk's max score, sum of exponentials and
+// unnormalised output, and the chunks of a (row, kv head) are merged in chunk order by their
+// log-sum-exp. The chunk size is fixed (not derived from the thread count), so the result does
+// not depend on the thread count; a context of one chunk or less is one item that normalises
+// directly, as the kernel did before it split long contexts.
+constexpr int64_t kDecodeChunk = 256;
+
+// One work item: keys [c0, c0 + n) of row r's context, kv head kh.
+struct AttendItem {
+  int64_t r, kh, c0, n;
+  int64_t part;  // index of its partial result (-1: the row's only chunk, written to out directly)
+};
+
 // DC: head_dim known at compile time (64, 128: AVX-512 paths whose loops over it unroll), or 0
 // for any other head_dim (portable loops).
+// Returns false, with *bad_slot set to a slot outside [0, num_slots), if it met one (nothing of
+// a bad item is read, and out is left partly unwritten).
 template <typename T, int DC>
-void attend_rows(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const int64_t* sl, const int64_t* ln,
-                 int64_t max_kv, Tensor& out) {
+bool attend_rows(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const int64_t* sl, const int64_t* ln,
+                 int64_t max_kv, Tensor& out, int64_t* bad_slot) {
   const int64_t d = DC > 0 ? DC : q.size(2);
-  int64_t b = q.size(0), h = q.size(1), hkv = k_cache.size(1), g = h / hkv;
+  int64_t b = q.size(0), h = q.size(1), hkv = k_cache.size(1), g = h / hkv, num_slots = k_cache.size(0);
   float scale = 1.f / std::sqrt(static_cast<float>(d));
   using R = raw<T>;
   const R* qp = raw_ptr<T>(q);
@@ -353,19 +370,55 @@ void attend_rows(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   const R* vp = raw_ptr<T>(v_cache);
   R* op = raw_ptr<T>(out);
   int64_t qs0 = q.stride(0), qs1 = q.stride(1), row = hkv * d;
-  at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(g * d), scores(g * max_kv), acc(g * d), sums(g);
-    for (int64_t item = begin; item < end; ++item) {
-      int64_t r = item / hkv, kh = item % hkv, len = ln[r];
-      const int64_t* rs = sl + r * max_kv;
+  // Items ordered row, kv head, chunk; partials of split rows laid out in the same order.
+  std::vector<AttendItem> items;
+  std::vector<int64_t> first_part(b * hkv, -1);
+  int64_t parts = 0;
+  for (int64_t r = 0; r < b; ++r) {
+    int64_t len = ln[r], chunks = (len + kDecodeChunk - 1) / kDecodeChunk;
+    for (int64_t kh = 0; kh < hkv; ++kh) {
+      if (chunks == 1) {
+        items.push_back({r, kh, 0, len, -1});
+        continue;
+      }
+      first_part[r * hkv + kh] = parts;
+      for (int64_t c = 0; c < chunks; ++c) {
+        items.push_back({r, kh, c * kDecodeChunk, std::min(kDecodeChunk, len - c * kDecodeChunk), parts++});
+      }
+    }
+  }
+  // Per partial: g maxima, g sums, g * d unnormalised outputs.
+  const int64_t part_size = g * (d + 2);
+  std::vector<float> partials(parts * part_size);
+  const int64_t span = std::min(max_kv, kDecodeChunk);
+  std::vector<int64_t> bad(items.size());
+  std::vector<uint8_t> is_bad(items.size(), 0);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(g * d), scores(g * span), acc(g * d), sums(g), maxes(g);
+    for (int64_t it = begin; it < end; ++it) {
+      const AttendItem& item = items[it];
+      int64_t r = item.r, kh = item.kh, len = item.n;
+      const int64_t* rs = sl + r * max_kv + item.c0;
+      // The slots are checked here, in parallel, rather than in a serial pass over every slot of
+      // every row before the call (that pass grows with the context, once a layer).
+      int64_t lo = 0, hi = 0;
+      for (int64_t j = 0; j < len; ++j) {
+        lo = std::min(lo, rs[j]);
+        hi = std::max(hi, rs[j]);
+      }
+      if (lo < 0 || hi >= num_slots) {
+        bad[it] = lo < 0 ? lo : hi;
+        is_bad[it] = 1;
+        continue;
+      }
       for (int64_t i = 0; i < g; ++i) {
         float* qi = qf.data() + i * d;
         load_row(qp + r * qs0 + (kh * g + i) * qs1, qi, d);
         for (int64_t c = 0; c < d; ++c) qi[c] *= scale;
       }
-      score_keys<R, DC>(qf.data(), g, d, kp + kh * d, rs, len, row, scores.data(), max_kv);
+      score_keys<R, DC>(qf.data(), g, d, kp + kh * d, rs, len, row, scores.data(), span);
       for (int64_t i = 0; i < g; ++i) {
-        float* si = scores.data() + i * max_kv;
+        float* si = scores.data() + i * span;
         float m = *std::max_element(si, si + len);
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
@@ -374,16 +427,59 @@ void attend_rows(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
           total += si[j];
         }
         sums[i] = total;
+        maxes[i] = m;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      accumulate_values<R, DC>(scores.data(), g, d, vp + kh * d, rs, len, row, max_kv, acc.data());
-      for (int64_t i = 0; i < g; ++i) {
-        R* o = op + r * h * d + (kh * g + i) * d;
-        float inv = 1.f / sums[i];
-        for (int64_t c = 0; c < d; ++c) o[c] = from_f<R>(acc[i * d + c] * inv);
+      accumulate_values<R, DC>(scores.data(), g, d, vp + kh * d, rs, len, row, span, acc.data());
+      if (item.part < 0) {
+        for (int64_t i = 0; i < g; ++i) {
+          R* o = op + r * h * d + (kh * g + i) * d;
+          float inv = 1.f / sums[i];
+          for (int64_t c = 0; c < d; ++c) o[c] = from_f<R>(acc[i * d + c] * inv);
+        }
+      } else {
+        float* pp = partials.data() + item.part * part_size;
+        std::copy(maxes.begin(), maxes.end(), pp);
+        std::copy(sums.begin(), sums.end(), pp + g);
+        std::copy(acc.begin(), acc.end(), pp + 2 * g);
       }
     }
   });
+  for (size_t it = 0; it < items.size(); ++it) {
+    if (is_bad[it]) {
+      *bad_slot = bad[it];
+      return false;
+    }
+  }
+  if (parts == 0) return true;
+  // Merge each split (row, kv head)'s chunks in chunk order: weights exp(m_c - max_c m_c).
+  at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(d);
+    for (int64_t rk = begin; rk < end; ++rk) {
+      if (first_part[rk] < 0) continue;
+      int64_t r = rk / hkv, kh = rk % hkv;
+      int64_t chunks = (ln[r] + kDecodeChunk - 1) / kDecodeChunk;
+      const float* p0 = partials.data() + first_part[rk] * part_size;
+      for (int64_t i = 0; i < g; ++i) {
+        float m = -INFINITY;
+        for (int64_t c = 0; c < chunks; ++c) m = std::max(m, p0[c * part_size + i]);
+        float total = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* pc = p0 + c * part_size;
+          float w = std::exp(pc[i] - m);
+          total += w * pc[g + i];
+          const float* ac = pc + 2 * g + i * d;
+#pragma omp simd
+          for (int64_t e = 0; e < d; ++e) acc[e] += w * ac[e];
+        }
+        R* o = op + r * h * d + (kh * g + i) * d;
+        float inv = 1.f / total;
+        for (int64_t e = 0; e < d; ++e) o[e] = from_f<R>(acc[e] * inv);
+      }
+    }
+  });
+  return true;
 }
 
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
@@ -401,28 +497,26 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
               "slots must be contiguous int64 [B, max_kv]");
   TORCH_CHECK(kv_lens.scalar_type() == at::kLong && kv_lens.dim() == 1 && kv_lens.size(0) == b,
               "kv_lens must be int64 [B]");
-  int64_t max_kv = slots.size(1), num_slots = k_cache.size(0), g = h / hkv;
+  int64_t max_kv = slots.size(1), num_slots = k_cache.size(0);
   const int64_t* sl = slots.const_data_ptr<int64_t>();
   Tensor lens = kv_lens.contiguous();
   const int64_t* ln = lens.const_data_ptr<int64_t>();
   for (int64_t r = 0; r < b; ++r) {
     TORCH_CHECK(ln[r] >= 1 && ln[r] <= max_kv, "kv_lens[", r, "] = ", ln[r], " outside 1..", max_kv);
-    for (int64_t j = 0; j < ln[r]; ++j) {
-      int64_t s = sl[r * max_kv + j];
-      TORCH_CHECK(s >= 0 && s < num_slots, "slot ", s, " outside the pool's ", num_slots, " slots");
-    }
   }
   Tensor out = at::empty({b, h * d}, q.options());
+  int64_t bad = 0;
+  bool ok = true;
   dispatch_float(q.scalar_type(), [&]<typename scalar_t>() {
-    using R = raw<scalar_t>;
     if (d == 64) {
-      attend_rows<scalar_t, 64>(q, k_cache, v_cache, sl, ln, max_kv, out);
+      ok = attend_rows<scalar_t, 64>(q, k_cache, v_cache, sl, ln, max_kv, out, &bad);
     } else if (d == 128) {
-      attend_rows<scalar_t, 128>(q, k_cache, v_cache, sl, ln, max_kv, out);
+      ok = attend_rows<scalar_t, 128>(q, k_cache, v_cache, sl, ln, max_kv, out, &bad);
     } else {
-      attend_rows<scalar_t, 0>(q, k_cache, v_cache, sl, ln, max_kv, out);
+      ok = attend_rows<scalar_t, 0>(q, k_cache, v_cache, sl, ln, max_kv, out, &bad);
     }
   });
+  TORCH_CHECK(ok, "slot ", bad, " outside the pool's ", num_slots, " slots");
   return out;
 }
 
