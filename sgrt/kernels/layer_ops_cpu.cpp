@@ -22,7 +22,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -339,6 +339,81 @@ void accumulate_values(const float* p, int64_t g, int64_t d, const R* vbase, con
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define SGRT_BLOCKED_ATTENTION 1
+// The loops of a split context's chunks (any head_dim that is a multiple of 8): keys and values
+// are widened to float 8 rows at a time into a small buffer, each query head scores 8 keys with 8
+// accumulators reduced together (one horizontal reduction per 8 scores, not one per score), and
+// each value row's contribution is added for 8 keys per load / store of the output accumulator.
+// They sum in another order than the per-key loops above, so one-chunk contexts keep those.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// buf[k * d ..] = row of slot rs[k] (kv head at base) as floats, k < 8; rows from cnt on repeat row 0.
+template <typename R>
+inline void widen_rows(const R* base, const int64_t* rs, int64_t cnt, int64_t row, int64_t d, float* buf) {
+  for (int64_t k = 0; k < 8; ++k) {
+    const R* src = base + rs[k < cnt ? k : 0] * row;
+    float* dst = buf + k * d;
+    for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(dst + c, load8(src + c));
+  }
+}
+
+// score_keys' contract, 8 keys at a time; buf: 8 * d floats of scratch.
+template <typename R>
+void score_keys_blocked(const float* qf, int64_t g, int64_t d, const R* kbase, const int64_t* rs, int64_t len,
+                        int64_t row, float* scores, int64_t stride, float* buf) {
+  for (int64_t j0 = 0; j0 < len; j0 += 8) {
+    int64_t cnt = std::min<int64_t>(8, len - j0);
+    widen_rows(kbase, rs + j0, cnt, row, d, buf);
+    for (int64_t i = 0; i < g; ++i) {
+      const float* qi = qf + i * d;
+      __m256 a[8];
+      for (int k = 0; k < 8; ++k) a[k] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < d; c += 8) {
+        __m256 qv = _mm256_loadu_ps(qi + c);
+        for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(buf + k * d + c), a[k]);
+      }
+      // [a0..a7] -> the 8 lane sums in one vector
+      __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+      __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+      __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+      float* si = scores + i * stride + j0;
+      if (cnt == 8) {
+        _mm256_storeu_ps(si, sums);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, sums);
+        std::copy(tmp, tmp + cnt, si);
+      }
+    }
+  }
+}
+
+// accumulate_values' contract, 8 keys per load / store of acc; buf: 8 * d floats of scratch.
+template <typename R>
+void accumulate_values_blocked(const float* p, int64_t g, int64_t d, const R* vbase, const int64_t* rs, int64_t len,
+                               int64_t row, int64_t stride, float* acc, float* buf) {
+  for (int64_t j0 = 0; j0 < len; j0 += 8) {
+    int64_t cnt = std::min<int64_t>(8, len - j0);
+    widen_rows(vbase, rs + j0, cnt, row, d, buf);
+    for (int64_t i = 0; i < g; ++i) {
+      __m256 w[8];
+      for (int64_t k = 0; k < cnt; ++k) w[k] = _mm256_set1_ps(p[i * stride + j0 + k]);
+      float* ai = acc + i * d;
+      for (int64_t c = 0; c < d; c += 8) {
+        __m256 x = _mm256_loadu_ps(ai + c);
+        for (int64_t k = 0; k < cnt; ++k) x = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(buf + k * d + c), x);
+        _mm256_storeu_ps(ai + c, x);
+      }
+    }
+  }
+}
+#endif
+
 // Flash decoding (Dao et al., "Flash-Decoding for long-context inference", 2023): a context
 // longer than kDecodeChunk keys is split into chunks of kDecodeChunk keys; every (row, kv head,
 // chunk) is one work item that computes its chunk's max score, sum of exponentials and
@@ -370,19 +445,21 @@ bool attend_rows(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   const R* vp = raw_ptr<T>(v_cache);
   R* op = raw_ptr<T>(out);
   int64_t qs0 = q.stride(0), qs1 = q.stride(1), row = hkv * d;
-  // Items ordered row, kv head, chunk; partials of split rows laid out in the same order.
+  // Items ordered row, chunk, kv head (a chunk's kv heads share the cache lines of its slots'
+  // rows, so one thread takes them in a row); partials of split rows laid out in the same order:
+  // row r's chunk c, kv head kh at first_part[r] + c * hkv + kh.
   std::vector<AttendItem> items;
-  std::vector<int64_t> first_part(b * hkv, -1);
+  std::vector<int64_t> first_part(b, -1);
   int64_t parts = 0;
   for (int64_t r = 0; r < b; ++r) {
     int64_t len = ln[r], chunks = (len + kDecodeChunk - 1) / kDecodeChunk;
-    for (int64_t kh = 0; kh < hkv; ++kh) {
-      if (chunks == 1) {
-        items.push_back({r, kh, 0, len, -1});
-        continue;
-      }
-      first_part[r * hkv + kh] = parts;
-      for (int64_t c = 0; c < chunks; ++c) {
+    if (chunks == 1) {
+      for (int64_t kh = 0; kh < hkv; ++kh) items.push_back({r, kh, 0, len, -1});
+      continue;
+    }
+    first_part[r] = parts;
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int64_t kh = 0; kh < hkv; ++kh) {
         items.push_back({r, kh, c * kDecodeChunk, std::min(kDecodeChunk, len - c * kDecodeChunk), parts++});
       }
     }
@@ -394,7 +471,7 @@ bool attend_rows(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   std::vector<int64_t> bad(items.size());
   std::vector<uint8_t> is_bad(items.size(), 0);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(g * d), scores(g * span), acc(g * d), sums(g), maxes(g);
+    std::vector<float> qf(g * d), scores(g * span), acc(g * d), sums(g), maxes(g), buf(8 * d);
     for (int64_t it = begin; it < end; ++it) {
       const AttendItem& item = items[it];
       int64_t r = item.r, kh = item.kh, len = item.n;
@@ -416,7 +493,18 @@ bool attend_rows(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
         load_row(qp + r * qs0 + (kh * g + i) * qs1, qi, d);
         for (int64_t c = 0; c < d; ++c) qi[c] *= scale;
       }
-      score_keys<R, DC>(qf.data(), g, d, kp + kh * d, rs, len, row, scores.data(), span);
+#ifdef SGRT_BLOCKED_ATTENTION
+      const bool blocked = item.part >= 0 && d % 8 == 0;
+#else
+      const bool blocked = false;
+#endif
+      if (blocked) {
+#ifdef SGRT_BLOCKED_ATTENTION
+        score_keys_blocked<R>(qf.data(), g, d, kp + kh * d, rs, len, row, scores.data(), span, buf.data());
+#endif
+      } else {
+        score_keys<R, DC>(qf.data(), g, d, kp + kh * d, rs, len, row, scores.data(), span);
+      }
       for (int64_t i = 0; i < g; ++i) {
         float* si = scores.data() + i * span;
         float m = *std::max_element(si, si + len);
@@ -430,7 +518,13 @@ bool attend_rows(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
         maxes[i] = m;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      accumulate_values<R, DC>(scores.data(), g, d, vp + kh * d, rs, len, row, span, acc.data());
+      if (blocked) {
+#ifdef SGRT_BLOCKED_ATTENTION
+        accumulate_values_blocked<R>(scores.data(), g, d, vp + kh * d, rs, len, row, span, acc.data(), buf.data());
+#endif
+      } else {
+        accumulate_values<R, DC>(scores.data(), g, d, vp + kh * d, rs, len, row, span, acc.data());
+      }
       if (item.part < 0) {
         for (int64_t i = 0; i < g; ++i) {
           R* o = op + r * h * d + (kh * g + i) * d;
@@ -456,17 +550,18 @@ bool attend_rows(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(d);
     for (int64_t rk = begin; rk < end; ++rk) {
-      if (first_part[rk] < 0) continue;
       int64_t r = rk / hkv, kh = rk % hkv;
+      if (first_part[r] < 0) continue;
       int64_t chunks = (ln[r] + kDecodeChunk - 1) / kDecodeChunk;
-      const float* p0 = partials.data() + first_part[rk] * part_size;
+      const float* p0 = partials.data() + (first_part[r] + kh) * part_size;
+      const int64_t step = hkv * part_size;  // from one chunk's partial to the next's
       for (int64_t i = 0; i < g; ++i) {
         float m = -INFINITY;
-        for (int64_t c = 0; c < chunks; ++c) m = std::max(m, p0[c * part_size + i]);
+        for (int64_t c = 0; c < chunks; ++c) m = std::max(m, p0[c * step + i]);
         float total = 0.f;
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t c = 0; c < chunks; ++c) {
-          const float* pc = p0 + c * part_size;
+          const float* pc = p0 + c * step;
           float w = std::exp(pc[i] - m);
           total += w * pc[g + i];
           const float* ac = pc + 2 * g + i * d;
