@@ -16,7 +16,7 @@ at 8,000 tokens is ~184 MB in bfloat16, its int4 weights ~85 MB): both ratios ar
 each row's share of its bandwidth limit at both lengths.
 
 ``--base REV``: also run this script on commit ``REV``'s ``sgrt`` (exported with ``git archive``,
-each side in its own process, model by model: base, then this tree), a before / after of the
+each side in its own process, model by model: this tree, then base), a before / after of the
 ratio in one invocation.
 
 Run: ``python bench/long_context.py [--models smollm2-135m-instruct:int4,smollm2-135m-instruct:bfloat16,
@@ -110,9 +110,9 @@ def main() -> None:
         return
     from bench.vs_llamacpp import read_bandwidth_gbs
 
-    print(f"load average at start: {os.getloadavg()[0]:.2f} (1 min)")
+    print(f"load average at start: {os.getloadavg()[0]:.2f} (1 min)", flush=True)
     bandwidth = read_bandwidth_gbs(args.threads) * 1e9
-    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({args.threads} threads)")
+    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({args.threads} threads)", flush=True)
     figures: dict = {"bandwidth_gbs": round(bandwidth / 1e9, 1)}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,8 +124,7 @@ def main() -> None:
                                      capture_output=True).stdout
             subprocess.run(["tar", "-x", "-C", str(base_tree)], input=archive, check=True)
         for spec in [m for m in args.models.split(",") if m]:
-            sides = [("base", base_tree)] if base_tree is not None else []
-            sides.append(("this tree", ROOT))
+            sides = [("this tree", ROOT)] + ([("base", base_tree)] if base_tree is not None else [])
             for side, tree in sides:
                 r = run_tree(tree, spec, args)
                 ratio = r["long_tps"] / r["short_tps"]
@@ -139,6 +138,9 @@ def main() -> None:
                              f"{allowed:.2f}",
                              f"{r['short_tps'] * r['short_bytes'] / bandwidth:.0%}",
                              f"{r['long_tps'] * r['long_bytes'] / bandwidth:.0%}"])
+                print(f"{spec} ({side}): {r['short_tps']:.1f} / {r['long_tps']:.1f} tok/s at {args.short} / "
+                      f"{args.long} tokens, ratio {ratio:.2f}, bandwidth allows {allowed:.2f}; load average "
+                      f"{os.getloadavg()[0]:.2f}", flush=True)
     print_table(["model", "sgrt", f"tok/s @{args.short}", f"tok/s @{args.long}", "ratio",
                  "bandwidth allows", f"bw share @{args.short}", f"bw share @{args.long}"], rows)
     print(f"target: ratio >= 0.70 (issue 21); where the bandwidth limit allows less, the row's bw share "
