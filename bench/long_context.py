@@ -9,7 +9,7 @@ and of ``--long`` tokens, alternating short / long ``--runs`` times; the figure 
 benchmark's prompt repeated to length.
 
 **Bandwidth limit**: a batch-1 decode step reads every weight once plus K and V of its context
-in every layer (``bench.vs_llamacpp.bytes_per_token``); the read bandwidth is measured in the
+in every layer (``bench.vs_llamacpp.bytes_per_token``; a sliding-window layer's window only); the read bandwidth is measured in the
 same run. The ratio long / short that bandwidth alone allows is bytes(short) / bytes(long), which
 can be far below 70% where the long context's KV outweighs the weights (the default model's KV
 at 8,000 tokens is ~184 MB in bfloat16, its int4 weights ~85 MB): both ratios are printed, and
@@ -74,12 +74,21 @@ def measure(spec: str, short: int, long: int, new: int, runs: int) -> dict:
                 samples[n].append(engine.generate(ids, params).output_tok_per_s)
     finally:
         engine.shutdown()
-    from bench.vs_llamacpp import bytes_per_token
-
     # mean context of a timed step: the prompt plus half the new tokens
     return {"short_tps": statistics.median(samples[short]), "long_tps": statistics.median(samples[long]),
-            "short_bytes": bytes_per_token(loaded, short + new // 2),
-            "long_bytes": bytes_per_token(loaded, long + new // 2)}
+            "short_bytes": step_bytes(loaded, short + new // 2), "long_bytes": step_bytes(loaded, long + new // 2)}
+
+
+def step_bytes(loaded, context: int) -> int:
+    """Bytes a batch-1 decode step reads at ``context`` tokens: the weights as
+    ``bench.vs_llamacpp.bytes_per_token`` counts them, plus K and V of every layer's visible keys
+    (a sliding-window layer reads at most its window)."""
+    from bench.vs_llamacpp import bytes_per_token
+
+    weights = bytes_per_token(loaded, 0)
+    per_layer_token = (bytes_per_token(loaded, 1) - weights) // loaded.config.num_hidden_layers
+    windows = getattr(loaded.model, "layer_windows", None) or [None] * loaded.config.num_hidden_layers
+    return weights + sum(per_layer_token * (context if w is None else min(context, w)) for w in windows)
 
 
 def run_tree(tree: Path, spec: str, args) -> dict:
