@@ -23,6 +23,7 @@ verify rows keep gather + SDPA.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -141,9 +142,12 @@ class PagedAttention:
             rows = [RowSpec(r.slots[shared:], 1) for r in rows]
         kv_lens = [len(r.slots) for r in rows]
         max_kv = max(kv_lens)
-        padded = torch.zeros(len(rows), max_kv, dtype=torch.long)
-        for i, r in enumerate(rows):
-            padded[i, : len(r.slots)] = torch.tensor(r.slots, dtype=torch.long)
+        if len(rows) == 1:
+            padded = _slot_tensor(rows[0].slots).view(1, max_kv)
+        else:
+            padded = torch.zeros(len(rows), max_kv, dtype=torch.long)
+            for i, r in enumerate(rows):
+                padded[i, : len(r.slots)] = _slot_tensor(r.slots)
         tokens = [o + j for o in offsets for j in range(q_len)]
         in_order = tokens == list(range(total))
         token_index = None if in_order else torch.tensor(tokens, dtype=torch.long, device=device)
@@ -218,6 +222,17 @@ class PagedAttention:
             enable_gqa=True,
         )  # [size, H, q_len, D]
         return o.transpose(1, 2).reshape(g.size * g.q_len, n_heads * head_dim)
+
+
+def _slot_tensor(slots: list[int]) -> torch.Tensor:
+    """``slots`` as an int64 tensor ``[len(slots)]``.
+
+    NOTE: built through ``array.array``, whose C loop converts a list of ints ~4x faster than
+    ``torch.tensor(list)`` (8,000 slots: ~0.4 vs ~1.5 ms on the 2-core machine); every decode
+    step builds each row's table once (twice with sliding-window layers), so at long contexts
+    ``torch.tensor`` alone cost a tenth of a step.
+    """
+    return torch.frombuffer(array("q", slots), dtype=torch.long) if slots else torch.zeros(0, dtype=torch.long)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -22,7 +22,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -339,13 +339,105 @@ void accumulate_values(const float* p, int64_t g, int64_t d, const R* vbase, con
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define SGRT_BLOCKED_ATTENTION 1
+// The loops of a split context's chunks (any head_dim that is a multiple of 8): keys and values
+// are widened to float 8 rows at a time into a small buffer, each query head scores 8 keys with 8
+// accumulators reduced together (one horizontal reduction per 8 scores, not one per score), and
+// each value row's contribution is added for 8 keys per load / store of the output accumulator.
+// They sum in another order than the per-key loops above, so one-chunk contexts keep those.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// buf[k * d ..] = row of slot rs[k] (kv head at base) as floats, k < 8; rows from cnt on repeat row 0.
+template <typename R>
+inline void widen_rows(const R* base, const int64_t* rs, int64_t cnt, int64_t row, int64_t d, float* buf) {
+  for (int64_t k = 0; k < 8; ++k) {
+    const R* src = base + rs[k < cnt ? k : 0] * row;
+    float* dst = buf + k * d;
+    for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(dst + c, load8(src + c));
+  }
+}
+
+// score_keys' contract, 8 keys at a time; buf: 8 * d floats of scratch.
+template <typename R>
+void score_keys_blocked(const float* qf, int64_t g, int64_t d, const R* kbase, const int64_t* rs, int64_t len,
+                        int64_t row, float* scores, int64_t stride, float* buf) {
+  for (int64_t j0 = 0; j0 < len; j0 += 8) {
+    int64_t cnt = std::min<int64_t>(8, len - j0);
+    widen_rows(kbase, rs + j0, cnt, row, d, buf);
+    for (int64_t i = 0; i < g; ++i) {
+      const float* qi = qf + i * d;
+      __m256 a[8];
+      for (int k = 0; k < 8; ++k) a[k] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < d; c += 8) {
+        __m256 qv = _mm256_loadu_ps(qi + c);
+        for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(buf + k * d + c), a[k]);
+      }
+      // [a0..a7] -> the 8 lane sums in one vector
+      __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+      __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+      __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+      float* si = scores + i * stride + j0;
+      if (cnt == 8) {
+        _mm256_storeu_ps(si, sums);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, sums);
+        std::copy(tmp, tmp + cnt, si);
+      }
+    }
+  }
+}
+
+// accumulate_values' contract, 8 keys per load / store of acc; buf: 8 * d floats of scratch.
+template <typename R>
+void accumulate_values_blocked(const float* p, int64_t g, int64_t d, const R* vbase, const int64_t* rs, int64_t len,
+                               int64_t row, int64_t stride, float* acc, float* buf) {
+  for (int64_t j0 = 0; j0 < len; j0 += 8) {
+    int64_t cnt = std::min<int64_t>(8, len - j0);
+    widen_rows(vbase, rs + j0, cnt, row, d, buf);
+    for (int64_t i = 0; i < g; ++i) {
+      __m256 w[8];
+      for (int64_t k = 0; k < cnt; ++k) w[k] = _mm256_set1_ps(p[i * stride + j0 + k]);
+      float* ai = acc + i * d;
+      for (int64_t c = 0; c < d; c += 8) {
+        __m256 x = _mm256_loadu_ps(ai + c);
+        for (int64_t k = 0; k < cnt; ++k) x = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(buf + k * d + c), x);
+        _mm256_storeu_ps(ai + c, x);
+      }
+    }
+  }
+}
+#endif
+
+// Flash decoding (Dao et al., "Flash-Decoding for long-context inference", 2023): a context
+// longer than kDecodeChunk keys is split into chunks of kDecodeChunk keys; every (row, kv head,
+// chunk) is one work item that computes its chunk's max score, sum of exponentials and
+// unnormalised output, and the chunks of a (row, kv head) are merged in chunk order by their
+// log-sum-exp. The chunk size is fixed (not derived from the thread count), so the result does
+// not depend on the thread count; a context of one chunk or less is one item that normalises
+// directly, as the kernel did before it split long contexts.
+constexpr int64_t kDecodeChunk = 256;
+
+// One work item: keys [c0, c0 + n) of row r's context, kv head kh.
+struct AttendItem {
+  int64_t r, kh, c0, n;
+  int64_t part;  // index of its partial result (-1: the row's only chunk, written to out directly)
+};
+
 // DC: head_dim known at compile time (64, 128: AVX-512 paths whose loops over it unroll), or 0
 // for any other head_dim (portable loops).
+// Returns false, with *bad_slot set to a slot outside [0, num_slots), if it met one (nothing of
+// a bad item is read, and out is left partly unwritten).
 template <typename T, int DC>
-void attend_rows(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const int64_t* sl, const int64_t* ln,
-                 int64_t max_kv, Tensor& out) {
+bool attend_rows(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const int64_t* sl, const int64_t* ln,
+                 int64_t max_kv, Tensor& out, int64_t* bad_slot) {
   const int64_t d = DC > 0 ? DC : q.size(2);
-  int64_t b = q.size(0), h = q.size(1), hkv = k_cache.size(1), g = h / hkv;
+  int64_t b = q.size(0), h = q.size(1), hkv = k_cache.size(1), g = h / hkv, num_slots = k_cache.size(0);
   float scale = 1.f / std::sqrt(static_cast<float>(d));
   using R = raw<T>;
   const R* qp = raw_ptr<T>(q);
@@ -353,19 +445,68 @@ void attend_rows(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   const R* vp = raw_ptr<T>(v_cache);
   R* op = raw_ptr<T>(out);
   int64_t qs0 = q.stride(0), qs1 = q.stride(1), row = hkv * d;
-  at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(g * d), scores(g * max_kv), acc(g * d), sums(g);
-    for (int64_t item = begin; item < end; ++item) {
-      int64_t r = item / hkv, kh = item % hkv, len = ln[r];
-      const int64_t* rs = sl + r * max_kv;
+  // Items ordered row, chunk, kv head (a chunk's kv heads share the cache lines of its slots'
+  // rows, so one thread takes them in a row); partials of split rows laid out in the same order:
+  // row r's chunk c, kv head kh at first_part[r] + c * hkv + kh.
+  std::vector<AttendItem> items;
+  std::vector<int64_t> first_part(b, -1);
+  int64_t parts = 0;
+  for (int64_t r = 0; r < b; ++r) {
+    int64_t len = ln[r], chunks = (len + kDecodeChunk - 1) / kDecodeChunk;
+    if (chunks == 1) {
+      for (int64_t kh = 0; kh < hkv; ++kh) items.push_back({r, kh, 0, len, -1});
+      continue;
+    }
+    first_part[r] = parts;
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int64_t kh = 0; kh < hkv; ++kh) {
+        items.push_back({r, kh, c * kDecodeChunk, std::min(kDecodeChunk, len - c * kDecodeChunk), parts++});
+      }
+    }
+  }
+  // Per partial: g maxima, g sums, g * d unnormalised outputs.
+  const int64_t part_size = g * (d + 2);
+  std::vector<float> partials(parts * part_size);
+  const int64_t span = std::min(max_kv, kDecodeChunk);
+  std::vector<int64_t> bad(items.size());
+  std::vector<uint8_t> is_bad(items.size(), 0);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(g * d), scores(g * span), acc(g * d), sums(g), maxes(g), buf(8 * d);
+    for (int64_t it = begin; it < end; ++it) {
+      const AttendItem& item = items[it];
+      int64_t r = item.r, kh = item.kh, len = item.n;
+      const int64_t* rs = sl + r * max_kv + item.c0;
+      // The slots are checked here, in parallel, rather than in a serial pass over every slot of
+      // every row before the call (that pass grows with the context, once a layer).
+      int64_t lo = 0, hi = 0;
+      for (int64_t j = 0; j < len; ++j) {
+        lo = std::min(lo, rs[j]);
+        hi = std::max(hi, rs[j]);
+      }
+      if (lo < 0 || hi >= num_slots) {
+        bad[it] = lo < 0 ? lo : hi;
+        is_bad[it] = 1;
+        continue;
+      }
       for (int64_t i = 0; i < g; ++i) {
         float* qi = qf.data() + i * d;
         load_row(qp + r * qs0 + (kh * g + i) * qs1, qi, d);
         for (int64_t c = 0; c < d; ++c) qi[c] *= scale;
       }
-      score_keys<R, DC>(qf.data(), g, d, kp + kh * d, rs, len, row, scores.data(), max_kv);
+#ifdef SGRT_BLOCKED_ATTENTION
+      const bool blocked = item.part >= 0 && d % 8 == 0;
+#else
+      const bool blocked = false;
+#endif
+      if (blocked) {
+#ifdef SGRT_BLOCKED_ATTENTION
+        score_keys_blocked<R>(qf.data(), g, d, kp + kh * d, rs, len, row, scores.data(), span, buf.data());
+#endif
+      } else {
+        score_keys<R, DC>(qf.data(), g, d, kp + kh * d, rs, len, row, scores.data(), span);
+      }
       for (int64_t i = 0; i < g; ++i) {
-        float* si = scores.data() + i * max_kv;
+        float* si = scores.data() + i * span;
         float m = *std::max_element(si, si + len);
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
@@ -374,16 +515,66 @@ void attend_rows(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
           total += si[j];
         }
         sums[i] = total;
+        maxes[i] = m;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      accumulate_values<R, DC>(scores.data(), g, d, vp + kh * d, rs, len, row, max_kv, acc.data());
-      for (int64_t i = 0; i < g; ++i) {
-        R* o = op + r * h * d + (kh * g + i) * d;
-        float inv = 1.f / sums[i];
-        for (int64_t c = 0; c < d; ++c) o[c] = from_f<R>(acc[i * d + c] * inv);
+      if (blocked) {
+#ifdef SGRT_BLOCKED_ATTENTION
+        accumulate_values_blocked<R>(scores.data(), g, d, vp + kh * d, rs, len, row, span, acc.data(), buf.data());
+#endif
+      } else {
+        accumulate_values<R, DC>(scores.data(), g, d, vp + kh * d, rs, len, row, span, acc.data());
+      }
+      if (item.part < 0) {
+        for (int64_t i = 0; i < g; ++i) {
+          R* o = op + r * h * d + (kh * g + i) * d;
+          float inv = 1.f / sums[i];
+          for (int64_t c = 0; c < d; ++c) o[c] = from_f<R>(acc[i * d + c] * inv);
+        }
+      } else {
+        float* pp = partials.data() + item.part * part_size;
+        std::copy(maxes.begin(), maxes.end(), pp);
+        std::copy(sums.begin(), sums.end(), pp + g);
+        std::copy(acc.begin(), acc.end(), pp + 2 * g);
       }
     }
   });
+  for (size_t it = 0; it < items.size(); ++it) {
+    if (is_bad[it]) {
+      *bad_slot = bad[it];
+      return false;
+    }
+  }
+  if (parts == 0) return true;
+  // Merge each split (row, kv head)'s chunks in chunk order: weights exp(m_c - max_c m_c).
+  at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(d);
+    for (int64_t rk = begin; rk < end; ++rk) {
+      int64_t r = rk / hkv, kh = rk % hkv;
+      if (first_part[r] < 0) continue;
+      int64_t chunks = (ln[r] + kDecodeChunk - 1) / kDecodeChunk;
+      const float* p0 = partials.data() + (first_part[r] + kh) * part_size;
+      const int64_t step = hkv * part_size;  // from one chunk's partial to the next's
+      for (int64_t i = 0; i < g; ++i) {
+        float m = -INFINITY;
+        for (int64_t c = 0; c < chunks; ++c) m = std::max(m, p0[c * step + i]);
+        float total = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* pc = p0 + c * step;
+          float w = std::exp(pc[i] - m);
+          total += w * pc[g + i];
+          const float* ac = pc + 2 * g + i * d;
+#pragma omp simd
+          for (int64_t e = 0; e < d; ++e) acc[e] += w * ac[e];
+        }
+        R* o = op + r * h * d + (kh * g + i) * d;
+        float inv = 1.f / total;
+        for (int64_t e = 0; e < d; ++e) o[e] = from_f<R>(acc[e] * inv);
+      }
+    }
+  });
+  return true;
 }
 
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
@@ -401,28 +592,26 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
               "slots must be contiguous int64 [B, max_kv]");
   TORCH_CHECK(kv_lens.scalar_type() == at::kLong && kv_lens.dim() == 1 && kv_lens.size(0) == b,
               "kv_lens must be int64 [B]");
-  int64_t max_kv = slots.size(1), num_slots = k_cache.size(0), g = h / hkv;
+  int64_t max_kv = slots.size(1), num_slots = k_cache.size(0);
   const int64_t* sl = slots.const_data_ptr<int64_t>();
   Tensor lens = kv_lens.contiguous();
   const int64_t* ln = lens.const_data_ptr<int64_t>();
   for (int64_t r = 0; r < b; ++r) {
     TORCH_CHECK(ln[r] >= 1 && ln[r] <= max_kv, "kv_lens[", r, "] = ", ln[r], " outside 1..", max_kv);
-    for (int64_t j = 0; j < ln[r]; ++j) {
-      int64_t s = sl[r * max_kv + j];
-      TORCH_CHECK(s >= 0 && s < num_slots, "slot ", s, " outside the pool's ", num_slots, " slots");
-    }
   }
   Tensor out = at::empty({b, h * d}, q.options());
+  int64_t bad = 0;
+  bool ok = true;
   dispatch_float(q.scalar_type(), [&]<typename scalar_t>() {
-    using R = raw<scalar_t>;
     if (d == 64) {
-      attend_rows<scalar_t, 64>(q, k_cache, v_cache, sl, ln, max_kv, out);
+      ok = attend_rows<scalar_t, 64>(q, k_cache, v_cache, sl, ln, max_kv, out, &bad);
     } else if (d == 128) {
-      attend_rows<scalar_t, 128>(q, k_cache, v_cache, sl, ln, max_kv, out);
+      ok = attend_rows<scalar_t, 128>(q, k_cache, v_cache, sl, ln, max_kv, out, &bad);
     } else {
-      attend_rows<scalar_t, 0>(q, k_cache, v_cache, sl, ln, max_kv, out);
+      ok = attend_rows<scalar_t, 0>(q, k_cache, v_cache, sl, ln, max_kv, out, &bad);
     }
   });
+  TORCH_CHECK(ok, "slot ", bad, " outside the pool's ", num_slots, " slots");
   return out;
 }
 

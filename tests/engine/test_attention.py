@@ -88,3 +88,25 @@ def test_batched_requests_on_one_long_prefix_match_their_runs_alone(loaded_model
         loaded_model.model.use_native_ops(was_native)
     for a, b in zip(alone, batched):
         assert_same_greedy(a, b)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_native_long_context_and_window_match_the_pytorch_path(dtype, tol):
+    """A batch-1 decode row of 1,500 tokens (split into chunks by the native operator) and a
+    ragged second row: the native path equals gather + SDPA, for full attention and for a
+    512-token window, whose slot table holds only the window's slots."""
+    from sgrt.kernels import layer_ops
+
+    if not layer_ops.available():
+        pytest.skip("the native layer operators are not built here")
+    rows = [RowSpec(list(range(1, 1501)), 1), RowSpec(list(range(2000, 2300)), 1)]
+    q, k, v = (torch.randn(2, h, 64, generator=torch.Generator().manual_seed(h)).to(dtype) for h in (9, 3, 3))
+    for window in (None, 512):
+        native = PagedAttention(_pool(dtype), rows, native=True)
+        got = native.forward(0, q, k, v, window=window).float()
+        want = PagedAttention(_pool(dtype), rows, native=False).forward(0, q, k, v, window=window).float()
+        assert (got - want).abs().max().item() <= tol
+        if window is not None:
+            slots, lens = native._window_groups(window)[1]
+            assert slots.shape == (2, 512) and lens.tolist() == [512, 300]
+            assert slots[0].tolist() == list(range(989, 1501))

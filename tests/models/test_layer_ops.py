@@ -97,6 +97,81 @@ def test_decode_attention_matches_gather_and_sdpa(dtype, head_dim):
     assert torch.equal(alone, got[2:3])
 
 
+def _ragged_case(dtype, lens, n_heads, n_kv, head_dim, seed, slots_n=3000):
+    """A pool layer, random slots per row (ragged), queries, and the plain PyTorch attention
+    (gather + SDPA with a padding mask) the native operator must agree with: computed in float32
+    from the same (possibly bfloat16) numbers, rounded to their dtype at the end as the operator
+    rounds (SDPA in bfloat16 rounds its probabilities to bfloat16 too, a coarser reference)."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(slots_n, n_kv, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(slots_n, n_kv, head_dim, generator=g).to(dtype)
+    lens = torch.tensor(lens)
+    b, max_kv = len(lens), int(lens.max())
+    slots = torch.zeros(b, max_kv, dtype=torch.long)
+    for i, n in enumerate(lens.tolist()):
+        slots[i, :n] = torch.randperm(slots_n, generator=g)[:n]
+    # scores spread enough that a chunk's max differs from the row's (the merge's weights matter)
+    q = (torch.randn(b, n_heads, head_dim, generator=g) * 2).to(dtype)
+    mask = (torch.arange(max_kv).view(1, -1) < lens.view(-1, 1)).view(b, 1, 1, max_kv)
+    keys = k_cache.index_select(0, slots.view(-1)).view(b, max_kv, n_kv, head_dim)
+    values = v_cache.index_select(0, slots.view(-1)).view(b, max_kv, n_kv, head_dim)
+    ref = decode_attention(q.float(), keys.float(), values.float(), mask).to(dtype)
+    return (q, k_cache, v_cache, slots, lens), ref
+
+
+# Lengths around the 256-key chunks of the split (flash-decoding) path, in one ragged batch.
+CHUNK_EDGE_LENS = [1, 255, 256, 257, 511, 512, 513, 1100]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (4, 1, 256), (8, 2, 32)])
+def test_decode_attention_split_into_chunks_matches_sdpa(dtype, n_heads, n_kv, head_dim):
+    """Contexts longer than one chunk are attended chunk by chunk and merged by log-sum-exp:
+    the same as PyTorch's attention over the whole context (GQA groups of 3, 4 and 4 query
+    heads; head_dim 64: the specialised loops, 256 (Gemma 3) and 32: the portable ones)."""
+    args, ref = _ragged_case(dtype, CHUNK_EDGE_LENS, n_heads, n_kv, head_dim, seed=head_dim)
+    got = torch.ops.sgrt_layer.decode_attention(*args)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6)
+    else:  # both round (nearly) the same float32 value to bfloat16: at most one bfloat16 step apart
+        diff = (got.float() - ref.float()).abs()
+        assert bool((diff <= ref.float().abs() * 2.0 ** -7 + 1e-5).all())
+        assert (got == ref).float().mean().item() >= 0.98
+    # every row alone gives the same bits as in the ragged batch
+    q, k_cache, v_cache, slots, lens = args
+    for r in (0, 3, 7):
+        alone = torch.ops.sgrt_layer.decode_attention(q[r:r + 1], k_cache, v_cache, slots[r:r + 1], lens[r:r + 1])
+        assert torch.equal(alone, got[r:r + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_does_not_depend_on_the_thread_count(dtype):
+    """Chunks are fixed in size (not one per thread) and merged in chunk order: 1 thread and 2
+    threads give the same bits, for a batch of one long row and for a ragged batch."""
+    threads = torch.get_num_threads()
+    try:
+        for lens in ([2000], CHUNK_EDGE_LENS):
+            args, _ = _ragged_case(dtype, lens, 4, 1, 64, seed=len(lens))
+            out = {}
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                out[n] = torch.ops.sgrt_layer.decode_attention(*args)
+            assert torch.equal(out[1], out[2])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_decode_attention_rejects_a_bad_slot_in_a_later_chunk():
+    q, k_cache, v_cache = torch.randn(1, 2, 8), torch.randn(600, 1, 8), torch.randn(600, 1, 8)
+    slots = torch.arange(1, 601).view(1, 600) % 600
+    slots[0, 530] = 600
+    with pytest.raises(RuntimeError, match="slot 600 outside the pool's 600 slots"):
+        torch.ops.sgrt_layer.decode_attention(q, k_cache, v_cache, slots, torch.tensor([600]))
+    slots[0, 530] = -3
+    with pytest.raises(RuntimeError, match="slot -3 outside the pool's 600 slots"):
+        torch.ops.sgrt_layer.decode_attention(q, k_cache, v_cache, slots, torch.tensor([600]))
+
+
 def test_decode_attention_reads_a_strided_query():
     qkv = torch.randn(2, 960)
     q = qkv[:, :576].view(2, 9, 64)  # a view into the projection's output, as in the model

@@ -1,0 +1,163 @@
+"""Long-context batch-1 decode: tok/s after an ~8,000-token context against a ~500-token one
+(issue 21: at 8,000 tokens, batch-1 decode tok/s >= 70% of its value at 500 tokens).
+
+For each model row (default: the default model in int4 and bfloat16, Gemma 3 270M's Q4_K_M
+GGUF in int4) one engine (radix cache on, so that after a first prefill each run feeds only its
+last prompt token) decodes ``--new`` greedy tokens (EOS ignored) after a prompt of ``--short``
+and of ``--long`` tokens, alternating short / long ``--runs`` times; the figure is the median of
+``Result.output_tok_per_s`` (decode only: the prefill is not timed). The prompt is the decode
+benchmark's prompt repeated to length.
+
+**Bandwidth limit**: a batch-1 decode step reads every weight once plus K and V of its context
+in every layer (``bench.vs_llamacpp.bytes_per_token``; a sliding-window layer's window only); the read bandwidth is measured in the
+same run. The ratio long / short that bandwidth alone allows is bytes(short) / bytes(long), which
+can be far below 70% where the long context's KV outweighs the weights (the default model's KV
+at 8,000 tokens is ~184 MB in bfloat16, its int4 weights ~85 MB): both ratios are printed, and
+each row's share of its bandwidth limit at both lengths.
+
+``--base REV``: also run this script on commit ``REV``'s ``sgrt`` (exported with ``git archive``,
+each side in its own process, model by model: this tree, then base), a before / after of the
+ratio in one invocation.
+
+Run: ``python bench/long_context.py [--models smollm2-135m-instruct:int4,smollm2-135m-instruct:bfloat16,
+gemma3-270m-q4-k-m:int4] [--short 500] [--long 8000] [--new 32] [--runs 3] [--threads 2] [--base REV]``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if "--sgrt-root" in sys.argv:  # run against another tree's sgrt (``--base``): it goes first on the path
+    sys.path.insert(0, sys.argv[sys.argv.index("--sgrt-root") + 1])
+sys.path.insert(0 if "--sgrt-root" not in sys.argv else 1, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.common import emit_json, print_table  # noqa: E402
+
+DEFAULT_MODELS = "smollm2-135m-instruct:int4,smollm2-135m-instruct:bfloat16,gemma3-270m-q4-k-m:int4"
+
+
+def load(spec: str):
+    """``name:int4`` (bfloat16 activations, int4 weights) or ``name:<dtype>``."""
+    from sgrt.models import load_model
+
+    name, kind = spec.rsplit(":", 1)
+    if kind in ("int4", "int8"):
+        return load_model(name, dtype="bfloat16", quantization=kind)
+    return load_model(name, dtype=kind)
+
+
+def measure(spec: str, short: int, long: int, new: int, runs: int) -> dict:
+    """Median decode tok/s after ``short`` and ``long`` prompt tokens for one model row."""
+    from bench.decode import PROMPT
+    from sgrt.engine import Engine, SamplingParams
+
+    loaded = load(spec)
+    base_ids = loaded.tokenizer.encode_prompt(PROMPT)
+    prompts = {n: (base_ids * (n // len(base_ids) + 1))[:n] for n in (short, long)}
+    engine = Engine(model=loaded, max_total_tokens=short + long + 4 * new + 512, enable_radix_cache=True)
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    samples: dict[int, list[float]] = {short: [], long: []}
+    try:
+        for ids in prompts.values():  # prefill once (cached from then on) and warm up
+            engine.generate(ids, SamplingParams(max_tokens=4, ignore_eos=True))
+        for _ in range(runs):
+            for n, ids in prompts.items():
+                samples[n].append(engine.generate(ids, params).output_tok_per_s)
+    finally:
+        engine.shutdown()
+    # mean context of a timed step: the prompt plus half the new tokens
+    return {"short_tps": statistics.median(samples[short]), "long_tps": statistics.median(samples[long]),
+            "short_bytes": step_bytes(loaded, short + new // 2), "long_bytes": step_bytes(loaded, long + new // 2)}
+
+
+def step_bytes(loaded, context: int) -> int:
+    """Bytes a batch-1 decode step reads at ``context`` tokens: the weights as
+    ``bench.vs_llamacpp.bytes_per_token`` counts them, plus K and V of every layer's visible keys
+    (a sliding-window layer reads at most its window)."""
+    from bench.vs_llamacpp import bytes_per_token
+
+    weights = bytes_per_token(loaded, 0)
+    per_layer_token = (bytes_per_token(loaded, 1) - weights) // loaded.config.num_hidden_layers
+    windows = getattr(loaded.model, "layer_windows", None) or [None] * loaded.config.num_hidden_layers
+    return weights + sum(per_layer_token * (context if w is None else min(context, w)) for w in windows)
+
+
+def run_tree(tree: Path, spec: str, args) -> dict:
+    """:func:`measure` in a child process on ``tree``'s sgrt; its last line is JSON."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", spec, "--sgrt-root", str(tree),
+           "--short", str(args.short), "--long", str(args.long), "--new", str(args.new), "--runs", str(args.runs),
+           "--threads", str(args.threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=tree,
+                         env={**os.environ, "PYTHONPATH": str(tree)})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated name:int4 or name:<dtype>")
+    ap.add_argument("--short", type=int, default=500)
+    ap.add_argument("--long", type=int, default=8000)
+    ap.add_argument("--new", type=int, default=32, help="new tokens a run decodes")
+    ap.add_argument("--runs", type=int, default=3, help="alternated short / long runs per row (median)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--base", help="also measure this commit's sgrt (before / after)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--sgrt-root", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.child:
+        print(json.dumps(measure(args.child, args.short, args.long, args.new, args.runs)))
+        return
+    from bench.vs_llamacpp import read_bandwidth_gbs
+
+    print(f"load average at start: {os.getloadavg()[0]:.2f} (1 min)", flush=True)
+    bandwidth = read_bandwidth_gbs(args.threads) * 1e9
+    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({args.threads} threads)", flush=True)
+    figures: dict = {"bandwidth_gbs": round(bandwidth / 1e9, 1)}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        base_tree = None
+        if args.base:
+            base_tree = Path(tmp) / "base"
+            base_tree.mkdir()
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.base], check=True,
+                                     capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(base_tree)], input=archive, check=True)
+        for spec in [m for m in args.models.split(",") if m]:
+            sides = [("this tree", ROOT)] + ([("base", base_tree)] if base_tree is not None else [])
+            for side, tree in sides:
+                r = run_tree(tree, spec, args)
+                ratio = r["long_tps"] / r["short_tps"]
+                allowed = r["short_bytes"] / r["long_bytes"]
+                key = spec.replace("-", "_").replace(":", "_") + ("_base" if side == "base" else "")
+                figures[f"{key}_short_tok_s"] = round(r["short_tps"], 1)
+                figures[f"{key}_long_tok_s"] = round(r["long_tps"], 1)
+                figures[f"{key}_long_over_short"] = round(ratio, 3)
+                figures[f"{key}_bandwidth_allows"] = round(allowed, 3)
+                rows.append([spec, side, round(r["short_tps"], 1), round(r["long_tps"], 1), f"{ratio:.2f}",
+                             f"{allowed:.2f}",
+                             f"{r['short_tps'] * r['short_bytes'] / bandwidth:.0%}",
+                             f"{r['long_tps'] * r['long_bytes'] / bandwidth:.0%}"])
+                print(f"{spec} ({side}): {r['short_tps']:.1f} / {r['long_tps']:.1f} tok/s at {args.short} / "
+                      f"{args.long} tokens, ratio {ratio:.2f}, bandwidth allows {allowed:.2f}; load average "
+                      f"{os.getloadavg()[0]:.2f}", flush=True)
+    print_table(["model", "sgrt", f"tok/s @{args.short}", f"tok/s @{args.long}", "ratio",
+                 "bandwidth allows", f"bw share @{args.short}", f"bw share @{args.long}"], rows)
+    print(f"target: ratio >= 0.70 (issue 21); where the bandwidth limit allows less, the row's bw share "
+          f"@{args.long} is the figure to judge")
+    print(f"load average at end: {os.getloadavg()[0]:.2f} (1 min)")
+    emit_json("long_context", threads=args.threads, short=args.short, long=args.long, new_tokens=args.new,
+              runs=args.runs, base=args.base, **figures)
+
+
+if __name__ == "__main__":
+    main()
