@@ -215,7 +215,7 @@ inline void epilogue(__m256i s0, __m256i s1, const float* sb, const float* ob, f
 // R rows (1 or 2) against one 16-row block of 4-bit codes.
 template <int R>
 inline void block4(const uint8_t* w, const RowArgs* rows, const float* sb, const float* ob, int64_t KB,
-                   int64_t per_group) {
+                   int group_shift) {
   const __m256i m0f = _mm256_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1), w254 = _mm256_set1_epi16(254);
   // per 128-bit lane: words 0 4 1 5 2 6 3 7 (a row's k-pair 0 and k-pair 1 lanes side by side)
@@ -243,7 +243,7 @@ inline void block4(const uint8_t* w, const RowArgs* rows, const float* sb, const
         lB[r] = _mm256_add_epi16(lB[r], _mm256_add_epi16(_mm256_maddubs_epi16(Blo, Y01), _mm256_maddubs_epi16(Bhi, Y23)));
       }
     }
-    const int64_t g = b / per_group;
+    const int64_t g = b >> group_shift;  // (no division in the loop)
     for (int r = 0; r < R; ++r) {  // isum = 254 * (sum against q1) + (sum against q2), exact in s32
       const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(hA[r], pairs), w254),
                                           _mm256_madd_epi16(_mm256_shuffle_epi8(lA[r], pairs), ones));
@@ -261,7 +261,7 @@ inline void block4(const uint8_t* w, const RowArgs* rows, const float* sb, const
 // R rows (1 or 2) against one 16-row block of 8-bit codes.
 template <int R>
 inline void block8(const uint8_t* w, const RowArgs* rows, const float* sb, const float* ob, int64_t KB,
-                   int64_t per_group) {
+                   int group_shift) {
   __m256 y0[R], y1[R];
   for (int r = 0; r < R; ++r) y0[r] = y1[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
@@ -280,7 +280,7 @@ inline void block8(const uint8_t* w, const RowArgs* rows, const float* sb, const
         a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(hi, xp));
       }
     }
-    const int64_t g = b / per_group;
+    const int64_t g = b >> group_shift;  // (no division in the loop)
     for (int r = 0; r < R; ++r) epilogue(a0[r], a1[r], sb + g * 16, ob + g * 16, rows[r].dx[b], rows[r].qs[b], y0[r], y1[r]);
   }
   for (int r = 0; r < R; ++r) {
@@ -322,7 +322,8 @@ at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   if (M == 0) return y;
 
   // every row of x quantized once, up front
-  const int64_t KB = k / QBLOCK, per_group = group / QBLOCK;
+  const int64_t KB = k / QBLOCK;
+  const int group_shift = group == 32 ? 0 : group == 64 ? 1 : 2;  // log2(group / 32)
   // (q1 and q2 int8 for 4-bit codes, as vpmaddubsw takes; Q int16 for 8-bit codes, as vpmaddwd takes)
   std::vector<int8_t> q1(static_cast<size_t>(bits == 4 ? M * k : 0)), q2(q1.size());
   std::vector<int16_t> Q(static_cast<size_t>(bits == 8 ? M * k : 0));
@@ -369,14 +370,14 @@ at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
               {xrow(m), dx.data() + m * KB, qs.data() + m * KB, yp + m * n + b * BLOCK_N},
               {xrow(m + 1), dx.data() + (m + 1) * KB, qs.data() + (m + 1) * KB,
                yp + (m + 1) * n + b * BLOCK_N}};
-          if (bits == 4) block4<2>(w, rows, sb, ob, KB, per_group);
-          else block8<2>(w, rows, sb, ob, KB, per_group);
+          if (bits == 4) block4<2>(w, rows, sb, ob, KB, group_shift);
+          else block8<2>(w, rows, sb, ob, KB, group_shift);
         }
         if (m < t1) {
           const RowArgs rows[1] = {
               {xrow(m), dx.data() + m * KB, qs.data() + m * KB, yp + m * n + b * BLOCK_N}};
-          if (bits == 4) block4<1>(w, rows, sb, ob, KB, per_group);
-          else block8<1>(w, rows, sb, ob, KB, per_group);
+          if (bits == 4) block4<1>(w, rows, sb, ob, KB, group_shift);
+          else block8<1>(w, rows, sb, ob, KB, group_shift);
         }
       }
     }
