@@ -77,7 +77,12 @@ Rows of ``x`` go two at a time per weight load, in tiles whose expanded activati
 integer sums are exact and every row's float32 steps are the same instructions in the same order,
 so a row's result does not depend on the batch or the thread split (bitwise). NaN or infinity in
 a block of ``x`` makes that row's outputs NaN; blocks with ``max |x| < 2**-100`` count as zero.
-Speed: ``bench/woq_kernel.py`` (figures in the README / the issue's report).
+Speed (``bench/woq_kernel.py``, this kernel against the previous AVX2 one, float32 FMAs on codes
+widened to float32, built in the same run; 1 thread of the 2-core AMD EPYC, one run on a machine
+loaded ~4x over, where the read bandwidth measured 4.4 GB/s instead of ~16): time ratio new / old
+at 16 rows 0.36-0.55 (int4) and 0.25-0.36 (int8), at 256 rows 0.43-0.58 and 0.21-0.26, LM head
+(49152 x 576 int8) 0.77 at 1 row and 0.33 at 16; at 1 row the memory-bound layers moved by
+0.22-1.47 (noise of the shared memory bus); rerun on a quiet machine for the M=1 figures.
 
 Build: compiled on first use (~10 s on 2 cores, mostly torch's headers) and cached by
 :func:`sgrt.kernels.build.load_library`, which a later process loads from (~0.05 s).
