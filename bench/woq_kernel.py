@@ -25,7 +25,8 @@ Also the LM head shape (49152, 576) in group-wise int8 (2 copies, 28 M weights e
 Measured (1 thread of the 2-core AMD EPYC with AVX2 only, ``--passes 3 --threads 1``, the
 machine loaded ~4x over by other processes, read bandwidth 4.4 GB/s): int4 / base-int4 0.36-0.55
 at 16 rows and 0.43-0.58 at 256; int8 / base-int8 0.25-0.36 and 0.21-0.26; LM head int8 0.77 at
-1 row, 0.33 at 16; the 1-row layers were too noisy to rank (0.22-1.47). With 2 threads on that
+1 row, 0.33 at 16; at 1 row (``--rows 1 --passes 7``, 4.5 GB/s read) int4 0.40-0.97 and
+int8 0.50-0.89, the new int4 kernel streaming 2.5-3.5 GB/s (56-78% of it). With 2 threads on that
 loaded machine every parallel call waited ~16 ms for its second thread: use ``--threads 1`` there.
 
 Run: ``python bench/woq_kernel.py [--rows 1,16,256] [--passes 5] [--threads 2] [--copies 30]

@@ -81,8 +81,9 @@ Speed (``bench/woq_kernel.py``, this kernel against the previous AVX2 one, float
 widened to float32, built in the same run; 1 thread of the 2-core AMD EPYC, one run on a machine
 loaded ~4x over, where the read bandwidth measured 4.4 GB/s instead of ~16): time ratio new / old
 at 16 rows 0.36-0.55 (int4) and 0.25-0.36 (int8), at 256 rows 0.43-0.58 and 0.21-0.26, LM head
-(49152 x 576 int8) 0.77 at 1 row and 0.33 at 16; at 1 row the memory-bound layers moved by
-0.22-1.47 (noise of the shared memory bus); rerun on a quiet machine for the M=1 figures.
+(49152 x 576 int8) 0.77 at 1 row and 0.33 at 16. At 1 row (``--rows 1 --passes 7``, same
+machine state, 4.5 GB/s): int4 0.40-0.97, int8 0.50-0.89, streaming 2.5-3.5 GB/s (int4) of
+weights, 56-78% of the measured read bandwidth: memory-bound, where the old kernel was not.
 
 Build: compiled on first use (~10 s on 2 cores, mostly torch's headers) and cached by
 :func:`sgrt.kernels.build.load_library`, which a later process loads from (~0.05 s).
