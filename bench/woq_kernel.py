@@ -1,38 +1,44 @@
 """Weight-only quantized linear kernels on the CPU: sgrt's native group-wise kernel
 (``sgrt/kernels/woq.py``, int4 and int8 codes with float16 scale + offset per group of 32)
-against torch's packed kernels and oneDNN bfloat16.
+against torch's packed kernels, oneDNN bfloat16 and, on AVX2 CPUs, the previous AVX2 kernel.
 
-One pass = every layer of 30 distinct copies of each of the default model's projection shapes
-(N, K) = (960, 576) qkv, (576, 576) o, (3072, 576) gate+up, (576, 1536) down: 120 layers, ~106 M
-weights, so no method keeps its weights in cache (the same footprint as one decode step).
-Times are the median of ``--passes`` passes (after one warm-up pass), in ms, for M rows of x;
-the passes alternate between the methods, so that a change in the machine's speed mid-run (a
-shared machine: other processes, memory bandwidth) shows in all of them alike, and the script
-reports how much CPU time other processes took meanwhile.
+Per case (one projection shape of the default model, M rows of x): ``--copies`` distinct layers
+of that shape (30 = its count in one decode step, so that no method keeps its weights in cache;
+fewer from 64 rows on, where the kernels are compute-bound), one pass = every copy once. Times
+are the median of ``--passes`` passes (after one warm-up pass), in ms a layer; the passes
+alternate between the methods, so that a change in the machine's speed mid-run (a shared
+machine: other processes, memory bandwidth) shows in all of them alike, and the script reports
+how much CPU time other processes took meanwhile, and the machine's read bandwidth measured in
+the same run (``bench/vs_llamacpp.py``'s ``read_bandwidth_gbs``).
 
-- ``ours-int4`` / ``ours-int8``: :func:`sgrt.kernels.woq.linear` (0.625 / 1.125 bytes a weight)
+- ``ours-int4`` / ``ours-int8``: :func:`sgrt.kernels.woq.linear` (0.625 / 1.125 bytes a weight
+  with the float16 scales and offsets); ``GB/s`` = those bytes a layer / its time.
+- ``base-int4`` / ``base-int8`` (AVX2 CPUs only): the AVX2 kernel of commit ``--base`` (default:
+  the last one with float32 FMAs), its source compiled here as library ``sgrt_woq_avx2_base``.
 - ``torch-int4``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (codes packed with
   ``_convert_weight_to_int4pack_for_cpu(codes, 2)``, bfloat16 scales_and_zeros [K/32, N, 2])
 - ``torch-int8``: ``torch.ops.aten._weight_int8pack_mm`` (per-channel scale)
 - ``bf16``: oneDNN prepacked bfloat16 (:class:`sgrt.models.packed.PackedLinear`)
 
-Also the LM head shape (49152, 576) (one copy, 28 M weights) at M = 1 and 4.
-Targets (issue): int4 at M=1 no slower than torch-int4; int4 at M=16 <= 0.75x bf16;
-int8 at M=1 clearly faster than bf16 and at M=16 no slower than bf16. Measured (2 threads, AMD
-EPYC with AVX-512 BF16, a shared machine; the table in sgrt/kernels/woq.py is one run): in runs
-where bf16 took its usual ~14 ms at M=1, int4 / torch-int4 0.82-0.93 at M=1 (0.73-0.83 at M=2-4),
-int4 / bf16 0.49-0.62 at M=16, int8 / bf16 0.40-0.46 at M=1 and 0.61-0.67 at M=16. In one run
-where the machine's memory bandwidth had halved (bf16 at M=1: 27.8 ms) int4 / torch-int4 was
-0.99 at M=1 and 1.10-1.13 at M=2-4: a memory-bound kernel loses the most there, while torch's
-int4 kernel, bound by unpacking from 2 rows on, loses little.
+Also the LM head shape (49152, 576) in group-wise int8 (2 copies, 28 M weights each).
 
-Run: ``python bench/woq_kernel.py [--rows 1,2,4,8,16] [--passes 7] [--threads 2] [--copies 30]``
+Measured (1 thread of the 2-core AMD EPYC with AVX2 only, ``--passes 3 --threads 1``, the
+machine loaded ~4x over by other processes, read bandwidth 4.4 GB/s): int4 / base-int4 0.36-0.55
+at 16 rows and 0.43-0.58 at 256; int8 / base-int8 0.25-0.36 and 0.21-0.26; LM head int8 0.77 at
+1 row, 0.33 at 16; at 1 row (``--rows 1 --passes 7``, 4.5 GB/s read) int4 0.40-0.97 and
+int8 0.50-0.89, the new int4 kernel streaming 2.5-3.5 GB/s (56-78% of it). With 2 threads on that
+loaded machine every parallel call waited ~16 ms for its second thread: use ``--threads 1`` there.
+
+Run: ``python bench/woq_kernel.py [--rows 1,16,256] [--passes 5] [--threads 2] [--copies 30]
+[--base 632e14a] [--methods ...]``
 """
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,44 +48,80 @@ import torch  # noqa: E402
 
 from bench.common import emit_json, interleaved_medians, print_table  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LM_HEAD = (49152, 576)
 GROUP = 32
-METHODS = ("ours-int4", "ours-int8", "torch-int4", "torch-int8", "bf16")
+METHODS = ("ours-int4", "base-int4", "ours-int8", "base-int8", "torch-int4", "torch-int8", "bf16")
+HEAD_METHODS = ("ours-int8", "base-int8", "torch-int8", "bf16")
+# the last commit whose AVX2 kernel widened every code to float32 (fp32 FMAs)
+BASE_REV = "632e14a"
 
 
-def make_layers(method: str, shapes: list[tuple[int, int]], copies: int, seed: int = 0) -> list:
-    """``copies`` distinct layers of each shape: a list of callables ``x -> y``."""
+def load_base(rev: str) -> bool:
+    """Compile commit ``rev``'s ``woq_avx2.cpp`` as library ``sgrt_woq_avx2_base`` and load it.
+    False (with the reason printed) where that fails."""
+    from sgrt.kernels import woq
+    from sgrt.kernels.build import load_library
+
+    try:
+        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:sgrt/kernels/woq_avx2.cpp"],
+                             check=True, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        print(f"base kernel: cannot read {rev}:sgrt/kernels/woq_avx2.cpp ({e})")
+        return False
+    src = src.replace("TORCH_LIBRARY(sgrt_woq_avx2,", "TORCH_LIBRARY(sgrt_woq_avx2_base,")
+    path = Path(tempfile.gettempdir()) / f"sgrt_woq_avx2_base_{rev}.cpp"
+    path.write_text(src)
+    flags = [f for f in woq.CFLAGS_AVX2 if f != "-ffp-contract=off"]
+    reason = load_library("sgrt_woq_avx2_base", path, flags, woq.REQUIRED_CPU_FLAGS_AVX2)
+    if reason is not None:
+        print(f"base kernel unavailable: {reason}")
+    return reason is None
+
+
+def weight_bytes(method: str, n: int, k: int) -> int:
+    """Bytes of one layer's weights as the method stores them."""
+    if method.endswith("int4"):
+        return n * k // 2 + 4 * n * (k // GROUP)
+    if method in ("ours-int8", "base-int8"):
+        return n * k + 4 * n * (k // GROUP)
+    if method == "torch-int8":
+        return n * k + 2 * n
+    return 2 * n * k
+
+
+def make_layers(method: str, n: int, k: int, copies: int, seed: int = 0) -> list:
+    """``copies`` distinct layers of shape (n, k): a list of callables ``x -> y``."""
     from sgrt.kernels import woq
     from sgrt.models.packed import PackedLinear
 
     g = torch.Generator().manual_seed(seed)
     layers = []
     for _ in range(copies):
-        for n, k in shapes:
-            bits = 8 if method.endswith("int8") else 4
-            codes = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=g)
-            scale = torch.rand(n, k // GROUP, generator=g) * 9e-3 + 1e-3
-            offset = -8 * scale
-            if method.startswith("ours"):
-                packed = woq.pack(codes, bits)
-                s, o = scale.half(), offset.half()
-                layers.append(lambda x, p=packed, s=s, o=o, n=n, k=k, b=bits: woq.linear(x, p, s, o, n, k, b, GROUP))
-            elif method == "torch-int4":
-                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
-                # tinygemm: w = (q - 8) * scale + zero
-                sz = torch.stack([scale, offset + 8 * scale], dim=-1).transpose(0, 1).contiguous().bfloat16()
-                layers.append(lambda x, p=packed, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, GROUP, sz))
-            elif method == "torch-int8":
-                q = (codes.to(torch.int16) - 128).to(torch.int8)
-                sc = scale[:, 0].bfloat16().contiguous()
-                layers.append(lambda x, q=q, sc=sc: torch.ops.aten._weight_int8pack_mm(x, q, sc))
-            elif method == "bf16":
-                w = (codes.float().reshape(n, k // GROUP, GROUP) * scale[..., None] + offset[..., None])
-                layer = PackedLinear(w.reshape(n, k).bfloat16())
-                layers.append(layer)
-            else:
-                raise ValueError(method)
+        bits = 8 if method.endswith("int8") else 4
+        codes = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=g)
+        scale = torch.rand(n, k // GROUP, generator=g) * 9e-3 + 1e-3
+        offset = -(2 ** (bits - 1)) * scale
+        if method.startswith(("ours", "base")):
+            packed = woq.pack(codes, bits)
+            s, o = scale.half(), offset.half()
+            op = woq.kernel() if method.startswith("ours") else torch.ops.sgrt_woq_avx2_base.linear.default
+            layers.append(lambda x, op=op, p=packed, s=s, o=o, b=bits: op(x, p, s, o, n, k, b, GROUP))
+        elif method == "torch-int4":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
+            # tinygemm: w = (q - 8) * scale + zero
+            sz = torch.stack([scale, offset + 8 * scale], dim=-1).transpose(0, 1).contiguous().bfloat16()
+            layers.append(lambda x, p=packed, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, GROUP, sz))
+        elif method == "torch-int8":
+            q = (codes.to(torch.int16) - 128).to(torch.int8)
+            sc = scale[:, 0].bfloat16().contiguous()
+            layers.append(lambda x, q=q, sc=sc: torch.ops.aten._weight_int8pack_mm(x, q, sc))
+        elif method == "bf16":
+            w = (codes.float().reshape(n, k // GROUP, GROUP) * scale[..., None] + offset[..., None])
+            layers.append(PackedLinear(w.reshape(n, k).bfloat16()))
+        else:
+            raise ValueError(method)
     return layers
 
 
@@ -93,16 +135,14 @@ def _cpu_jiffies() -> tuple[int, int]:
     return sum(v[:3]) + sum(v[5:8]), sum(v[:8])
 
 
-def time_passes(by_method: dict[str, list], xs: dict[int, torch.Tensor], ks: list[int],
-                passes: int) -> dict[str, float]:
-    """Median ms of one pass over each method's layers (``ks[i]`` = input features of layer i).
-    Passes alternate between methods, so that a change in the machine's load or clock mid-run
-    affects all of them alike."""
+def time_layers(by_method: dict[str, list], x: torch.Tensor, passes: int) -> dict[str, float]:
+    """Median ms a layer over ``passes`` passes through each method's layers, alternating
+    methods pass by pass."""
     def one(layers: list) -> float:
         t0 = time.perf_counter()
-        for layer, k in zip(layers, ks):
-            layer(xs[k])
-        return (time.perf_counter() - t0) * 1e3
+        for layer in layers:
+            layer(x)
+        return (time.perf_counter() - t0) * 1e3 / len(layers)
 
     with torch.inference_mode():
         for layers in by_method.values():
@@ -112,38 +152,50 @@ def time_passes(by_method: dict[str, list], xs: dict[int, torch.Tensor], ks: lis
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="1,2,4,8,16")
-    ap.add_argument("--head-rows", default="1,4")
+    ap.add_argument("--rows", default="1,16,256")
+    ap.add_argument("--head-rows", default="1,16")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--passes", type=int, default=7)
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
+    ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--copies", type=int, default=30)
+    ap.add_argument("--base", default=BASE_REV, help="commit whose AVX2 kernel the base-* methods run")
+    ap.add_argument("--bandwidth-mib", type=int, default=512, help="0: skip the read-bandwidth measurement")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",") if r]
     head_rows = [int(r) for r in args.head_rows.split(",") if r]
     methods = [m for m in args.methods.split(",") if m]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
 
     from sgrt.kernels import woq
 
     t0 = time.perf_counter()
     if not woq.available():
         sys.exit("the native kernel is unavailable here (see the warning above)")
-    print(f"woq.available(): {time.perf_counter() - t0:.2f} s (includes a compile if not cached)")
+    print(f"woq.available(): {time.perf_counter() - t0:.2f} s (includes a compile if not cached); isa {woq.isa()}")
+    if any(m.startswith("base") for m in methods) and (woq.isa() != "avx2" or not load_base(args.base)):
+        methods = [m for m in methods if not m.startswith("base")]
+    bandwidth = 0.0
+    if args.bandwidth_mib:
+        from bench.vs_llamacpp import read_bandwidth_gbs
 
-    results: dict[str, dict[str, float]] = {}
+        bandwidth = read_bandwidth_gbs(args.threads, args.bandwidth_mib)
+        print(f"read bandwidth ({args.threads} threads, {args.bandwidth_mib} MiB): {bandwidth:.1f} GB/s")
+
+    results: dict[tuple[str, int], dict[str, float]] = {}
     g = torch.Generator().manual_seed(1)
     busy0, total0 = _cpu_jiffies()
     cpu0 = time.process_time()
-    for label, shapes, copies, ms in (("layers", SHAPES, args.copies, rows), ("lm_head", [LM_HEAD], 1, head_rows)):
-        if not ms:
-            continue
-        ks = [k for _ in range(copies) for _, k in shapes]
-        by_method = {method: make_layers(method, shapes, copies) for method in methods}
+    cases = [(s, rows, methods) for s in shapes]
+    cases.append((LM_HEAD, head_rows, [m for m in methods if m in HEAD_METHODS]))
+    for (n, k), ms, ms_methods in cases:
         for m in ms:
-            xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in set(ks)}
-            results[f"{label} M={m}"] = time_passes(by_method, xs, ks, args.passes)
-        del by_method
+            copies = 2 if (n, k) == LM_HEAD else (args.copies if m <= 16 else max(2, args.copies // 10))
+            by_method = {method: make_layers(method, n, k, copies) for method in ms_methods}
+            x = torch.randn(m, k, generator=g).bfloat16()
+            results[(f"{n}x{k}", m)] = time_layers(by_method, x, args.passes)
+            del by_method
     busy1, total1 = _cpu_jiffies()
     # CPU time other processes took meanwhile, as a share of the machine: a benchmark sharing its
     # cores reads slower and noisier.
@@ -151,22 +203,38 @@ def main() -> None:
     other = max(0.0, (busy1 - busy0) / hz - (time.process_time() - cpu0))
     other_share = other / max((total1 - total0) / hz, 1e-9)
 
-    headers = ["case", *methods]
-    ratios = [("ours-int4", "torch-int4"), ("ours-int4", "bf16"), ("ours-int8", "torch-int8"), ("ours-int8", "bf16")]
-    ratios = [r for r in ratios if r[0] in methods and r[1] in methods]
-    headers += [f"{a.split('-')[1]}/{b}" for a, b in ratios]
+    pairs = [("ours-int4", "base-int4"), ("ours-int4", "torch-int4"), ("ours-int4", "bf16"),
+             ("ours-int8", "base-int8"), ("ours-int8", "torch-int8"), ("ours-int8", "bf16")]
+    all_methods = [m for m in METHODS if m in methods]
+    pairs = [p for p in pairs if p[0] in all_methods and p[1] in all_methods]
+    headers = ["shape", "M", *all_methods, *[f"GB/s {m.split('-')[1]}" for m in all_methods if m.startswith("ours")],
+               *[f"{a.split('-')[1]}/{b}" for a, b in pairs]]
     table = []
     figures = {}
-    for case, by in results.items():
-        table.append([case, *(by[m] for m in methods), *(by[a] / by[b] for a, b in ratios)])
-        for m in methods:
-            figures[f"{case.replace(' ', '_')}_{m}_ms"] = round(by[m], 3)
-    print(f"ms per pass ({args.threads} threads; layers = {len(SHAPES) * args.copies} layers, median of "
-          f"{args.passes}); ratios: ours / other (< 1: ours faster)")
+    for (shape, m), by in results.items():
+        n, k = (int(v) for v in shape.split("x"))
+        gbs = {a: weight_bytes(a, n, k) / (by[a] * 1e-3) / 1e9 for a in all_methods if a.startswith("ours") and a in by}
+        table.append([shape, m, *(by.get(a, "-") for a in all_methods),
+                      *(gbs.get(a, "-") for a in all_methods if a.startswith("ours")),
+                      *((by[a] / by[b]) if a in by and b in by else "-" for a, b in pairs)])
+        for a, v in by.items():
+            figures[f"{shape}_M{m}_{a}_ms"] = round(v, 4)
+        for a, v in gbs.items():
+            figures[f"{shape}_M{m}_{a}_gbs"] = round(v, 2)
+            if m == 1 and bandwidth:
+                figures[f"{shape}_M1_{a}_share_of_bandwidth"] = round(v / bandwidth, 3)
+        for a, b in pairs:
+            if a in by and b in by:
+                figures[f"{shape}_M{m}_{a}_over_{b}"] = round(by[a] / by[b], 3)
+    print(f"ms a layer ({args.threads} threads, median of {args.passes} passes); GB/s = weight bytes streamed "
+          f"(codes + float16 scales and offsets) / time; ratios ours / other (< 1: ours faster)")
     print_table(headers, table)
+    if bandwidth:
+        print(f"measured read bandwidth: {bandwidth:.1f} GB/s")
     print(f"other processes used {100 * other_share:.0f}% of the machine's CPU time during the run"
           + (" (the figures are unreliable: rerun on a quiet machine)" if other_share > 0.05 else ""))
-    emit_json("woq_kernel", threads=args.threads, other_cpu_share=round(other_share, 3), **figures)
+    emit_json("woq_kernel", threads=args.threads, read_bandwidth_gbs=round(bandwidth, 2),
+              other_cpu_share=round(other_share, 3), **figures)
 
 
 if __name__ == "__main__":

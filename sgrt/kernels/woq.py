@@ -58,16 +58,32 @@ once per 16 rows, is memory-bound up to ~4 rows and then bound by ``vdpbf16ps`` 
 (~82% of its peak on one core at 16 rows; the per-group scale and offset FMAs take 1/9).
 
 **AVX2 build** (``woq_avx2.cpp``, library ``sgrt_woq_avx2``; loaded where the AVX-512 flags are
-missing, :func:`isa` says which runs): the same operator signature, packed layout and formula,
-with ``x`` widened to float32 and fp32 FMAs against codes converted to float32 (8 bytes of one
-128-bit lane of the layout are rows ``4L .. 4L+3`` x two k parities, so one ``vpmovzxbd`` feeds
-two k-pairs of 4-bit codes); rows one at a time per 16-row block (the block's codes stay in L1
-for the next row). One thread of the 2-core AMD EPYC (AVX2, no AVX-512), 1 row, ms: 960 x 576
-int4 0.059 (torch's int4 0.094, int8 per channel 0.059), 3072 x 576 0.177 (0.278 / 0.271),
-4096 x 640 0.286 (0.426 / 0.259); LM heads in group-wise int8: 49152 x 576 11.6 (torch's int8
-14.7), 262144 x 640 51 (77). Multi-row inputs cost each row again (3072 x 576: 256 rows 61 ms,
-vs 41 ms for a float32 matmul plus the dequantization), still ahead of this CPU's bfloat16
-matmul (242 ms), so prefill chunks use it too.
+missing, :func:`isa` says which runs): the same operator signature and packed layout, with
+integer dot products on quantized activations instead of float products. Each row of ``x`` is
+quantized once per call, per block of 32 inputs (symmetric, in float32): ``a = max |x|``,
+``t = x * (127 / a)``, ``q1 = round(t)`` (int8: llama.cpp's Q8 activation blocks,
+``quantize_row_q8_1`` in ggml) and the remainder ``q2 = round((t - q1) * 254)`` (int8), so that
+``x ~ dx * Q`` with ``Q = 254 q1 + q2`` and ``dx = a / 32258`` (a step of ``max|x| / 32258``,
+~16-bit; q1 alone more than doubled the int4 model's KL against bfloat16). Per block and output
+row the kernel computes ``isum = sum code * Q`` and ``qsum = sum Q`` exactly in integers, then
+in float32 ``y += dx * (scale * isum + offset * qsum)``: exactly ``W @ (dx * Q)`` up to float32 rounding
+(``tests/models/test_woq_kernel.py`` reproduces it bit for bit). 4-bit codes: a 64-byte chunk
+(4 k-pairs x 16 rows) is two 256-bit loads whose low / high nibbles are u8 operands of
+``vpmaddubsw`` against s8 vectors of (q[2p], q[2p+1]) pairs laid out to match (built once per
+row, reused by every weight block): 16-bit lanes (row, k-pair), 8 pair sums a block (at most
+30480: exact), one ``vpshufb`` + ``vpmaddwd`` a register per block to the s32 row sums, twice
+(q1 with weight 254, q2). 8-bit codes: ``vpmovzxbw`` + ``vpmaddwd`` against the int16 Q pairs.
+Rows of ``x`` go two at a time per weight load, in tiles whose expanded activations stay in L2;
+integer sums are exact and every row's float32 steps are the same instructions in the same order,
+so a row's result does not depend on the batch or the thread split (bitwise). NaN or infinity in
+a block of ``x`` makes that row's outputs NaN; blocks with ``max |x| < 2**-100`` count as zero.
+Speed (``bench/woq_kernel.py``, this kernel against the previous AVX2 one, float32 FMAs on codes
+widened to float32, built in the same run; 1 thread of the 2-core AMD EPYC, one run on a machine
+loaded ~4x over, where the read bandwidth measured 4.4 GB/s instead of ~16): time ratio new / old
+at 16 rows 0.36-0.55 (int4) and 0.25-0.36 (int8), at 256 rows 0.43-0.58 and 0.21-0.26, LM head
+(49152 x 576 int8) 0.77 at 1 row and 0.33 at 16. At 1 row (``--rows 1 --passes 7``, same
+machine state, 4.5 GB/s): int4 0.40-0.97, int8 0.50-0.89, streaming 2.5-3.5 GB/s (int4) of
+weights, 56-78% of the measured read bandwidth: memory-bound, where the old kernel was not.
 
 Build: compiled on first use (~10 s on 2 cores, mostly torch's headers) and cached by
 :func:`sgrt.kernels.build.load_library`, which a later process loads from (~0.05 s).
@@ -85,7 +101,8 @@ SOURCE = Path(__file__).with_name("woq_cpu.cpp")
 # The AVX2 + FMA build of the same operator (``woq_avx2.cpp``) for CPUs without AVX-512 BF16.
 SOURCE_AVX2 = Path(__file__).with_name("woq_avx2.cpp")
 REQUIRED_CPU_FLAGS_AVX2 = ("avx2", "fma", "f16c")
-CFLAGS_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+# -ffp-contract=off: the epilogue's multiplies and adds stay separate roundings (tests reproduce them)
+CFLAGS_AVX2 = ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
 BLOCK_N = 16
 GROUP_SIZES = (32, 64, 128)
 BITS = (4, 8)
@@ -123,8 +140,7 @@ def available() -> bool:
 
 def isa() -> str | None:
     """Which build :func:`available` loaded: ``"avx512_bf16"`` (``woq_cpu.cpp``), ``"avx2"``
-    (``woq_avx2.cpp``: fp32 FMAs, 1-row kernels, for decode-sized inputs; callers take a dense
-    matmul for prefill chunks), or None."""
+    (``woq_avx2.cpp``: integer dot products on ~16-bit quantized activations), or None."""
     return _state.get("isa") if available() else None
 
 
@@ -215,8 +231,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets:
     Returns:
         ``[M, n]`` bfloat16, in the units of ``x @ W.T`` (nothing rescaled): fp32 sums rounded
         to nearest even once, so within ``2**-8 |y|`` plus float32 summation error of the exact
-        result (``tests/models/test_woq_kernel.py`` states and checks the bound). A row's
-        result does not depend on the other rows or the thread count (bitwise).
+        result (``tests/models/test_woq_kernel.py`` states and checks the bound); the AVX2
+        build's x is first quantized to a step of ``max|x| / 32258`` per block of 32 (module
+        docstring). A row's result does not depend on the other rows or the thread count
+        (bitwise).
 
     Raises:
         RuntimeError: from the kernel, naming the argument and the limit (dtype, shape,

@@ -1,22 +1,43 @@
 // Weight-only quantized linear layers with group-wise scales on AVX2 + FMA CPUs (no AVX-512):
-// the same operator, packed layout and arithmetic form as woq_cpu.cpp, for decode-sized inputs.
+// the same operator signature and packed layout as woq_cpu.cpp, with exact integer dot products
+// on quantized activations.
 //
-//   y[m, n] = sum_g ( scale[n, g] * sum_{k in g} code[n, k] * x[m, k]
-//                   + offset[n, g] * sum_{k in g} x[m, k] )
+// x is quantized per row and per block b of 32 inputs, symmetric, in fp32: a = max |x|,
+// t = x * (127 / a), q1 = round(t) (int8: llama.cpp's Q8 activation blocks), q2 = round((t - q1)
+// * 254) (the remainder, int8; t - q1 is exact), Q = 254 q1 + q2, dx[b] = a / 32258, so x ~ dx * Q
+// with a step of max|x| / 32258 (rounding half to even throughout; q1 alone, an int8 x, more
+// than doubled the int4 model's KL against bfloat16). Q = 0, dx = 0 where a < 2^-100; dx = NaN
+// where the block holds a NaN or an infinity. With g the scale group of block b, per output row n:
 //
-// x and y bfloat16, scale / offset float16 [N, K / group], codes 0..15 (bits 4) or 0..255
-// (bits 8) in woq.py's packed layout (blocks of 16 output rows; per k-pair p a 32-word vector,
-// word w = code[n0 + w / 2, 2p + w % 2]; 4-bit: 64-byte chunks of 4 vectors, byte 16L + 8s + i
-// holds word 8L + i of vector s in its low nibble and of vector 2 + s in its high nibble).
+//   isum = sum_{k in b} code[n, k] * Q[k]   (exact, integer)     qsum = sum_{k in b} Q[k]
+//   y[m, n] = sum_b dx[b] * (scale[n, g] * isum + offset[n, g] * qsum)
 //
-// Here the products are fp32 FMAs (x widened from bf16 exactly, codes converted exactly): 8 bytes
-// of one 128-bit lane L of the layout are the 8 (row, k parity) words of rows 4L .. 4L+3, so one
-// vpmovzxbd gives 8 fp32 lanes (row 4L + j / 2, parity j % 2) for two k-pairs (low and high
-// nibble), multiplied by the x pair broadcast as (x[2p], x[2p+1]) x 4. Per group: the parities
-// are added (vhaddps), then y += scale * partial + offset * sum(x over the group), fp32; one
-// round to nearest even at the end. Every row is computed by the same instructions in the same
-// order whatever M or the thread split (the row loop is innermost, per block), so a row's result
-// does not depend on the rest of the batch (bitwise).
+// i.e. W @ (dx * Q), in fp32 with one rounding per operation, in this order per block:
+// t = scale * float(isum); u = offset * float(qsum); t = t + u; y = y + dx * t (no FMA: built with
+// -ffp-contract=off, so that tests reproduce it bit for bit), blocks in k order, then one round to
+// nearest even to bfloat16. float(isum) is exact for 4-bit codes (|isum| < 2^24).
+//
+// Layout (woq.py's pack): blocks of 16 output rows; per k-pair p a 32-word vector, word w =
+// code[n0 + w / 2, 2p + w % 2]. 4-bit: 64-byte chunks of 4 vectors (k-pairs 4c .. 4c+3), byte
+// 16L + 8s + i holds word 8L + i of vector s (low nibble) and of vector 2 + s (high nibble). So
+// the 32 bytes A = chunk[0:32] hold, in their low nibbles, k-pair 0 rows 0-3 (bytes 0-7, each row
+// a (parity 0, parity 1) byte pair), k-pair 1 rows 0-3 (8-15), k-pair 0 rows 4-7 (16-23), k-pair 1
+// rows 4-7 (24-31); in their high nibbles k-pairs 2 and 3 likewise; B = chunk[32:64] rows 8-15.
+// vpmaddubsw(low nibbles of A, X01) with X01 = the s8 pairs (q[2p], q[2p+1]) of k-pairs 0 / 1 in
+// the matching 8-byte segments gives 16 s16 lanes (row, k-pair): per 128-bit lane rows r0..r0+3
+// of k-pair 0, then of k-pair 1. Per block of 32 inputs (4 chunks) a lane adds 8 pair sums of at
+// most 2 * 15 * 127, 30480 < 2^15: exact. Then one vpshufb puts each row's two lanes side by side
+// and vpmaddwd with ones gives the s32 row sums, rows 0-7 (from A) and 8-15 (from B) in order.
+// This is done for q1 and for q2 (sums s1, s2), and isum = 254 s1 + s2 (vpmaddwd with 254s).
+// 8-bit: 32 bytes a k-pair; vpmovzxbw of bytes 0-15 gives rows 0-7 as (parity 0, parity 1) word
+// pairs, vpmaddwd with the s16 pair (Q[2p], Q[2p+1]) the s32 row sums in order (rows 8-15 from
+// bytes 16-31), exact (|Q| <= 32385: 16 pairs of 2 * 255 * 32385 stay below 2^31).
+//
+// The X vectors depend only on x: x is quantized once per call, expanded per tile of rows, and
+// reused by every 16-row weight block. Rows of x are processed in tiles, two at a time
+// per weight load; a row's integer sums are exact whatever the pairing and its fp32 operations
+// are the same instructions in the same order, so a row's result does not depend on the other
+// rows of the batch or on the thread split (bitwise).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/EmptyTensor.h>
@@ -32,6 +53,7 @@
 namespace {
 
 constexpr int64_t BLOCK_N = 16;
+constexpr int64_t QBLOCK = 32;  // inputs per activation quantization block
 
 // 8 rows x 8 groups of float16 (rows r[i], 8 values each) -> 8 columns of 8 rows, as fp32.
 inline void transpose8x8_f16(const __m128i* r, __m256* out) {
@@ -76,20 +98,6 @@ void block_table(const uint16_t* src, int64_t G, float* dst) {
   }
 }
 
-inline __m256 bcast_pair(const float* p) {  // (p[0], p[1]) x 4
-  return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(p)));
-}
-
-inline __m256 widen8(const uint8_t* p) {  // 8 bytes -> 8 fp32
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-// lanes (row 4L + j / 2, parity j % 2) of quads L = 0, 1 -> rows 0 .. 7 (parities added)
-inline __m256 fold(__m256 q0, __m256 q1) {
-  const __m256 h = _mm256_hadd_ps(q0, q1);  // rows 0 1 4 5 2 3 6 7
-  return _mm256_permutevar8x32_ps(h, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
-}
-
 // fp32 -> bf16, round to nearest even (NaN stays NaN: its quiet bit survives the add)
 inline __m128i to_bf16(__m256 v) {
   const __m256i b = _mm256_castps_si256(v);
@@ -99,48 +107,186 @@ inline __m128i to_bf16(__m256 v) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 
-// One row, one block: the group partials (4 quads x 2 accumulators), then the running sums.
-template <int BITS>
-inline void row_block(const uint8_t* w, const float* x, const float* xs, const float* sb, const float* ob,
-                      int64_t G, int64_t group, int64_t group_bytes, uint16_t* y) {
-  __m256 r0 = _mm256_setzero_ps(), r1 = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m256 acc[4][2];
-    for (int L = 0; L < 4; ++L) acc[L][0] = acc[L][1] = _mm256_setzero_ps();
-    const float* xg = x + g * group;
-    const uint8_t* wg = w + g * group_bytes;
-    if constexpr (BITS == 4) {
-      for (int64_t c = 0; c < group / 8; ++c) {  // 64-byte chunk: k-pairs 4c' .. 4c'+3
-        const uint8_t* p = wg + c * 64;
-        const __m256 x0 = bcast_pair(xg + 8 * c), x1 = bcast_pair(xg + 8 * c + 2);
-        const __m256 x2 = bcast_pair(xg + 8 * c + 4), x3 = bcast_pair(xg + 8 * c + 6);
-        const __m256i m0f = _mm256_set1_epi32(0x0f);
+// One row of x (bf16, k values) -> per block of 32: dx and qsum (as float), and the integer
+// activations Q = 254 q1 + q2 as q1, q2 (int8, for the 4-bit kernel) or Q (int16, 8-bit kernel);
+// either pointer may be null.
+void quantize_row(const uint16_t* x, int64_t k, int8_t* q1, int8_t* q2, int16_t* Q, float* dx, float* qs) {
+  const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
+  const __m256 f254 = _mm256_set1_ps(254.0f);
+  for (int64_t b = 0; b < k / QBLOCK; ++b) {
+    __m256 v[4];
+    __m256i amax = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + b * QBLOCK + 8 * j)));
+      const __m256i bits = _mm256_slli_epi32(w, 16);
+      v[j] = _mm256_castsi256_ps(bits);
+      // |x| as integers orders like the values, NaN above infinity: the max keeps a NaN
+      amax = _mm256_max_epi32(amax, _mm256_and_si256(bits, absmask));
+    }
+    amax = _mm256_max_epi32(amax, _mm256_permute2x128_si256(amax, amax, 1));
+    amax = _mm256_max_epi32(amax, _mm256_shuffle_epi32(amax, 0x4e));
+    amax = _mm256_max_epi32(amax, _mm256_shuffle_epi32(amax, 0xb1));
+    const uint32_t abits = static_cast<uint32_t>(_mm256_cvtsi256_si32(amax));
+    float a;
+    std::memcpy(&a, &abits, 4);
+    const int64_t o = b * QBLOCK;
+    if (abits >= 0x7f800000u || a < 0x1p-100f) {  // NaN / infinity, or (next to) zero
+      if (q1) std::memset(q1 + o, 0, QBLOCK);
+      if (q2) std::memset(q2 + o, 0, QBLOCK);
+      if (Q) std::memset(Q + o, 0, QBLOCK * 2);
+      dx[b] = abits >= 0x7f800000u ? __builtin_nanf("") : 0.0f;
+      qs[b] = 0.0f;
+      continue;
+    }
+    const __m256 id = _mm256_set1_ps(127.0f / a);
+    constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m256i i1[4], i2[4], iq[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256 t = _mm256_mul_ps(v[j], id);  // in -127 .. 127
+      const __m256 r1 = _mm256_round_ps(t, RN);
+      // t - r1 is exact (|.| <= 1/2), so q2 in -127 .. 127
+      const __m256 r2 = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(t, r1), f254), RN);
+      i1[j] = _mm256_cvtps_epi32(r1);
+      i2[j] = _mm256_cvtps_epi32(r2);
+      iq[j] = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(i1[j], 8), _mm256_slli_epi32(i1[j], 1)), i2[j]);
+    }
+    // (packs works per 128-bit lane: the permutations put the values back in order)
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    if (q1) {
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i1[0], i1[1]), _mm256_packs_epi32(i1[2], i1[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q1 + o), _mm256_permutevar8x32_epi32(p, order));
+    }
+    if (q2) {
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i2[0], i2[1]), _mm256_packs_epi32(i2[2], i2[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q2 + o), _mm256_permutevar8x32_epi32(p, order));
+    }
+    if (Q) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(Q + o), _mm256_permute4x64_epi64(_mm256_packs_epi32(iq[0], iq[1]), 0xd8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(Q + o + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(iq[2], iq[3]), 0xd8));
+    }
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(iq[0], iq[1]), _mm256_add_epi32(iq[2], iq[3]));
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), s);
+    int32_t t = 0;
+    for (int i = 0; i < 8; ++i) t += lanes[i];
+    dx[b] = a / 32258.0f;  // (127 * 254: the step of Q)
+    qs[b] = static_cast<float>(t);
+  }
+}
+
+// q1, q2 (k int8 each) -> the 4-bit kernel's X vectors: per chunk c (8 inputs) 128 bytes, X01 and
+// X23 of q1, then of q2; X01's 8-byte segments 0 and 2 hold (q[8c], q[8c+1]) x 4, segments 1 and 3
+// (q[8c+2], q[8c+3]) x 4; X23 likewise with inputs 8c+4 .. 8c+7.
+void expand4(const int8_t* q1, const int8_t* q2, int64_t k, int8_t* X) {
+  const __m256i ctl01 = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,
+                                         0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3);
+  const __m256i ctl23 = _mm256_add_epi8(ctl01, _mm256_set1_epi8(4));
+  for (int64_t c = 0; c < k / 8; ++c) {
+    int64_t v1, v2;
+    std::memcpy(&v1, q1 + 8 * c, 8);
+    std::memcpy(&v2, q2 + 8 * c, 8);
+    const __m256i b1 = _mm256_set1_epi64x(v1), b2 = _mm256_set1_epi64x(v2);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(X + 128 * c), _mm256_shuffle_epi8(b1, ctl01));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(X + 128 * c + 32), _mm256_shuffle_epi8(b1, ctl23));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(X + 128 * c + 64), _mm256_shuffle_epi8(b2, ctl01));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(X + 128 * c + 96), _mm256_shuffle_epi8(b2, ctl23));
+  }
+}
+
+struct RowArgs {
+  const void* X;     // the row's activations: expand4's vectors (4-bit), the int16 q (8-bit)
+  const float* dx;   // [k / 32]
+  const float* qs;   // [k / 32]
+  uint16_t* y;       // the row's 16 outputs of this block
+};
+
+// y (rows 0-7, 8-15) += dx * (scale * isum + offset * qsum), in that order of operations
+inline void epilogue(__m256i s0, __m256i s1, const float* sb, const float* ob, float dx, float qs,
+                     __m256& y0, __m256& y1) {
+  const __m256 vd = _mm256_set1_ps(dx), vq = _mm256_set1_ps(qs);
+  __m256 t0 = _mm256_mul_ps(_mm256_loadu_ps(sb), _mm256_cvtepi32_ps(s0));
+  __m256 t1 = _mm256_mul_ps(_mm256_loadu_ps(sb + 8), _mm256_cvtepi32_ps(s1));
+  t0 = _mm256_add_ps(t0, _mm256_mul_ps(_mm256_loadu_ps(ob), vq));
+  t1 = _mm256_add_ps(t1, _mm256_mul_ps(_mm256_loadu_ps(ob + 8), vq));
+  y0 = _mm256_add_ps(y0, _mm256_mul_ps(vd, t0));
+  y1 = _mm256_add_ps(y1, _mm256_mul_ps(vd, t1));
+}
+
+// R rows (1 or 2) against one 16-row block of 4-bit codes.
+template <int R>
+inline void block4(const uint8_t* w, const RowArgs* rows, const float* sb, const float* ob, int64_t KB,
+                   int group_shift) {
+  const __m256i m0f = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1), w254 = _mm256_set1_epi16(254);
+  // per 128-bit lane: words 0 4 1 5 2 6 3 7 (a row's k-pair 0 and k-pair 1 lanes side by side)
+  const __m256i pairs = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                         0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+  __m256 y0[R], y1[R];
+  for (int r = 0; r < R; ++r) y0[r] = y1[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    __m256i hA[R], hB[R], lA[R], lB[R];  // s16 sums against q1 (h) and q2 (l), rows 0-7 (A), 8-15 (B)
+    for (int r = 0; r < R; ++r) hA[r] = hB[r] = lA[r] = lB[r] = _mm256_setzero_si256();
+    const uint8_t* p = w + b * 256;  // 32 inputs x 16 rows x 4 bits
 #pragma GCC unroll 4
-        for (int L = 0; L < 4; ++L) {
-          const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16 * L)));
-          const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16 * L + 8)));
-          acc[L][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, m0f)), x0, acc[L][0]);
-          acc[L][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, m0f)), x1, acc[L][1]);
-          acc[L][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), x2, acc[L][0]);
-          acc[L][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), x3, acc[L][1]);
-        }
-      }
-    } else {
-      for (int64_t p = 0; p < group / 2; ++p) {  // 32 bytes a k-pair
-        const __m256 xp = bcast_pair(xg + 2 * p);
-        const uint8_t* q = wg + p * 32;
-#pragma GCC unroll 4
-        for (int L = 0; L < 4; ++L) acc[L][p & 1] = _mm256_fmadd_ps(widen8(q + 8 * L), xp, acc[L][p & 1]);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
+      const __m256i B = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c + 32));
+      const __m256i Alo = _mm256_and_si256(A, m0f), Ahi = _mm256_and_si256(_mm256_srli_epi16(A, 4), m0f);
+      const __m256i Blo = _mm256_and_si256(B, m0f), Bhi = _mm256_and_si256(_mm256_srli_epi16(B, 4), m0f);
+      for (int r = 0; r < R; ++r) {
+        const __m256i* X = reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(rows[r].X) + (b * 4 + c) * 128);
+        const __m256i X01 = _mm256_loadu_si256(X), X23 = _mm256_loadu_si256(X + 1);
+        const __m256i Y01 = _mm256_loadu_si256(X + 2), Y23 = _mm256_loadu_si256(X + 3);
+        hA[r] = _mm256_add_epi16(hA[r], _mm256_add_epi16(_mm256_maddubs_epi16(Alo, X01), _mm256_maddubs_epi16(Ahi, X23)));
+        hB[r] = _mm256_add_epi16(hB[r], _mm256_add_epi16(_mm256_maddubs_epi16(Blo, X01), _mm256_maddubs_epi16(Bhi, X23)));
+        lA[r] = _mm256_add_epi16(lA[r], _mm256_add_epi16(_mm256_maddubs_epi16(Alo, Y01), _mm256_maddubs_epi16(Ahi, Y23)));
+        lB[r] = _mm256_add_epi16(lB[r], _mm256_add_epi16(_mm256_maddubs_epi16(Blo, Y01), _mm256_maddubs_epi16(Bhi, Y23)));
       }
     }
-    const __m256 lo = fold(_mm256_add_ps(acc[0][0], acc[0][1]), _mm256_add_ps(acc[1][0], acc[1][1]));
-    const __m256 hi = fold(_mm256_add_ps(acc[2][0], acc[2][1]), _mm256_add_ps(acc[3][0], acc[3][1]));
-    const __m256 sx = _mm256_set1_ps(xs[g]);
-    r0 = _mm256_fmadd_ps(_mm256_loadu_ps(ob + g * 16), sx, _mm256_fmadd_ps(_mm256_loadu_ps(sb + g * 16), lo, r0));
-    r1 = _mm256_fmadd_ps(_mm256_loadu_ps(ob + g * 16 + 8), sx, _mm256_fmadd_ps(_mm256_loadu_ps(sb + g * 16 + 8), hi, r1));
+    const int64_t g = b >> group_shift;  // (no division in the loop)
+    for (int r = 0; r < R; ++r) {  // isum = 254 * (sum against q1) + (sum against q2), exact in s32
+      const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(hA[r], pairs), w254),
+                                          _mm256_madd_epi16(_mm256_shuffle_epi8(lA[r], pairs), ones));
+      const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(hB[r], pairs), w254),
+                                          _mm256_madd_epi16(_mm256_shuffle_epi8(lB[r], pairs), ones));
+      epilogue(s0, s1, sb + g * 16, ob + g * 16, rows[r].dx[b], rows[r].qs[b], y0[r], y1[r]);
+    }
   }
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(y), to_bf16(r0));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(y + 8), to_bf16(r1));
+  for (int r = 0; r < R; ++r) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(y0[r]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(y1[r]));
+  }
+}
+
+// R rows (1 or 2) against one 16-row block of 8-bit codes.
+template <int R>
+inline void block8(const uint8_t* w, const RowArgs* rows, const float* sb, const float* ob, int64_t KB,
+                   int group_shift) {
+  __m256 y0[R], y1[R];
+  for (int r = 0; r < R; ++r) y0[r] = y1[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    __m256i a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
+    const uint8_t* p = w + b * 512;  // 16 k-pairs x 32 bytes
+#pragma GCC unroll 4
+    for (int j = 0; j < 16; ++j) {
+      const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * j)));
+      const __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * j + 16)));
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;  // (q[2p], q[2p + 1]) as int16
+        std::memcpy(&pair, static_cast<const int16_t*>(rows[r].X) + 2 * (b * 16 + j), 4);
+        const __m256i xp = _mm256_set1_epi32(pair);
+        a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(lo, xp));
+        a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(hi, xp));
+      }
+    }
+    const int64_t g = b >> group_shift;  // (no division in the loop)
+    for (int r = 0; r < R; ++r) epilogue(a0[r], a1[r], sb + g * 16, ob + g * 16, rows[r].dx[b], rows[r].qs[b], y0[r], y1[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(y0[r]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(y1[r]));
+  }
 }
 
 at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -175,40 +321,64 @@ at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   at::Tensor y(at::detail::empty_cpu({M, n}, at::kBFloat16));
   if (M == 0) return y;
 
-  // x widened to fp32 and its group sums (a fixed order per row: 8 lanes, then the lanes)
-  std::vector<float> xf(static_cast<size_t>(M * k));
-  std::vector<float> xs(static_cast<size_t>(M * G));
+  // every row of x quantized once, up front
+  const int64_t KB = k / QBLOCK;
+  const int group_shift = group == 32 ? 0 : group == 64 ? 1 : 2;  // log2(group / 32)
+  // (q1 and q2 int8 for 4-bit codes, as vpmaddubsw takes; Q int16 for 8-bit codes, as vpmaddwd takes)
+  std::vector<int8_t> q1(static_cast<size_t>(bits == 4 ? M * k : 0)), q2(q1.size());
+  std::vector<int16_t> Q(static_cast<size_t>(bits == 8 ? M * k : 0));
+  std::vector<float> dx(static_cast<size_t>(M * KB)), qs(static_cast<size_t>(M * KB));
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  for (int64_t i = 0; i < M * k; i += 8) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + i)));
-    _mm256_storeu_ps(xf.data() + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-  }
-  for (int64_t r = 0; r < M * G; ++r) {
-    __m256 s = _mm256_setzero_ps();
-    for (int64_t j = 0; j < group; j += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(xf.data() + r * group + j));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, s);
-    xs[r] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-  }
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / k), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      if (bits == 4)
+        quantize_row(xb + m * k, k, q1.data() + m * k, q2.data() + m * k, nullptr, dx.data() + m * KB, qs.data() + m * KB);
+      else
+        quantize_row(xb + m * k, k, nullptr, nullptr, Q.data() + m * k, dx.data() + m * KB, qs.data() + m * KB);
+    }
+  });
 
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   const uint16_t* op = reinterpret_cast<const uint16_t*>(offsets.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t block_bytes = BLOCK_N * k * bits / 8, group_bytes = BLOCK_N * group * bits / 8;
+  const int64_t block_bytes = BLOCK_N * k * bits / 8;
+  // bytes of expanded activations per row; a tile of rows keeps them within ~256 KB (L2)
+  const int64_t row_bytes = bits == 4 ? 16 * k : 0;
+  const int64_t tile = bits == 4 ? std::min<int64_t>(M, std::max<int64_t>(2, (262144 / row_bytes) & ~int64_t(1))) : M;
   at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> tables(static_cast<size_t>(2 * G * 16));
     float* sb = tables.data();
     float* ob = sb + G * 16;
-    for (int64_t b = b0; b < b1; ++b) {
-      block_table(sp + b * BLOCK_N * G, G, sb);
-      block_table(op + b * BLOCK_N * G, G, ob);
-      const uint8_t* w = wp + b * block_bytes;
-      for (int64_t m = 0; m < M; ++m) {
-        if (bits == 4)
-          row_block<4>(w, xf.data() + m * k, xs.data() + m * G, sb, ob, G, group, group_bytes, yp + m * n + b * BLOCK_N);
-        else
-          row_block<8>(w, xf.data() + m * k, xs.data() + m * G, sb, ob, G, group, group_bytes, yp + m * n + b * BLOCK_N);
+    std::vector<int8_t> X(static_cast<size_t>(tile * row_bytes + 64));
+    for (int64_t t0 = 0; t0 < M; t0 += tile) {
+      const int64_t t1 = std::min(M, t0 + tile);
+      if (bits == 4)
+        for (int64_t m = t0; m < t1; ++m) expand4(q1.data() + m * k, q2.data() + m * k, k, X.data() + (m - t0) * row_bytes);
+      // the row's activations: expanded (4-bit, this tile), or the int16 q themselves (8-bit)
+      auto xrow = [&](int64_t m) -> const void* {
+        return bits == 4 ? static_cast<const void*>(X.data() + (m - t0) * row_bytes)
+                         : static_cast<const void*>(Q.data() + m * k);
+      };
+      for (int64_t b = b0; b < b1; ++b) {
+        block_table(sp + b * BLOCK_N * G, G, sb);
+        block_table(op + b * BLOCK_N * G, G, ob);
+        const uint8_t* w = wp + b * block_bytes;
+        int64_t m = t0;
+        for (; m + 2 <= t1; m += 2) {
+          const RowArgs rows[2] = {
+              {xrow(m), dx.data() + m * KB, qs.data() + m * KB, yp + m * n + b * BLOCK_N},
+              {xrow(m + 1), dx.data() + (m + 1) * KB, qs.data() + (m + 1) * KB,
+               yp + (m + 1) * n + b * BLOCK_N}};
+          if (bits == 4) block4<2>(w, rows, sb, ob, KB, group_shift);
+          else block8<2>(w, rows, sb, ob, KB, group_shift);
+        }
+        if (m < t1) {
+          const RowArgs rows[1] = {
+              {xrow(m), dx.data() + m * KB, qs.data() + m * KB, yp + m * n + b * BLOCK_N}};
+          if (bits == 4) block4<1>(w, rows, sb, ob, KB, group_shift);
+          else block8<1>(w, rows, sb, ob, KB, group_shift);
+        }
       }
     }
   });

@@ -19,6 +19,12 @@ the test must catch change a result by several percent: :func:`test_bound_reject
 checks that a wrong scale, a scale from the wrong group, a swapped pair of codes or a missing
 row each fail it. An RMS check (``rms(err) <= 2**-8 rms(ref)``) backs it up with a bound that
 does not loosen where ``A`` is large.
+
+The AVX2 build (``woq_avx2.cpp``) multiplies activations quantized per block of 32 inputs (an
+int8 as llama.cpp's plus an int8 remainder) with integer dot products: there ``ref`` is
+``xhat @ W.T`` with ``xhat`` the
+quantized x (:func:`_quantize_x`; the rounding of x itself is checked separately), the integer
+sums are exact, and :func:`_avx2_reference` reproduces the kernel's float32 epilogue bit for bit.
 """
 from __future__ import annotations
 
@@ -67,6 +73,57 @@ def _weight(codes, scales, offsets, group):
     return w.reshape(n, k)
 
 
+def _quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The AVX2 kernel's activation quantization, symmetric per row and block of 32 inputs, in
+    float32 arithmetic: ``a = max |x|``, ``t = x * (127 / a)``, ``q1 = round(t)`` (int8, as
+    llama.cpp's Q8 blocks), ``q2 = round((t - q1) * 254)`` (the remainder, int8), ``Q = 254 q1 +
+    q2``, ``dx = a / 32258``: ``x ~ dx * Q``, a step of ``max|x| / 32258`` (rounding half to
+    even throughout); ``Q = 0, dx = 0`` where ``a < 2**-100``. Returns (Q ``[M, K/32, 32]``
+    float32 integers, dx ``[M, K/32]`` float32)."""
+    m, k = x.shape
+    xf = x.float().reshape(m, k // 32, 32)
+    a = xf.abs().amax(-1)
+    tiny = a < 2.0 ** -100
+    t = xf * (torch.tensor(127.0) / a)[..., None]
+    q1 = torch.round(t)
+    q2 = torch.round((t - q1) * torch.tensor(254.0))
+    q1[tiny] = q2[tiny] = 0.0
+    assert q1.abs().max() <= 127 and q2.abs().max() <= 127
+    q = 254 * q1 + q2
+    dx = torch.where(tiny, torch.zeros_like(a), a / torch.tensor(32258.0))
+    return q, dx
+
+
+def _x_ref(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The activations the kernel multiplies by, float64: x itself (AVX-512 BF16: bf16 x is used
+    exactly), or its quantization ``dx * q`` (AVX2)."""
+    if woq.isa() != "avx2":
+        return x.double()
+    q, dx = _quantize_x(x)
+    return (q.double() * dx.double()[..., None]).reshape(x.shape)
+
+
+def _avx2_reference(x, codes, scales, offsets, bits, group) -> torch.Tensor:
+    """The AVX2 kernel's result, bit for bit: per 32-input block b (scale group g), the exact
+    integer sums ``isum = sum code * q`` and ``qsum = sum q``, then in float32 with one rounding
+    per operation ``t = scale * float(isum); u = offset * qsum; t = t + u; y = y + dx * t``
+    (exact below 2**24 = all 4-bit sums; above it rounds to nearest even), blocks in k order, and
+    one round to nearest even to bfloat16."""
+    m, k = x.shape
+    n = codes.shape[0]
+    q, dx = _quantize_x(x)
+    isum = torch.einsum("mbk,nbk->mnb", q.to(torch.int64), codes.to(torch.int64).reshape(n, k // 32, 32))
+    qsum = q.sum(-1)  # exact: integers below 2**24
+    y = torch.zeros(m, n)
+    for b in range(k // 32):
+        g = b * 32 // group
+        t = scales[:, g].float()[None, :] * isum[:, :, b].double().float()
+        u = offsets[:, g].float()[None, :] * qsum[:, b, None]
+        t = t + u
+        y = y + dx[:, b, None] * t
+    return y.bfloat16()
+
+
 def _x(m: int, k: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 7 * m + k)).bfloat16()
 
@@ -74,11 +131,11 @@ def _x(m: int, k: int, seed: int = 1) -> torch.Tensor:
 def _bound(x, codes, scales, offsets, bits, group):
     """Per-element allowed |y - ref| (see the module docstring) and ref itself, float64."""
     n, k = codes.shape
-    c = 128.0 if bits == 4 else 0.0
+    c = 128.0 if bits == 4 and woq.isa() != "avx2" else 0.0
     s = scales.double().abs()[..., None]
     o = offsets.double().abs()[..., None]
     mag = (s * (codes.double().reshape(n, k // group, group) + c) + o + c * s).reshape(n, k)
-    a = x.double().abs() @ mag.T
+    a = _x_ref(x, bits).abs() @ mag.T
     return (group + 2 * (k // group) + 4) * 2.0 ** -24 * a
 
 
@@ -102,7 +159,7 @@ def test_matches_float64_reference(bits, shape):
         x = _x(m, k)
         y = woq.linear(x, packed, scales, offsets, n, k, bits, 32)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-        _check(y, x.double() @ w.T, _bound(x, codes, scales, offsets, bits, 32))
+        _check(y, _x_ref(x, bits) @ w.T, _bound(x, codes, scales, offsets, bits, 32))
 
 
 @pytest.mark.parametrize("group", [64, 128])
@@ -115,7 +172,66 @@ def test_larger_groups(bits, group):
         for m in (1, 5, 16, 17):
             x = _x(m, k)
             y = woq.linear(x, packed, scales, offsets, n, k, bits, group)
-            _check(y, x.double() @ w.T, _bound(x, codes, scales, offsets, bits, group))
+            _check(y, _x_ref(x, bits) @ w.T, _bound(x, codes, scales, offsets, bits, group))
+
+
+avx2_only = pytest.mark.skipif(woq.isa() != "avx2", reason="the AVX2 build's int8-activation arithmetic")
+
+
+@avx2_only
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_avx2_matches_its_formula_bitwise(bits, group):
+    """The AVX2 kernel equals :func:`_avx2_reference` bit for bit: every group size, 4 and 8
+    bits, a lone block (16 x 128), odd row counts (the kernel pairs rows) and the layer shapes;
+    x spans magnitudes (one block tiny, one zero) so every rounding path runs."""
+    for n, k in [(16, 128), (48, 384), (960, 576), (576, 1536)]:
+        if k % group:
+            continue
+        codes, packed, scales, offsets, _ = _layer(n, k, bits, group)
+        for m in (1, 2, 3, 7):
+            x = _x(m, k).float()
+            x[:, 32:64] *= 1e-3
+            x[0, 64:96] = 0.0
+            x = x.bfloat16()
+            y = woq.linear(x, packed, scales, offsets, n, k, bits, group)
+            want = _avx2_reference(x, codes, scales, offsets, bits, group)
+            assert torch.equal(y, want), (n, k, m, (y.float() - want.float()).abs().max().item())
+
+
+@avx2_only
+@pytest.mark.parametrize("bits", [4, 8])
+def test_avx2_activation_rounding_is_small(bits):
+    """The quantized activations are within half a step (``max|x| / 32258`` per block, plus
+    float32's rounding of ``x * 127 / a``) of x, so that against the unquantized x the result
+    meets the same rms bound as the exact kernels (the bfloat16 rounding of y dominates)."""
+    n, k = 960, 576
+    codes, packed, scales, offsets, w = _layer(n, k, bits, 32)
+    x = _x(16, k)
+    q, dx = _quantize_x(x)
+    err = ((q * dx[..., None]).reshape(x.shape) - x.float()).abs()
+    assert (err <= dx.repeat_interleave(32, dim=1) * 0.51).all()
+    y = woq.linear(x, packed, scales, offsets, n, k, bits, 32).double()
+    ref = x.double() @ w.T
+    rms = lambda t: t.pow(2).mean().sqrt().item()  # noqa: E731
+    assert rms(y - ref) <= 2.0 ** -8 * rms(ref)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_non_finite_and_zero_rows(bits):
+    """A row holding a NaN or an infinity gives a non-finite result in every output of that row
+    (as a matmul would) and leaves the other rows as they are alone; an all-zero row gives zeros."""
+    n, k = 960, 576
+    _, packed, scales, offsets, _ = _layer(n, k, bits, 32)
+    x = _x(5, k)
+    x[1, 100] = float("nan")
+    x[2, 7] = float("inf")
+    x[3] = 0.0
+    y = woq.linear(x, packed, scales, offsets, n, k, bits, 32)
+    assert not torch.isfinite(y[1]).any() and not torch.isfinite(y[2]).any()
+    assert torch.equal(y[3], torch.zeros(n, dtype=torch.bfloat16))
+    for i in (0, 4):
+        assert torch.equal(y[i], woq.linear(x[i:i + 1], packed, scales, offsets, n, k, bits, 32)[0])
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -127,7 +243,7 @@ def test_bound_rejects_wrong_weights(bits):
     x = _x(16, k)
     y = woq.linear(x, packed, scales, offsets, n, k, bits, group)
     bound = _bound(x, codes, scales, offsets, bits, group)
-    _check(y, x.double() @ w.T, bound)  # the right weights pass
+    _check(y, _x_ref(x, bits) @ w.T, bound)  # the right weights pass
 
     wrong_scale = scales.clone()
     wrong_scale[:, 5] *= 1.05  # one group's scale 5% off
@@ -139,12 +255,12 @@ def test_bound_rejects_wrong_weights(bits):
         "wrong group": _weight(codes, shifted, offsets, group),
         "swapped pair": _weight(swapped, scales, offsets, group),
     }
-    ref = x.double() @ w.T
+    ref = _x_ref(x, bits) @ w.T
     missing_row = ref.clone()
     missing_row[7] = 0.0
     for name, wrong in cases.items():
         with pytest.raises(AssertionError):
-            _check(y, x.double() @ wrong.T, bound)
+            _check(y, _x_ref(x, bits) @ wrong.T, bound)
     with pytest.raises(AssertionError):
         _check(y, missing_row, bound)
 
