@@ -33,7 +33,10 @@ from sgrt.kernels.build import load_library, operator_entry
 
 SOURCE = Path(__file__).with_name("layer_ops_cpu.cpp")
 # -ffp-contract=off: no fused multiply-add where the eager code rounds between the two.
-CFLAGS = ["-march=native", "-ffp-contract=off"]
+# -fno-trapping-math: lets GCC turn the kernels' branches (clamps, NaN checks) into selects, so
+# that their loops vectorize (silu_mul: 4x faster); values are unchanged, only the FP exception
+# flags, which nothing reads, may differ (torch builds its own kernels with it too).
+CFLAGS = ["-march=native", "-ffp-contract=off", "-fno-trapping-math"]
 DTYPES = (torch.float32, torch.bfloat16)
 
 _fakes_lock = threading.Lock()
