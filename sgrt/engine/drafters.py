@@ -18,7 +18,7 @@ import torch
 
 from sgrt.engine.kv_pool import KVPool
 from sgrt.engine.model_runner import ModelRunner
-from sgrt.engine.sampler import sampling_probs
+from sgrt.engine.sampler import greedy_token, sampling_probs
 from sgrt.engine.scheduler import Row
 
 
@@ -150,7 +150,7 @@ class DraftModelDrafter:
         elif logits.shape[-1] < v:
             logits = torch.cat([logits, logits.new_full((v - logits.shape[-1],), float("-inf"))])
         if req.params.temperature == 0.0:
-            return int(torch.argmax(logits)), None
+            return greedy_token(logits), None
         q = sampling_probs(logits, req.params)
         q = q / q.sum()
         return int(torch.multinomial(q, 1, generator=req.generator)), q

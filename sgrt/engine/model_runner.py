@@ -71,7 +71,9 @@ class ModelRunner:
         )
         if not picks:
             return [hidden.new_zeros(0, 0) for _ in rows]
-        logits = self.model.compute_logits(hidden[torch.tensor(picks, dtype=torch.long, device=dev)])
+        if len(picks) != base or picks != list(range(base)):  # (decode batches pick every row)
+            hidden = hidden[torch.tensor(picks, dtype=torch.long, device=dev)]
+        logits = self.model.compute_logits(hidden)
         out = []
         i = 0
         for offsets in logit_offsets:

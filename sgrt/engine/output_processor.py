@@ -153,7 +153,8 @@ class OutputProcessor:
     def _sample_and_append(self, rows: list[tuple[Row, torch.Tensor]]) -> None:
         """Sample one token for each row from its last logits row (grammar masks applied)."""
         reqs = [row.req for row, _ in rows]
-        logits = torch.cat([lg[-1:] for _, lg in rows], dim=0)
+        # (one row: a view; sample() copies before it edits a row)
+        logits = rows[0][1][-1:] if len(rows) == 1 else torch.cat([lg[-1:] for _, lg in rows], dim=0)
         bitmask = None
         if any(r.grammar is not None for r in reqs):
             from sgrt.constrained import allocate_token_bitmask

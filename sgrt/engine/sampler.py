@@ -51,11 +51,28 @@ def process_row(row: torch.Tensor, req: Req, eos_ids: set[int]) -> None:
             row[banned] = float("-inf")
 
 
+def needs_processing(req: Req) -> bool:
+    """Whether :func:`process_row` may change ``req``'s row (a penalty, or EOS / stop ids still
+    banned by ``min_tokens``)."""
+    p = req.params
+    return (p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+            or len(req.output_ids) < p.min_tokens)
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """The argmax of a logits row ``[V]``: the first of equal maxima, a NaN counting as the
+    largest, as ``torch.argmax``. A CPU float32 row goes through NumPy's argmax, which is
+    vectorized: ~5 us for 49k logits against ~150 us for torch's CPU argmax reduction."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return int(logits.numpy().argmax())
+    return int(torch.argmax(logits))
+
+
 def sample_row(logits: torch.Tensor, req: Req) -> int:
     """Draw one token from a processed logits row ``[V]`` (float32)."""
     p = req.params
     if p.temperature == 0.0:
-        return int(torch.argmax(logits))
+        return greedy_token(logits)
     return int(torch.multinomial(sampling_probs(logits, p), 1, generator=req.generator))
 
 
@@ -90,14 +107,16 @@ def sample(
     """Sample one token per row.
 
     Args:
-        logits: ``[N, V]`` float32 raw logits, one row per request in ``reqs``.
+        logits: ``[N, V]`` float32 raw logits, one row per request in ``reqs`` (not modified:
+            masks and penalties apply to a copy, made only when some row needs them).
         bitmask: ``[N, ceil(V/32)]`` int32 grammar masks (rows of unconstrained requests all
             ones), or None when no request is constrained.
         eos_ids: the tokenizer's end ids, banned before ``min_tokens``.
     """
     need_logprobs = any(r.params.return_logprob for r in reqs)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
-    processed = logits.clone()
+    edited = [needs_processing(req) for req in reqs]
+    processed = logits.clone() if bitmask is not None or any(edited) else logits
     if bitmask is not None:
         from sgrt.constrained import apply_token_bitmask_
 
@@ -105,7 +124,8 @@ def sample(
     tokens: list[int] = []
     for i, req in enumerate(reqs):
         row = processed[i]
-        process_row(row, req, eos_ids)
+        if edited[i]:
+            process_row(row, req, eos_ids)
         tokens.append(sample_row(row, req))
     logprobs: list[float] = []
     tops: list[list[tuple[int, float]]] = []

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from sgrt.engine.sampler import process_row, sampling_probs, top_logprobs
+from sgrt.engine.sampler import greedy_token, process_row, sampling_probs, top_logprobs
 
 
 @dataclass
@@ -89,7 +89,7 @@ def verify(logits: torch.Tensor, req: Any, draft: Draft, eos_ids: set[int]) -> V
         apply_token_bitmask_(processed, draft.masks[: k + 1])
     plain = not (params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
                  or len(req.output_ids) < params.min_tokens)
-    argmax = processed.argmax(dim=-1).tolist() if greedy and plain else None
+    argmax = [greedy_token(row) for row in processed] if greedy and plain else None
     tokens: list[int] = []
     accepted = 0
     for j in range(k + 1):
@@ -102,7 +102,7 @@ def verify(logits: torch.Tensor, req: Any, draft: Draft, eos_ids: set[int]) -> V
             row = processed[j]
             if not plain:
                 process_row(row, _DraftView(req, draft.tokens[:j]), eos_ids)
-            t = int(torch.argmax(row)) if greedy else None
+            t = greedy_token(row) if greedy else None
         if greedy:
             tokens.append(t)
             if t == d:

@@ -12,6 +12,8 @@ ulps in float32.
   (Zhang & Sennrich, arXiv:1910.07467), the second after ``x += delta`` in place.
 - ``rotary_(qk, cos, sin)``: HF's rotate-half rotary embedding (Su et al., arXiv:2104.09864), in
   place on ``[T, heads, head_dim]``.
+- ``rotary_heads_(qkv, cos, sin, heads)``: the same on the first ``heads`` heads of the QKV
+  projection's output ``[T, q + k + v heads, head_dim]`` (q and k), v untouched.
 - ``silu_mul(gate_up)``: SwiGLU's ``silu(gate) * up`` (Shazeer, arXiv:2002.05202).
 - ``store_kv_(k_cache, v_cache, slots, k, v)``: the new tokens' keys and values into their pool
   slots (what two ``index_copy_`` calls do).
@@ -33,7 +35,10 @@ from sgrt.kernels.build import load_library, operator_entry
 
 SOURCE = Path(__file__).with_name("layer_ops_cpu.cpp")
 # -ffp-contract=off: no fused multiply-add where the eager code rounds between the two.
-CFLAGS = ["-march=native", "-ffp-contract=off"]
+# -fno-trapping-math: lets GCC turn the kernels' branches (clamps, NaN checks) into selects, so
+# that their loops vectorize (silu_mul: 4x faster); values are unchanged, only the FP exception
+# flags, which nothing reads, may differ (torch builds its own kernels with it too).
+CFLAGS = ["-march=native", "-ffp-contract=off", "-fno-trapping-math"]
 DTYPES = (torch.float32, torch.bfloat16)
 
 _fakes_lock = threading.Lock()
@@ -69,6 +74,7 @@ def _register_fakes() -> None:
     torch.library.register_fake(lib + "rms_norm")(lambda x, weight, eps: torch.empty_like(x))
     torch.library.register_fake(lib + "add_rms_norm_")(lambda x, delta, weight, eps: torch.empty_like(x))
     torch.library.register_fake(lib + "rotary_")(lambda qk, cos, sin: qk)
+    torch.library.register_fake(lib + "rotary_heads_")(lambda qkv, cos, sin, heads: qkv)
     torch.library.register_fake(lib + "silu_mul")(
         lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
     torch.library.register_fake(lib + "store_kv_")(lambda k_cache, v_cache, slots, k, v: None)

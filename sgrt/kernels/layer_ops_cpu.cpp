@@ -650,6 +650,18 @@ void store_kv_(Tensor k_cache, Tensor v_cache, const Tensor& slots, const Tensor
   }
 }
 
+// ---- decode-step helpers (fewer dispatches a layer) ----------------------------------------------
+// rotary_heads_: in place on the QKV projection's output viewed as [T, q + k + v heads, D]: the
+// first `heads` heads (q then k) rotated exactly as rotary_ does, the rest (v) left as they are.
+// One call instead of slicing q and k out first.
+
+Tensor rotary_heads_(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t heads) {
+  TORCH_CHECK(qkv.dim() == 3, "qkv must be [T, heads, head_dim], got ", qkv.dim(), " dims");
+  TORCH_CHECK(heads >= 0 && heads <= qkv.size(1), "heads must be in 0..", qkv.size(1), ", got ", heads);
+  rotary_(qkv.narrow(1, 0, heads), cos, sin);
+  return qkv;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sgrt_layer, m) {
@@ -659,6 +671,7 @@ TORCH_LIBRARY(sgrt_layer, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor kv_lens) -> Tensor");
+  m.def("rotary_heads_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(sgrt_layer, CPU, m) {
@@ -668,4 +681,5 @@ TORCH_LIBRARY_IMPL(sgrt_layer, CPU, m) {
   m.impl("silu_mul", silu_mul);
   m.impl("store_kv_", store_kv_);
   m.impl("decode_attention", decode_attention);
+  m.impl("rotary_heads_", rotary_heads_);
 }

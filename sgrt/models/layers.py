@@ -85,6 +85,14 @@ class LayerOps:
         """qk ``[T, heads, head_dim]`` (may be a view into the QKV output) -> rotated."""
         return apply_rotary(qk, cos, sin)
 
+    def rotary_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+                   n_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv ``[T, n_heads + 2 * n_kv_heads, head_dim]`` -> q (rotated) ``[T, n_heads, head_dim]``,
+        k (rotated) and v ``[T, n_kv_heads, head_dim]``; q and k rotate together (one call)."""
+        n_qk = n_heads + n_kv_heads
+        q, k = self.rotary(qkv[:, :n_qk], cos, sin).split([n_heads, n_kv_heads], dim=1)
+        return q, k, qkv[:, n_qk:]
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``[T, 2I]`` -> ``silu(gate) * up`` ``[T, I]``."""
         gate, up = gate_up.chunk(2, dim=-1)
@@ -102,6 +110,7 @@ class NativeLayerOps(LayerOps):
 
         self._rms_norm, self._add_rms_norm = op("rms_norm"), op("add_rms_norm_")
         self._rotary, self._silu_mul = op("rotary_"), op("silu_mul")
+        self._rotary_heads = op("rotary_heads_")
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         if delta is None:
@@ -112,6 +121,15 @@ class NativeLayerOps(LayerOps):
         if cos.shape[-1] != qk.shape[-1]:
             return apply_rotary(qk, cos, sin)
         return self._rotary(qk, cos, sin)
+
+    def rotary_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+                   n_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if cos.shape[-1] != qkv.shape[-1]:
+            return super().rotary_qkv(qkv, cos, sin, n_heads, n_kv_heads)
+        # NOTE: in place on qkv, then torch.split_with_sizes (C++) rather than slicing and
+        # Tensor.split, whose Python wrapper alone costs more than the rotation.
+        self._rotary_heads(qkv, cos, sin, n_heads + n_kv_heads)
+        return torch.split_with_sizes(qkv, [n_heads, n_kv_heads, n_kv_heads], 1)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._silu_mul(gate_up)
@@ -177,18 +195,14 @@ class DecoderLayer(nn.Module):
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         qkv = qkv.view(t, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        cos, sin = rope[self.rope_id]
         if self.q_norm is not None:
-            qk = torch.cat((self.q_norm.forward(qkv[:, : self.n_heads]),
-                            self.k_norm.forward(qkv[:, self.n_heads: self.n_heads + self.n_kv_heads])), dim=1)
-        else:
-            qk = qkv[:, : self.n_heads + self.n_kv_heads]
-        # q and k rotate together: one call for both (q, k, v: views into qkv).
-        qk = ops.rotary(qk, cos, sin)
-        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
+            n_qk = self.n_heads + self.n_kv_heads
+            qkv = torch.cat((self.q_norm.forward(qkv[:, : self.n_heads]),
+                             self.k_norm.forward(qkv[:, self.n_heads: n_qk]), qkv[:, n_qk:]), dim=1)
+        cos, sin = rope[self.rope_id]
+        q, k, v = ops.rotary_qkv(qkv, cos, sin, self.n_heads, self.n_kv_heads)  # views into qkv
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        v = qkv[:, self.n_heads + self.n_kv_heads:]
         if self.window is None:
             o = attn.forward(self.layer_id, q, k, v)
         else:

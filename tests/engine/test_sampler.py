@@ -9,7 +9,7 @@ import torch
 
 from sgrt.constrained import allocate_token_bitmask
 from sgrt.engine.request import Req
-from sgrt.engine.sampler import apply_penalties, process_row, sample, sampling_probs, top_logprobs
+from sgrt.engine.sampler import apply_penalties, greedy_token, process_row, sample, sampling_probs, top_logprobs
 from sgrt.engine.sampling_params import SamplingParams
 
 
@@ -86,3 +86,29 @@ def test_top_logprobs_are_sorted_pairs():
     top = top_logprobs(row, 2)
     assert [t for t, _ in top] == [1, 2] and math.isclose(top[0][1], float(row[1]), rel_tol=1e-6)
     assert top_logprobs(row, 0) == []
+
+
+def test_greedy_token_is_torch_argmax_on_ties_nan_infinities_and_strided_rows():
+    nan, inf = float("nan"), float("inf")
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.tensor(v) for v in ([1.0, 3.0, 3.0, 2.0], [1.0, nan, 3.0, nan], [-inf, -inf, -inf],
+                                      [inf, 1.0, inf], [-0.0, 0.0], [0.5])]
+    rows.append(torch.randn(4, 49152, generator=g)[:, 7])  # a strided column
+    rows.append(torch.randn(49152, generator=g).round())  # many tied values
+    for row in rows:
+        assert greedy_token(row) == int(torch.argmax(row)), row
+    assert greedy_token(torch.tensor([1.0, 4.0, 2.0], dtype=torch.float64)) == 1  # torch's path
+
+
+def test_sample_leaves_its_logits_unchanged():
+    """Masks and penalties edit a copy: the caller's logits (a view into the forward's) stay raw."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    before = logits.clone()
+    bitmask = allocate_token_bitmask(2, 4)
+    bitmask[0] = 0b0110  # tokens 1 and 2 only
+    out = sample(logits, [req(prompt=(0,), output=(1,), temperature=0.0, repetition_penalty=4.0), req(temperature=0.0)],
+                 bitmask, eos_ids={3})
+    assert out.token_ids == [2, 3]  # token 1 (seen) penalised to 0.5, below token 2
+    assert torch.equal(logits, before)
+    out = sample(logits, [req(temperature=0.0, min_tokens=1), req(temperature=0.0)], None, eos_ids={0, 3})
+    assert out.token_ids == [1, 3] and torch.equal(logits, before)

@@ -258,3 +258,24 @@ def test_zero_kv_heads_is_an_error_not_a_crash():
     with pytest.raises(RuntimeError, match="kv_heads and head_dim must be positive"):
         torch.ops.sgrt_layer.decode_attention(torch.randn(1, 4, 64), torch.randn(10, 0, 64), torch.randn(10, 0, 64),
                                               torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_qkv_rotates_q_and_k_in_place_and_matches_eager(dtype):
+    """The native rotary_qkv (rotary_heads_ on the QKV output, then one split) gives the eager
+    path's q, k and v bit for bit, as views into the projection's output."""
+    g = torch.Generator().manual_seed(4)
+    t, n_heads, n_kv, d = 3, 9, 3, 64
+    qkv = torch.randn(t, n_heads + 2 * n_kv, d, generator=g).to(dtype)
+    emb = torch.outer(torch.tensor([0.0, 9.0, 1500.0]), 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+    emb = torch.cat((emb, emb), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    ref = LayerOps().rotary_qkv(qkv.clone(), cos, sin, n_heads, n_kv)
+    work = qkv.clone()
+    got = NativeLayerOps().rotary_qkv(work, cos, sin, n_heads, n_kv)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert all(x.data_ptr() >= work.data_ptr() and x._base is work for x in got)  # views, no copies
+    assert torch.equal(got[2], qkv[:, n_heads + n_kv:])  # v untouched
+    with pytest.raises(RuntimeError, match="heads must be in 0..15, got 16"):
+        torch.ops.sgrt_layer.rotary_heads_(work, cos, sin, 16)
