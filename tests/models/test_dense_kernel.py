@@ -218,8 +218,8 @@ def test_bfloat16_greedy_within_near_tie(bf16_pair):
         try:
             prompts = [lm.tokenizer.apply_chat_template([{"role": "user", "content": t}])
                        for t in ("What is the capital of France?", "Name three prime numbers.")]
-            params = SamplingParams(max_tokens=24, return_logprob=True, top_logprobs_num=5)
-            results.append([eng.generate(p, params) for p in prompts])
+            params = SamplingParams(max_tokens=20, return_logprob=True, top_logprobs_num=5)
+            results.append(eng.generate_batch(prompts, params))
         finally:
             eng.shutdown()
     for a, b in zip(*results):
