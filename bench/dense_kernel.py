@@ -14,7 +14,14 @@ Rounds alternate the contenders (median of ``--runs``), so a shared machine's dr
 all alike; the ratios are the figures to read. Also prints the machine's read bandwidth
 (``torch.sum`` over 1 GiB, as ``bench/vs_llamacpp.py`` measures it) and the load average.
 
-Run: ``python bench/dense_kernel.py [--rows 1] [--threads 2] [--runs 7]``
+``--decode``: instead, batch-1 decode of the default model (``bench/decode.py``'s prompt, 128
+tokens) as the loader sets it up (``sgrt``: the kernel where :func:`sgrt.models.packed.dense_kernel_for`
+chooses it, forced on for float32 too) against torch's layers (``torch``: bfloat16 plain
+``nn.Linear``, float32 oneDNN prepacked: what the loader chose before the kernel), alternated
+(median of ``--runs``), with each one's share of its bandwidth limit (``bench/vs_llamacpp.py``'s
+bytes per token over the bandwidth measured in the same run).
+
+Run: ``python bench/dense_kernel.py [--rows 1] [--threads 2] [--runs 7] [--decode]``
 """
 from __future__ import annotations
 
@@ -41,8 +48,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1, help="rows of x (M)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--decode", action="store_true", help="model decode tok/s instead of per-layer GB/s")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.decode:
+        return decode(args)
 
     from bench.vs_llamacpp import read_bandwidth_gbs
     from sgrt.kernels import dense
@@ -91,6 +101,44 @@ def main() -> None:
     print(f"load average after: {os.getloadavg()}")
     figures["load_average"] = [round(v, 2) for v in os.getloadavg()]
     emit_json("dense_kernel", **figures)
+
+
+def decode(args) -> None:
+    from bench.decode import PROMPT, sgrt_decode_tps
+    from bench.vs_llamacpp import bytes_per_token, read_bandwidth_gbs
+    from sgrt.models import load_model
+    from sgrt.models import packed
+
+    print(f"load average before: {os.getloadavg()}")
+    bandwidth = read_bandwidth_gbs(args.threads)
+    print(f"read bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads)")
+    figures: dict = {"bandwidth_gbs": round(bandwidth, 1), "threads": args.threads}
+    rows = []
+    for dtype in ("bfloat16", "float32"):
+        models = {}
+        saved = packed.DENSE_DTYPES_OVER_ONEDNN
+        try:
+            packed.DENSE_DTYPES_OVER_ONEDNN = packed.DENSE_DTYPES  # the kernel wherever it loads
+            models["sgrt"] = load_model("smollm2-135m-instruct", dtype=dtype)
+        finally:
+            packed.DENSE_DTYPES_OVER_ONEDNN = saved
+        # torch's side: float32 oneDNN prepacked (the loader's default), bfloat16 plain layers
+        models["torch"] = load_model("smollm2-135m-instruct", dtype=dtype, prepack=dtype == "float32")
+        kinds = {name: type(m.model.layers[0].qkv_proj).__name__ for name, m in models.items()}
+        ids = models["sgrt"].tokenizer.encode(PROMPT)
+        tps = interleaved_medians(models, args.runs, lambda m: sgrt_decode_tps(m, ids))
+        for name, m in models.items():
+            share = tps[name] * bytes_per_token(m, len(ids) + 64) / (bandwidth * 1e9)
+            rows.append([dtype, f"{name} ({kinds[name]})", round(tps[name], 2), f"{share:.0%}"])
+            figures[f"{dtype}_{name}_tok_s"] = round(tps[name], 2)
+            figures[f"{dtype}_{name}_bandwidth_share"] = round(share, 3)
+        figures[f"{dtype}_sgrt_over_torch"] = round(tps["sgrt"] / tps["torch"], 3)
+        del models
+    print(f"batch-1 decode, 128 tokens, {args.threads} threads, median of {args.runs} alternated runs")
+    print_table(["dtype", "layers", "tok/s", "bandwidth share"], rows)
+    print(f"load average after: {os.getloadavg()}")
+    figures["load_average"] = [round(v, 2) for v in os.getloadavg()]
+    emit_json("dense_kernel_decode", **figures)
 
 
 if __name__ == "__main__":
