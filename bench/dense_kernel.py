@@ -14,8 +14,8 @@ Rounds alternate the contenders (median of ``--runs``), so a shared machine's dr
 all alike; the ratios are the figures to read. Also prints the machine's read bandwidth
 (``torch.sum`` over 1 GiB, as ``bench/vs_llamacpp.py`` measures it) and the load average.
 
-``--decode``: instead, batch-1 decode of the default model (``bench/decode.py``'s prompt, 128
-tokens) as the loader sets it up (``sgrt``: the kernel where :func:`sgrt.models.packed.dense_kernel_for`
+``--decode``: instead, batch-1 decode of the default model (``bench/decode.py``'s prompt,
+``--tokens`` new tokens) as the loader sets it up (``sgrt``: the kernel where :func:`sgrt.models.packed.dense_kernel_for`
 chooses it, forced on for float32 too) against torch's layers (``torch``: bfloat16 plain
 ``nn.Linear``, float32 oneDNN prepacked: what the loader chose before the kernel), alternated
 (median of ``--runs``), with each one's share of its bandwidth limit (``bench/vs_llamacpp.py``'s
@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--decode", action="store_true", help="model decode tok/s instead of per-layer GB/s")
+    ap.add_argument("--tokens", type=int, default=128, help="--decode: new tokens a run")
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="--decode: model dtypes")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.decode:
@@ -104,6 +106,7 @@ def main() -> None:
 
 
 def decode(args) -> None:
+    import bench.decode
     from bench.decode import PROMPT, sgrt_decode_tps
     from bench.vs_llamacpp import bytes_per_token, read_bandwidth_gbs
     from sgrt.models import load_model
@@ -114,7 +117,8 @@ def decode(args) -> None:
     print(f"read bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads)")
     figures: dict = {"bandwidth_gbs": round(bandwidth, 1), "threads": args.threads}
     rows = []
-    for dtype in ("bfloat16", "float32"):
+    bench.decode.NEW_TOKENS = args.tokens
+    for dtype in args.dtypes.split(","):
         models = {}
         saved = packed.DENSE_DTYPES_OVER_ONEDNN
         try:
@@ -128,13 +132,13 @@ def decode(args) -> None:
         ids = models["sgrt"].tokenizer.encode(PROMPT)
         tps = interleaved_medians(models, args.runs, lambda m: sgrt_decode_tps(m, ids))
         for name, m in models.items():
-            share = tps[name] * bytes_per_token(m, len(ids) + 64) / (bandwidth * 1e9)
+            share = tps[name] * bytes_per_token(m, len(ids) + args.tokens // 2) / (bandwidth * 1e9)
             rows.append([dtype, f"{name} ({kinds[name]})", round(tps[name], 2), f"{share:.0%}"])
             figures[f"{dtype}_{name}_tok_s"] = round(tps[name], 2)
             figures[f"{dtype}_{name}_bandwidth_share"] = round(share, 3)
         figures[f"{dtype}_sgrt_over_torch"] = round(tps["sgrt"] / tps["torch"], 3)
         del models
-    print(f"batch-1 decode, 128 tokens, {args.threads} threads, median of {args.runs} alternated runs")
+    print(f"batch-1 decode, {args.tokens} tokens, {args.threads} threads, median of {args.runs} alternated runs")
     print_table(["dtype", "layers", "tok/s", "bandwidth share"], rows)
     print(f"load average after: {os.getloadavg()}")
     figures["load_average"] = [round(v, 2) for v in os.getloadavg()]
