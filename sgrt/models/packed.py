@@ -32,7 +32,11 @@ without AVX-512 BW or AVX-NE-CONVERT: torch's plain bfloat16 matmul then widens 
 element by element) and sgrt's AVX2 kernel (:mod:`sgrt.kernels.dense`) loads, the projections and
 the LM head run that kernel for decode-sized inputs (up to :data:`DENSE_MAX_ROWS` rows) on the
 plain weight (no copy: a tied head reads the embedding table), and ``F.linear`` for more rows.
-float32 keeps oneDNN's prepacked layers wherever they pack (see ``DENSE_DTYPES``).
+float32 takes the kernel over oneDNN's prepacked layers too (``DENSE_DTYPES_OVER_ONEDNN``): at
+one row oneDNN's float32 matmul measured 1.4-2.3x slower than the kernel on the 2-core AVX2 EPYC
+(``bench/dense_kernel.py``), and greedy outputs stayed token-identical (``bench/ab_commits.py
+--what tokens``, the float32 model tests against transformers). float32 prefill then runs
+``F.linear`` (MKL) instead of oneDNN, and the LM head no longer needs a 113 MB copy.
 """
 from __future__ import annotations
 
@@ -52,9 +56,10 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # weight once per call but multiplies row by row, so from ~16 rows a blocked matmul is ahead.
 DENSE_MAX_ROWS = 16
 # The dtypes DenseLinear takes over from oneDNN's prepacked layers where those do pack
-# (DENSE_DTYPES_OVER_ONEDNN) and where they do not (DENSE_DTYPES).
+# (DENSE_DTYPES_OVER_ONEDNN: float32, whose oneDNN matmul is slower than the kernel at one row)
+# and where they do not (DENSE_DTYPES).
 DENSE_DTYPES = (torch.float32, torch.bfloat16)
-DENSE_DTYPES_OVER_ONEDNN: tuple[torch.dtype, ...] = ()
+DENSE_DTYPES_OVER_ONEDNN: tuple[torch.dtype, ...] = (torch.float32,)
 
 
 class PackedLinear(nn.Module):

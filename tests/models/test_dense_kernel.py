@@ -206,6 +206,19 @@ def test_loader_puts_the_kernel_where_onednn_cannot_pack(bf16_pair):
     assert model.logits_head_max_rows == model.logits_head.max_rows
 
 
+def test_float32_model_uses_the_kernel(loaded_model):
+    """The session's float32 model: projections and the tied LM head on the kernel, the head
+    reading the embedding table itself (its float32 outputs are checked against transformers
+    by tests/models/test_llama_matches_hf.py and the engine tests)."""
+    from sgrt.models.packed import DENSE_DTYPES_OVER_ONEDNN, DenseLinear
+
+    if torch.float32 not in DENSE_DTYPES_OVER_ONEDNN:
+        pytest.skip("float32 keeps oneDNN here")
+    model = loaded_model.model
+    assert all(isinstance(l.gate_up_proj, DenseLinear) for l in model.layers)
+    assert model.logits_head.weight is model.embed_tokens.weight
+
+
 def test_bfloat16_greedy_within_near_tie(bf16_pair):
     """Greedy outputs through the kernel equal torch's plain bfloat16 layers', or diverge only at
     a near-tie (see ``BF16_NEAR_TIE``)."""
