@@ -66,8 +66,11 @@ def bytes_per_token(loaded, context: int) -> int:
     model = loaded.model
     total = weight_bytes(model)
     embed = model.embed_tokens.weight
-    if getattr(model, "lm_head", None) is not None or getattr(model, "logits_head", None) is not None:
-        # the output layer is a separate tensor (a quantized copy of a tied one included)
+    head = getattr(model, "logits_head", None)
+    if getattr(model, "lm_head", None) is not None or (
+            head is not None and not any(p is embed for p in head.parameters())):
+        # the output layer is a separate tensor (a quantized or prepacked copy of a tied one
+        # included; a head that computes on the embedding table itself is not one)
         total -= embed.numel() * embed.element_size()
     cfg = loaded.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -26,6 +26,17 @@ The packed weight is an opaque mkldnn tensor of the same size, held as the param
 ``packed`` (so ``parameters()`` still counts it; ``state_dict()`` holds it in the mkldnn
 layout); :attr:`PackedLinear.weight` unpacks a dense copy for inspection. Layers stay as they are where oneDNN is missing, on other
 devices and dtypes, or if the packed result disagrees with ``F.linear`` at load.
+
+**Dense kernel** (:class:`DenseLinear`): where oneDNN cannot prepack a dtype on this CPU (bfloat16
+without AVX-512 BW or AVX-NE-CONVERT: torch's plain bfloat16 matmul then widens the weights
+element by element) and sgrt's AVX2 kernel (:mod:`sgrt.kernels.dense`) loads, the projections and
+the LM head run that kernel for decode-sized inputs (up to :data:`DENSE_MAX_ROWS` rows) on the
+plain weight (no copy: a tied head reads the embedding table), and ``F.linear`` for more rows.
+float32 takes the kernel over oneDNN's prepacked layers too (``DENSE_DTYPES_OVER_ONEDNN``): at
+one row oneDNN's float32 matmul measured 1.4-2.3x slower than the kernel on the 2-core AVX2 EPYC
+(``bench/dense_kernel.py``), and greedy outputs stayed token-identical (``bench/ab_commits.py
+--what tokens``, the float32 model tests against transformers). float32 prefill then runs
+``F.linear`` (MKL) instead of oneDNN, and the LM head no longer needs a 113 MB copy.
 """
 from __future__ import annotations
 
@@ -41,6 +52,14 @@ logger = logging.getLogger("sgrt.models")
 # 16 (a decode batch) measured as good as 1 at one row and better at 4-512 rows.
 PACK_BATCH_HINT = 16
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# Rows of x up to which DenseLinear runs the native kernel: a decode batch. The kernel reads each
+# weight once per call but multiplies row by row, so from ~16 rows a blocked matmul is ahead.
+DENSE_MAX_ROWS = 16
+# The dtypes DenseLinear takes over from oneDNN's prepacked layers where those do pack
+# (DENSE_DTYPES_OVER_ONEDNN: float32, whose oneDNN matmul is slower than the kernel at one row)
+# and where they do not (DENSE_DTYPES).
+DENSE_DTYPES = (torch.float32, torch.bfloat16)
+DENSE_DTYPES_OVER_ONEDNN: tuple[torch.dtype, ...] = (torch.float32,)
 
 
 class PackedLinear(nn.Module):
@@ -66,6 +85,37 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN prepacked"
+
+
+class DenseLinear(nn.Module):
+    """``y = x @ W.T`` on the plain row-major weight ``W`` ``[N, K]`` (no bias): sgrt's AVX2 kernel
+    (:mod:`sgrt.kernels.dense`) for 2-D inputs of up to ``max_rows`` rows, ``F.linear`` otherwise
+    (prefill chunks, other devices or dtypes).
+
+    Input ``[..., K]``; output ``[..., N]`` in the input's dtype (the weight's, for the kernel).
+    The weight is the given tensor itself (a parameter is kept as it is, so a tied LM head shares
+    the embedding table). Call after :func:`sgrt.kernels.dense.available` returned True.
+    """
+
+    def __init__(self, weight: torch.Tensor, max_rows: int = DENSE_MAX_ROWS):
+        super().__init__()
+        from sgrt.kernels import dense
+
+        self.out_features, self.in_features = weight.shape
+        self.max_rows = max_rows
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self._linear = dense.kernel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == w.dtype and x.is_cpu and w.is_cpu
+                and x.stride(-1) == 1):
+            return self._linear(x, w)
+        return F.linear(x, w)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"native dense kernel up to {self.max_rows} rows")
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -99,32 +149,87 @@ def _packed_or_none(weight: torch.Tensor, what: str, check: bool) -> PackedLinea
     return layer
 
 
+def _onednn_packs(weight: torch.Tensor) -> bool:
+    """Whether oneDNN prepacks ``weight``'s dtype on this CPU (tried on a small matrix; cached)."""
+    key = (weight.dtype, weight.device.type)
+    if key not in _onednn_ok:
+        probe = torch.zeros(16, 64, dtype=weight.dtype, device=weight.device)
+        try:
+            _onednn_ok[key] = can_pack(probe) and torch.ops.mkldnn._reorder_linear_weight(probe, PACK_BATCH_HINT) is not None
+        except RuntimeError:
+            _onednn_ok[key] = False
+    return _onednn_ok[key]
+
+
+_onednn_ok: dict[tuple[torch.dtype, str], bool] = {}
+
+
+def dense_kernel_for(weight: torch.Tensor) -> bool:
+    """Whether :class:`DenseLinear` serves ``weight`` (a CPU float32 / bfloat16 matrix): its
+    dtype is in ``DENSE_DTYPES_OVER_ONEDNN``, or in ``DENSE_DTYPES`` and oneDNN cannot prepack it
+    here; and the native kernel loads (not with ``SGRT_NATIVE_KERNELS=0``)."""
+    if weight.device.type != "cpu" or weight.dtype not in DENSE_DTYPES or weight.dim() != 2:
+        return False
+    if weight.dtype not in DENSE_DTYPES_OVER_ONEDNN and _onednn_packs(weight):
+        return False
+    from sgrt.kernels import dense
+
+    return dense.available()
+
+
+def _dense_agrees(layer: DenseLinear, weight: torch.Tensor) -> bool:
+    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    want = F.linear(x.float(), weight.float())
+    got = layer(x).float()
+    return bool(((got - want).norm() / want.norm().clamp_min(1e-12)) <= 1e-2)
+
+
 def pack_linear_layers(model: nn.Module, names: tuple[str, ...]) -> int:
     """Replace each decoder layer's plain ``nn.Linear`` projections named in ``names`` by
-    :class:`PackedLinear`, in place; returns how many were packed. Stops at the first layer that
-    cannot be packed (:func:`can_pack` depends only on the dtype, the device and this torch) and
-    packs nothing if the first packed layer disagrees with ``F.linear``."""
+    :class:`DenseLinear` where :func:`dense_kernel_for` says so, else by :class:`PackedLinear`,
+    in place; returns how many were replaced. Stops at the first layer that cannot be packed
+    (:func:`can_pack` depends only on the dtype, the device and this torch) and replaces nothing
+    if the first replaced layer disagrees with ``F.linear``."""
     count = 0
     for i, layer in enumerate(model.layers):
         for name in names:
             current = getattr(layer, name)
             if type(current) is not nn.Linear or current.bias is not None:
                 continue
-            packed = _packed_or_none(current.weight, f"layers.{i}.{name}", check=count == 0)
-            if packed is None:
+            if dense_kernel_for(current.weight):
+                replacement = DenseLinear(current.weight)
+                if count == 0 and not _dense_agrees(replacement, current.weight):
+                    logger.warning("the dense kernel disagrees with F.linear on %s; keeping torch's layers",
+                                   f"layers.{i}.{name}")
+                    return 0
+            else:
+                replacement = _packed_or_none(current.weight, f"layers.{i}.{name}", check=count == 0)
+            if replacement is None:
                 return count
-            setattr(layer, name, packed)
+            setattr(layer, name, replacement)
             count += 1
     return count
 
 
 def pack_lm_head(model: nn.Module) -> bool:
-    """Give an unquantized model (``model.logits_head`` None) a :class:`PackedLinear` copy of its
-    LM head for every batch size; True if done. An untied model's plain head is then freed."""
+    """Give an unquantized model (``model.logits_head`` None) a :class:`DenseLinear` over its LM
+    head's own weight for up to :data:`DENSE_MAX_ROWS` rows where :func:`dense_kernel_for` says
+    so, else a :class:`PackedLinear` copy of it for every batch size (an untied model's plain
+    head is then freed); True if done."""
     if model.logits_head is not None:
         return False
-    head = _packed_or_none(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight,
-                           "the LM head", check=True)
+    weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    if dense_kernel_for(weight):
+        # NOTE: the plain weight itself (a tied one is the embedding table: no copy); more rows
+        # than the kernel takes go to compute_logits' F.linear on the same tensor.
+        head = DenseLinear(weight)
+        if not _dense_agrees(head, weight):
+            logger.warning("the dense kernel disagrees with F.linear on the LM head; keeping F.linear")
+            return False
+        model.logits_head = head
+        model.logits_head_max_rows = head.max_rows
+        return True
+    head = _packed_or_none(weight, "the LM head", check=True)
     if head is None:
         return False
     model.logits_head = head

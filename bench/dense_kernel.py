@@ -1,0 +1,149 @@
+"""Dense float32 / bfloat16 matmuls at decode sizes: sgrt's AVX2 kernel (:mod:`sgrt.kernels.dense`)
+against torch's paths, in one invocation (issue 21).
+
+For each of the default model's 4 projection shapes (30 copies each, one per layer, ~60-110 MB
+in all, so the weights come from memory as in a decode step) and its LM head (49152 x 576, one
+copy), and each dtype: read bandwidth (weight bytes / time) of
+
+- ``sgrt``: the kernel, on the plain row-major weight;
+- ``torch``: ``F.linear`` on the same weight;
+- ``onednn``: torch's oneDNN prepacked layer (:class:`sgrt.models.packed.PackedLinear`), where
+  this CPU can prepack the dtype (float32 on AVX2; bfloat16 needs AVX-512 BW).
+
+Rounds alternate the contenders (median of ``--runs``), so a shared machine's drift lands on
+all alike; the ratios are the figures to read. Also prints the machine's read bandwidth
+(``torch.sum`` over 1 GiB, as ``bench/vs_llamacpp.py`` measures it) and the load average.
+
+``--decode``: instead, batch-1 decode of the default model (``bench/decode.py``'s prompt,
+``--tokens`` new tokens) as the loader sets it up (``sgrt``: the kernel where :func:`sgrt.models.packed.dense_kernel_for`
+chooses it, forced on for float32 too) against torch's layers (``torch``: bfloat16 plain
+``nn.Linear``, float32 oneDNN prepacked: what the loader chose before the kernel), alternated
+(median of ``--runs``), with each one's share of its bandwidth limit (``bench/vs_llamacpp.py``'s
+bytes per token over the bandwidth measured in the same run).
+
+Run: ``python bench/dense_kernel.py [--rows 1] [--threads 2] [--runs 7] [--decode]``
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.common import emit_json, interleaved_medians, print_table  # noqa: E402
+
+SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536),
+          "lm_head": (49152, 576)}
+LAYERS = 30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=1, help="rows of x (M)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--decode", action="store_true", help="model decode tok/s instead of per-layer GB/s")
+    ap.add_argument("--tokens", type=int, default=128, help="--decode: new tokens a run")
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="--decode: model dtypes")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.decode:
+        return decode(args)
+
+    from bench.vs_llamacpp import read_bandwidth_gbs
+    from sgrt.kernels import dense
+    from sgrt.models.packed import _packed_or_none
+
+    if not dense.available():
+        sys.exit("the dense AVX2 kernel is unavailable here (see the log)")
+    op = dense.kernel()
+    print(f"load average before: {os.getloadavg()}")
+    bandwidth = read_bandwidth_gbs(args.threads)
+    print(f"read bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads)")
+    gen = torch.Generator().manual_seed(0)
+    rows, figures = [], {"bandwidth_gbs": round(bandwidth, 1), "rows": args.rows, "threads": args.threads}
+    for dtype in (torch.float32, torch.bfloat16):
+        dname = str(dtype).removeprefix("torch.")
+        for name, (n, k) in SHAPES.items():
+            copies = 1 if name == "lm_head" else LAYERS
+            weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies)]
+            x = torch.randn(args.rows, k, generator=gen).to(dtype)
+            nbytes = sum(w.numel() * w.element_size() for w in weights)
+            reps = max(1, int(2e8 // nbytes))  # ~200 MB read a sample
+            contenders = {"sgrt": lambda: [op(x, w) for w in weights],
+                          "torch": lambda: [F.linear(x, w) for w in weights]}
+            packed = [_packed_or_none(w, name, check=False) for w in weights]
+            if all(p is not None for p in packed):
+                contenders["onednn"] = lambda: [p(x) for p in packed]
+
+            def measure(fn) -> float:
+                fn()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                return nbytes * reps / (time.perf_counter() - t0) / 1e9
+
+            gbs = interleaved_medians(contenders, args.runs, measure)
+            best_torch = max(v for key, v in gbs.items() if key != "sgrt")
+            rows.append([dname, f"{name} {n}x{k}", round(gbs["sgrt"], 2), round(gbs["torch"], 2),
+                         round(gbs["onednn"], 2) if "onednn" in gbs else "-", round(gbs["sgrt"] / best_torch, 2),
+                         f"{gbs['sgrt'] / bandwidth:.0%}"])
+            for key, v in gbs.items():
+                figures[f"{dname}_{name}_{key}_gbs"] = round(v, 2)
+            figures[f"{dname}_{name}_ratio_vs_best_torch"] = round(gbs["sgrt"] / best_torch, 3)
+            del weights, packed
+    print(f"M = {args.rows}, {args.threads} threads, GB/s of weights read (median of {args.runs} alternated rounds)")
+    print_table(["dtype", "layer", "sgrt", "torch", "onednn", "sgrt / best torch", "sgrt / bandwidth"], rows)
+    print(f"load average after: {os.getloadavg()}")
+    figures["load_average"] = [round(v, 2) for v in os.getloadavg()]
+    emit_json("dense_kernel", **figures)
+
+
+def decode(args) -> None:
+    import bench.decode
+    from bench.decode import PROMPT, sgrt_decode_tps
+    from bench.vs_llamacpp import bytes_per_token, read_bandwidth_gbs
+    from sgrt.models import load_model
+    from sgrt.models import packed
+
+    print(f"load average before: {os.getloadavg()}")
+    bandwidth = read_bandwidth_gbs(args.threads)
+    print(f"read bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads)")
+    figures: dict = {"bandwidth_gbs": round(bandwidth, 1), "threads": args.threads}
+    rows = []
+    bench.decode.NEW_TOKENS = args.tokens
+    for dtype in args.dtypes.split(","):
+        models = {}
+        saved = packed.DENSE_DTYPES_OVER_ONEDNN
+        try:
+            packed.DENSE_DTYPES_OVER_ONEDNN = packed.DENSE_DTYPES  # the kernel wherever it loads
+            models["sgrt"] = load_model("smollm2-135m-instruct", dtype=dtype)
+        finally:
+            packed.DENSE_DTYPES_OVER_ONEDNN = saved
+        # torch's side: float32 oneDNN prepacked (the loader's default), bfloat16 plain layers
+        models["torch"] = load_model("smollm2-135m-instruct", dtype=dtype, prepack=dtype == "float32")
+        kinds = {name: type(m.model.layers[0].qkv_proj).__name__ for name, m in models.items()}
+        ids = models["sgrt"].tokenizer.encode(PROMPT)
+        tps = interleaved_medians(models, args.runs, lambda m: sgrt_decode_tps(m, ids))
+        for name, m in models.items():
+            share = tps[name] * bytes_per_token(m, len(ids) + args.tokens // 2) / (bandwidth * 1e9)
+            rows.append([dtype, f"{name} ({kinds[name]})", round(tps[name], 2), f"{share:.0%}"])
+            figures[f"{dtype}_{name}_tok_s"] = round(tps[name], 2)
+            figures[f"{dtype}_{name}_bandwidth_share"] = round(share, 3)
+        figures[f"{dtype}_sgrt_over_torch"] = round(tps["sgrt"] / tps["torch"], 3)
+        del models
+    print(f"batch-1 decode, {args.tokens} tokens, {args.threads} threads, median of {args.runs} alternated runs")
+    print_table(["dtype", "layers", "tok/s", "bandwidth share"], rows)
+    print(f"load average after: {os.getloadavg()}")
+    figures["load_average"] = [round(v, 2) for v in os.getloadavg()]
+    emit_json("dense_kernel_decode", **figures)
+
+
+if __name__ == "__main__":
+    main()
