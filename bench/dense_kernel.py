@@ -126,8 +126,13 @@ def decode(args) -> None:
             models["sgrt"] = load_model("smollm2-135m-instruct", dtype=dtype)
         finally:
             packed.DENSE_DTYPES_OVER_ONEDNN = saved
-        # torch's side: float32 oneDNN prepacked (the loader's default), bfloat16 plain layers
-        models["torch"] = load_model("smollm2-135m-instruct", dtype=dtype, prepack=dtype == "float32")
+        # torch's side: float32 oneDNN prepacked (the loader's choice without the kernel),
+        # bfloat16 plain layers
+        try:
+            packed.DENSE_DTYPES_OVER_ONEDNN = ()
+            models["torch"] = load_model("smollm2-135m-instruct", dtype=dtype, prepack=dtype == "float32")
+        finally:
+            packed.DENSE_DTYPES_OVER_ONEDNN = saved
         kinds = {name: type(m.model.layers[0].qkv_proj).__name__ for name, m in models.items()}
         ids = models["sgrt"].tokenizer.encode(PROMPT)
         tps = interleaved_medians(models, args.runs, lambda m: sgrt_decode_tps(m, ids))
