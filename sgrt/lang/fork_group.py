@@ -53,19 +53,8 @@ class ProgramStateGroup:
         return iter(self.states)
 
     def __iadd__(self, other: Any) -> "ProgramStateGroup":
-        if isinstance(other, (list, tuple)):
-            if len(other) != len(self.states):
-                raise InvalidRequest(
-                    f"forks += list needs one entry per branch ({len(self.states)}), "
-                    f"got {len(other)}", field="forks")
-            for state, x in zip(self.states, other):
-                state += x
-        elif callable(other) and not isinstance(other, ir.Expr):
-            for i, state in enumerate(self.states):
-                state += other(i)
-        else:
-            for state in self.states:
-                state += other
+        for state, entry in zip(self.states, ir.fork_entries(other, len(self.states))):
+            state += entry
         return self
 
     def join(self, mode: str = "gather_variable") -> None:

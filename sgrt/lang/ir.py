@@ -239,6 +239,24 @@ def to_expr(value: Any) -> Expr:
     )
 
 
+def fork_entries(other: Any, n: int) -> list[Any]:
+    """What each of ``n`` fork branches gets from ``forks += other`` (SGLang's
+    ``ProgramStateGroup.__iadd__``): a list or tuple gives branch ``i`` its entry ``i``, a callable
+    that is not an expression gives ``other(i)``, anything else goes to every branch.
+
+    Raises:
+        InvalidRequest: (field ``forks``) a list whose length is not ``n``.
+    """
+    if isinstance(other, (list, tuple)):
+        if len(other) != n:
+            raise InvalidRequest(f"forks += list needs one entry per branch ({n}), got {len(other)}",
+                                 field="forks")
+        return list(other)
+    if callable(other) and not isinstance(other, Expr):
+        return [other(i) for i in range(n)]
+    return [other] * n
+
+
 def var_names(expr: Expr) -> list[str]:
     """Names of the variables ``expr`` will set (gens, selects, var scopes)."""
     names = []

@@ -8,7 +8,7 @@ import torch
 
 from sgrt.errors import InvalidRequest
 from sgrt.models import LoadedModel, load_model
-from sgrt.models import gguf_raw, loader, quant
+from sgrt.models import gguf_raw, loader, packed, quant
 
 MODEL = "smollm2-135m-instruct"
 
@@ -374,13 +374,16 @@ def test_quantization_name_is_checked():
 
 def test_weight_memory(bf16_model, quantized):
     model = bf16_model.model
-    # The oneDNN-prepacked copy of the tied LM head (sgrt/models/packed.py): none on a CPU whose
-    # oneDNN cannot pack bfloat16 (no AVX-512 BW/VL/DQ nor AVX-NE-CONVERT; load logs why).
+    # The tied LM head (sgrt/models/packed.py): a oneDNN-prepacked copy of the embedding table
+    # where oneDNN packs bfloat16, else the dense kernel on the table itself (no copy, and
+    # parameters() counts the shared table once), else none.
     head = model.logits_head
     head_mb = 0.0
-    if head is not None:
+    if isinstance(head, packed.PackedLinear):
         head_mb = head.packed.numel() * head.packed.element_size() / 1e6
         assert abs(head_mb - model.embed_tokens.weight.numel() * 2 / 1e6) < 0.1
+    elif head is not None:
+        assert isinstance(head, packed.DenseLinear) and head.weight is model.embed_tokens.weight
     mb = {"bf16": quant.weight_bytes(model) / 1e6 - head_mb}
     mb.update({q: quant.weight_bytes(lm.model) / 1e6 for q, lm in quantized.items()})
     # 134.5M parameters: bf16 2 bytes each; the bf16 input embedding (56.6 MB) stays in all three.
