@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from sgrt.engine.sampler import greedy_token, process_row, sampling_probs, top_logprobs
+from sgrt.engine.sampler import greedy_token, needs_processing, process_row, sampling_probs, top_logprobs
 
 
 @dataclass
@@ -87,8 +87,7 @@ def verify(logits: torch.Tensor, req: Any, draft: Draft, eos_ids: set[int]) -> V
         from sgrt.constrained import apply_token_bitmask_
 
         apply_token_bitmask_(processed, draft.masks[: k + 1])
-    plain = not (params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
-                 or len(req.output_ids) < params.min_tokens)
+    plain = not needs_processing(req)
     argmax = [greedy_token(row) for row in processed] if greedy and plain else None
     tokens: list[int] = []
     accepted = 0
