@@ -168,10 +168,15 @@ def run_bench(tree: Path, name: str, runs: int | None = None) -> dict:
 
 def compare_bench(base: Path, new: Path, rounds: int, names: list[str], runs: int | None = None) -> dict:
     ratios: dict[str, list[float]] = {}
-    for _ in range(rounds):
+    for k in range(rounds):
         for name in names:
-            a = run_bench(base, name, runs)
-            b = run_bench(new, name, runs)
+            # ABBA order: the side that runs second in a pair is not always the same one.
+            if k % 2 == 0:
+                a = run_bench(base, name, runs)
+                b = run_bench(new, name, runs)
+            else:
+                b = run_bench(new, name, runs)
+                a = run_bench(base, name, runs)
             for key in SGRT_FIGURES[name]:
                 if key in a and key in b and a[key]:
                     ratios.setdefault(f"{name}.{key}", []).append(b[key] / a[key])
