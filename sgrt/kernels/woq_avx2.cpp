@@ -52,6 +52,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -337,14 +338,15 @@ at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   const int64_t row_bytes = bits == 4 ? 16 * k : 0;
   const int64_t tile = bits == 4 ? std::min<int64_t>(M, std::max<int64_t>(2, (262144 / row_bytes) & ~int64_t(1))) : M;
   at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<int8_t> X(static_cast<size_t>(tile * row_bytes + 64));
+    // (not zeroed: expand4 writes every byte read; the memset cost ~1 us a call at k = 1536)
+    std::unique_ptr<int8_t[]> X(new int8_t[static_cast<size_t>(tile * row_bytes + 64)]);
     for (int64_t t0 = 0; t0 < M; t0 += tile) {
       const int64_t t1 = std::min(M, t0 + tile);
       if (bits == 4)
-        for (int64_t m = t0; m < t1; ++m) expand4(q1.data() + m * k, q2.data() + m * k, k, X.data() + (m - t0) * row_bytes);
+        for (int64_t m = t0; m < t1; ++m) expand4(q1.data() + m * k, q2.data() + m * k, k, X.get() + (m - t0) * row_bytes);
       // the row's activations: expanded (4-bit, this tile), or the int16 q themselves (8-bit)
       auto xrow = [&](int64_t m) -> const void* {
-        return bits == 4 ? static_cast<const void*>(X.data() + (m - t0) * row_bytes)
+        return bits == 4 ? static_cast<const void*>(X.get() + (m - t0) * row_bytes)
                          : static_cast<const void*>(Q.data() + m * k);
       };
       for (int64_t b = b0; b < b1; ++b) {
