@@ -46,6 +46,10 @@ class GroupLinear(QuantizedLinear):
         scales, offsets: ``[N, K // group_size]``, stored as float16 (a Q4_1 block's ``d`` and
             ``m`` are float16 in the file, so they are kept exactly).
         bits: 4 or 8. group_size: 32, 64 or 128.
+
+    On the AVX2 build the buffer ``packed`` is the kernel's single stream of codes, scales and
+    offsets (:func:`sgrt.kernels.woq.fuse`) and there are no ``scales`` / ``offsets`` buffers
+    (:meth:`group_params` reads them back); on the AVX-512 build it holds the codes alone.
     """
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
