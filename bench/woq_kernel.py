@@ -14,7 +14,8 @@ the same run (``bench/vs_llamacpp.py``'s ``read_bandwidth_gbs``).
 - ``ours-int4`` / ``ours-int8``: :func:`sgrt.kernels.woq.linear` (0.625 / 1.125 bytes a weight
   with the float16 scales and offsets); ``GB/s`` = those bytes a layer / its time.
 - ``base-int4`` / ``base-int8`` (AVX2 CPUs only): the AVX2 kernel of commit ``--base`` (default:
-  the last one with float32 FMAs), its source compiled here as library ``sgrt_woq_avx2_base``.
+  the last one with float32 FMAs; ``fc65c15``: the last one with separate scale arrays), its
+  source compiled here as library ``sgrt_woq_avx2_base``, given the weight layout it takes.
 - ``torch-int4``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (codes packed with
   ``_convert_weight_to_int4pack_for_cpu(codes, 2)``, bfloat16 scales_and_zeros [K/32, N, 2])
 - ``torch-int8``: ``torch.ops.aten._weight_int8pack_mm`` (per-channel scale)
@@ -58,6 +59,10 @@ HEAD_METHODS = ("ours-int8", "base-int8", "torch-int8", "bf16")
 BASE_REV = "632e14a"
 
 
+# whether the base kernel takes woq.fuse's single stream (codes + scales + offsets) as its weight
+_BASE_FUSED = {"fused": False}
+
+
 def load_base(rev: str) -> bool:
     """Compile commit ``rev``'s ``woq_avx2.cpp`` as library ``sgrt_woq_avx2_base`` and load it.
     False (with the reason printed) where that fails."""
@@ -70,6 +75,7 @@ def load_base(rev: str) -> bool:
     except (OSError, subprocess.CalledProcessError) as e:
         print(f"base kernel: cannot read {rev}:sgrt/kernels/woq_avx2.cpp ({e})")
         return False
+    _BASE_FUSED["fused"] = "HEADER_BYTES" in src  # (kernels before the fused stream took pack()'s codes)
     src = src.replace("TORCH_LIBRARY(sgrt_woq_avx2,", "TORCH_LIBRARY(sgrt_woq_avx2_base,")
     path = Path(tempfile.gettempdir()) / f"sgrt_woq_avx2_base_{rev}.cpp"
     path.write_text(src)
@@ -106,6 +112,10 @@ def make_layers(method: str, n: int, k: int, copies: int, seed: int = 0) -> list
         if method.startswith(("ours", "base")):
             packed = woq.pack(codes, bits)
             s, o = scale.half(), offset.half()
+            if method.startswith("ours"):
+                packed = woq.prepare(packed, s, o, n, k, bits, GROUP)  # (as GroupLinear stores it)
+            elif _BASE_FUSED["fused"]:
+                packed = woq.fuse(packed, s, o, n, k, bits, GROUP)
             op = woq.kernel() if method.startswith("ours") else torch.ops.sgrt_woq_avx2_base.linear.default
             layers.append(lambda x, op=op, p=packed, s=s, o=o, b=bits: op(x, p, s, o, n, k, b, GROUP))
         elif method == "torch-int4":

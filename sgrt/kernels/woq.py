@@ -58,7 +58,7 @@ once per 16 rows, is memory-bound up to ~4 rows and then bound by ``vdpbf16ps`` 
 (~82% of its peak on one core at 16 rows; the per-group scale and offset FMAs take 1/9).
 
 **AVX2 build** (``woq_avx2.cpp``, library ``sgrt_woq_avx2``; loaded where the AVX-512 flags are
-missing, :func:`isa` says which runs): the same operator signature and packed layout, with
+missing, :func:`isa` says which runs): the same operator signature and code layout, with
 integer dot products on quantized activations instead of float products. Each row of ``x`` is
 quantized once per call, per block of 32 inputs (symmetric, in float32): ``a = max |x|``,
 ``t = x * (127 / a)``, ``q1 = round(t)`` (int8: llama.cpp's Q8 activation blocks,
@@ -73,6 +73,11 @@ in float32 ``y += dx * (scale * isum + offset * qsum)``: exactly ``W @ (dx * Q)`
 row, reused by every weight block): 16-bit lanes (row, k-pair), 8 pair sums a block (at most
 30480: exact), one ``vpshufb`` + ``vpmaddwd`` a register per block to the s32 row sums, twice
 (q1 with weight 254, q2). 8-bit codes: ``vpmovzxbw`` + ``vpmaddwd`` against the int16 Q pairs.
+Its weight argument is :func:`fuse`'s single stream (codes, scales and offsets interleaved per
+16-row block and group, in the order the kernel reads them; :func:`prepare` builds it at load,
+and :func:`linear` fuses :func:`pack`'s codes per call where given those), prefetched 4 KB ahead;
+the ``scales`` / ``offsets`` arguments are then not read, only checked (float16, and ``[n, k /
+group]`` or empty: :class:`~sgrt.models.quant_native.GroupLinear` keeps only the stream).
 Rows of ``x`` go two at a time per weight load, in tiles whose expanded activations stay in L2;
 integer sums are exact and every row's float32 steps are the same instructions in the same order,
 so a row's result does not depend on the batch or the thread split (bitwise). NaN or infinity in
@@ -191,6 +196,9 @@ def unpack(packed: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
         raise ValueError(f"bits must be 4 or 8, got {bits!r}")
     if n <= 0 or n % BLOCK_N or k <= 0 or k % 32:
         raise ValueError(f"n must be a positive multiple of {BLOCK_N} and k of 32, got n={n}, k={k}")
+    extra = packed.numel() - n * k * bits // 8
+    if packed.dtype == torch.uint8 and extra > 0 and extra % (4 * n) == 0 and k // (extra // (4 * n)) in GROUP_SIZES:
+        packed = unfuse(packed, n, k, bits, k // (extra // (4 * n)))[0]  # (the AVX2 kernel's stream)
     if packed.dtype != torch.uint8 or packed.numel() != n * k * bits // 8:
         raise ValueError(f"packed must be uint8 with n*k*bits/8={n * k * bits // 8} elements, "
                          f"got {packed.dtype} with {packed.numel()}")
@@ -202,6 +210,49 @@ def unpack(packed: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
         hi = (b >> 4).permute(0, 1, 3, 2, 4)
         vec = torch.cat([lo, hi], dim=2).reshape(n // BLOCK_N, k // 2, 32)
     return vec.reshape(n // BLOCK_N, k // 2, BLOCK_N, 2).permute(0, 2, 1, 3).reshape(n, k).contiguous()
+
+
+def fuse(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: int, k: int, bits: int,
+         group: int = 32) -> torch.Tensor:
+    """:func:`pack`'s codes with their scales and offsets -> the AVX2 kernel's single stream
+    (1-D uint8, ``n * k * bits / 8 + 4 * n * k / group`` bytes): per block of 16 output features,
+    per group in k order, a 64-byte header (the 16 rows' float16 scales, then their 16 offsets)
+    followed by that group's codes exactly as :func:`pack` lays them out (a block's codes are in
+    k order, so a group's are one run of ``16 * group * bits / 8`` bytes).
+
+    Raises:
+        ValueError: sizes that do not match ``n``, ``k``, ``bits``, ``group``.
+    """
+    if group not in GROUP_SIZES or n <= 0 or n % BLOCK_N or k <= 0 or k % group:
+        raise ValueError(f"n must be a positive multiple of {BLOCK_N}, k of group in {GROUP_SIZES}; "
+                         f"got n={n}, k={k}, group={group}")
+    nb, g = n // BLOCK_N, k // group
+    if (bits not in BITS or packed.dtype != torch.uint8 or packed.numel() != n * k * bits // 8
+            or any(t.dtype != torch.float16 or t.shape != (n, g) for t in (scales, offsets))):
+        raise ValueError(f"packed must be uint8 with n*k*bits/8={n * k * bits // 8} elements and scales / "
+                         f"offsets float16 [{n}, {g}]; got {packed.dtype} {packed.numel()}, "
+                         f"{scales.dtype} {tuple(scales.shape)}, {offsets.dtype} {tuple(offsets.shape)}")
+    codes = packed.reshape(nb, g, BLOCK_N * group * bits // 8)
+    head = torch.cat([t.reshape(nb, BLOCK_N, g).transpose(1, 2) for t in (scales, offsets)], dim=2)
+    return torch.cat([head.contiguous().view(torch.uint8), codes], dim=2).reshape(-1)
+
+
+def unfuse(fused: torch.Tensor, n: int, k: int, bits: int, group: int = 32
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`fuse`: (packed codes, scales ``[n, k / group]`` float16, offsets)."""
+    nb, g = n // BLOCK_N, k // group
+    v = fused.reshape(nb, g, 64 + BLOCK_N * group * bits // 8)
+    head = v[:, :, :64].contiguous().view(torch.float16)  # [nb, g, 32]
+    scales, offsets = (head[:, :, i:i + BLOCK_N].transpose(1, 2).reshape(n, g).contiguous() for i in (0, BLOCK_N))
+    return v[:, :, 64:].reshape(-1).contiguous(), scales, offsets
+
+
+def prepare(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: int, k: int, bits: int,
+            group: int = 32) -> torch.Tensor:
+    """The weight argument the loaded kernel takes: :func:`fuse`'s stream for the AVX2 build
+    (codes, scales and offsets in one sequential run), :func:`pack`'s codes for the AVX-512 one.
+    Done once at load (:class:`sgrt.models.quant_native.GroupLinear`)."""
+    return fuse(packed, scales, offsets, n, k, bits, group) if isa() == "avx2" else packed
 
 
 def kernel():
@@ -223,7 +274,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets:
 
     Args:
         x: ``[M, k]`` bfloat16, contiguous, any ``M >= 0``.
-        packed: :func:`pack`'s output for the codes ``[n, k]``.
+        packed: :func:`pack`'s output for the codes ``[n, k]``, or :func:`prepare`'s (the AVX2 build's
+            fused stream; the AVX2 build fuses :func:`pack`'s codes itself, per call).
         scales, offsets: ``[n, k // group]`` float16, contiguous (Q4_1's ``d`` and ``m``).
         n, k: output / input features (``n % 16 == 0``, ``k % group == 0``).
         bits: 4 or 8. group: 32, 64 or 128 inputs per scale.
@@ -241,6 +293,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets:
             contiguity, ``n % 16``, ``k % group``, bits / group values).
         RuntimeError: :func:`available` is False.
     """
+    if isa() == "avx2" and packed.numel() == n * k * bits // 8:  # pack()'s codes alone: fuse them here
+        try:
+            packed = fuse(packed, scales, offsets, n, k, bits, group)
+        except ValueError:
+            pass  # (bad arguments: the kernel names the one at fault)
     return kernel()(x, packed, scales, offsets, n, k, bits, group)
 
 

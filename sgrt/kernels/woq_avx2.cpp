@@ -1,6 +1,6 @@
 // Weight-only quantized linear layers with group-wise scales on AVX2 + FMA CPUs (no AVX-512):
-// the same operator signature and packed layout as woq_cpu.cpp, with exact integer dot products
-// on quantized activations.
+// the same operator signature and code layout as woq_cpu.cpp, with the scales fused into the
+// weight stream, and exact integer dot products on quantized activations.
 //
 // x is quantized per row and per block b of 32 inputs, symmetric, in fp32: a = max |x|,
 // t = x * (127 / a), q1 = round(t) (int8: llama.cpp's Q8 activation blocks), q2 = round((t - q1)
@@ -17,7 +17,11 @@
 // -ffp-contract=off, so that tests reproduce it bit for bit), blocks in k order, then one round to
 // nearest even to bfloat16. float(isum) is exact for 4-bit codes (|isum| < 2^24).
 //
-// Layout (woq.py's pack): blocks of 16 output rows; per k-pair p a 32-word vector, word w =
+// Weight stream (woq.py's fuse, done once at load): per block of 16 output rows, per scale group
+// in k order, a 64-byte header (the 16 rows' float16 scales, then their 16 offsets) followed by
+// the group's codes in pack()'s layout (below), so that a thread reads one sequential run (one
+// prefetch stream, no scale arrays on the side) and widens a group's scales with 4 vcvtph2ps.
+// Codes (woq.py's pack): blocks of 16 output rows; per k-pair p a 32-word vector, word w =
 // code[n0 + w / 2, 2p + w % 2]. 4-bit: 64-byte chunks of 4 vectors (k-pairs 4c .. 4c+3), byte
 // 16L + 8s + i holds word 8L + i of vector s (low nibble) and of vector 2 + s (high nibble). So
 // the 32 bytes A = chunk[0:32] hold, in their low nibbles, k-pair 0 rows 0-3 (bytes 0-7, each row
@@ -48,60 +52,26 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
 
 constexpr int64_t BLOCK_N = 16;
-// Software prefetch distance in bytes of packed codes: decode streams every weight once from DRAM,
-// and the hardware prefetcher alone left the kernel at ~1/3 of the read bandwidth on the 2-core
-// EPYC; 2 KB ahead (8 groups of 4-bit codes) measured 0.85-0.90x the time (layers) and 0.75-0.88x
-// (the int8 LM head), 1 and 2 threads, same results.
-constexpr int64_t PREFETCH_BYTES = 2048;
+// Software prefetch distance in bytes of the weight stream: decode streams every weight once from
+// DRAM, and the hardware prefetcher alone left the kernel at ~1/3 of the read bandwidth on the
+// 2-core EPYC; 2 KB ahead measured 0.85-0.90x the time (layers) and 0.75-0.88x (the int8 LM head);
+// with the fused stream, 4 KB ahead 0.94-0.96x of 2 KB (decode's 120 layers, 1 and 2 threads;
+// 8 KB no better). (The macros let bench experiments build variants.)
+#ifndef SGRT_PREFETCH_BYTES
+#define SGRT_PREFETCH_BYTES 4096
+#endif
+#ifndef SGRT_PREFETCH_HINT
+#define SGRT_PREFETCH_HINT _MM_HINT_T0
+#endif
+constexpr int64_t PREFETCH_BYTES = SGRT_PREFETCH_BYTES;
 constexpr int64_t QBLOCK = 32;  // inputs per activation quantization block
-
-// 8 rows x 8 groups of float16 (rows r[i], 8 values each) -> 8 columns of 8 rows, as fp32.
-inline void transpose8x8_f16(const __m128i* r, __m256* out) {
-  const __m128i a0 = _mm_unpacklo_epi16(r[0], r[1]), a1 = _mm_unpackhi_epi16(r[0], r[1]);
-  const __m128i a2 = _mm_unpacklo_epi16(r[2], r[3]), a3 = _mm_unpackhi_epi16(r[2], r[3]);
-  const __m128i a4 = _mm_unpacklo_epi16(r[4], r[5]), a5 = _mm_unpackhi_epi16(r[4], r[5]);
-  const __m128i a6 = _mm_unpacklo_epi16(r[6], r[7]), a7 = _mm_unpackhi_epi16(r[6], r[7]);
-  const __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
-  const __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
-  const __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
-  const __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
-  out[0] = _mm256_cvtph_ps(_mm_unpacklo_epi64(b0, b4));
-  out[1] = _mm256_cvtph_ps(_mm_unpackhi_epi64(b0, b4));
-  out[2] = _mm256_cvtph_ps(_mm_unpacklo_epi64(b1, b5));
-  out[3] = _mm256_cvtph_ps(_mm_unpackhi_epi64(b1, b5));
-  out[4] = _mm256_cvtph_ps(_mm_unpacklo_epi64(b2, b6));
-  out[5] = _mm256_cvtph_ps(_mm_unpackhi_epi64(b2, b6));
-  out[6] = _mm256_cvtph_ps(_mm_unpacklo_epi64(b3, b7));
-  out[7] = _mm256_cvtph_ps(_mm_unpackhi_epi64(b3, b7));
-}
-
-// A block's [16, G] float16 table (row stride G) -> [G][16] fp32.
-void block_table(const uint16_t* src, int64_t G, float* dst) {
-  for (int64_t g0 = 0; g0 < G; g0 += 8) {
-    const int cnt = static_cast<int>(std::min<int64_t>(8, G - g0));
-    for (int half = 0; half < 2; ++half) {
-      __m128i r[8];
-      for (int i = 0; i < 8; ++i) {
-        const uint16_t* row = src + (half * 8 + i) * G + g0;
-        if (cnt == 8) {
-          r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
-        } else {  // the tail: never read past the row (the last row ends the tensor)
-          alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          std::memcpy(tmp, row, static_cast<size_t>(cnt) * 2);
-          r[i] = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
-        }
-      }
-      __m256 cols[8];
-      transpose8x8_f16(r, cols);
-      for (int j = 0; j < cnt; ++j) _mm256_storeu_ps(dst + (g0 + j) * 16 + half * 8, cols[j]);
-    }
-  }
-}
+constexpr int64_t HEADER_BYTES = 64;  // a group's 16 float16 scales, then its 16 float16 offsets
 
 // fp32 -> bf16, round to nearest even (NaN stays NaN: its quiet bit survives the add)
 inline __m128i to_bf16(__m256 v) {
@@ -205,22 +175,26 @@ struct RowArgs {
   uint16_t* y;       // the row's 16 outputs of this block
 };
 
-// y (rows 0-7, 8-15) += dx * (scale * isum + offset * qsum), in that order of operations
-inline void epilogue(__m256i s0, __m256i s1, const float* sb, const float* ob, float dx, float qs,
-                     __m256& y0, __m256& y1) {
+// y (rows 0-7, 8-15) += dx * (scale * isum + offset * qsum), in that order of operations; so = the
+// group's scales (rows 0-7, 8-15) and offsets (the same), widened from float16 (exact)
+inline void epilogue(__m256i s0, __m256i s1, const __m256* so, float dx, float qs, __m256& y0, __m256& y1) {
   const __m256 vd = _mm256_set1_ps(dx), vq = _mm256_set1_ps(qs);
-  __m256 t0 = _mm256_mul_ps(_mm256_loadu_ps(sb), _mm256_cvtepi32_ps(s0));
-  __m256 t1 = _mm256_mul_ps(_mm256_loadu_ps(sb + 8), _mm256_cvtepi32_ps(s1));
-  t0 = _mm256_add_ps(t0, _mm256_mul_ps(_mm256_loadu_ps(ob), vq));
-  t1 = _mm256_add_ps(t1, _mm256_mul_ps(_mm256_loadu_ps(ob + 8), vq));
+  __m256 t0 = _mm256_mul_ps(so[0], _mm256_cvtepi32_ps(s0));
+  __m256 t1 = _mm256_mul_ps(so[1], _mm256_cvtepi32_ps(s1));
+  t0 = _mm256_add_ps(t0, _mm256_mul_ps(so[2], vq));
+  t1 = _mm256_add_ps(t1, _mm256_mul_ps(so[3], vq));
   y0 = _mm256_add_ps(y0, _mm256_mul_ps(vd, t0));
   y1 = _mm256_add_ps(y1, _mm256_mul_ps(vd, t1));
 }
 
+// A group header's 16 float16 scales and 16 offsets -> 4 fp32 vectors
+inline void load_header(const uint8_t* h, __m256* so) {
+  for (int i = 0; i < 4; ++i) so[i] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 16 * i)));
+}
+
 // R rows (1 or 2) against one 16-row block of 4-bit codes.
 template <int R>
-inline void block4(const uint8_t* w, const RowArgs* rows, const float* sb, const float* ob, int64_t KB,
-                   int group_shift) {
+inline void block4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
   const __m256i m0f = _mm256_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1), w254 = _mm256_set1_epi16(254);
   // per 128-bit lane: words 0 4 1 5 2 6 3 7 (a row's k-pair 0 and k-pair 1 lanes side by side)
@@ -228,11 +202,17 @@ inline void block4(const uint8_t* w, const RowArgs* rows, const float* sb, const
                                          0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
   __m256 y0[R], y1[R];
   for (int r = 0; r < R; ++r) y0[r] = y1[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < KB; ++b) {
+  const int64_t per_group = int64_t(1) << group_shift;  // blocks of 32 inputs a group
+  __m256 so[4];
+  const uint8_t* p = w;  // the stream: header, the group's blocks of codes, next header, ...
+  for (int64_t b = 0; b < KB; ++b, p += 256) {
+    if ((b & (per_group - 1)) == 0) {
+      load_header(p, so);
+      p += HEADER_BYTES;
+    }
     __m256i hA[R], hB[R], lA[R], lB[R];  // s16 sums against q1 (h) and q2 (l), rows 0-7 (A), 8-15 (B)
     for (int r = 0; r < R; ++r) hA[r] = hB[r] = lA[r] = lB[r] = _mm256_setzero_si256();
-    const uint8_t* p = w + b * 256;  // 32 inputs x 16 rows x 4 bits
-    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), _MM_HINT_T0);
+    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
@@ -249,13 +229,12 @@ inline void block4(const uint8_t* w, const RowArgs* rows, const float* sb, const
         lB[r] = _mm256_add_epi16(lB[r], _mm256_add_epi16(_mm256_maddubs_epi16(Blo, Y01), _mm256_maddubs_epi16(Bhi, Y23)));
       }
     }
-    const int64_t g = b >> group_shift;  // (no division in the loop)
     for (int r = 0; r < R; ++r) {  // isum = 254 * (sum against q1) + (sum against q2), exact in s32
       const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(hA[r], pairs), w254),
                                           _mm256_madd_epi16(_mm256_shuffle_epi8(lA[r], pairs), ones));
       const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(hB[r], pairs), w254),
                                           _mm256_madd_epi16(_mm256_shuffle_epi8(lB[r], pairs), ones));
-      epilogue(s0, s1, sb + g * 16, ob + g * 16, rows[r].dx[b], rows[r].qs[b], y0[r], y1[r]);
+      epilogue(s0, s1, so, rows[r].dx[b], rows[r].qs[b], y0[r], y1[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -266,15 +245,20 @@ inline void block4(const uint8_t* w, const RowArgs* rows, const float* sb, const
 
 // R rows (1 or 2) against one 16-row block of 8-bit codes.
 template <int R>
-inline void block8(const uint8_t* w, const RowArgs* rows, const float* sb, const float* ob, int64_t KB,
-                   int group_shift) {
+inline void block8(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
   __m256 y0[R], y1[R];
   for (int r = 0; r < R; ++r) y0[r] = y1[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < KB; ++b) {
+  const int64_t per_group = int64_t(1) << group_shift;
+  __m256 so[4];
+  const uint8_t* p = w;
+  for (int64_t b = 0; b < KB; ++b, p += 512) {  // 16 k-pairs x 32 bytes a block of 32 inputs
+    if ((b & (per_group - 1)) == 0) {
+      load_header(p, so);
+      p += HEADER_BYTES;
+    }
     __m256i a0[R], a1[R];
     for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
-    const uint8_t* p = w + b * 512;  // 16 k-pairs x 32 bytes
-    for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), _MM_HINT_T0);
+    for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
 #pragma GCC unroll 4
     for (int j = 0; j < 16; ++j) {
       const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * j)));
@@ -287,8 +271,7 @@ inline void block8(const uint8_t* w, const RowArgs* rows, const float* sb, const
         a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(hi, xp));
       }
     }
-    const int64_t g = b >> group_shift;  // (no division in the loop)
-    for (int r = 0; r < R; ++r) epilogue(a0[r], a1[r], sb + g * 16, ob + g * 16, rows[r].dx[b], rows[r].qs[b], y0[r], y1[r]);
+    for (int r = 0; r < R; ++r) epilogue(a0[r], a1[r], so, rows[r].dx[b], rows[r].qs[b], y0[r], y1[r]);
   }
   for (int r = 0; r < R; ++r) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(y0[r]));
@@ -312,18 +295,22 @@ at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   TORCH_CHECK(x.is_contiguous(), "sgrt_woq_avx2.linear: x must be contiguous");
   TORCH_CHECK(packed.scalar_type() == at::kByte, "sgrt_woq_avx2.linear: packed must be uint8, got ",
               packed.scalar_type());
-  TORCH_CHECK(packed.is_contiguous() && packed.numel() == n * k * bits / 8,
-              "sgrt_woq_avx2.linear: packed must be contiguous with n*k*bits/8=", n * k * bits / 8, " bytes, got ",
-              packed.numel());
   const int64_t G = k / group;
   for (const auto* t : {&scales, &offsets}) {
     const char* name = t == &scales ? "scales" : "offsets";
     TORCH_CHECK(t->scalar_type() == at::kHalf, "sgrt_woq_avx2.linear: ", name, " must be float16, got ",
                 t->scalar_type());
+    if (t->numel() == 0) continue;  // (not read: packed holds them; GroupLinear passes empty ones)
     TORCH_CHECK(t->dim() == 2 && t->size(0) == n && t->size(1) == G, "sgrt_woq_avx2.linear: ", name,
-                " must be [n=", n, ", k/group=", G, "], got ", t->sizes());
+                " must be [n=", n, ", k/group=", G, "] (or empty), got ", t->sizes());
     TORCH_CHECK(t->is_contiguous(), "sgrt_woq_avx2.linear: ", name, " must be contiguous");
   }
+  // per block of 16 rows and group: a 64-byte header (scales, offsets), then the group's codes
+  const int64_t block_bytes = G * (HEADER_BYTES + BLOCK_N * group * bits / 8);
+  TORCH_CHECK(packed.is_contiguous() && packed.numel() == n / BLOCK_N * block_bytes,
+              "sgrt_woq_avx2.linear: packed must be contiguous with n*k*bits/8 + 4*n*k/group=",
+              n / BLOCK_N * block_bytes, " bytes (woq.fuse: codes, scales and offsets in one stream), got ",
+              packed.numel());
   const int64_t M = x.size(0);
   at::Tensor y(at::detail::empty_cpu({M, n}, at::kBFloat16));
   if (M == 0) return y;
@@ -346,30 +333,23 @@ at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   });
 
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  const uint16_t* op = reinterpret_cast<const uint16_t*>(offsets.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t block_bytes = BLOCK_N * k * bits / 8;
   // bytes of expanded activations per row; a tile of rows keeps them within ~256 KB (L2)
   const int64_t row_bytes = bits == 4 ? 16 * k : 0;
   const int64_t tile = bits == 4 ? std::min<int64_t>(M, std::max<int64_t>(2, (262144 / row_bytes) & ~int64_t(1))) : M;
   at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> tables(static_cast<size_t>(2 * G * 16));
-    float* sb = tables.data();
-    float* ob = sb + G * 16;
-    std::vector<int8_t> X(static_cast<size_t>(tile * row_bytes + 64));
+    // (not zeroed: expand4 writes every byte read; the memset cost ~1 us a call at k = 1536)
+    std::unique_ptr<int8_t[]> X(new int8_t[static_cast<size_t>(tile * row_bytes + 64)]);
     for (int64_t t0 = 0; t0 < M; t0 += tile) {
       const int64_t t1 = std::min(M, t0 + tile);
       if (bits == 4)
-        for (int64_t m = t0; m < t1; ++m) expand4(q1.data() + m * k, q2.data() + m * k, k, X.data() + (m - t0) * row_bytes);
+        for (int64_t m = t0; m < t1; ++m) expand4(q1.data() + m * k, q2.data() + m * k, k, X.get() + (m - t0) * row_bytes);
       // the row's activations: expanded (4-bit, this tile), or the int16 q themselves (8-bit)
       auto xrow = [&](int64_t m) -> const void* {
-        return bits == 4 ? static_cast<const void*>(X.data() + (m - t0) * row_bytes)
+        return bits == 4 ? static_cast<const void*>(X.get() + (m - t0) * row_bytes)
                          : static_cast<const void*>(Q.data() + m * k);
       };
       for (int64_t b = b0; b < b1; ++b) {
-        block_table(sp + b * BLOCK_N * G, G, sb);
-        block_table(op + b * BLOCK_N * G, G, ob);
         const uint8_t* w = wp + b * block_bytes;
         int64_t m = t0;
         for (; m + 2 <= t1; m += 2) {
@@ -377,14 +357,14 @@ at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
               {xrow(m), dx.data() + m * KB, qs.data() + m * KB, yp + m * n + b * BLOCK_N},
               {xrow(m + 1), dx.data() + (m + 1) * KB, qs.data() + (m + 1) * KB,
                yp + (m + 1) * n + b * BLOCK_N}};
-          if (bits == 4) block4<2>(w, rows, sb, ob, KB, group_shift);
-          else block8<2>(w, rows, sb, ob, KB, group_shift);
+          if (bits == 4) block4<2>(w, rows, KB, group_shift);
+          else block8<2>(w, rows, KB, group_shift);
         }
         if (m < t1) {
           const RowArgs rows[1] = {
               {xrow(m), dx.data() + m * KB, qs.data() + m * KB, yp + m * n + b * BLOCK_N}};
-          if (bits == 4) block4<1>(w, rows, sb, ob, KB, group_shift);
-          else block8<1>(w, rows, sb, ob, KB, group_shift);
+          if (bits == 4) block4<1>(w, rows, KB, group_shift);
+          else block8<1>(w, rows, KB, group_shift);
         }
       }
     }

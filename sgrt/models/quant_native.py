@@ -46,6 +46,10 @@ class GroupLinear(QuantizedLinear):
         scales, offsets: ``[N, K // group_size]``, stored as float16 (a Q4_1 block's ``d`` and
             ``m`` are float16 in the file, so they are kept exactly).
         bits: 4 or 8. group_size: 32, 64 or 128.
+
+    On the AVX2 build the buffer ``packed`` is the kernel's single stream of codes, scales and
+    offsets (:func:`sgrt.kernels.woq.fuse`) and there are no ``scales`` / ``offsets`` buffers
+    (:meth:`group_params` reads them back); on the AVX-512 build it holds the codes alone.
     """
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
@@ -55,17 +59,37 @@ class GroupLinear(QuantizedLinear):
 
         self.out_features, self.in_features = codes.shape
         self.bits, self.group_size = bits, group_size
-        self.register_buffer("packed", woq.pack(codes, bits))
-        self.register_buffer("scales", scales.to(torch.float16).contiguous())
-        self.register_buffer("offsets", offsets.to(torch.float16).contiguous())
+        scales, offsets = scales.to(torch.float16).contiguous(), offsets.to(torch.float16).contiguous()
+        n, k = codes.shape
+        packed = woq.pack(codes, bits)
+        # The AVX2 build reads codes, scales and offsets as one stream (woq.fuse), and only that is
+        # kept (a second copy of the scales would cost 1/5 of the int4 weight bytes); the kernel
+        # then takes empty scale / offset arguments.
+        self.fused = woq.isa() == "avx2"
+        if self.fused:
+            self.register_buffer("packed", woq.fuse(packed, scales, offsets, n, k, bits, group_size))
+            self._no_scales = torch.empty(0, dtype=torch.float16)
+        else:
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales", scales)
+            self.register_buffer("offsets", offsets)
         self._linear = woq.kernel()
         self._refresh_args()
 
     def _refresh_args(self) -> None:
         # NOTE: the kernel's arguments as a plain tuple: reading buffers goes through
         # nn.Module.__getattr__ (~0.4 us each, 3 a call, 120 calls a decode step).
-        self._args = (self.packed, self.scales, self.offsets, self.out_features, self.in_features,
-                      self.bits, self.group_size)
+        s, o = (self._no_scales, self._no_scales) if self.fused else (self.scales, self.offsets)
+        self._args = (self.packed, s, o, self.out_features, self.in_features, self.bits, self.group_size)
+
+    def group_params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scales, offsets), each ``[N, K // group_size]`` float16, as given (read back from the
+        fused stream on the AVX2 build)."""
+        from sgrt.kernels import woq
+
+        if self.fused:
+            return woq.unfuse(self.packed, self.out_features, self.in_features, self.bits, self.group_size)[1:]
+        return self.scales, self.offsets
 
     def _apply(self, fn, recurse=True):  # .to() / .cpu() replace the buffers: refresh the tuple
         out = super()._apply(fn, recurse)
@@ -109,7 +133,7 @@ class GroupLinear(QuantizedLinear):
         offsets times small integer codes)."""
         from sgrt.kernels import woq
 
-        return woq.dequantize(self.packed, self.scales, self.offsets, self.out_features, self.in_features,
+        return woq.dequantize(self.packed, *self.group_params(), self.out_features, self.in_features,
                               self.bits, self.group_size, torch.float32)
 
     def extra_repr(self) -> str:

@@ -217,7 +217,8 @@ def test_int4_model_uses_the_files_codes(quantized, quantized_torch, gguf_reader
             if isinstance(mod, quant.GroupLinear):
                 assert mod.bits == 4 and mod.group_size == quant.INT4_GROUP_SIZE
                 assert torch.equal(woq.unpack(mod.packed, *b.shape, 4), b.codes), key
-                assert torch.equal(mod.scales, b.d) and torch.equal(mod.offsets, b.m), key
+                scales, offsets = mod.group_params()
+                assert torch.equal(scales, b.d) and torch.equal(offsets, b.m), key
                 assert torch.equal(mod.dequantize(), expected), key
                 continue
             assert isinstance(mod, quant.Int4Linear)

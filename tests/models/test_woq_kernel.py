@@ -358,7 +358,8 @@ def test_linear_errors():
         (dict(x=_x(64, 2).T), "x must be contiguous"),
         (dict(scales=scales.float()), "scales must be float16"),
         (dict(offsets=offsets[:16]), r"offsets must be \[n=32, k/group=2\]"),
-        (dict(packed=packed[:-1]), "packed must be contiguous with n\\*k\\*bits/8=1024 bytes"),
+        (dict(packed=packed[:-1]), "packed must be contiguous with n\\*k\\*bits/8"
+         + (" \\+ 4\\*n\\*k/group=1280 bytes" if woq.isa() == "avx2" else "=1024 bytes")),
         (dict(packed=packed.view(torch.int8)), "packed must be uint8"),
         (dict(n=24), "n \\(output features\\) must be a positive multiple of 16"),
         (dict(k=48, x=_x(2, 48)), "k \\(input features\\) must be a positive multiple of group=32"),
@@ -387,3 +388,28 @@ def test_disabled_by_environment(monkeypatch, caplog):
         woq._state.clear()
         woq._state.update(saved)
     assert os.environ["SGRT_NATIVE_KERNELS"] == "0"  # (monkeypatch restores it after the test)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 64), (4, 128)])
+def test_fused_stream_layout_and_round_trip(bits, group):
+    """fuse(): per 16-row block and group, the 16 scales, the 16 offsets (float16), then that
+    group's run of pack()'s codes; unfuse() and unpack() give the parts back exactly."""
+    n, k = 48, 256
+    codes, packed, scales, offsets, _ = _layer(n, k, bits, group)
+    fused = woq.fuse(packed, scales, offsets, n, k, bits, group)
+    g_n, run = k // group, 16 * group * bits // 8
+    assert fused.dtype == torch.uint8 and fused.numel() == n * k * bits // 8 + 4 * n * g_n
+    v = fused.reshape(n // 16, g_n, 64 + run)
+    for b, g in [(0, 0), (1, g_n - 1), (2, g_n // 2)]:
+        head = v[b, g, :64].contiguous().view(torch.float16)
+        assert torch.equal(head[:16], scales[16 * b:16 * b + 16, g])
+        assert torch.equal(head[16:], offsets[16 * b:16 * b + 16, g])
+        block = packed.reshape(n // 16, -1)[b]
+        assert torch.equal(v[b, g, 64:], block[g * run:(g + 1) * run])
+    p2, s2, o2 = woq.unfuse(fused, n, k, bits, group)
+    assert torch.equal(p2, packed) and torch.equal(s2, scales) and torch.equal(o2, offsets)
+    assert torch.equal(woq.unpack(fused, n, k, bits), codes)
+    if woq.isa() == "avx2":  # the kernel takes the stream itself; pack()'s codes are fused per call
+        x = _x(3, k)
+        assert torch.equal(woq.linear(x, fused, scales, offsets, n, k, bits, group),
+                           woq.linear(x, packed, scales, offsets, n, k, bits, group))
