@@ -101,9 +101,9 @@ def linear_bf16_via_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     Why: without AVX-512 BF16 (or AMX / AVX-NE-CONVERT), torch's bfloat16 matmul widens the
     weights element by element inside its inner loop; widening each weight once per call and
-    multiplying in float32 measured 3-8x faster on the 2-core AVX2 EPYC from 17 rows up (1
+    multiplying in float32 measured 1.7-8x faster on the 2-core AVX2 EPYC from 17 rows up (1
     thread, projection shapes of SmolLM2-135M and Gemma 3 270M: 0.31-0.60x the time at 17 rows,
-    0.14-0.17x at 256 and 1,024 rows). The widening (~1 ms per million weights) is amortized
+    0.12-0.17x at 256 and 1,024 rows). The widening (~1 ms per million weights) is amortized
     over the rows, so this serves prefill chunks, not decode (:class:`DenseLinear`'s kernel).
     """
     x32 = x.float()
