@@ -21,7 +21,14 @@ chooses it, forced on for float32 too) against torch's layers (``torch``: bfloat
 (median of ``--runs``), with each one's share of its bandwidth limit (``bench/vs_llamacpp.py``'s
 bytes per token over the bandwidth measured in the same run).
 
-Run: ``python bench/dense_kernel.py [--rows 1] [--threads 2] [--runs 7] [--decode]``
+``--prefill N``: instead, bfloat16 prefill of ``N`` prompt tokens in one chunk (``--models``; TTFT as
+``bench/decode.py`` measures it) with the loader's layers, whose prefill-sized calls run
+:func:`sgrt.models.packed.linear_bf16_via_f32` (``sgrt``), against the same model with those
+calls on torch's bfloat16 ``F.linear`` (``torch``: what ran before), alternated, median of
+``--runs``; ``--cpu-time`` reads process CPU seconds instead of wall time (a fairer reading where
+other tenants take turns on the cores; use it with ``--threads 1``).
+
+Run: ``python bench/dense_kernel.py [--rows 1] [--threads 2] [--runs 7] [--decode] [--prefill 256]``
 """
 from __future__ import annotations
 
@@ -51,10 +58,15 @@ def main() -> None:
     ap.add_argument("--decode", action="store_true", help="model decode tok/s instead of per-layer GB/s")
     ap.add_argument("--tokens", type=int, default=128, help="--decode: new tokens a run")
     ap.add_argument("--dtypes", default="bfloat16,float32", help="--decode: model dtypes")
+    ap.add_argument("--prefill", type=int, default=0, help="bfloat16 prefill tok/s of this many tokens instead")
+    ap.add_argument("--models", default="smollm2-135m-instruct,gemma3-270m-q4-k-m", help="--prefill: models")
+    ap.add_argument("--cpu-time", action="store_true", help="--prefill: process CPU time instead of wall time")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.decode:
         return decode(args)
+    if args.prefill:
+        return prefill(args)
 
     from bench.vs_llamacpp import read_bandwidth_gbs
     from sgrt.kernels import dense
@@ -148,6 +160,54 @@ def decode(args) -> None:
     print(f"load average after: {os.getloadavg()}")
     figures["load_average"] = [round(v, 2) for v in os.getloadavg()]
     emit_json("dense_kernel_decode", **figures)
+
+
+def prefill(args) -> None:
+    from bench.decode import PROMPT
+    from sgrt.engine import Engine, SamplingParams
+    from sgrt.models import load_model
+    from sgrt.models import packed
+
+    print(f"load average before: {os.getloadavg()}")
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    ours = packed.linear_bf16_via_f32
+    sides = {"sgrt": ours, "torch": lambda x, w: F.linear(x, w)}
+    n = args.prefill
+    rows, figures = [], {"threads": args.threads, "prefill_tokens": n, "cpu_time": args.cpu_time}
+    for spec in [m for m in args.models.split(",") if m]:
+        lm = load_model(spec, dtype="bfloat16")
+        kind = type(lm.model.layers[0].qkv_proj).__name__
+        ids = lm.tokenizer.encode_prompt(PROMPT)
+        ids = (ids * (n // len(ids) + 1))[:n]
+        engine = Engine(model=lm, max_total_tokens=n + 64, enable_radix_cache=False,
+                        chunked_prefill_size=n, max_prefill_tokens=n)
+
+        def measure(fn) -> float:
+            packed.linear_bf16_via_f32 = fn
+            try:
+                t0 = clock()
+                engine.generate(ids, SamplingParams(max_tokens=1))
+                return n / (clock() - t0)
+            finally:
+                packed.linear_bf16_via_f32 = ours
+
+        try:
+            engine.generate(ids[:64], SamplingParams(max_tokens=1))  # warm-up
+            tps = interleaved_medians(sides, args.runs, measure)
+        finally:
+            engine.shutdown()
+        key = spec.replace("-", "_")
+        rows.append([spec, kind, round(tps["sgrt"], 1), round(tps["torch"], 1), round(tps["sgrt"] / tps["torch"], 2)])
+        figures[f"{key}_bf16_prefill_sgrt_tok_s"] = round(tps["sgrt"], 1)
+        figures[f"{key}_bf16_prefill_torch_tok_s"] = round(tps["torch"], 1)
+        figures[f"{key}_bf16_prefill_ratio"] = round(tps["sgrt"] / tps["torch"], 3)
+        del engine, lm
+    unit = "tok/s of process CPU time" if args.cpu_time else "tok/s"
+    print(f"bfloat16 prefill of {n} tokens, {args.threads} threads, {unit}, median of {args.runs} alternated runs")
+    print_table(["model", "layers", "sgrt (f32 tiles)", "torch bf16 F.linear", "ratio"], rows)
+    print(f"load average after: {os.getloadavg()}")
+    figures["load_average"] = [round(v, 2) for v in os.getloadavg()]
+    emit_json("dense_kernel_prefill", **figures)
 
 
 if __name__ == "__main__":

@@ -147,13 +147,26 @@ def test_errors_are_typed():
         dense.kernel()(x.bfloat16(), w)
 
 
+def _within_one_bf16_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """got (bfloat16) is the exact x @ w.T rounded once to bfloat16, up to float32 summation
+    error: within half a bfloat16 step (at most 2**-8 relative) plus 2**-20 of sum |x| |w|."""
+    want = F.linear(x.double(), w.double())
+    mag = F.linear(x.double().abs(), w.double().abs())
+    return bool(((got.double() - want).abs() <= want.abs() * 2.0**-8 + mag * 2.0**-20).all())
+
+
 def test_dense_linear_module_falls_back_past_max_rows():
     from sgrt.models.packed import DENSE_MAX_ROWS, DenseLinear
 
     w = _rand(48, 32, dtype=torch.bfloat16, seed=12)
     layer = DenseLinear(w)
     x = _rand(DENSE_MAX_ROWS + 1, 32, dtype=torch.bfloat16, seed=13)
-    assert torch.equal(layer(x), F.linear(x, w))  # torch's path past max_rows
+    # past max_rows, bfloat16: a float32 matmul on the widened weight, rounded once to bfloat16
+    assert _within_one_bf16_rounding(layer(x), x, w)
+    assert torch.equal(layer(x), F.linear(x.float(), w.float()).bfloat16())
+    # float32 past max_rows: F.linear itself
+    w32, x32 = w.float(), x.float()
+    assert torch.equal(DenseLinear(w32)(x32), F.linear(x32, w32))
     assert torch.equal(layer(x[:DENSE_MAX_ROWS]), dense.linear(x[:DENSE_MAX_ROWS], w))
     with pytest.raises(RuntimeError, match="dtype"):  # another dtype: F.linear's own error, as nn.Linear
         layer(x[:1].float())
@@ -203,7 +216,8 @@ def test_loader_puts_the_kernel_where_onednn_cannot_pack(bf16_pair):
     # the tied LM head reads the embedding table itself: no copy
     assert isinstance(model.logits_head, DenseLinear)
     assert model.logits_head.weight is model.embed_tokens.weight
-    assert model.logits_head_max_rows == model.logits_head.max_rows
+    # every row count goes to the layer: past its kernel's rows, linear_bf16_via_f32 (not F.linear)
+    assert model.logits_head_max_rows > 1 << 40
 
 
 def test_float32_model_uses_the_kernel(loaded_model):
@@ -244,3 +258,21 @@ def test_bfloat16_greedy_within_near_tie(bf16_pair):
         tops = dict(b.output_top_logprobs[i])
         assert a.token_ids[i] in tops, f"diverged at {i}: not in the reference's top logprobs"
         assert abs(tops[a.token_ids[i]] - tops[b.token_ids[i]]) <= BF16_NEAR_TIE, f"diverged at {i} without a near-tie"
+
+
+def test_bf16_via_f32_tiles_match_one_piece(monkeypatch):
+    """Past max_rows a bfloat16 weight larger than a tile (an LM head) is widened tile by tile
+    (N not a multiple of the tile: the last tile is partial); every output is the same one
+    rounding of its float32 sum, within the bound of the exact product, for 2-D and 3-D x."""
+    from sgrt.models import packed
+
+    w = _rand(100, 64, dtype=torch.bfloat16, seed=14)
+    x = _rand(40, 64, dtype=torch.bfloat16, seed=15)
+    whole = packed.linear_bf16_via_f32(x, w)
+    monkeypatch.setattr(packed, "F32_TILE_ELEMENTS", 16 * 64)  # 16-row tiles: 7 of them
+    tiled = packed.linear_bf16_via_f32(x, w)
+    assert tiled.dtype == torch.bfloat16 and tiled.shape == (40, 100)
+    assert _within_one_bf16_rounding(tiled, x, w) and _within_one_bf16_rounding(whole, x, w)
+    # a float32 sum differs between the tilings at most by summation order: one bfloat16 step
+    assert ((tiled.float() - whole.float()).abs() <= whole.float().abs() * 2.0**-7 + 1e-6).all()
+    assert torch.equal(packed.linear_bf16_via_f32(x.reshape(2, 20, 64), w), tiled.reshape(2, 20, 100))
