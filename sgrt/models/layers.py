@@ -93,6 +93,18 @@ class LayerOps:
         q, k = self.rotary(qkv[:, :n_qk], cos, sin).split([n_heads, n_kv_heads], dim=1)
         return q, k, qkv[:, n_qk:]
 
+    def attention(self, layer: "DecoderLayer", qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attn: AttentionBackend) -> torch.Tensor:
+        """A layer's attention block between its QKV and output projections: rotary on q and k,
+        q's pre-scale, then ``attn`` (which stores k/v in the KV pool and attends).
+        qkv ``[T, n_heads + 2 * n_kv_heads, head_dim]`` (may be changed in place) -> ``[T, n_heads * head_dim]``."""
+        q, k, v = self.rotary_qkv(qkv, cos, sin, layer.n_heads, layer.n_kv_heads)  # views into qkv
+        if layer.q_scale != 1.0:
+            q = q * layer.q_scale
+        if layer.window is None:
+            return attn.forward(layer.layer_id, q, k, v)
+        return attn.forward(layer.layer_id, q, k, v, window=layer.window)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``[T, 2I]`` -> ``silu(gate) * up`` ``[T, I]``."""
         gate, up = gate_up.chunk(2, dim=-1)
@@ -110,7 +122,7 @@ class NativeLayerOps(LayerOps):
 
         self._rms_norm, self._add_rms_norm = op("rms_norm"), op("add_rms_norm_")
         self._rotary, self._silu_mul = op("rotary_"), op("silu_mul")
-        self._rotary_heads = op("rotary_heads_")
+        self._rotary_heads, self._decode_attention_qkv = op("rotary_heads_"), op("decode_attention_qkv_")
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         if delta is None:
@@ -130,6 +142,17 @@ class NativeLayerOps(LayerOps):
         # Tensor.split, whose Python wrapper alone costs more than the rotation.
         self._rotary_heads(qkv, cos, sin, n_heads + n_kv_heads)
         return torch.split_with_sizes(qkv, [n_heads, n_kv_heads, n_kv_heads], 1)
+
+    def attention(self, layer: "DecoderLayer", qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attn: AttentionBackend) -> torch.Tensor:
+        # A decode-only forward over the KV pool (PagedAttention.native_decode): rotary, q's
+        # pre-scale, the K/V store and attention in one operator call instead of four.
+        native_decode = getattr(attn, "native_decode", None)
+        if native_decode is not None and cos.shape[-1] == qkv.shape[-1]:
+            args = native_decode(layer.layer_id, layer.window)
+            if args is not None:
+                return self._decode_attention_qkv(qkv, cos, sin, layer.n_heads, layer.q_scale, *args)
+        return super().attention(layer, qkv, cos, sin, attn)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._silu_mul(gate_up)
@@ -200,14 +223,7 @@ class DecoderLayer(nn.Module):
             qkv = torch.cat((self.q_norm.forward(qkv[:, : self.n_heads]),
                              self.k_norm.forward(qkv[:, self.n_heads: n_qk]), qkv[:, n_qk:]), dim=1)
         cos, sin = rope[self.rope_id]
-        q, k, v = ops.rotary_qkv(qkv, cos, sin, self.n_heads, self.n_kv_heads)  # views into qkv
-        if self.q_scale != 1.0:
-            q = q * self.q_scale
-        if self.window is None:
-            o = attn.forward(self.layer_id, q, k, v)
-        else:
-            o = attn.forward(self.layer_id, q, k, v, window=self.window)
-        o = self.o_proj.forward(o)
+        o = self.o_proj.forward(ops.attention(self, qkv, cos, sin, attn))
         if self.sandwich:
             o = ops.add_norm(o, None, self.post_attention_layernorm)[1]
             x, h = ops.add_norm(x, o, self.pre_feedforward_layernorm)
