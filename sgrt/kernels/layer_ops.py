@@ -85,4 +85,4 @@ def _register_fakes() -> None:
         lambda q, k_cache, v_cache, slots, kv_lens: q.new_empty(q.shape[0], q.shape[1] * q.shape[2]))
     torch.library.register_fake(lib + "decode_attention_qkv_")(
         lambda qkv, cos, sin, n_heads, q_scale, k_cache, v_cache, new_slots, slots, kv_lens:
-        qkv.new_empty(qkv.shape[0], n_heads * qkv.shape[2]))
+        qkv.new_empty(qkv.shape[0], n_heads * k_cache.shape[2]))

@@ -663,7 +663,8 @@ Tensor rotary_heads_(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t h
 }
 
 // ---- a decode layer's attention block in one call --------------------------------------------
-// decode_attention_qkv_: qkv [B, H + 2 Hkv, D] (the QKV projection's output, one token per row):
+// decode_attention_qkv_: qkv [B, H + 2 Hkv, D] or [B, (H + 2 Hkv) * D] (the QKV projection's output, one
+// token per row):
 // q and k heads rotated in place as rotary_ does, q multiplied by q_scale in place (rounded to
 // the dtype, as the eager `q * q_scale`; skipped when 1), k / v stored at new_slots [B] as
 // store_kv_ does, then decode_attention of q over each row's slots. What rotary_heads_, a split,
@@ -673,8 +674,14 @@ Tensor decode_attention_qkv_(Tensor qkv, const Tensor& cos, const Tensor& sin, i
                              Tensor k_cache, Tensor v_cache, const Tensor& new_slots, const Tensor& slots,
                              const Tensor& kv_lens) {
   check_cpu_float(qkv, "qkv");
-  TORCH_CHECK(qkv.dim() == 3 && k_cache.dim() == 3, "qkv must be [B, heads, head_dim] and k_cache [slots, kv_heads, head_dim]");
+  TORCH_CHECK((qkv.dim() == 2 || qkv.dim() == 3) && k_cache.dim() == 3,
+              "qkv must be [B, heads * head_dim] or [B, heads, head_dim] and k_cache [slots, kv_heads, head_dim]");
   int64_t hkv = k_cache.size(1);
+  if (qkv.dim() == 2) {
+    TORCH_CHECK(qkv.stride(1) == 1 && qkv.size(1) % std::max<int64_t>(k_cache.size(2), 1) == 0,
+                "a 2-D qkv must be [B, heads * head_dim] with a contiguous last dim");
+    qkv = qkv.view({qkv.size(0), -1, k_cache.size(2)});
+  }
   TORCH_CHECK(n_heads > 0 && hkv > 0 && qkv.size(1) == n_heads + 2 * hkv, "qkv must have n_heads + 2 * kv_heads = ",
               n_heads + 2 * hkv, " heads, got ", qkv.size(1));
   TORCH_CHECK(new_slots.dim() == 1 && new_slots.size(0) == qkv.size(0), "new_slots must be [B], one slot a row");

@@ -300,7 +300,7 @@ def test_fused_decode_attention_equals_the_unfused_steps(dtype, q_scale, window)
     emb = torch.outer(torch.tensor([39.0, 699.0]), 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
     emb = torch.cat((emb, emb), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    layer = SimpleNamespace(layer_id=1, n_heads=n_heads, n_kv_heads=n_kv, q_scale=q_scale, window=window)
+    layer = SimpleNamespace(layer_id=1, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d, q_scale=q_scale, window=window)
     out, pools = {}, {}
     for fused in (True, False):
         pool = KVPool(1000, 2, n_kv, d, dtype, "cpu")
@@ -309,7 +309,7 @@ def test_fused_decode_attention_equals_the_unfused_steps(dtype, q_scale, window)
         attn = PagedAttention(pool, rows, cascade=False, native=True)
         assert attn.native_decode(1, window) is not None
         ops = NativeLayerOps()
-        work = qkv.clone()
+        work = qkv.clone().view(2, -1) if fused else qkv.clone()  # (the layer passes the 2-D projection output)
         out[fused] = ops.attention(layer, work, cos, sin, attn) if fused else \
             LayerOps.attention(ops, layer, work, cos, sin, attn)
         pools[fused] = pool
