@@ -34,7 +34,11 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
 
 
 class AttentionBackend(Protocol):
-    """What the model needs from the engine to run attention for one forward."""
+    """What the model needs from the engine to run attention for one forward.
+
+    A backend may also offer ``native_decode(layer_id, window)`` (see
+    ``sgrt.engine.attention.PagedAttention.native_decode``), through which the native layer ops
+    run a decode layer's whole attention block in one operator call."""
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 window: int | None = None) -> torch.Tensor:
