@@ -19,7 +19,9 @@ On a CPU where sgrt's fused operators load (:mod:`sgrt.kernels.layer_ops`; the m
 ``native_ops``), K/V are stored and decode rows attended by one operator each, reading keys and
 values in place from their slots (no gathered copy, no padding); rows sharing a prefix then read
 it from cache, which beats cascade's PyTorch ops, so cascade is off on that path. Extend and
-verify rows keep gather + SDPA.
+verify rows keep gather + SDPA. On a decode-only forward the layer skips :meth:`PagedAttention.forward`:
+:meth:`PagedAttention.native_decode` hands it this layer's cache and the step's slot tables, and
+one ``decode_attention_qkv_`` call rotates, stores K/V and attends (``NativeLayerOps.attention``).
 """
 from __future__ import annotations
 
@@ -168,6 +170,17 @@ class PagedAttention:
         kv_lens_t = torch.tensor(kv_lens, dtype=torch.long, device=device) if q_len == 1 else None
         return _Group(len(rows), q_len, max_kv, padded.view(-1).to(device), token_index, mask, causal, shared_index,
                       kv_lens_t)
+
+    def native_decode(self, layer_id: int, window: int | None = None) -> tuple | None:
+        """For a decode-only forward on the native path (every row one new token: each decode
+        step), the arguments that ``decode_attention_qkv_`` takes after q_scale for this layer:
+        ``(k_cache, v_cache, new_slots [B], slots [B, max_kv], kv_lens [B])``, so that the layer
+        stores its K/V and attends in one call; else None (use :meth:`forward`). The slot tables
+        are built once per forward (once per window length), not per layer."""
+        native_decode = self._native_decode if window is None else self._window_groups(window)[1]
+        if native_decode is None:
+            return None
+        return (self.pool.k_layers[layer_id], self.pool.v_layers[layer_id], self.out_slots) + native_decode
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 window: int | None = None) -> torch.Tensor:

@@ -25,6 +25,7 @@ class RequestHandle:
         self._result: Result | None = None
         self._exception: BaseException | None = None
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._readers = 0  # threads iterating the chunks (they are woken by every chunk)
 
     # -- engine side -------------------------------------------------------------------------
     def push(self, chunk: StreamChunk) -> None:
@@ -32,7 +33,10 @@ class RequestHandle:
             self._chunks.append(chunk)
             if chunk.finished:
                 self._result = chunk.result
-            self._cond.notify_all()
+            # NOTE: result() waits for the final chunk only; waking it for every token costs the
+            # engine a thread switch a step (on a 2-core machine, on a core a matmul is using).
+            if chunk.finished or self._readers:
+                self._cond.notify_all()
             waiters = list(self._async_waiters)
         for loop, event in waiters:
             try:
@@ -66,16 +70,22 @@ class RequestHandle:
     def __iter__(self) -> Iterator[StreamChunk]:
         """Yield chunks as they arrive, ending with the ``finished`` one."""
         i = 0
-        while True:
+        with self._cond:
+            self._readers += 1
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: len(self._chunks) > i)
+                    chunk = self._chunks[i]
+                i += 1
+                if chunk.finished and self._exception is not None:
+                    raise self._exception
+                yield chunk
+                if chunk.finished:
+                    return
+        finally:
             with self._cond:
-                self._cond.wait_for(lambda: len(self._chunks) > i)
-                chunk = self._chunks[i]
-            i += 1
-            if chunk.finished and self._exception is not None:
-                raise self._exception
-            yield chunk
-            if chunk.finished:
-                return
+                self._readers -= 1
 
     async def astream(self) -> AsyncIterator[StreamChunk]:
         """Async version of iteration."""

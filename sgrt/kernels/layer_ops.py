@@ -19,6 +19,9 @@ ulps in float32.
   slots (what two ``index_copy_`` calls do).
 - ``decode_attention(q, k_cache, v_cache, slots, kv_lens)``: one-query softmax attention
   straight from the KV pool's slots, no gathered copy (grouped-query heads read each key once).
+- ``decode_attention_qkv_(qkv, cos, sin, n_heads, q_scale, k_cache, v_cache, new_slots, slots,
+  kv_lens)``: a decode layer's whole attention block from the QKV output ``[B, q + k + v heads,
+  head_dim]``: ``rotary_heads_``, q's pre-scale, ``store_kv_`` and ``decode_attention`` in one call.
 
 Operators take float32 or bfloat16 CPU tensors; they are registered as ``torch.ops.sgrt_layer``
 with fake implementations, so ``torch.compile`` treats them as opaque calls.
@@ -80,3 +83,6 @@ def _register_fakes() -> None:
     torch.library.register_fake(lib + "store_kv_")(lambda k_cache, v_cache, slots, k, v: None)
     torch.library.register_fake(lib + "decode_attention")(
         lambda q, k_cache, v_cache, slots, kv_lens: q.new_empty(q.shape[0], q.shape[1] * q.shape[2]))
+    torch.library.register_fake(lib + "decode_attention_qkv_")(
+        lambda qkv, cos, sin, n_heads, q_scale, k_cache, v_cache, new_slots, slots, kv_lens:
+        qkv.new_empty(qkv.shape[0], n_heads * k_cache.shape[2]))

@@ -662,6 +662,49 @@ Tensor rotary_heads_(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t h
   return qkv;
 }
 
+// ---- a decode layer's attention block in one call --------------------------------------------
+// decode_attention_qkv_: qkv [B, H + 2 Hkv, D] or [B, (H + 2 Hkv) * D] (the QKV projection's output, one
+// token per row):
+// q and k heads rotated in place as rotary_ does, q multiplied by q_scale in place (rounded to
+// the dtype, as the eager `q * q_scale`; skipped when 1), k / v stored at new_slots [B] as
+// store_kv_ does, then decode_attention of q over each row's slots. What rotary_heads_, a split,
+// store_kv_ and decode_attention do, in one dispatch instead of four.
+
+Tensor decode_attention_qkv_(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t n_heads, double q_scale,
+                             Tensor k_cache, Tensor v_cache, const Tensor& new_slots, const Tensor& slots,
+                             const Tensor& kv_lens) {
+  check_cpu_float(qkv, "qkv");
+  TORCH_CHECK((qkv.dim() == 2 || qkv.dim() == 3) && k_cache.dim() == 3,
+              "qkv must be [B, heads * head_dim] or [B, heads, head_dim] and k_cache [slots, kv_heads, head_dim]");
+  int64_t hkv = k_cache.size(1);
+  if (qkv.dim() == 2) {
+    TORCH_CHECK(qkv.stride(1) == 1 && qkv.size(1) % std::max<int64_t>(k_cache.size(2), 1) == 0,
+                "a 2-D qkv must be [B, heads * head_dim] with a contiguous last dim");
+    qkv = qkv.view({qkv.size(0), -1, k_cache.size(2)});
+  }
+  TORCH_CHECK(n_heads > 0 && hkv > 0 && qkv.size(1) == n_heads + 2 * hkv, "qkv must have n_heads + 2 * kv_heads = ",
+              n_heads + 2 * hkv, " heads, got ", qkv.size(1));
+  TORCH_CHECK(new_slots.dim() == 1 && new_slots.size(0) == qkv.size(0), "new_slots must be [B], one slot a row");
+  rotary_(qkv.narrow(1, 0, n_heads + hkv), cos, sin);
+  Tensor q = qkv.narrow(1, 0, n_heads);
+  if (q_scale != 1.0) {
+    dispatch_float(qkv.scalar_type(), [&]<typename scalar_t>() {
+      using R = raw<scalar_t>;
+      R* base = raw_ptr<scalar_t>(qkv);
+      const float s = static_cast<float>(q_scale);
+      const int64_t d = qkv.size(2), st = qkv.stride(0), sh = qkv.stride(1);
+      for (int64_t r = 0; r < qkv.size(0); ++r) {
+        for (int64_t hd = 0; hd < n_heads; ++hd) {
+          R* p = base + r * st + hd * sh;
+          for (int64_t j = 0; j < d; ++j) p[j] = from_f<R>(to_f(p[j]) * s);
+        }
+      }
+    });
+  }
+  store_kv_(k_cache, v_cache, new_slots, qkv.narrow(1, n_heads, hkv), qkv.narrow(1, n_heads + hkv, hkv));
+  return decode_attention(q, k_cache, v_cache, slots, kv_lens);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sgrt_layer, m) {
@@ -672,6 +715,9 @@ TORCH_LIBRARY(sgrt_layer, m) {
   m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor kv_lens) -> Tensor");
   m.def("rotary_heads_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads) -> Tensor(a!)");
+  m.def(
+      "decode_attention_qkv_(Tensor(a!) qkv, Tensor cos, Tensor sin, int n_heads, float q_scale, Tensor(b!) k_cache, "
+      "Tensor(c!) v_cache, Tensor new_slots, Tensor slots, Tensor kv_lens) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sgrt_layer, CPU, m) {
@@ -682,4 +728,5 @@ TORCH_LIBRARY_IMPL(sgrt_layer, CPU, m) {
   m.impl("store_kv_", store_kv_);
   m.impl("decode_attention", decode_attention);
   m.impl("rotary_heads_", rotary_heads_);
+  m.impl("decode_attention_qkv_", decode_attention_qkv_);
 }

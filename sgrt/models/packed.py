@@ -138,7 +138,7 @@ class DenseLinear(nn.Module):
         self._linear = dense.kernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
+        w = self._parameters["weight"]  # (self.weight: nn.Module.__getattr__, ~1.5 us, 4 calls a layer)
         if (x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == w.dtype and x.is_cpu and w.is_cpu
                 and x.stride(-1) == 1):
             return self._linear(x, w)

@@ -279,3 +279,48 @@ def test_rotary_qkv_rotates_q_and_k_in_place_and_matches_eager(dtype):
     assert torch.equal(got[2], qkv[:, n_heads + n_kv:])  # v untouched
     with pytest.raises(RuntimeError, match="heads must be in 0..15, got 16"):
         torch.ops.sgrt_layer.rotary_heads_(work, cos, sin, 16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_scale,window", [(1.0, None), (0.7, None), (1.0, 5), (0.7, 300)])
+def test_fused_decode_attention_equals_the_unfused_steps(dtype, q_scale, window):
+    """NativeLayerOps.attention on a decode-only forward (one decode_attention_qkv_ call) writes
+    the same K/V into the pool and returns the same output, bit for bit, as rotary_heads_, the
+    q pre-scale, store_kv_ and decode_attention called one by one; rows of 40 and 700 tokens
+    (the latter split into chunks), with and without a sliding window."""
+    from types import SimpleNamespace
+
+    from sgrt.engine.attention import PagedAttention, RowSpec
+    from sgrt.engine.kv_pool import KVPool
+
+    g = torch.Generator().manual_seed(7)
+    n_heads, n_kv, d = 9, 3, 64
+    rows = [RowSpec(list(range(1, 41)), 1), RowSpec(list(range(100, 800)), 1)]
+    qkv = torch.randn(2, n_heads + 2 * n_kv, d, generator=g).to(dtype)
+    emb = torch.outer(torch.tensor([39.0, 699.0]), 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+    emb = torch.cat((emb, emb), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    layer = SimpleNamespace(layer_id=1, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d, q_scale=q_scale, window=window)
+    out, pools = {}, {}
+    for fused in (True, False):
+        pool = KVPool(1000, 2, n_kv, d, dtype, "cpu")
+        pool.k.copy_(torch.randn(pool.k.shape, generator=torch.Generator().manual_seed(1)))
+        pool.v.copy_(torch.randn(pool.v.shape, generator=torch.Generator().manual_seed(2)))
+        attn = PagedAttention(pool, rows, cascade=False, native=True)
+        assert attn.native_decode(1, window) is not None
+        ops = NativeLayerOps()
+        work = qkv.clone().view(2, -1) if fused else qkv.clone()  # (the layer passes the 2-D projection output)
+        out[fused] = ops.attention(layer, work, cos, sin, attn) if fused else \
+            LayerOps.attention(ops, layer, work, cos, sin, attn)
+        pools[fused] = pool
+    assert torch.equal(out[True], out[False])
+    assert torch.equal(pools[True].k, pools[False].k) and torch.equal(pools[True].v, pools[False].v)
+    assert not torch.equal(pools[True].k[1, 40], torch.zeros_like(pools[True].k[1, 40]))
+
+
+def test_fused_decode_attention_rejects_a_wrong_head_count():
+    k_cache = torch.zeros(8, 3, 64)
+    with pytest.raises(RuntimeError, match="qkv must have n_heads \\+ 2 \\* kv_heads = 15 heads, got 14"):
+        torch.ops.sgrt_layer.decode_attention_qkv_(
+            torch.randn(1, 14, 64), torch.ones(1, 64), torch.zeros(1, 64), 9, 1.0, k_cache, k_cache.clone(),
+            torch.tensor([1]), torch.tensor([[1]]), torch.tensor([1]))
