@@ -65,12 +65,11 @@ class GroupLinear(QuantizedLinear):
         # The AVX2 build reads codes, scales and offsets as one stream (woq.fuse), and only that is
         # kept (a second copy of the scales would cost 1/5 of the int4 weight bytes); the kernel
         # then takes empty scale / offset arguments.
-        self.fused = woq.isa() == "avx2"
+        self.register_buffer("packed", woq.prepare(packed, scales, offsets, n, k, bits, group_size))
+        self.fused = self.packed.numel() != packed.numel()
         if self.fused:
-            self.register_buffer("packed", woq.fuse(packed, scales, offsets, n, k, bits, group_size))
             self._no_scales = torch.empty(0, dtype=torch.float16)
         else:
-            self.register_buffer("packed", packed)
             self.register_buffer("scales", scales)
             self.register_buffer("offsets", offsets)
         self._linear = woq.kernel()
@@ -85,11 +84,15 @@ class GroupLinear(QuantizedLinear):
     def group_params(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(scales, offsets), each ``[N, K // group_size]`` float16, as given (read back from the
         fused stream on the AVX2 build)."""
+        return self._unfused()[1:]
+
+    def _unfused(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(:func:`sgrt.kernels.woq.pack`'s codes, scales, offsets), split out of the fused stream once."""
         from sgrt.kernels import woq
 
         if self.fused:
-            return woq.unfuse(self.packed, self.out_features, self.in_features, self.bits, self.group_size)[1:]
-        return self.scales, self.offsets
+            return woq.unfuse(self.packed, self.out_features, self.in_features, self.bits, self.group_size)
+        return self.packed, self.scales, self.offsets
 
     def _apply(self, fn, recurse=True):  # .to() / .cpu() replace the buffers: refresh the tuple
         out = super()._apply(fn, recurse)
@@ -133,7 +136,7 @@ class GroupLinear(QuantizedLinear):
         offsets times small integer codes)."""
         from sgrt.kernels import woq
 
-        return woq.dequantize(self.packed, *self.group_params(), self.out_features, self.in_features,
+        return woq.dequantize(*self._unfused(), self.out_features, self.in_features,
                               self.bits, self.group_size, torch.float32)
 
     def extra_repr(self) -> str:
