@@ -18,9 +18,13 @@ both sides alike:
   A figure for float32 and bfloat16 (``--dtypes``) comes with its own limit.
 
 llama.cpp comes from ``xllamacpp`` (the ``bench`` extra: a prebuilt CPU wheel of llama.cpp and
-its server, driven in process without HTTP), or else from ``llama-cpp-python`` if that is the one
+its server, driven without HTTP), or else from ``llama-cpp-python`` if that is the one
 importable (pip compiles llama.cpp from source, several minutes once); the output says which ran
-and its build's CPU features. Without either the script prints sgrt's rows and bandwidth shares
+and its build's CPU features. It runs in a child process of its own
+(``bench/llamacpp_process.py``), idle while sgrt runs: in one process the two engines share
+torch's libgomp, whose throttled spin-wait then slowed both (sgrt's decode ~67 -> ~40 tok/s,
+llama.cpp's 65-81 -> 56-60, on the 2-core development machine), so the figures before that change
+understate both. Without either the script prints sgrt's rows and bandwidth shares
 alone and says so. Installs nothing itself. Both engines get ``--threads`` threads and the same
 token ids (the prompt is given to llama.cpp as ids, not text).
 
@@ -39,7 +43,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -48,6 +51,7 @@ import torch  # noqa: E402
 
 from bench.common import emit_json, median_of, print_table, timed  # noqa: E402
 from bench.decode import NEW_TOKENS, PROMPT, sgrt_decode_tps, sgrt_prefill_tps  # noqa: E402
+from bench.llamacpp_process import LlamaCppProcess, runner_module  # noqa: E402
 
 
 def read_bandwidth_gbs(threads: int, mib: int = 1024) -> float:
@@ -79,74 +83,6 @@ def bytes_per_token(loaded, context: int) -> int:
     return total + 2 * cfg.num_hidden_layers * kv_heads * head_dim * context * kv_elem
 
 
-class XLlamaCpp:
-    """llama.cpp's server (``xllamacpp.Server``, no HTTP) on one GGUF file: one slot, greedy,
-    ``threads`` threads for decode and prefill, no prompt cache (every request prefills)."""
-
-    name = "xllamacpp"
-
-    def __init__(self, path: str, threads: int, n_ctx: int, n_batch: int):
-        import xllamacpp
-
-        params = xllamacpp.CommonParams()
-        params.model.path = path
-        params.n_ctx, params.n_batch, params.n_ubatch, params.n_parallel = n_ctx, n_batch, n_batch, 1
-        params.cpuparams.n_threads = params.cpuparams_batch.n_threads = threads
-        params.verbosity = -1
-        self.server = xllamacpp.Server(params)
-        self.version = f"xllamacpp {_version('xllamacpp')}; {xllamacpp.get_system_info().strip()}"
-
-    def _complete(self, prompt_ids: list[int], n_predict: int) -> dict:
-        out = self.server.handle_completions({
-            "prompt": list(prompt_ids), "n_predict": n_predict, "ignore_eos": True, "temperature": 0.0,
-            "top_k": 1, "cache_prompt": False, "stream": False})
-        if "timings" not in out:
-            raise RuntimeError(f"llama.cpp server answered without timings: {str(out)[:300]}")
-        return out["timings"]
-
-    def decode_tps(self, prompt_ids: list[int]) -> float:
-        return float(self._complete(prompt_ids, NEW_TOKENS)["predicted_per_second"])
-
-    def prefill_tps(self, prompt_ids: list[int]) -> float:
-        return float(self._complete(prompt_ids, 1)["prompt_per_second"])
-
-
-def _version(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "?"
-
-
-class LlamaCpp:
-    """llama.cpp through llama-cpp-python on one GGUF file (greedy, ``threads`` threads)."""
-
-    def __init__(self, path: str, threads: int, n_ctx: int, n_batch: int):
-        from llama_cpp import Llama
-
-        self.llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
-                         n_batch=n_batch, n_ubatch=n_batch, verbose=False)
-        self.version = f"llama-cpp-python {_version('llama_cpp_python')}"
-
-    def _next(self) -> int:
-        return int(self.llm.scores[self.llm.n_tokens - 1].argmax())
-
-    def decode_tps(self, prompt_ids: list[int]) -> float:
-        self.llm.reset()
-        self.llm.eval(prompt_ids)
-        start = time.perf_counter()
-        for _ in range(NEW_TOKENS):
-            self.llm.eval([self._next()])
-        return NEW_TOKENS / (time.perf_counter() - start)
-
-    def prefill_tps(self, prompt_ids: list[int]) -> float:
-        self.llm.reset()
-        seconds, _ = timed(lambda: self.llm.eval(prompt_ids))
-        return len(prompt_ids) / seconds
-
-
 def load_torch_kernels(spec: str):
     """``spec`` in int4 on torch's packed kernels (tinygemm int4, per-channel int8 head), as a CPU
     without sgrt's native kernel loads it."""
@@ -158,18 +94,6 @@ def load_torch_kernels(spec: str):
         return load_model(spec, dtype="bfloat16", quantization="int4")
     finally:
         quant.native_kernel_available = available
-
-
-def llamacpp_runner() -> type | None:
-    """The llama.cpp binding to run: xllamacpp (the ``bench`` extra) where importable, else
-    llama-cpp-python, else None."""
-    for module, cls in (("xllamacpp", XLlamaCpp), ("llama_cpp", LlamaCpp)):
-        try:
-            __import__(module)
-        except ImportError:
-            continue
-        return cls
-    return None
 
 
 def main() -> None:
@@ -187,7 +111,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from sgrt.models import load_model
 
-    runner = llamacpp_runner()
+    runner = runner_module()
     if runner is None:
         print("neither xllamacpp nor llama-cpp-python is installed (pip install -e '.[bench]'): sgrt rows only")
     print(f"load average at start: {os.getloadavg()[0]:.2f} (1 min)")
@@ -204,7 +128,7 @@ def main() -> None:
         prompt_ids = tok.encode_prompt(PROMPT)
         long_ids = (prompt_ids * (args.prefill // len(prompt_ids) + 1))[: args.prefill]
         context = len(prompt_ids) + NEW_TOKENS // 2  # the mean context of a decode step
-        llama = runner(path, args.threads, args.prefill + 64, args.prefill) if runner is not None else None
+        llama = LlamaCppProcess(path, args.threads, args.prefill + 64, args.prefill) if runner is not None else None
         if llama is not None and "llamacpp" not in figures:
             print(f"llama.cpp via {llama.version}")
             figures["llamacpp"] = llama.version
@@ -217,7 +141,7 @@ def main() -> None:
                 base_dec.append(median_of(args.runs, lambda: sgrt_decode_tps(base, prompt_ids)))
                 base_pre.append(median_of(args.runs, lambda: sgrt_prefill_tps(base, long_ids)))
             if llama is not None:
-                theirs_dec.append(median_of(args.runs, lambda: llama.decode_tps(prompt_ids)))
+                theirs_dec.append(median_of(args.runs, lambda: llama.decode_tps(prompt_ids, NEW_TOKENS)))
                 theirs_pre.append(median_of(args.runs, lambda: llama.prefill_tps(long_ids)))
             ours_dec.append(median_of(args.runs, lambda: sgrt_decode_tps(int4, prompt_ids)))
             ours_pre.append(median_of(args.runs, lambda: sgrt_prefill_tps(int4, long_ids)))
@@ -254,7 +178,8 @@ def main() -> None:
             rows.append(brow)
             print(f"{spec}: native int4 kernel / torch's kernels, decode: {gain:.2f} (median of pairs)")
             del base
-        del llama
+        if llama is not None:
+            llama.close()
         for dtype in [d for d in args.dtypes.split(",") if d]:
             plain = load_model(spec, dtype=dtype)
             dec = median_of(args.runs, lambda: sgrt_decode_tps(plain, prompt_ids))
