@@ -36,7 +36,8 @@ stream from DRAM) and over the LM head (49152 x 576), the median of each side an
 (min-max) of the per-round ratios new / base, and whether both sides' outputs are bitwise equal.
 With ``--decode`` too, the model's decode step instead, every :class:`sgrt.models.packed.DenseLinear`
 of one loaded model switched between the two kernels. ``--cpu-time`` reads the thread's CPU time
-(use it with ``--threads 1``: a fairer reading where other tenants take turns on the cores).
+(use it with ``--threads 1``: a fairer reading where other tenants take turns on the cores; with
+``--decode``, the process's CPU time over the timed generation).
 
 Run: ``python bench/dense_kernel.py [--rows 1] [--threads 2] [--runs 7] [--decode] [--prefill 256]
 [--ab HEAD~1]``
@@ -316,11 +317,12 @@ def ab(args) -> None:
 def ab_decode(args, sides: dict) -> None:
     import bench.decode
     from bench.decode import PROMPT, sgrt_decode_tps
+    from sgrt.engine import Engine, SamplingParams
     from sgrt.models import load_model
     from sgrt.models import packed
 
     bench.decode.NEW_TOKENS = args.tokens
-    rows, figures = [], {"base": args.ab, "threads": args.threads, "tokens": args.tokens}
+    rows, figures = [], {"base": args.ab, "cpu_time": args.cpu_time, "threads": args.threads, "tokens": args.tokens}
     for dtype in args.dtypes.split(","):
         saved = packed.DENSE_DTYPES_OVER_ONEDNN
         try:
@@ -334,15 +336,25 @@ def ab_decode(args, sides: dict) -> None:
         def measure(op) -> float:
             for mod in layers:
                 mod._linear = op
-            return sgrt_decode_tps(lm, ids)
+            if not args.cpu_time:
+                return sgrt_decode_tps(lm, ids)
+            engine = Engine(model=lm, max_total_tokens=1024, enable_radix_cache=False)
+            try:  # as sgrt_decode_tps, over the process's CPU seconds (the engine's loop thread)
+                engine.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True))
+                t0 = time.process_time()
+                out = engine.generate(ids, SamplingParams(max_tokens=args.tokens, ignore_eos=True))
+                return out.completion_tokens / (time.process_time() - t0)
+            finally:
+                engine.shutdown()
 
         base, new, ratio, lo, hi = _ratio_figures(_abba(sides, args.runs, measure))
         rows.append([dtype, len(layers), round(base, 2), round(new, 2), f"{ratio:.2f} ({lo:.2f}-{hi:.2f})"])
         figures.update({f"{dtype}_base_tok_s": round(base, 2), f"{dtype}_new_tok_s": round(new, 2),
                         f"{dtype}_ratio": round(ratio, 3)})
         del lm, layers
-    print(f"batch-1 decode, {args.tokens} tokens, {args.threads} threads, median of {args.runs} ABBA rounds; "
-          f"base = {args.ab}")
+    unit = "tok/s of process CPU time" if args.cpu_time else "tok/s"
+    print(f"batch-1 decode, {args.tokens} tokens, {args.threads} threads, {unit}, median of {args.runs} ABBA "
+          f"rounds; base = {args.ab}")
     print_table(["dtype", "DenseLinear layers", "base tok/s", "new tok/s", "new / base (min-max)"], rows)
     print(f"load average after: {os.getloadavg()}")
     figures["load_average"] = [round(v, 2) for v in os.getloadavg()]
