@@ -40,6 +40,12 @@ of one loaded model switched between the two kernels. ``--cpu-time`` reads the t
 ``--decode``, the process's CPU time over the timed generation); ``--best-of N`` makes each sample
 the best of N shorter timings (at 2 threads on a shared machine, the least disturbed one).
 
+``--kernel-share``: instead, per model dtype, one thread, CPU time: a batch-1 decode of the
+default model with every :class:`sgrt.models.packed.DenseLinear` call timed (the thread's CPU
+time around it), printing the step's CPU ms a token, the kernel's part and the GB/s at which it
+reads the weights, beside ``torch.sum``'s read rate over 1 GiB on the same thread: how much of a
+step is the weight stream and how much is the rest of the step.
+
 Run: ``python bench/dense_kernel.py [--rows 1] [--threads 2] [--runs 7] [--decode] [--prefill 256]
 [--ab HEAD~1]``
 """
@@ -75,6 +81,7 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2-135m-instruct,gemma3-270m-q4-k-m", help="--prefill: models")
     ap.add_argument("--cpu-time", action="store_true", help="--prefill / --ab: CPU time instead of wall time")
     ap.add_argument("--ab", metavar="REV", default="", help="this tree's kernel against git revision REV's")
+    ap.add_argument("--kernel-share", action="store_true", help="the decode step's CPU time in the kernel (1 thread)")
     ap.add_argument("--best-of", type=int, default=1,
                     help="--ab: a sample is the best of this many timings (the least disturbed one, where other "
                          "tenants take the cores in turns at 2 threads)")
@@ -82,6 +89,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.ab:
         return ab(args)
+    if args.kernel_share:
+        return kernel_share(args)
     if args.decode:
         return decode(args)
     if args.prefill:
@@ -368,6 +377,70 @@ def ab_decode(args, sides: dict) -> None:
     print(f"load average after: {os.getloadavg()}")
     figures["load_average"] = [round(v, 2) for v in os.getloadavg()]
     emit_json("dense_kernel_ab_decode", **figures)
+
+
+def kernel_share(args) -> None:
+    from bench.decode import PROMPT
+    from sgrt.engine import Engine, SamplingParams
+    from sgrt.models import load_model
+    from sgrt.models import packed
+
+    torch.set_num_threads(1)
+    print(f"load average before: {os.getloadavg()}")
+    data = torch.ones(2**28, dtype=torch.float32)
+    data.sum()  # fault the pages in
+    rows, figures = [], {"tokens": args.tokens}
+    for dtype in args.dtypes.split(","):
+        saved = packed.DENSE_DTYPES_OVER_ONEDNN
+        try:
+            packed.DENSE_DTYPES_OVER_ONEDNN = packed.DENSE_DTYPES  # the kernel wherever it loads
+            lm = load_model("smollm2-135m-instruct", dtype=dtype)
+        finally:
+            packed.DENSE_DTYPES_OVER_ONEDNN = saved
+        layers = [mod for mod in lm.model.modules() if isinstance(mod, packed.DenseLinear)]
+        weight_bytes = sum(mod.weight.numel() * mod.weight.element_size() for mod in layers)
+        spent = {"s": 0.0, "calls": 0}
+
+        def timed(x, w, op=layers[0]._linear):
+            t0 = time.thread_time()
+            y = op(x, w)
+            spent["s"] += time.thread_time() - t0
+            spent["calls"] += 1
+            return y
+
+        for mod in layers:
+            mod._linear = timed
+        ids = lm.tokenizer.encode(PROMPT)
+        engine = Engine(model=lm, max_total_tokens=1024, enable_radix_cache=False)
+        try:
+            engine.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True))
+            spent.update(s=0.0, calls=0)
+            t0 = time.process_time()
+            out = engine.generate(ids, SamplingParams(max_tokens=args.tokens, ignore_eos=True))
+            step_s = (time.process_time() - t0) / out.completion_tokens
+        finally:
+            engine.shutdown()
+        steps = spent["calls"] / len(layers)  # decode steps that ran the layers (not the prefill)
+        kernel_s = spent["s"] / steps
+        sums = []
+        for _ in range(5):
+            t0 = time.thread_time()
+            data.sum()
+            sums.append(data.nbytes / (time.thread_time() - t0) / 1e9)
+        sum_gbs = sorted(sums)[2]
+        kernel_gbs = weight_bytes / kernel_s / 1e9
+        rows.append([dtype, round(weight_bytes / 1e6), round(step_s * 1e3, 1), round(kernel_s * 1e3, 1),
+                     round(kernel_gbs, 1), round(sum_gbs, 1), f"{kernel_gbs / sum_gbs:.0%}",
+                     round((step_s - kernel_s) * 1e3, 1)])
+        figures.update({f"{dtype}_step_cpu_ms": round(step_s * 1e3, 2), f"{dtype}_kernel_cpu_ms": round(kernel_s * 1e3, 2),
+                        f"{dtype}_kernel_gbs": round(kernel_gbs, 2), f"{dtype}_torch_sum_gbs": round(sum_gbs, 2)})
+        del lm, layers, engine
+    print(f"batch-1 decode, {args.tokens} tokens, 1 thread, CPU time a token")
+    print_table(["dtype", "weights MB", "step ms", "kernel ms", "kernel GB/s", "torch.sum GB/s", "kernel / sum",
+                 "rest ms"], rows)
+    print(f"load average after: {os.getloadavg()}")
+    figures["load_average"] = [round(v, 2) for v in os.getloadavg()]
+    emit_json("dense_kernel_share", **figures)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,11 @@
 // stream a thread (one weight row after the other) left that to the hardware prefetcher and
 // reached 6.8 GB/s (bfloat16) / 10.7 GB/s (float32) on one core of the 2-core AVX2 EPYC, a
 // fraction of what the memory delivers. 4 far-apart streams measured 1.5-1.8x that, one thread
-// (bench/dense_kernel.py --ab; 2 streams 1.3x, 5 / 6 / 8 streams less than 4: 8 x 2 accumulators
-// spill the 16 ymm registers). Adjacent weight rows side by side (4 rows of the same 4.6 KB stretch)
-// measured slower than one row at a time, and software prefetch (1-8 KB ahead, T0 / T1 / NTA hints)
-// added nothing on top of 4 streams (0.9-1.0x).
+// (bench/dense_kernel.py --ab; from L3 1.4-1.5x), at or above torch.sum's one-thread read rate;
+// 2 streams 1.3x, 5 / 6 / 8 streams less than 4 (8 x 2 accumulators spill the 16 ymm
+// registers). Adjacent weight rows side by side (4 rows of the same 4.6 KB stretch) measured
+// slower than one row at a time, and software prefetch (0.2-8 KB ahead, T0 / T1 / NTA hints)
+// added nothing on top of 4 streams (0.9-1.05x).
 //
 // bfloat16 weights are widened exactly by shifting: in a 32-bit lane holding the bf16 pair
 // (w[2i], w[2i+1]), `lane << 16` is w[2i] as fp32 and `lane & 0xffff0000` is w[2i+1]. x is
