@@ -241,6 +241,7 @@ def prefill(args) -> None:
 def base_kernel(rev: str):
     """The dense kernel's C++ entry as committed at git revision ``rev``, built and loaded as the
     library ``sgrt_dense_avx2_base`` (cached like the kernel itself, by the source's hash)."""
+    import hashlib
     import subprocess
     import tempfile
 
@@ -251,7 +252,8 @@ def base_kernel(rev: str):
     source = subprocess.run(["git", "-C", str(root), "show", f"{rev}:sgrt/kernels/dense_avx2.cpp"],
                             check=True, capture_output=True, text=True).stdout
     source = source.replace("TORCH_LIBRARY(sgrt_dense_avx2,", "TORCH_LIBRARY(sgrt_dense_avx2_base,")
-    path = Path(tempfile.gettempdir()) / f"sgrt_dense_avx2_base_{abs(hash(source)) % 10**12}.cpp"
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / f"sgrt_dense_avx2_base_{digest}.cpp"
     path.write_text(source)
     why = load_library("sgrt_dense_avx2_base", path, dense.CFLAGS, dense.REQUIRED_CPU_FLAGS)
     if why is not None:
