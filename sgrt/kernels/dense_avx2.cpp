@@ -2,15 +2,30 @@
 // weights float32 or bfloat16 in PyTorch's own row-major [N, K] layout (no repacking), each read
 // once per call, whatever the number of rows M.
 //
-// Order of work: output features in blocks of 4 weight rows, split across threads
-// (at::parallel_for); per block, the rows of x one after the other (the block's 4 weight rows stay
-// in L1 for the next row of x), the 4 weight rows side by side (sharing each load of x), or one
-// after the other where x has one row. Per (x row, weight row) pair, K in steps of 16: two fp32
-// accumulators (the first and second half of each step), fp32 FMAs, then acc0 + acc1 and a fixed
-// horizontal sum; one rounding to the output dtype (nearest even for bfloat16). Every output is
-// computed by the same instructions in the same order whatever M, the block it falls in or the
-// thread split, so a row's result does not depend on the other rows or the thread count
-// (bitwise).
+// Order of work: the output features (weight rows) are split across threads in contiguous ranges
+// (at::parallel_for). A thread cuts its range into STREAMS (4) equal contiguous parts and walks
+// them side by side: group i is row i of each part, so the thread reads 4 sequential streams of
+// weights at once, far apart in memory (the few rows left over by the cut form one last group of
+// adjacent rows). Per group, the rows of x one after the other (the group's weight rows stay in L1
+// for the next row of x), each x row against the group's rows side by side (sharing each load of
+// x). Per (x row, weight row) pair, K in steps of 16: two fp32 accumulators (the first and second
+// half of each step), fp32 FMAs, then acc0 + acc1 and a fixed horizontal sum; one rounding to the
+// output dtype (nearest even for bfloat16). Every output is computed by the same instructions in
+// the same order whatever M, N, the group it falls in or the thread split, so a row's result does
+// not depend on the other rows, the other outputs or the thread count (bitwise); the streams
+// changed which outputs are computed together, not any output's arithmetic (bitwise the same as
+// the one-row-at-a-time kernel before them).
+//
+// Why streams: a batch-1 decode step streams every weight once from DRAM, and one core's share of
+// the read bandwidth is set by how many cache-line misses it keeps in flight. One sequential
+// stream a thread (one weight row after the other) left that to the hardware prefetcher and
+// reached 6.8 GB/s (bfloat16) / 10.7 GB/s (float32) on one core of the 2-core AVX2 EPYC, a
+// fraction of what the memory delivers. 4 far-apart streams measured 1.5-1.8x that, one thread
+// (bench/dense_kernel.py --ab; from L3 1.4-1.5x), at or above torch.sum's one-thread read rate;
+// 2 streams 1.3x, 5 / 6 / 8 streams less than 4 (8 x 2 accumulators spill the 16 ymm
+// registers). Adjacent weight rows side by side (4 rows of the same 4.6 KB stretch) measured
+// slower than one row at a time, and software prefetch (0.2-8 KB ahead, T0 / T1 / NTA hints)
+// added nothing on top of 4 streams (0.9-1.05x).
 //
 // bfloat16 weights are widened exactly by shifting: in a 32-bit lane holding the bf16 pair
 // (w[2i], w[2i+1]), `lane << 16` is w[2i] as fp32 and `lane & 0xffff0000` is w[2i+1]. x is
@@ -31,7 +46,13 @@
 
 namespace {
 
-constexpr int64_t BLOCK_N = 4;  // weight rows sharing each load of x
+// Weight rows read side by side a thread: sequential streams far apart (see the header). (The
+// macro lets bench experiments build variants; 1 is one row at a time.)
+#ifndef SGRT_DENSE_STREAMS
+#define SGRT_DENSE_STREAMS 4
+#endif
+constexpr int STREAMS = SGRT_DENSE_STREAMS;
+static_assert(STREAMS >= 1 && STREAMS <= 4, "STREAMS x 2 accumulators must fit the 16 ymm registers");
 constexpr int64_t STEP_K = 16;
 
 inline float hsum_one(__m256 v) {  // the fixed horizontal order used for every output
@@ -57,10 +78,10 @@ inline void load16<uint16_t>(const uint16_t* w, __m256& a, __m256& b) {
   b = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));  // odd
 }
 
-// R (1..4) weight rows starting at w (row stride K) times one x row (the padded fp32 buffer):
-// full steps from the weights themselves, the tail step from wtail ([R][16], zero padded).
+// R (1..STREAMS) weight rows w[0..R) times one x row (the padded fp32 buffer): full steps from
+// the weights themselves, the tail step from wtail ([R][16], zero padded).
 template <typename T, int R>
-inline void dot_rows(const T* w, int64_t K, const T* wtail, const float* x, float* out) {
+inline void dot_rows(const T* const* w, int64_t K, const T* wtail, const float* x, float* out) {
   __m256 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
   const int64_t full = K / STEP_K * STEP_K;
@@ -69,7 +90,7 @@ inline void dot_rows(const T* w, int64_t K, const T* wtail, const float* x, floa
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       __m256 a, b;
-      load16<T>(w + r * K + k, a, b);
+      load16<T>(w[r] + k, a, b);
       acc0[r] = _mm256_fmadd_ps(a, x0, acc0[r]);
       acc1[r] = _mm256_fmadd_ps(b, x1, acc1[r]);
     }
@@ -116,41 +137,45 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
     }
   }
   const T* wp = reinterpret_cast<const T*>(w.data_ptr());
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
   const int64_t full = K / STEP_K * STEP_K, tail = K - full;
-  const int64_t blocks = (N + BLOCK_N - 1) / BLOCK_N;
   // ~64 KiB of weights a task at least, so that small layers do not wake every thread
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, BLOCK_N * K * sizeof(T)));
-  // One row of x: one weight row at a time (a single read stream per thread; measured 1.3-1.6x
-  // faster than 4 interleaved rows at one row of x). More rows: 4 weight rows share each x load.
-  const bool single_stream = M == 1;
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    T wtail[BLOCK_N * STEP_K];
-    float out[BLOCK_N];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * BLOCK_N;
-      const int rows = static_cast<int>(std::min<int64_t>(BLOCK_N, N - n0));
-      const T* wb = wp + n0 * K;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * static_cast<int64_t>(sizeof(T))));
+  at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
+    T wtail[STREAMS * STEP_K];
+    const T* rows[STREAMS];
+    int64_t idx[STREAMS];
+    float out[STREAMS];
+    // One group: R weight rows idx[0..R), every row of x against them while they are in L1.
+    auto group = [&](int R) {
+      for (int r = 0; r < R; ++r) rows[r] = wp + idx[r] * K;
       if (tail) {
         std::memset(wtail, 0, sizeof(wtail));
-        for (int r = 0; r < rows; ++r) std::memcpy(wtail + r * STEP_K, wb + r * K + full, tail * sizeof(T));
+        for (int r = 0; r < R; ++r) std::memcpy(wtail + r * STEP_K, rows[r] + full, tail * sizeof(T));
       }
       for (int64_t m = 0; m < M; ++m) {
         const float* xm = xf.data() + m * KP;
-        if (single_stream) {  // same arithmetic per output, one weight row streamed at a time
-          for (int r = 0; r < rows; ++r) dot_rows<T, 1>(wb + r * K, K, wtail + r * STEP_K, xm, out + r);
-        } else switch (rows) {
-          case 4: dot_rows<T, 4>(wb, K, wtail, xm, out); break;
-          case 3: dot_rows<T, 3>(wb, K, wtail, xm, out); break;
-          case 2: dot_rows<T, 2>(wb, K, wtail, xm, out); break;
-          default: dot_rows<T, 1>(wb, K, wtail, xm, out); break;
+        switch (R) {  // (R <= STREAMS)
+          case 4: dot_rows<T, 4>(rows, K, wtail, xm, out); break;
+          case 3: dot_rows<T, 3>(rows, K, wtail, xm, out); break;
+          case 2: dot_rows<T, 2>(rows, K, wtail, xm, out); break;
+          default: dot_rows<T, 1>(rows, K, wtail, xm, out); break;
         }
-        T* yrow = reinterpret_cast<T*>(y.data_ptr()) + m * N + n0;
-        for (int r = 0; r < rows; ++r) {
-          if constexpr (std::is_same_v<T, float>) yrow[r] = out[r];
-          else yrow[r] = to_bf16(out[r]);
+        T* yrow = yp + m * N;
+        for (int r = 0; r < R; ++r) {
+          if constexpr (std::is_same_v<T, float>) yrow[idx[r]] = out[r];
+          else yrow[idx[r]] = to_bf16(out[r]);
         }
       }
+    };
+    const int64_t part = (r1 - r0) / STREAMS;  // rows in each of the STREAMS parts
+    for (int64_t i = 0; i < part; ++i) {
+      for (int s = 0; s < STREAMS; ++s) idx[s] = r0 + s * part + i;
+      group(STREAMS);
     }
+    const int64_t left = (r1 - r0) - STREAMS * part;  // < STREAMS rows: one group of adjacent rows
+    for (int r = 0; r < left; ++r) idx[r] = r0 + STREAMS * part + r;
+    if (left) group(static_cast<int>(left));
   });
 }
 

@@ -114,6 +114,62 @@ def test_rows_and_threads_independent_bitwise(dtype):
     assert torch.equal(single, batch)
 
 
+def _kernel_order(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic for every output, replayed with torch's float32 operations: K padded
+    with zeros to 16-input steps; two accumulators of 8 lanes (float32: inputs 0-7 and 8-15 of a
+    step; bfloat16: the even and the odd inputs), one FMA each a step; then acc0 + acc1, lanes
+    i + (i + 4), (0 + 1) + (2 + 3); one rounding to the dtype. An FMA is replayed in float64
+    (a float32 product is exact there) and rounded to float32, which can differ from one fused
+    rounding only at a double-rounding tie (~2**-29 a step; none with these fixed inputs)."""
+    m, k = x.shape
+    n = w.shape[0]
+    kp = -(-k // 16) * 16
+    xp = torch.zeros(m, kp, dtype=torch.float64)
+    wp = torch.zeros(n, kp, dtype=torch.float64)
+    xp[:, :k], wp[:, :k] = x.double(), w.double()
+    xs, ws = xp.view(m, kp // 16, 16), wp.view(n, kp // 16, 16)
+    halves = ((slice(0, 8), slice(8, 16)) if x.dtype == torch.float32
+              else (slice(0, 16, 2), slice(1, 16, 2)))
+    accs = []
+    for half in halves:
+        acc = torch.zeros(m, n, 8, dtype=torch.float32)
+        for step in range(kp // 16):
+            prod = xs[:, None, step, half] * ws[None, :, step, half]  # exact
+            acc = (acc.double() + prod).float()
+        accs.append(acc)
+    v = accs[0] + accs[1]
+    s = v[..., :4] + v[..., 4:]
+    return ((s[..., 0] + s[..., 1]) + (s[..., 2] + s[..., 3])).to(x.dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_output_in_the_documented_order_bitwise(dtype):
+    """Every output equals the docstring's order of float32 operations bit for bit, whatever
+    the group of weight rows it falls in: N from 1 to past two threads' grains (each thread's
+    range cut into 4 streams, 0-3 rows left over for a last group), K with and without a tail,
+    1 to 5 rows of x, 1 and 2 threads."""
+    threads = torch.get_num_threads()
+    # K = 576: a thread's share is at least 65536 / (576 * itemsize) rows (28 float32, 56
+    # bfloat16), so N = 61 and 123 are split between 2 threads
+    cases = [(n, 40) for n in (1, 2, 3, 4, 5, 7, 8, 9, 13)] + [(61, 576), (123, 576), (66, 23)]
+    try:
+        for n, k in cases:
+            w = _rand(n, k, dtype=dtype, seed=100 + n)
+            for m in (1, 2, 5):
+                x = _rand(m, k, dtype=dtype, seed=200 + m)
+                want = _bits(_kernel_order(x, w))
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    got = dense.linear(x, w)
+                    assert torch.equal(_bits(got), want), (dtype, n, k, m, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_strided_rows_handled(dtype):
     """x may have any row stride (a slice of a wider tensor): same result as its contiguous copy."""
