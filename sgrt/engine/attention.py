@@ -37,6 +37,11 @@ from sgrt.engine.kv_pool import KVPool
 # leading KV slots. Below that the shared gather is cheap and one SDPA call is faster.
 CASCADE_MIN_ROWS = 2
 CASCADE_MIN_PREFIX = 128
+# A sliding-window layer's extend row of more queries than this is attended in blocks of this
+# many queries, each over only the keys its window reaches (a band), instead of one SDPA call
+# whose mask hides all but a band of the whole q_len x kv_len score matrix (SDPA on the CPU
+# computes masked-out scores all the same).
+BAND_QUERIES = 128
 
 
 @dataclass
@@ -62,6 +67,8 @@ class _Group:
     # then cover each row's remaining suffix only.
     shared_index: torch.Tensor | None = None  # [P] slot ids
     kv_lens: torch.Tensor | None = None  # [size] int64 context lengths (decode groups, native path)
+    # A windowed extend row's query blocks: (first query, end query, first key, end key); None = one call.
+    bands: list[tuple[int, int, int, int]] | None = None
 
 
 class PagedAttention:
@@ -168,8 +175,14 @@ class PagedAttention:
                 allowed &= k_pos > start + q_pos - window
             mask = allowed.unsqueeze(1).to(device)
         kv_lens_t = torch.tensor(kv_lens, dtype=torch.long, device=device) if q_len == 1 else None
+        bands = None
+        if window is not None and len(rows) == 1 and q_len > BAND_QUERIES:
+            # query j (0-based among the new ones) sees keys start + j - window + 1 .. start + j
+            start = kv_lens[0] - q_len
+            bands = [(a, min(a + BAND_QUERIES, q_len), max(0, start + a - window + 1),
+                      start + min(a + BAND_QUERIES, q_len)) for a in range(0, q_len, BAND_QUERIES)]
         return _Group(len(rows), q_len, max_kv, padded.view(-1).to(device), token_index, mask, causal, shared_index,
-                      kv_lens_t)
+                      kv_lens_t, bands)
 
     def native_decode(self, layer_id: int, window: int | None = None) -> tuple | None:
         """For a decode-only forward on the native path (every row one new token: each decode
@@ -226,6 +239,8 @@ class PagedAttention:
                                             v_layer.index_select(0, g.shared_index), keys, values, g.mask)
         if g.q_len == 1:
             return decode_attention(q, keys, values, g.mask)
+        if g.bands is not None:
+            return _banded_attention(g, q, keys, values)
         o = F.scaled_dot_product_attention(
             q.reshape(g.size, g.q_len, n_heads, head_dim).transpose(1, 2),
             keys.transpose(1, 2),
@@ -235,6 +250,21 @@ class PagedAttention:
             enable_gqa=True,
         )  # [size, H, q_len, D]
         return o.transpose(1, 2).reshape(g.size * g.q_len, n_heads * head_dim)
+
+
+def _banded_attention(g: _Group, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One windowed extend row (``g.bands``) as one SDPA call per block of queries over the keys
+    its window reaches, with the group's mask cut to that block: the same result as one call
+    over the whole mask (masked scores get no weight either way), at ~(window + block) / kv_len
+    of its cost. q ``[T, H, D]``, keys / values ``[1, kv, Hkv, D]`` -> ``[T, H * D]``."""
+    t, n_heads, head_dim = q.shape
+    out = q.new_empty(t, n_heads * head_dim)
+    qh, kh, vh = q.transpose(0, 1).unsqueeze(0), keys.transpose(1, 2), values.transpose(1, 2)
+    for a, b, lo, hi in g.bands:
+        o = F.scaled_dot_product_attention(qh[:, :, a:b], kh[:, :, lo:hi], vh[:, :, lo:hi],
+                                           attn_mask=g.mask[:, :, a:b, lo:hi], enable_gqa=True)
+        out[a:b] = o[0].transpose(0, 1).reshape(b - a, n_heads * head_dim)
+    return out
 
 
 def _slot_tensor(slots: list[int]) -> torch.Tensor:

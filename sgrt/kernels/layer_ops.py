@@ -15,6 +15,8 @@ ulps in float32.
 - ``rotary_heads_(qkv, cos, sin, heads)``: the same on the first ``heads`` heads of the QKV
   projection's output ``[T, q + k + v heads, head_dim]`` (q and k), v untouched.
 - ``silu_mul(gate_up)``: SwiGLU's ``silu(gate) * up`` (Shazeer, arXiv:2002.05202).
+- ``gelu_tanh_mul(gate_up)``: GeGLU's ``gelu_tanh(gate) * up`` (Gemma's MLP; the same paper), as
+  ``F.gelu(gate, approximate="tanh") * up`` (its tanh as ``1 - 2 / (1 + exp(2u))``).
 - ``store_kv_(k_cache, v_cache, slots, k, v)``: the new tokens' keys and values into their pool
   slots (what two ``index_copy_`` calls do).
 - ``decode_attention(q, k_cache, v_cache, slots, kv_lens)``: one-query softmax attention
@@ -79,6 +81,8 @@ def _register_fakes() -> None:
     torch.library.register_fake(lib + "rotary_")(lambda qk, cos, sin: qk)
     torch.library.register_fake(lib + "rotary_heads_")(lambda qkv, cos, sin, heads: qkv)
     torch.library.register_fake(lib + "silu_mul")(
+        lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
+    torch.library.register_fake(lib + "gelu_tanh_mul")(
         lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
     torch.library.register_fake(lib + "store_kv_")(lambda k_cache, v_cache, slots, k, v: None)
     torch.library.register_fake(lib + "decode_attention")(

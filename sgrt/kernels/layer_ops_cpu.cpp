@@ -249,6 +249,45 @@ Tensor silu_mul(const Tensor& gate_up) {
   return out;
 }
 
+// ---- GELU-tanh gating (Gemma) ----------------------------------------------------------------
+// gate_up [T, 2I] -> gelu_tanh(gate) * up [T, I], as F.gelu(gate, approximate="tanh") * up:
+// gelu_tanh(g) = 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), in the eager kernel's
+// order, with tanh(u) = 1 - 2 / (1 + exp(2u)) on fast_exp (so that it reaches -1 / 1 where
+// float32's tanh does: gelu's negative tail is exactly 0, as in torch); rounded to the dtype
+// before the product as the eager ops round.
+
+template <typename T>
+void gelu_tanh_mul_rows(const T* in, T* out, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = in + r * 2 * n;
+    const T* up = gate + n;
+    T* o = out + r * n;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      float g = to_f(gate[j]);
+      float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2/pi) (g + 0.044715 g^3)
+      float th = 1.f - 2.f / (1.f + fast_exp(2.f * u));  // tanh(u): exactly -1 / 1 where float32's saturates
+      float s = round_as<T>(0.5f * g * (1.f + th));
+      o[j] = from_f<T>(s * to_f(up[j]));
+    }
+  }
+}
+
+Tensor gelu_tanh_mul(const Tensor& gate_up) {
+  check_cpu_float(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be contiguous [T, 2 * intermediate]");
+  int64_t t = gate_up.size(0), n = gate_up.size(1) / 2;
+  Tensor out = at::empty({t, n}, gate_up.options());
+  dispatch_float(gate_up.scalar_type(), [&]<typename scalar_t>() {
+    using R = raw<scalar_t>;
+    const R* in = raw_ptr<scalar_t>(gate_up);
+    R* op = raw_ptr<scalar_t>(out);
+    at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) { gelu_tanh_mul_rows(in + b * 2 * n, op + b * n, e - b, n); });
+  });
+  return out;
+}
+
 // ---- decode attention over the KV pool -------------------------------------------------------
 // One query per row: q [B, H, D]; k_cache / v_cache [S, Hkv, D] (one layer of the pool);
 // slots [B, L] int64 (row b's context is slots[b, :kv_lens[b]]); -> [B, H * D] in q's dtype.
@@ -712,6 +751,7 @@ TORCH_LIBRARY(sgrt_layer, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) qk, Tensor cos, Tensor sin) -> Tensor(a!)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
   m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor kv_lens) -> Tensor");
   m.def("rotary_heads_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads) -> Tensor(a!)");
@@ -725,6 +765,7 @@ TORCH_LIBRARY_IMPL(sgrt_layer, CPU, m) {
   m.impl("add_rms_norm_", add_rms_norm_);
   m.impl("rotary_", rotary_);
   m.impl("silu_mul", silu_mul);
+  m.impl("gelu_tanh_mul", gelu_tanh_mul);
   m.impl("store_kv_", store_kv_);
   m.impl("decode_attention", decode_attention);
   m.impl("rotary_heads_", rotary_heads_);

@@ -116,6 +116,11 @@ class LayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``[T, 2I]`` -> ``gelu_tanh(gate) * up`` ``[T, I]`` (Gemma's gating)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 class NativeLayerOps(LayerOps):
     """The same steps as fused CPU operators (:mod:`sgrt.kernels.layer_ops`), one call each;
@@ -127,7 +132,7 @@ class NativeLayerOps(LayerOps):
         from sgrt.kernels.layer_ops import op
 
         self._rms_norm, self._add_rms_norm = op("rms_norm"), op("add_rms_norm_")
-        self._rotary, self._silu_mul = op("rotary_"), op("silu_mul")
+        self._rotary, self._silu_mul, self._gelu_mul = op("rotary_"), op("silu_mul"), op("gelu_tanh_mul")
         self._rotary_heads, self._decode_attention_qkv = op("rotary_heads_"), op("decode_attention_qkv_")
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,6 +168,9 @@ class NativeLayerOps(LayerOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._silu_mul(gate_up)
+
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._gelu_mul(gate_up)
 
 
 class DecoderLayer(nn.Module):
@@ -240,8 +248,7 @@ class DecoderLayer(nn.Module):
             x, h = ops.add_norm(x, o, mods["post_attention_layernorm"])
         gate_up = mods["gate_up_proj"].forward(h)
         if self.gelu:
-            gate, up = gate_up.chunk(2, dim=-1)
-            m = mods["down_proj"].forward(F.gelu(gate, approximate="tanh") * up)
+            m = mods["down_proj"].forward(ops.gelu_mul(gate_up))
         else:
             m = mods["down_proj"].forward(ops.silu_mul(gate_up))
         if self.sandwich:

@@ -110,3 +110,24 @@ def test_native_long_context_and_window_match_the_pytorch_path(dtype, tol):
             slots, lens = native._window_groups(window)[1]
             assert slots.shape == (2, 512) and lens.tolist() == [512, 300]
             assert slots[0].tolist() == list(range(989, 1501))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("cached,q_len", [(0, 700), (300, 450), (900, 333)])
+def test_windowed_extend_in_bands_matches_one_masked_call(dtype, tol, cached, q_len, monkeypatch):
+    """A sliding-window layer's extend row (a prefill chunk after ``cached`` tokens already in the
+    pool) attended in blocks of queries over the keys each block's window reaches equals one SDPA
+    call over the whole masked score matrix."""
+    window = 256
+    rows = [RowSpec(list(range(1, cached + q_len + 1)), q_len)]
+    q, k, v = (torch.randn(q_len, h, 64, generator=torch.Generator().manual_seed(h)).to(dtype) for h in (9, 3, 3))
+    banded = PagedAttention(_pool(dtype), rows)
+    (group,) = banded._window_groups(window)[0]
+    assert group.bands is not None and group.bands[0][:2] == (0, attention_mod.BAND_QUERIES)
+    assert all(hi - lo <= window + attention_mod.BAND_QUERIES - 1 for _, _, lo, hi in group.bands)
+    got = banded.forward(0, q, k, v, window=window).float()
+    monkeypatch.setattr(attention_mod, "BAND_QUERIES", 1 << 30)
+    whole = PagedAttention(_pool(dtype), rows)
+    assert whole._window_groups(window)[0][0].bands is None
+    want = whole.forward(0, q, k, v, window=window).float()
+    assert got.shape == (q_len, 9 * 64) and (got - want).abs().max().item() <= tol

@@ -298,3 +298,30 @@ def test_weight_only_quantization_keeps_family_quirks(name, quantization, checkp
     rel = ((got - expected).abs().max() / expected.abs().max()).item()
     assert rel < 0.05, rel
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral"])
+def test_long_windowed_prefill_in_bands_matches_transformers(name, checkpoints, loaded, monkeypatch):
+    """A prompt far longer than the window prefilled in one chunk (its windowed layers attend in
+    query bands, ``attention.BAND_QUERIES``), then an extend of it after a cached prefix: greedy
+    output equals transformers'."""
+    from sgrt.engine import attention
+
+    folder, hf = checkpoints[name]
+    lm = loaded[name]
+    ids = lm.tokenizer.encode(TEXT * 12)[: attention.BAND_QUERIES + 100]  # (the checkpoints hold 256 positions)
+    assert len(ids) == attention.BAND_QUERIES + 100
+    prompts = [ids, ids[:64] + ids[-170:]]
+    expected = [_hf_greedy(hf, p, 8) for p in prompts]
+    calls = []
+    real = attention._banded_attention
+    monkeypatch.setattr(attention, "_banded_attention", lambda *a: calls.append(a[0].bands) or real(*a))
+    eng = Engine(model=lm, max_total_tokens=2048, chunked_prefill_size=512, max_prefill_tokens=512)
+    try:
+        got = [eng.generate(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) for p in prompts]
+    finally:
+        eng.shutdown()
+    assert got[1].cached_tokens >= 32  # the second one extends a cached prefix by > BAND_QUERIES tokens
+    assert calls and all(len(bands) == 2 for bands in calls)
+    for r, want in zip(got, expected):
+        assert r.token_ids == want

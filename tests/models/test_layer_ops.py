@@ -73,6 +73,26 @@ def test_silu_mul_matches_eager(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_matches_eager(dtype):
+    g = torch.Generator().manual_seed(7)
+    gate_up = (torch.randn(5, 2 * 2048, generator=g) * 3).to(dtype)
+    gate_up[0, :6] = torch.tensor([-100.0, 100.0, 0.0, -0.0, -5.5, 1e-4]).to(dtype)  # tails, zero, tiny
+    got, ref = NativeLayerOps().gelu_mul(gate_up), LayerOps().gelu_mul(gate_up)
+    # tanh through exp is off by a few ulps of tanh, i.e. of 1 where 1 + tanh(u) cancels (g < -2),
+    # as float32's own tanh can be there: within |g * up| * 2**-20 absolute, plus a step of the dtype
+    # (bfloat16: rounding the gelu and the product; float32: a few ulps)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    rel = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
+    bound = ref.float().abs() * rel + (gate * up).abs() * 2.0 ** -20 + 1e-30
+    diff = (got.float() - ref.float()).abs()
+    assert bool((diff <= bound).all()), float((diff / bound).max())
+    assert (got == ref).float().mean().item() >= (0.95 if dtype == torch.bfloat16 else 0.5)  # most bit-identical
+    assert got[0, 0] == 0 and got[0, 1] == gate_up[0, 1] * gate_up[0, 2049]  # gelu's tails: 0 and g itself
+    gate_up[1, 3] = float("nan")
+    assert torch.isnan(torch.ops.sgrt_layer.gelu_tanh_mul(gate_up)[1, 3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128, 32])  # 64 / 128: AVX-512 paths; 32: portable loops
 def test_decode_attention_matches_gather_and_sdpa(dtype, head_dim):
     g = torch.Generator().manual_seed(3)
