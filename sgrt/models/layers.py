@@ -376,8 +376,10 @@ class CausalLM(nn.Module):
     def use_native_ops(self, enable: bool = True) -> bool:
         """Run the non-matmul steps (and decode attention, see :mod:`sgrt.engine.attention`)
         through the fused CPU operators of :mod:`sgrt.kernels.layer_ops`, which compile on first
-        use. Returns whether they are now in use: False off the CPU, for dtypes other than
-        float32 / bfloat16, or where the operators cannot be built (a warning says why)."""
+        use, and with them, where every layer fits it, the one-call decode step
+        (:attr:`native_step`, :mod:`sgrt.models.native_step`). Returns whether they are now in
+        use: False off the CPU, for dtypes other than float32 / bfloat16, or where the operators
+        cannot be built (a warning says why)."""
         from sgrt.kernels import layer_ops
 
         native = (enable and self.device.type == "cpu" and self.dtype in layer_ops.DTYPES
