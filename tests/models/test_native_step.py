@@ -6,8 +6,6 @@ int4, and tiny random models with each family's switches; and the per-layer path
 where the plan does not apply. A change to one path that is not made to the other fails here."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -204,4 +202,3 @@ def test_moving_the_model_rebuilds_the_plan():
 def test_step_plan_tables_one_per_window():
     model = tiny_model("gemma3", "float32")
     assert model.native_step.tables == [(0, 12), (1, None)]
-    assert dataclasses.is_dataclass(model.native_step)
