@@ -86,6 +86,8 @@ def build(model) -> tuple[NativeDecodeStep | None, str]:
     if not model.native_ops:
         return None, "the native layer ops are off"
     config = model.config
+    if model.embed_tokens.weight.device.type != "cpu":
+        return None, f"weights on {model.embed_tokens.weight.device}"
     if type(model.embed_tokens) is not nn.Embedding:
         return None, f"embedding is {type(model.embed_tokens).__name__}"
     rotary = [r.rotary_dim for r in model.rotaries]
