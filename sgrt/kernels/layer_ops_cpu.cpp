@@ -14,6 +14,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -128,13 +130,14 @@ void rms_norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
   }
 }
 
-Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+// out: a [T, hidden] buffer of x's dtype to write into (the decode step reuses one), or undefined.
+Tensor rms_norm_into(const Tensor& x, const Tensor& weight, double eps, Tensor out) {
   check_cpu_float(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [T, hidden]");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
                   weight.is_contiguous(),
               "weight must be contiguous [hidden] in x's dtype");
-  Tensor out = at::empty_like(x);
+  out = out.defined() ? out : at::empty_like(x);
   int64_t t = x.size(0), h = x.size(1);
   dispatch_float(x.scalar_type(), [&]<typename scalar_t>() {
     using R = raw<scalar_t>;
@@ -148,8 +151,11 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   return out;
 }
 
-// x += delta (rounded to x's dtype, as the eager residual add), then RMSNorm of the new x.
-Tensor add_rms_norm_(Tensor x, const Tensor& delta, const Tensor& weight, double eps) {
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) { return rms_norm_into(x, weight, eps, Tensor()); }
+
+// x += delta (rounded to x's dtype, as the eager residual add), then RMSNorm of the new x (into
+// out where given, as rms_norm_into).
+Tensor add_rms_norm_into(Tensor x, const Tensor& delta, const Tensor& weight, double eps, Tensor out) {
   check_cpu_float(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && delta.sizes() == x.sizes() && delta.is_contiguous() &&
                   delta.scalar_type() == x.scalar_type(),
@@ -157,7 +163,7 @@ Tensor add_rms_norm_(Tensor x, const Tensor& delta, const Tensor& weight, double
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
                   weight.is_contiguous(),
               "weight must be contiguous [hidden] in x's dtype");
-  Tensor out = at::empty_like(x);
+  out = out.defined() ? out : at::empty_like(x);
   int64_t t = x.size(0), h = x.size(1);
   dispatch_float(x.scalar_type(), [&]<typename scalar_t>() {
     using R = raw<scalar_t>;
@@ -175,6 +181,10 @@ Tensor add_rms_norm_(Tensor x, const Tensor& delta, const Tensor& weight, double
     });
   });
   return out;
+}
+
+Tensor add_rms_norm_(Tensor x, const Tensor& delta, const Tensor& weight, double eps) {
+  return add_rms_norm_into(x, delta, weight, eps, Tensor());
 }
 
 // ---- rotary embedding (Su et al., arXiv:2104.09864), HF "rotate half" -----------------------
@@ -234,12 +244,13 @@ void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t n) {
   }
 }
 
-Tensor silu_mul(const Tensor& gate_up) {
+// out: a [T, intermediate] buffer to write into, or undefined.
+Tensor silu_mul_into(const Tensor& gate_up, Tensor out) {
   check_cpu_float(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be contiguous [T, 2 * intermediate]");
   int64_t t = gate_up.size(0), n = gate_up.size(1) / 2;
-  Tensor out = at::empty({t, n}, gate_up.options());
+  out = out.defined() ? out : at::empty({t, n}, gate_up.options());
   dispatch_float(gate_up.scalar_type(), [&]<typename scalar_t>() {
     using R = raw<scalar_t>;
     const R* in = raw_ptr<scalar_t>(gate_up);
@@ -273,12 +284,13 @@ void gelu_tanh_mul_rows(const T* in, T* out, int64_t rows, int64_t n) {
   }
 }
 
-Tensor gelu_tanh_mul(const Tensor& gate_up) {
+// out: a [T, intermediate] buffer to write into, or undefined.
+Tensor gelu_tanh_mul_into(const Tensor& gate_up, Tensor out) {
   check_cpu_float(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be contiguous [T, 2 * intermediate]");
   int64_t t = gate_up.size(0), n = gate_up.size(1) / 2;
-  Tensor out = at::empty({t, n}, gate_up.options());
+  out = out.defined() ? out : at::empty({t, n}, gate_up.options());
   dispatch_float(gate_up.scalar_type(), [&]<typename scalar_t>() {
     using R = raw<scalar_t>;
     const R* in = raw_ptr<scalar_t>(gate_up);
@@ -287,6 +299,10 @@ Tensor gelu_tanh_mul(const Tensor& gate_up) {
   });
   return out;
 }
+
+Tensor gelu_tanh_mul(const Tensor& gate_up) { return gelu_tanh_mul_into(gate_up, Tensor()); }
+
+Tensor silu_mul(const Tensor& gate_up) { return silu_mul_into(gate_up, Tensor()); }
 
 // ---- decode attention over the KV pool -------------------------------------------------------
 // One query per row: q [B, H, D]; k_cache / v_cache [S, Hkv, D] (one layer of the pool);
@@ -616,8 +632,9 @@ bool attend_rows(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   return true;
 }
 
-Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
-                        const Tensor& kv_lens) {
+// out: a [B, H * D] buffer of q's dtype to write into, or undefined.
+Tensor decode_attention_into(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
+                             const Tensor& kv_lens, Tensor out) {
   check_cpu_float(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, heads, head_dim] with a contiguous last dim");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
@@ -638,7 +655,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   for (int64_t r = 0; r < b; ++r) {
     TORCH_CHECK(ln[r] >= 1 && ln[r] <= max_kv, "kv_lens[", r, "] = ", ln[r], " outside 1..", max_kv);
   }
-  Tensor out = at::empty({b, h * d}, q.options());
+  out = out.defined() ? out : at::empty({b, h * d}, q.options());
   int64_t bad = 0;
   bool ok = true;
   dispatch_float(q.scalar_type(), [&]<typename scalar_t>() {
@@ -652,6 +669,11 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   });
   TORCH_CHECK(ok, "slot ", bad, " outside the pool's ", num_slots, " slots");
   return out;
+}
+
+Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
+                        const Tensor& kv_lens) {
+  return decode_attention_into(q, k_cache, v_cache, slots, kv_lens, Tensor());
 }
 
 // ---- KV pool write -----------------------------------------------------------------------------
@@ -709,9 +731,10 @@ Tensor rotary_heads_(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t h
 // store_kv_ does, then decode_attention of q over each row's slots. What rotary_heads_, a split,
 // store_kv_ and decode_attention do, in one dispatch instead of four.
 
-Tensor decode_attention_qkv_(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t n_heads, double q_scale,
-                             Tensor k_cache, Tensor v_cache, const Tensor& new_slots, const Tensor& slots,
-                             const Tensor& kv_lens) {
+// out: a [B, n_heads * head_dim] buffer to write the attention into, or undefined.
+Tensor decode_attention_qkv_into(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t n_heads, double q_scale,
+                                 Tensor k_cache, Tensor v_cache, const Tensor& new_slots, const Tensor& slots,
+                                 const Tensor& kv_lens, Tensor out) {
   check_cpu_float(qkv, "qkv");
   TORCH_CHECK((qkv.dim() == 2 || qkv.dim() == 3) && k_cache.dim() == 3,
               "qkv must be [B, heads * head_dim] or [B, heads, head_dim] and k_cache [slots, kv_heads, head_dim]");
@@ -741,9 +764,182 @@ Tensor decode_attention_qkv_(Tensor qkv, const Tensor& cos, const Tensor& sin, i
     });
   }
   store_kv_(k_cache, v_cache, new_slots, qkv.narrow(1, n_heads, hkv), qkv.narrow(1, n_heads + hkv, hkv));
-  return decode_attention(q, k_cache, v_cache, slots, kv_lens);
+  return decode_attention_into(q, k_cache, v_cache, slots, kv_lens, out);
 }
 
+Tensor decode_attention_qkv_(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t n_heads, double q_scale,
+                             Tensor k_cache, Tensor v_cache, const Tensor& new_slots, const Tensor& slots,
+                             const Tensor& kv_lens) {
+  return decode_attention_qkv_into(qkv, cos, sin, n_heads, q_scale, k_cache, v_cache, new_slots, slots, kv_lens,
+                                   Tensor());
+}
+
+
+// ---- the decode step: every decoder layer of the model in one call -------------------------------
+// A batch-1 decode step of a small model is bound by per-op overhead, not by its kernels: ~8
+// Python -> operator round trips a layer cost more than the layer's norms and attention. DecodePlan
+// holds a model's per-layer weights and switches (built once per model by sgrt/models/native_step.py)
+// and forward() runs a decode-only forward (every row one new token) through the embedding, every
+// layer and the final norm in one call, with per-step buffers reused across layers.
+//
+// NOTE: it MUST stay in step with DecoderLayer.forward and CausalLM.forward (sgrt/models/layers.py)
+// on the native path: the same operators (these ops, the projections' own kernels, and the ATen ops
+// that path uses for q/k norm, bias and the embedding), in the same order, so that the hidden
+// states and the K/V written are bit-identical; tests/models/test_native_step.py checks every family.
+
+using WoqLinear = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, int64_t,
+                         int64_t);
+using DenseLinear = Tensor(const Tensor&, const Tensor&);
+
+// One fused projection: the weight-only quantized kernel's arguments (bits 4 / 8, as GroupLinear
+// passes them), or the dense kernel's (bits 0, as DenseLinear passes them).
+struct Projection {
+  Tensor weight, scales, offsets;
+  int64_t n = 0, k = 0, bits = 0, group = 0;
+};
+
+struct PlanLayer {
+  Tensor input_norm, post_attention_norm;
+  std::optional<Tensor> pre_feedforward_norm, post_feedforward_norm;  // sandwich norms (Gemma 3)
+  std::optional<Tensor> q_norm, k_norm, qkv_bias;
+  Projection qkv, o, gate_up, down;
+  int64_t rope_id = 0;    // which rotary table (Gemma 3's local one for sliding layers)
+  int64_t window_id = 0;  // which slot table of forward()'s (one per distinct sliding window)
+  double q_scale = 1.0;
+  bool gelu = false;  // GELU-tanh gating instead of SiLU
+};
+
+struct DecodePlan : torch::CustomClassHolder {
+  Tensor embed;                       // [vocab, hidden]
+  std::optional<Tensor> embed_scale;  // 0-dim, in the model's dtype
+  Tensor final_norm;
+  double eps;
+  int64_t n_heads, head_dim;
+  std::vector<Tensor> cos, sin;  // float32 rotary tables [positions, head_dim]
+  std::vector<PlanLayer> layers;
+  std::optional<c10::TypedOperatorHandle<WoqLinear>> woq;
+  std::optional<c10::TypedOperatorHandle<DenseLinear>> dense;
+
+  DecodePlan(Tensor embed, std::optional<Tensor> embed_scale, Tensor final_norm, double eps, int64_t n_heads,
+             int64_t head_dim, std::vector<Tensor> cos, std::vector<Tensor> sin)
+      : embed(std::move(embed)), embed_scale(std::move(embed_scale)), final_norm(std::move(final_norm)), eps(eps),
+        n_heads(n_heads), head_dim(head_dim), cos(std::move(cos)), sin(std::move(sin)) {}
+
+  void add_layer(Tensor input_norm, Tensor post_attention_norm, std::optional<Tensor> pre_feedforward_norm,
+                 std::optional<Tensor> post_feedforward_norm, std::optional<Tensor> q_norm,
+                 std::optional<Tensor> k_norm, std::optional<Tensor> qkv_bias, int64_t rope_id, int64_t window_id,
+                 double q_scale, bool gelu) {
+    TORCH_CHECK(rope_id >= 0 && rope_id < static_cast<int64_t>(cos.size()), "rope_id ", rope_id, " out of range");
+    TORCH_CHECK(pre_feedforward_norm.has_value() == post_feedforward_norm.has_value() && q_norm.has_value() == k_norm.has_value(),
+                "sandwich norms and q/k norms come in pairs");
+    PlanLayer l;
+    l.input_norm = std::move(input_norm);
+    l.post_attention_norm = std::move(post_attention_norm);
+    l.pre_feedforward_norm = std::move(pre_feedforward_norm);
+    l.post_feedforward_norm = std::move(post_feedforward_norm);
+    l.q_norm = std::move(q_norm);
+    l.k_norm = std::move(k_norm);
+    l.qkv_bias = std::move(qkv_bias);
+    l.rope_id = rope_id;
+    l.window_id = window_id;
+    l.q_scale = q_scale;
+    l.gelu = gelu;
+    layers.push_back(std::move(l));
+  }
+
+  // The last added layer's projection `name` (qkv_proj, o_proj, gate_up_proj, down_proj) runs the
+  // operator `op` ("sgrt_woq_avx2::linear" and the like with bits 4 / 8, "sgrt_dense_avx2::linear"
+  // with bits 0), looked up once here.
+  void set_projection(const std::string& name, const std::string& op, Tensor weight, Tensor scales, Tensor offsets,
+                      int64_t n, int64_t k, int64_t bits, int64_t group) {
+    TORCH_CHECK(!layers.empty(), "add_layer first");
+    PlanLayer& l = layers.back();
+    Projection* p = name == "qkv_proj" ? &l.qkv : name == "o_proj" ? &l.o : name == "gate_up_proj" ? &l.gate_up
+                  : name == "down_proj" ? &l.down : nullptr;
+    TORCH_CHECK(p != nullptr, "unknown projection ", name);
+    auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(op.c_str(), "");
+    if (bits > 0) {
+      woq = handle.typed<WoqLinear>();
+    } else {
+      dense = handle.typed<DenseLinear>();
+    }
+    *p = Projection{std::move(weight), std::move(scales), std::move(offsets), n, k, bits, group};
+  }
+
+  Tensor project(const Projection& p, const Tensor& x) const {
+    TORCH_CHECK(p.weight.defined(), "a projection was not set");
+    if (p.bits > 0) return woq->call(x, p.weight, p.scales, p.offsets, p.n, p.k, p.bits, p.group);
+    return dense->call(x, p.weight);
+  }
+
+  // RMSNorm.forward's own ATen ops (the q/k norms run them on the per-layer path too).
+  static Tensor eager_rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+    return at::mul(weight, at::rms_norm(x.to(at::kFloat), weight.sizes(), std::nullopt, eps).to(x.scalar_type()));
+  }
+
+  // input_ids, positions [B] int64 (one new token a row); k_layers / v_layers: the KV pool's
+  // layers; new_slots [B]: where each row's new K/V go; slots[w] [B, max_kv] / kv_lens[w] [B]:
+  // each row's context for the layers of window_id w (PagedAttention.native_decode's tables).
+  // -> the final hidden states [B, hidden] in the model's dtype.
+  Tensor forward(const Tensor& input_ids, const Tensor& positions, std::vector<Tensor> k_layers,
+                 std::vector<Tensor> v_layers, const Tensor& new_slots, std::vector<Tensor> slots,
+                 std::vector<Tensor> kv_lens) const {
+    TORCH_CHECK(k_layers.size() == layers.size() && v_layers.size() == layers.size(), "one KV layer per layer");
+    TORCH_CHECK(slots.size() == kv_lens.size(), "one kv_lens per slot table");
+    // CausalLM.forward: embedding (scaled), the rotary tables' rows for these positions.
+    Tensor x = at::embedding(embed, input_ids);
+    if (embed_scale) x = at::mul(x, *embed_scale);
+    const auto dtype = x.scalar_type();
+    std::vector<std::pair<Tensor, Tensor>> rope;
+    for (size_t i = 0; i < cos.size(); ++i) {
+      rope.emplace_back(cos[i].index_select(0, positions).to(dtype), sin[i].index_select(0, positions).to(dtype));
+    }
+    const int64_t b = x.size(0);
+    // Buffers reused by every layer: the norm that feeds a projection, a norm of a projection's
+    // output (sandwich), attention, SiLU gating.
+    Tensor h = at::empty_like(x), normed = at::empty_like(x), attn = at::empty({b, n_heads * head_dim}, x.options());
+    Tensor act;
+    Tensor delta;  // the previous layer's output, not yet added to x
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const PlanLayer& l = layers[i];
+      // DecoderLayer.forward, step by step.
+      if (delta.defined()) {
+        add_rms_norm_into(x, delta, l.input_norm, eps, h);
+      } else {
+        rms_norm_into(x, l.input_norm, eps, h);
+      }
+      Tensor qkv = project(l.qkv, h);
+      if (l.qkv_bias) qkv = at::add(qkv, *l.qkv_bias);
+      if (l.q_norm) {
+        qkv = qkv.view({b, -1, head_dim});
+        const int64_t n_kv = (qkv.size(1) - n_heads) / 2;
+        qkv = at::cat({eager_rms_norm(qkv.narrow(1, 0, n_heads), *l.q_norm, eps),
+                       eager_rms_norm(qkv.narrow(1, n_heads, n_kv), *l.k_norm, eps),
+                       qkv.narrow(1, n_heads + n_kv, n_kv)},
+                      1);
+      }
+      const auto& [c, s] = rope[l.rope_id];
+      TORCH_CHECK(l.window_id >= 0 && l.window_id < static_cast<int64_t>(slots.size()), "no slot table ",
+                  l.window_id);
+      decode_attention_qkv_into(qkv, c, s, n_heads, l.q_scale, k_layers[i], v_layers[i], new_slots,
+                                slots[l.window_id], kv_lens[l.window_id], attn);
+      Tensor o = project(l.o, attn);
+      if (l.pre_feedforward_norm) {
+        rms_norm_into(o, l.post_attention_norm, eps, normed);
+        add_rms_norm_into(x, normed, *l.pre_feedforward_norm, eps, h);
+      } else {
+        add_rms_norm_into(x, o, l.post_attention_norm, eps, h);
+      }
+      Tensor gate_up = project(l.gate_up, h);
+      Tensor m;
+      if (!act.defined()) act = at::empty({b, gate_up.size(1) / 2}, x.options());
+      m = project(l.down, l.gelu ? gelu_tanh_mul_into(gate_up, act) : silu_mul_into(gate_up, act));
+      if (l.post_feedforward_norm) m = rms_norm_into(m, *l.post_feedforward_norm, eps, normed);
+      delta = m;
+    }
+    return delta.defined() ? add_rms_norm_(x, delta, final_norm, eps) : rms_norm(x, final_norm, eps);
+  }
+};
 }  // namespace
 
 TORCH_LIBRARY(sgrt_layer, m) {
@@ -758,6 +954,12 @@ TORCH_LIBRARY(sgrt_layer, m) {
   m.def(
       "decode_attention_qkv_(Tensor(a!) qkv, Tensor cos, Tensor sin, int n_heads, float q_scale, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor new_slots, Tensor slots, Tensor kv_lens) -> Tensor");
+  m.class_<DecodePlan>("DecodePlan")
+      .def(torch::init<Tensor, std::optional<Tensor>, Tensor, double, int64_t, int64_t, std::vector<Tensor>,
+                       std::vector<Tensor>>())
+      .def("add_layer", &DecodePlan::add_layer)
+      .def("set_projection", &DecodePlan::set_projection)
+      .def("forward", &DecodePlan::forward);
 }
 
 TORCH_LIBRARY_IMPL(sgrt_layer, CPU, m) {

