@@ -189,7 +189,8 @@ class Engine:
         self._reqs: dict[str, Req] = {}
         self._stopped = False
         self._last_log = time.monotonic()
-        if self.model.device.type == "cpu":
+        self._cpu = self.model.device.type == "cpu"
+        if self._cpu:
             # NOTE: the loop thread runs every forward; the caller's idle OpenMP pool would
             # throttle its workers' spinning (see sgrt/engine/openmp.py).
             release_caller_pool()
@@ -209,6 +210,11 @@ class Engine:
             CapacityError: prompt plus ``max_tokens`` exceeds the whole KV pool.
         """
         req = self.intake.make_request(prompt, params, request_id, self.abort)
+        if self._cpu and threading.current_thread() is not self._thread:
+            # NOTE: torch work this thread did since the engine started (a tensor op with 2+
+            # threads) left it an idle OpenMP pool again, which throttles the loop thread's
+            # workers (sgrt/engine/openmp.py); ~1 us when it holds none.
+            release_caller_pool()
         self._inbox.put(("add", req))
         return req.channel
 
@@ -289,6 +295,12 @@ class Engine:
         torch.set_grad_enabled(False)
         while True:
             block = not self.scheduler.has_work()
+            if block and self._cpu:
+                # NOTE: an idle engine gives its OpenMP pool back, so that it does not throttle
+                # another engine's loop thread, or the caller's own torch work, in this process
+                # (sgrt/engine/openmp.py); the next request's first op builds a new one. ~1 us
+                # when it holds none (every 0.5 s while idle).
+                release_caller_pool()
             try:
                 if not self._drain_inbox(block):
                     break
