@@ -91,6 +91,21 @@ class PagedAttention:
             from sgrt.kernels import layer_ops
 
             self._store_kv, self._decode_attention = layer_ops.op("store_kv_"), layer_ops.op("decode_attention")
+        self._rows = rows
+        self._cascade = cascade and not native
+        # Sliding-window layers' metadata, built on first use per window length (see forward).
+        self._windowed: dict[int, tuple[list[_Group] | None, tuple | None]] = {}
+        self._groups: list[_Group] | None = None
+        self._decode_only = native and bool(rows) and all(r.q_len == 1 for r in rows)
+        if self._decode_only:
+            # NOTE: a decode-only forward on the native path (every decode step) needs only the
+            # slot tables of native_decode: built in one buffer (one tensor), the groups only if
+            # asked for. Post-forward Python runs with cold caches (the step streamed the
+            # weights), where each tensor built costs ~20-30 us.
+            self.num_tokens = len(rows)
+            self.out_slots, table, kv_lens = _decode_tables([r.slots for r in rows])
+            self._native_decode: tuple | None = (table, kv_lens)
+            return
         device = pool.k.device
         offsets, new_slots = [], []
         total = 0
@@ -100,21 +115,39 @@ class PagedAttention:
             new_slots.extend(r.slots[len(r.slots) - r.q_len:])
         self.num_tokens = total
         self.out_slots = torch.tensor(new_slots, dtype=torch.long, device=device)
-        by_q: dict[int, list[int]] = {}
+        self._groups = self._build_groups(None)
+        self._native_decode = self._native_decode_args(self._groups)
+
+    @property
+    def groups(self) -> list[_Group]:
+        """The rows grouped by ``q_len``, with their gather indices and masks."""
+        if self._groups is None:
+            self._groups = self._build_groups(None)
+        return self._groups
+
+    def _build_groups(self, window: int | None) -> list[_Group]:
+        """One :class:`_Group` per ``q_len``; with a ``window``, each row's context cut to the
+        slots some of its new tokens can still see (from ``kv_len - q_len + 1 - window`` on)."""
+        rows, device = self._rows, self.pool.k.device
+        offsets, by_q = [], {}
+        total = 0
         for i, r in enumerate(rows):
+            offsets.append(total)
+            total += r.q_len
             by_q.setdefault(r.q_len, []).append(i)
-        # NOTE: the native decode operator reads each row's keys in place, and rows sharing a prefix
-        # read it from cache: faster than cascade's PyTorch ops (2 threads, bfloat16, 32 rows on a
-        # 1,000-token prefix: 1.4 vs 7.6 ms a layer; 2 rows on 128: 21 vs 196 us), so no cascade.
-        cascade = cascade and not native
-        self.groups = [
-            self._group([rows[i] for i in members], [offsets[i] for i in members], total, device, cascade)
-            for members in by_q.values()
-        ]
-        self._native_decode = self._native_decode_args(self.groups)
-        # Sliding-window layers' metadata, built on first use per window length (see forward).
-        self._rows, self._offsets, self._by_q = rows, offsets, by_q
-        self._windowed: dict[int, tuple[list[_Group], tuple | None]] = {}
+        groups = []
+        for members in by_q.values():
+            group_rows = [rows[i] for i in members]
+            if window is not None:
+                group_rows = [RowSpec(r.slots[max(0, len(r.slots) - r.q_len + 1 - window):], r.q_len)
+                              for r in group_rows]
+            # NOTE: the native decode operator reads each row's keys in place, and rows sharing a
+            # prefix read it from cache: faster than cascade's PyTorch ops (2 threads, bfloat16,
+            # 32 rows on a 1,000-token prefix: 1.4 vs 7.6 ms a layer; 2 rows on 128: 21 vs 196 us),
+            # so no cascade there (self._cascade).
+            groups.append(self._group(group_rows, [offsets[i] for i in members], total, device,
+                                      self._cascade and window is None, window=window))
+        return groups
 
     def _native_decode_args(self, groups: list[_Group]) -> tuple | None:
         """A decode-only forward on the native path (every decode step): one operator call a layer."""
@@ -123,21 +156,20 @@ class PagedAttention:
             return g.kv_index.view(g.size, g.max_kv), g.kv_lens
         return None
 
-    def _window_groups(self, window: int) -> tuple[list[_Group], tuple | None]:
+    def _window_groups(self, window: int) -> tuple[list[_Group] | None, tuple | None]:
         """Groups for layers with a sliding window of ``window`` tokens: each row's context is
         cut to the slots some of its new tokens can still see (from ``kv_len - q_len + 1 - window``
-        on), and the mask also hides keys more than ``window - 1`` positions before a query."""
+        on), and the mask also hides keys more than ``window - 1`` positions before a query. On a
+        decode-only native forward only the native slot tables (groups None: not needed)."""
         cached = self._windowed.get(window)
         if cached is None:
-            device = self.pool.k.device
-            groups = []
-            for members in self._by_q.values():
-                rows = [self._rows[i] for i in members]
-                lo = [max(0, len(r.slots) - r.q_len + 1 - window) for r in rows]
-                cut = [RowSpec(r.slots[s:], r.q_len) for r, s in zip(rows, lo)]
-                groups.append(self._group(cut, [self._offsets[i] for i in members], self.num_tokens,
-                                          device, cascade=False, window=window))
-            cached = self._windowed[window] = (groups, self._native_decode_args(groups))
+            if self._decode_only:
+                out_slots, table, kv_lens = _decode_tables([r.slots[max(0, len(r.slots) - window):] for r in self._rows])
+                cached = (None, (table, kv_lens))
+            else:
+                groups = self._build_groups(window)
+                cached = (groups, self._native_decode_args(groups))
+            self._windowed[window] = cached
         return cached
 
     @staticmethod
@@ -202,7 +234,7 @@ class PagedAttention:
         sees itself and the ``window - 1`` positions before it); None = full causal attention."""
         pool = self.pool
         k_layer, v_layer = pool.k_layers[layer_id], pool.v_layers[layer_id]
-        groups, native_decode = self.groups, self._native_decode
+        groups, native_decode = self._groups, self._native_decode
         if window is not None:
             groups, native_decode = self._window_groups(window)
         if native_decode is not None:
@@ -265,6 +297,26 @@ def _banded_attention(g: _Group, q: torch.Tensor, keys: torch.Tensor, values: to
                                            attn_mask=g.mask[:, :, a:b, lo:hi], enable_gqa=True)
         out[a:b] = o[0].transpose(0, 1).reshape(b - a, n_heads * head_dim)
     return out
+
+
+def _decode_tables(slot_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slot tables of a decode-only forward (one new token a row), as views of one int64
+    CPU tensor: ``(new_slots [B], slots [B, max_kv] padded with slot 0, kv_lens [B])``, the
+    same values as the groups' ``out_slots``, ``kv_index`` and ``kv_lens``.
+
+    ``slot_lists``: each row's context slots (its new token's last), none empty.
+    """
+    b = len(slot_lists)
+    lens = [len(s) for s in slot_lists]
+    max_kv = max(lens)
+    buf = array("q", lens)
+    buf.extend([s[-1] for s in slot_lists])
+    for s, n in zip(slot_lists, lens):
+        buf.extend(s)
+        if n < max_kv:
+            buf.extend(array("q", bytes(8 * (max_kv - n))))
+    flat = torch.frombuffer(buf, dtype=torch.long)
+    return flat[b: 2 * b], flat[2 * b:].view(b, max_kv), flat[:b]
 
 
 def _slot_tensor(slots: list[int]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from array import array
 
 import torch
 
@@ -60,15 +61,13 @@ class ModelRunner:
         # The compiled graph has neither cascade nor the native operators' attention.
         attn = PagedAttention(self.pool, specs, cascade=self.compiled is None,
                               native=self.compiled is None and self.model.native_ops)
+        # (ids and positions in one tensor: one build, not two, a step)
+        fed = torch.frombuffer(array("q", ids + positions), dtype=torch.long).to(dev)
+        ids_t, positions_t = fed[:base], fed[base:]
         if self.compiled is not None and base == len(rows) and all(o == [0] for o in logit_offsets):
-            logits = self.compiled(torch.tensor(ids, dtype=torch.long, device=dev),
-                                   torch.tensor(positions, dtype=torch.long, device=dev), attn)
+            logits = self.compiled(ids_t, positions_t, attn)
             return [logits[i: i + 1] for i in range(len(rows))]
-        hidden = self.model(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            attn,
-        )
+        hidden = self.model(ids_t, positions_t, attn)
         if not picks:
             return [hidden.new_zeros(0, 0) for _ in rows]
         if len(picks) != base or picks != list(range(base)):  # (decode batches pick every row)

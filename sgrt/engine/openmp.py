@@ -14,9 +14,22 @@ throttled. Measured on the default model in bfloat16, 2 threads: the weight matm
 take ~28 ms throttled vs ~21 ms with full spinning.
 
 :func:`release_caller_pool` frees the calling thread's idle pool (OpenMP 5.0
-``omp_pause_resource_all``), so the loop thread's pool is the only one. The caller's next
-parallel op builds a new pool, which is correct, only slower again. Where the library is not
-libgomp (another OpenMP, macOS, CUDA-only work) it does nothing.
+``omp_pause_resource_all``). The engine calls it where a pool may be left idle while a loop
+thread computes: on the thread that built it (after the model loaded), on the caller's thread at
+every ``submit`` (torch work done there since rebuilt one), and on its own loop thread whenever
+it goes idle (an idle engine's pool would throttle another engine's, or the caller's torch work),
+so that only busy threads hold pools. A thread's next parallel op builds a new pool, which is
+correct, only slower once (a thread start). Where the library is not libgomp (another OpenMP,
+macOS, CUDA-only work) it does nothing.
+
+Measured on the 2-core machine (SmolLM2 int4, 2 threads, 128 decode steps): with an idle pool
+left on the main thread, or on an idle second engine, the loop thread's workers made ~300
+voluntary context switches (futex sleeps) a step; with it freed, ~0 (they spin). Spinning is the
+right policy only while the process has the cores to itself: with other processes keeping the
+cores busy (load average ~5 on the 2 cores), the spinning master and worker wait on each other's
+time slices, and the same runs decoded 1-16 tok/s spinning against 24-36 throttled. There,
+``OMP_WAIT_POLICY=PASSIVE`` (set before torch is imported: workers sleep at once) is the setting
+to try.
 """
 from __future__ import annotations
 

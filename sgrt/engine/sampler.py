@@ -68,6 +68,14 @@ def greedy_token(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits))
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row of ``logits`` ``[N, V]``, as :func:`greedy_token` of each row
+    (the first of equal maxima; a NaN counts as the largest)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return torch.argmax(logits, dim=-1).tolist()
+
+
 def sample_row(logits: torch.Tensor, req: Req) -> int:
     """Draw one token from a processed logits row ``[V]`` (float32)."""
     p = req.params
@@ -114,8 +122,13 @@ def sample(
         eos_ids: the tokenizer's end ids, banned before ``min_tokens``.
     """
     need_logprobs = any(r.params.return_logprob for r in reqs)
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
     edited = [needs_processing(req) for req in reqs]
+    if not need_logprobs and bitmask is None and not any(edited) \
+            and all(r.params.temperature == 0.0 for r in reqs):
+        # Plain greedy rows (every decode step of a default request): one argmax call for the
+        # batch, no per-row views.
+        return SampleOutput(greedy_tokens(logits), [0.0] * len(reqs), [[] for _ in reqs])
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
     processed = logits.clone() if bitmask is not None or any(edited) else logits
     if bitmask is not None:
         from sgrt.constrained import apply_token_bitmask_

@@ -131,3 +131,21 @@ def test_windowed_extend_in_bands_matches_one_masked_call(dtype, tol, cached, q_
     assert whole._window_groups(window)[0][0].bands is None
     want = whole.forward(0, q, k, v, window=window).float()
     assert got.shape == (q_len, 9 * 64) and (got - want).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_decode_tables_equal_the_groups_slot_tables(window):
+    """A decode-only native forward builds its slot tables in one buffer (_decode_tables); they
+    hold the values of the general path's group tables: new slots, slot rows padded with 0 to
+    the longest (cut to the window), context lengths."""
+    rng = random.Random(3)
+    rows = [RowSpec(rng.sample(range(1, 4000), n), 1) for n in (7, 30, 1, 12)]
+    for batch in (rows[:1], rows):
+        general = PagedAttention(_pool(torch.float32), batch, cascade=False)  # (not native: groups)
+        (group,) = general.groups if window is None else general._window_groups(window)[0]
+        new_slots, table, kv_lens = attention_mod._decode_tables(
+            [r.slots if window is None else r.slots[max(0, len(r.slots) - window):] for r in batch])
+        assert new_slots.tolist() == general.out_slots.tolist() == [r.slots[-1] for r in batch]
+        assert table.is_contiguous() and new_slots.is_contiguous() and table.dtype == torch.long
+        assert table.tolist() == group.kv_index.view(group.size, group.max_kv).tolist()
+        assert kv_lens.tolist() == group.kv_lens.tolist()

@@ -9,7 +9,7 @@ import torch
 
 from sgrt.constrained import allocate_token_bitmask
 from sgrt.engine.request import Req
-from sgrt.engine.sampler import apply_penalties, greedy_token, process_row, sample, sampling_probs, top_logprobs
+from sgrt.engine.sampler import apply_penalties, greedy_token, greedy_tokens, process_row, sample, sampling_probs, top_logprobs
 from sgrt.engine.sampling_params import SamplingParams
 
 
@@ -112,3 +112,28 @@ def test_sample_leaves_its_logits_unchanged():
     assert torch.equal(logits, before)
     out = sample(logits, [req(temperature=0.0, min_tokens=1), req(temperature=0.0)], None, eos_ids={0, 3})
     assert out.token_ids == [1, 3] and torch.equal(logits, before)
+
+
+def test_greedy_batch_path_picks_each_rows_argmax_and_the_general_path_the_same():
+    """Plain greedy rows take one argmax call for the batch (greedy_tokens); the tokens are
+    each row's greedy_token, ties, NaN and infinities included, and equal the general path's
+    (a row that asks for log-probabilities sends the batch through it)."""
+    nan, inf = float("nan"), float("inf")
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 49152, generator=g).round()  # many ties
+    logits[1, 5] = nan
+    logits[1, 9] = nan
+    logits[2] = -inf
+    logits[3, 100] = inf
+    logits[3, 200] = inf
+    logits[4, 7] = 1e9
+    expect = [greedy_token(row) for row in logits]
+    assert greedy_tokens(logits) == expect == [int(torch.argmax(row)) for row in logits]
+    assert greedy_tokens(logits.double()) == expect  # torch's path
+    plain = [req(temperature=0.0) for _ in range(6)]
+    fast = sample(logits, plain, None, eos_ids={0})
+    general = sample(logits, plain[:5] + [req(temperature=0.0, return_logprob=True)], None, eos_ids={0})
+    assert fast.token_ids == general.token_ids == expect
+    assert fast.logprobs == [0.0] * 6 and fast.top_logprobs == [[]] * 6
+    assert sample(logits[:1, :10], [req(temperature=0.0, min_tokens=1)], None, eos_ids={int(logits[0, :10].argmax())}
+                  ).token_ids != [int(logits[0, :10].argmax())]  # min_tokens still bans EOS (general path)

@@ -174,3 +174,22 @@ def test_integrity_check_catches_a_lost_slot():
 def test_config_is_validated(field, value):
     with pytest.raises(InvalidRequest, match=field):
         SchedulerConfig(**{field: value})
+
+
+def test_row_input_ids_are_the_fed_slice_of_fill_ids_plus_the_draft():
+    """Row.input_ids slices the prompt and the output without building fill_ids; every split
+    (inside the prompt, across it, inside the output; with and without a draft) feeds the same
+    ids as ``fill_ids[start:start + n - len(draft)] + draft``; a draft model's sequence (fill_ids
+    only) too."""
+    from sgrt.engine.drafters import _DraftSeq
+
+    r = req("a", [10, 11, 12, 13, 14])
+    r.output_ids = [20, 21, 22]
+    fill = r.fill_ids
+    for start in range(len(fill)):
+        for n in range(1, len(fill) - start + 1):
+            for draft in ([], [90, 91]):
+                row = Row(r, start, n + len(draft), list(draft))
+                assert row.input_ids() == fill[start: start + n] + draft, (start, n, draft)
+    seq = _DraftSeq(fill_ids=list(fill), slots=[])
+    assert Row(seq, 6, 2).input_ids() == [21, 22] and Row(seq, 2, 3, [7]).input_ids() == [12, 13, 7]
