@@ -226,26 +226,44 @@ Tensor rotary_(Tensor qk, const Tensor& cos, const Tensor& sin) {
   return qk;
 }
 
-// ---- SwiGLU gating ------------------------------------------------------------------------
-// gate_up [T, 2I] -> silu(gate) * up [T, I], silu rounded before the product.
+// ---- Gated activations: SwiGLU (SiLU) and Gemma's GELU-tanh --------------------------------------
+// gate_up [T, 2I] -> act(gate) * up [T, I], act(gate) rounded to the dtype before the product, as
+// the eager ops round.
+// - SiLU (Shazeer, arXiv:2002.05202): silu(g) = g / (1 + exp(-g)).
+// - GELU-tanh, as F.gelu(gate, approximate="tanh"): 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g +
+//   0.044715 g^3), in the eager kernel's order, with tanh(u) = 1 - 2 / (1 + exp(2u)) on fast_exp
+//   (so that it reaches -1 / 1 where float32's tanh does: gelu's negative tail is exactly 0, as in
+//   torch).
 
-template <typename T>
-void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t n) {
+struct Silu {
+  float operator()(float g) const { return g / (1.f + fast_exp(-g)); }
+};
+
+struct GeluTanh {
+  float operator()(float g) const {
+    float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2/pi) (g + 0.044715 g^3)
+    float th = 1.f - 2.f / (1.f + fast_exp(2.f * u));  // tanh(u): exactly -1 / 1 where float32's saturates
+    return 0.5f * g * (1.f + th);
+  }
+};
+
+template <typename T, typename Act>
+void gated_rows(const T* in, T* out, int64_t rows, int64_t n, Act act) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = in + r * 2 * n;
     const T* up = gate + n;
     T* o = out + r * n;
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) {
-      float g = to_f(gate[j]);
-      float s = round_as<T>(g / (1.f + fast_exp(-g)));
+      float s = round_as<T>(act(to_f(gate[j])));
       o[j] = from_f<T>(s * to_f(up[j]));
     }
   }
 }
 
 // out: a [T, intermediate] buffer to write into, or undefined.
-Tensor silu_mul_into(const Tensor& gate_up, Tensor out) {
+template <typename Act>
+Tensor gated_mul_into(const Tensor& gate_up, Tensor out, Act act) {
   check_cpu_float(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be contiguous [T, 2 * intermediate]");
@@ -255,53 +273,16 @@ Tensor silu_mul_into(const Tensor& gate_up, Tensor out) {
     using R = raw<scalar_t>;
     const R* in = raw_ptr<scalar_t>(gate_up);
     R* op = raw_ptr<scalar_t>(out);
-    at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) { silu_mul_rows(in + b * 2 * n, op + b * n, e - b, n); });
+    at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) { gated_rows(in + b * 2 * n, op + b * n, e - b, n, act); });
   });
   return out;
 }
 
-// ---- GELU-tanh gating (Gemma) ----------------------------------------------------------------
-// gate_up [T, 2I] -> gelu_tanh(gate) * up [T, I], as F.gelu(gate, approximate="tanh") * up:
-// gelu_tanh(g) = 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), in the eager kernel's
-// order, with tanh(u) = 1 - 2 / (1 + exp(2u)) on fast_exp (so that it reaches -1 / 1 where
-// float32's tanh does: gelu's negative tail is exactly 0, as in torch); rounded to the dtype
-// before the product as the eager ops round.
-
-template <typename T>
-void gelu_tanh_mul_rows(const T* in, T* out, int64_t rows, int64_t n) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* gate = in + r * 2 * n;
-    const T* up = gate + n;
-    T* o = out + r * n;
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) {
-      float g = to_f(gate[j]);
-      float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2/pi) (g + 0.044715 g^3)
-      float th = 1.f - 2.f / (1.f + fast_exp(2.f * u));  // tanh(u): exactly -1 / 1 where float32's saturates
-      float s = round_as<T>(0.5f * g * (1.f + th));
-      o[j] = from_f<T>(s * to_f(up[j]));
-    }
-  }
-}
-
-// out: a [T, intermediate] buffer to write into, or undefined.
+Tensor silu_mul_into(const Tensor& gate_up, Tensor out) { return gated_mul_into(gate_up, std::move(out), Silu{}); }
 Tensor gelu_tanh_mul_into(const Tensor& gate_up, Tensor out) {
-  check_cpu_float(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
-              "gate_up must be contiguous [T, 2 * intermediate]");
-  int64_t t = gate_up.size(0), n = gate_up.size(1) / 2;
-  out = out.defined() ? out : at::empty({t, n}, gate_up.options());
-  dispatch_float(gate_up.scalar_type(), [&]<typename scalar_t>() {
-    using R = raw<scalar_t>;
-    const R* in = raw_ptr<scalar_t>(gate_up);
-    R* op = raw_ptr<scalar_t>(out);
-    at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) { gelu_tanh_mul_rows(in + b * 2 * n, op + b * n, e - b, n); });
-  });
-  return out;
+  return gated_mul_into(gate_up, std::move(out), GeluTanh{});
 }
-
 Tensor gelu_tanh_mul(const Tensor& gate_up) { return gelu_tanh_mul_into(gate_up, Tensor()); }
-
 Tensor silu_mul(const Tensor& gate_up) { return silu_mul_into(gate_up, Tensor()); }
 
 // ---- decode attention over the KV pool -------------------------------------------------------
