@@ -334,23 +334,30 @@ def ab(args) -> None:
     emit_json("dense_kernel_ab", **figures)
 
 
+def _load_on_dense_kernel(dtype: str):
+    """The default model in ``dtype`` with every float projection on the dense kernel (wherever it
+    loads, oneDNN's prepacking not preferred), and its ``DenseLinear`` layers."""
+    from sgrt.models import load_model
+    from sgrt.models import packed
+
+    saved = packed.DENSE_DTYPES_OVER_ONEDNN
+    try:
+        packed.DENSE_DTYPES_OVER_ONEDNN = packed.DENSE_DTYPES  # the kernel wherever it loads
+        lm = load_model("smollm2-135m-instruct", dtype=dtype)
+    finally:
+        packed.DENSE_DTYPES_OVER_ONEDNN = saved
+    return lm, [mod for mod in lm.model.modules() if isinstance(mod, packed.DenseLinear)]
+
+
 def ab_decode(args, sides: dict) -> None:
     import bench.decode
     from bench.decode import PROMPT, sgrt_decode_tps
     from sgrt.engine import Engine, SamplingParams
-    from sgrt.models import load_model
-    from sgrt.models import packed
 
     bench.decode.NEW_TOKENS = args.tokens
     rows, figures = [], {"base": args.ab, "cpu_time": args.cpu_time, "threads": args.threads, "tokens": args.tokens}
     for dtype in args.dtypes.split(","):
-        saved = packed.DENSE_DTYPES_OVER_ONEDNN
-        try:
-            packed.DENSE_DTYPES_OVER_ONEDNN = packed.DENSE_DTYPES  # the kernel wherever it loads
-            lm = load_model("smollm2-135m-instruct", dtype=dtype)
-        finally:
-            packed.DENSE_DTYPES_OVER_ONEDNN = saved
-        layers = [mod for mod in lm.model.modules() if isinstance(mod, packed.DenseLinear)]
+        lm, layers = _load_on_dense_kernel(dtype)
         ids = lm.tokenizer.encode(PROMPT)
 
         def measure(op) -> float:
@@ -384,8 +391,6 @@ def ab_decode(args, sides: dict) -> None:
 def kernel_share(args) -> None:
     from bench.decode import PROMPT
     from sgrt.engine import Engine, SamplingParams
-    from sgrt.models import load_model
-    from sgrt.models import packed
 
     torch.set_num_threads(1)
     print(f"load average before: {os.getloadavg()}")
@@ -393,13 +398,7 @@ def kernel_share(args) -> None:
     data.sum()  # fault the pages in
     rows, figures = [], {"tokens": args.tokens}
     for dtype in args.dtypes.split(","):
-        saved = packed.DENSE_DTYPES_OVER_ONEDNN
-        try:
-            packed.DENSE_DTYPES_OVER_ONEDNN = packed.DENSE_DTYPES  # the kernel wherever it loads
-            lm = load_model("smollm2-135m-instruct", dtype=dtype)
-        finally:
-            packed.DENSE_DTYPES_OVER_ONEDNN = saved
-        layers = [mod for mod in lm.model.modules() if isinstance(mod, packed.DenseLinear)]
+        lm, layers = _load_on_dense_kernel(dtype)
         weight_bytes = sum(mod.weight.numel() * mod.weight.element_size() for mod in layers)
         spent = {"s": 0.0, "calls": 0}
 
