@@ -37,6 +37,8 @@ import torch
 logger = logging.getLogger("sgrt.models")
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
+         "q_norm", "k_norm")
 
 
 @dataclass
@@ -78,7 +80,6 @@ def build(model) -> tuple[NativeDecodeStep | None, str]:
     are on), or None and the reason the per-layer path stays (module docstring)."""
     from torch import nn
 
-    from sgrt.models.layers import RMSNorm
     from sgrt.models.packed import DenseLinear
     from sgrt.models.quant_base import KERNEL_DTYPE
     from sgrt.models.quant_native import GroupLinear
@@ -93,8 +94,12 @@ def build(model) -> tuple[NativeDecodeStep | None, str]:
     rotary = [r.rotary_dim for r in model.rotaries]
     if any(d != config.head_dim for d in rotary):
         return None, f"partial rotary ({rotary} of head_dim {config.head_dim})"
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    if len({m.eps for m in norms}) != 1:
+    # (the norms are read by name, not by type: importing sgrt.models.layers here would make an
+    # import cycle with it, which builds the plan)
+    eps = {model.norm.eps}
+    for layer in model.layers:
+        eps.update(m.eps for name, m in layer._modules.items() if name in NORMS and m is not None)
+    if len(eps) != 1:
         return None, "RMSNorms with different eps"
     projections = []  # per layer: {name: (op, weight, scales, offsets, n, k, bits, group)}
     max_rows = 1 << 62
@@ -123,7 +128,7 @@ def build(model) -> tuple[NativeDecodeStep | None, str]:
     if config.embed_scale is not None:  # (CausalLM.forward's rounding of the scale to the dtype)
         embed_scale = torch.tensor(config.embed_scale, dtype=model.dtype)
     plan = torch.classes.sgrt_layer.DecodePlan(
-        model.embed_tokens.weight, embed_scale, model.norm.weight, float(norms[0].eps),
+        model.embed_tokens.weight, embed_scale, model.norm.weight, float(next(iter(eps))),
         config.num_attention_heads, config.head_dim,
         [r.cos for r in model.rotaries], [r.sin for r in model.rotaries])
     windows: list[int | None] = []
