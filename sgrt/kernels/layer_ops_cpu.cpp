@@ -831,6 +831,7 @@ struct DecodePlan : torch::CustomClassHolder {
   // forward()'s buffers; a call that finds them in use by another thread makes its own
   mutable std::mutex workspace_mutex;
   mutable Workspace workspace;
+  bool raw_entries = true;  // call the kernels' raw entries where they have them (else the dispatcher)
 
   DecodePlan(Tensor embed, std::optional<Tensor> embed_scale, Tensor final_norm, double eps, int64_t n_heads,
              int64_t head_dim, std::vector<Tensor> cos, std::vector<Tensor> sin)
@@ -895,7 +896,7 @@ struct DecodePlan : torch::CustomClassHolder {
   Tensor project(const Projection& p, const Tensor& x, Tensor& out) const {
     TORCH_CHECK(p.weight.defined(), "a projection was not set");
     if (p.bits > 0) {
-      if (p.woq_raw == nullptr) return woq->call(x, p.weight, p.scales, p.offsets, p.n, p.k, p.bits, p.group);
+      if (p.woq_raw == nullptr || !raw_entries) return woq->call(x, p.weight, p.scales, p.offsets, p.n, p.k, p.bits, p.group);
       TORCH_CHECK(x.dim() == 2 && x.size(1) == p.k && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
                   "a projection's input must be contiguous bfloat16 [B, ", p.k, "]");
       Workspace::get(out, x.size(0), p.n, x.options());
@@ -903,7 +904,7 @@ struct DecodePlan : torch::CustomClassHolder {
                 p.n, p.k, p.bits, p.group, reinterpret_cast<uint16_t*>(out.data_ptr()));
       return out;
     }
-    if (p.dense_raw == nullptr) return dense->call(x, p.weight);
+    if (p.dense_raw == nullptr || !raw_entries) return dense->call(x, p.weight);
     const int64_t n = p.weight.size(0), k = p.weight.size(1);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.is_contiguous() && x.scalar_type() == p.weight.scalar_type(),
                 "a projection's input must be contiguous [B, ", k, "] in the weight's dtype");
@@ -922,6 +923,17 @@ struct DecodePlan : torch::CustomClassHolder {
   // layers; new_slots [B]: where each row's new K/V go; slots[w] [B, max_kv] / kv_lens[w] [B]:
   // each row's context for the layers of window_id w (PagedAttention.native_decode's tables).
   // -> the final hidden states [B, hidden] in the model's dtype.
+  // Whether projections call the kernels' raw entries (default) or their operators through the
+  // dispatcher (the path of a kernel library without one); the same bits either way (tests).
+  // Returns the number of projections that have a raw entry.
+  int64_t use_raw_entries(bool enable) {
+    raw_entries = enable;
+    int64_t n = 0;
+    for (const PlanLayer& l : layers)
+      for (const Projection* p : {&l.qkv, &l.o, &l.gate_up, &l.down}) n += p->woq_raw || p->dense_raw;
+    return n;
+  }
+
   Tensor forward(const Tensor& input_ids, const Tensor& positions, std::vector<Tensor> k_layers,
                  std::vector<Tensor> v_layers, const Tensor& new_slots, std::vector<Tensor> slots,
                  std::vector<Tensor> kv_lens) const {
@@ -1035,6 +1047,7 @@ TORCH_LIBRARY(sgrt_layer, m) {
                        std::vector<Tensor>>())
       .def("add_layer", &DecodePlan::add_layer)
       .def("set_projection", &DecodePlan::set_projection)
+      .def("use_raw_entries", &DecodePlan::use_raw_entries)
       .def("forward", &DecodePlan::forward);
 }
 
