@@ -8,19 +8,27 @@ other tenants of a shared machine than wall time; with ``--threads 1`` the whole
 this thread), medians in ms; the ratio is per-layer / one-call (above 1: the step is faster).
 Both paths give bit-identical hidden states (checked here once per model too).
 
+``--base REV``: also commit ``REV``'s one-call step, in this process: its ``layer_ops_cpu.cpp``,
+``woq_avx2.cpp`` and ``dense_avx2.cpp`` compiled as libraries ``sgrt_layer_base`` /
+``sgrt_woq_avx2_base`` / ``sgrt_dense_avx2_base`` and its ``sgrt/models/native_step.py`` building
+the plan on them (AVX2 builds; the base plan must take this model), alternated with the other
+paths; the ratio base / one-call (above 1: this tree's step is faster). Bit-identical to this tree's.
+
 ``--engine N``: also batch-1 engine decode, output tok/s of one request of ``N`` new tokens
 after a 60-token prompt (wall time of the engine's step loop: scheduler, sampler and all), with
 the model's one-call step switched off and on, alternated; medians.
 
 Run: ``python bench/native_step.py [--models smollm2:int4,smollm2:bfloat16,smollm2:float32,gemma3:int4]
-[--threads 1] [--rounds 40] [--context 80] [--engine 64 --engine-rounds 5]``
+[--threads 1] [--rounds 40] [--context 80] [--base 3c0d442] [--engine 64 --engine-rounds 5]``
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +48,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--context", type=int, default=80)
+    ap.add_argument("--base", default=None, help="also time this commit's one-call step (in this process)")
     ap.add_argument("--engine", type=int, default=0, help="new tokens of the engine decode runs (0: skip)")
     ap.add_argument("--engine-rounds", type=int, default=5)
     args = ap.parse_args()
@@ -48,6 +57,7 @@ def main() -> None:
     from sgrt.engine.kv_pool import KVPool
     from sgrt.models import load_model
 
+    base_build = load_base(args.base) if args.base else None
     rows, figures = [], {}
     for item in args.models.split(","):
         name, kind = item.split(":")
@@ -63,26 +73,35 @@ def main() -> None:
                       model.dtype, model.device)
         spec = [RowSpec(list(range(1, args.context + 1)), 1)]
         ids, positions = torch.tensor([123]), torch.tensor([args.context - 1])
-        paths = {"per_layer": model.layer_ops, "one_call": None}
+        paths = {"per_layer": lambda attn: model(ids, positions, attn, ops=model.layer_ops),
+                 "one_call": lambda attn: model(ids, positions, attn)}
+        if base_build is not None:
+            base_step, why = base_build(model)
+            if base_step is None:
+                sys.exit(f"the base plan does not take {item}: {why}")
+            paths["base"] = lambda attn, step=base_step: step.forward(ids, positions, attn)
         samples: dict[str, list[float]] = {p: [] for p in paths}
         with torch.inference_mode():
-            outs = {p: model(ids, positions, PagedAttention(pool, spec, cascade=False, native=True), ops=ops)
-                    for p, ops in paths.items()}
-            assert torch.equal(outs["per_layer"], outs["one_call"]), "the paths disagree"
+            outs = {p: run(PagedAttention(pool, spec, cascade=False, native=True)) for p, run in paths.items()}
+            assert all(torch.equal(outs["per_layer"], o) for o in outs.values()), "the paths disagree"
             for _ in range(3):  # warm-up
-                for ops in paths.values():
-                    model(ids, positions, PagedAttention(pool, spec, cascade=False, native=True), ops=ops)
+                for run in paths.values():
+                    run(PagedAttention(pool, spec, cascade=False, native=True))
             for _ in range(args.rounds):
-                for p, ops in paths.items():
+                for p, run in paths.items():
                     attn = PagedAttention(pool, spec, cascade=False, native=True)
                     t0 = time.thread_time()
-                    model(ids, positions, attn, ops=ops)
+                    run(attn)
                     samples[p].append((time.thread_time() - t0) * 1e3)
-        old, new = (statistics.median(samples[p]) for p in paths)
+        old, new = statistics.median(samples["per_layer"]), statistics.median(samples["one_call"])
         key = f"{name}_{kind}"
         figures[f"{key}_per_layer_ms"], figures[f"{key}_one_call_ms"] = round(old, 3), round(new, 3)
         figures[f"{key}_ratio"] = round(old / new, 3)
         row = [item, old, new, old / new]
+        if base_build is not None:
+            base = statistics.median(samples["base"])
+            figures[f"{key}_base_one_call_ms"], figures[f"{key}_base_ratio"] = round(base, 3), round(base / new, 3)
+            row += [base, base / new]
         if args.engine:
             tps = engine_tps(loaded, args.engine, args.engine_rounds)
             figures[f"{key}_engine_per_layer_tok_s"] = round(tps["per_layer"], 1)
@@ -94,10 +113,53 @@ def main() -> None:
     print(f"CausalLM.forward, 1 token at {args.context} tokens of context, {args.threads} thread(s), "
           f"thread CPU time, median of {args.rounds} alternating rounds (ms)")
     headers = ["model", "per-layer ms", "one call ms", "per-layer / one call"]
+    if args.base:
+        headers += [f"{args.base} one call ms", "base / one call"]
     if args.engine:
         headers += ["engine per-layer tok/s", "engine one call tok/s", "one call / per-layer"]
     print_table(headers, rows)
-    emit_json("native_step", threads=args.threads, rounds=args.rounds, context=args.context, **figures)
+    emit_json("native_step", threads=args.threads, rounds=args.rounds, context=args.context, base=args.base,
+              **figures)
+
+
+BASE_LIBRARIES = {  # base library -> (source, the module whose build flags it takes)
+    "sgrt_layer": ("sgrt/kernels/layer_ops_cpu.cpp", "layer_ops"),
+    "sgrt_woq_avx2": ("sgrt/kernels/woq_avx2.cpp", "woq"),
+    "sgrt_dense_avx2": ("sgrt/kernels/dense_avx2.cpp", "dense"),
+}
+
+
+def load_base(rev: str):
+    """Commit ``rev``'s decode plan in this process: its three libraries compiled under ``_base``
+    names, and its ``native_step.build`` with the names changed to them. Returns that build."""
+    import tempfile
+
+    from sgrt.kernels import dense, layer_ops, woq
+    from sgrt.kernels.build import load_library
+
+    def show(path: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], check=True, capture_output=True,
+                              text=True).stdout
+
+    if not (layer_ops.available() and dense.available() and woq.isa() == "avx2"):
+        sys.exit("--base needs the AVX2 builds of the native kernels")
+    flags = {"layer_ops": (layer_ops.CFLAGS, ()), "woq": (woq.CFLAGS_AVX2, woq.REQUIRED_CPU_FLAGS_AVX2),
+             "dense": (dense.CFLAGS, dense.REQUIRED_CPU_FLAGS)}
+    for lib, (path, module) in BASE_LIBRARIES.items():
+        src = show(path).replace(f"TORCH_LIBRARY({lib},", f"TORCH_LIBRARY({lib}_base,")
+        src = src.replace(f"TORCH_LIBRARY_IMPL({lib},", f"TORCH_LIBRARY_IMPL({lib}_base,")
+        file = Path(tempfile.gettempdir()) / f"{lib}_base_{rev}.cpp"
+        file.write_text(src)
+        why = load_library(f"{lib}_base", file, *flags[module])
+        if why is not None:
+            sys.exit(f"base {lib}: {why}")
+    src = show("sgrt/models/native_step.py")
+    for lib in BASE_LIBRARIES:
+        src = src.replace(f"{lib}::", f"{lib}_base::").replace(f"torch.classes.{lib}.", f"torch.classes.{lib}_base.")
+    module = types.ModuleType("native_step_base")
+    sys.modules[module.__name__] = module  # (its dataclass looks itself up there)
+    exec(compile(src, f"{rev}:sgrt/models/native_step.py", "exec"), module.__dict__)
+    return module.build
 
 
 def engine_tps(loaded, new_tokens: int, rounds: int) -> dict[str, float]:

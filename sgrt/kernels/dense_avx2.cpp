@@ -114,16 +114,24 @@ inline uint16_t to_bf16(float f) {  // round to nearest even; NaN stays a (quiet
   return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
+// x as fp32, zero padded to KP, for one call: per thread, grown and never shrunk, so that a decode
+// step's ~120 calls allocate nothing (the plan calls dense_raw below directly).
+float* x_buffer(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
+  return buf.data();
+}
+
+// y [M, N] = x [M, K] (rows xs apart) @ w [N, K].T, T float (float32) or uint16_t (bfloat16 bits).
 template <typename T>
-void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+void run(const T* xp, int64_t M, int64_t xs, const T* wp, int64_t N, int64_t K, T* yp) {
   const int64_t KP = (K + STEP_K - 1) / STEP_K * STEP_K;
   // x as fp32, zero padded to KP; for bfloat16, each 16-step holds the even inputs then the odd.
-  std::vector<float> xf(static_cast<size_t>(M * KP), 0.0f);
-  const int64_t xs = x.stride(0);
+  float* const xf = x_buffer(M * KP);
+  std::fill(xf, xf + M * KP, 0.0f);
   for (int64_t m = 0; m < M; ++m) {
-    const T* src = reinterpret_cast<const T*>(x.data_ptr()) + m * xs;
-    float* dst = xf.data() + m * KP;
+    const T* src = xp + m * xs;
+    float* dst = xf + m * KP;
     for (int64_t k = 0; k < K; ++k) {
       float v;
       if constexpr (std::is_same_v<T, float>) {
@@ -136,8 +144,6 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
       dst[std::is_same_v<T, float> ? k : base + (j % 2) * 8 + j / 2] = v;
     }
   }
-  const T* wp = reinterpret_cast<const T*>(w.data_ptr());
-  T* yp = reinterpret_cast<T*>(y.data_ptr());
   const int64_t full = K / STEP_K * STEP_K, tail = K - full;
   // ~64 KiB of weights a task at least, so that small layers do not wake every thread
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * static_cast<int64_t>(sizeof(T))));
@@ -154,7 +160,7 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
         for (int r = 0; r < R; ++r) std::memcpy(wtail + r * STEP_K, rows[r] + full, tail * sizeof(T));
       }
       for (int64_t m = 0; m < M; ++m) {
-        const float* xm = xf.data() + m * KP;
+        const float* xm = xf + m * KP;
         switch (R) {  // (R <= STREAMS)
           case 4: dot_rows<T, 4>(rows, K, wtail, xm, out); break;
           case 3: dot_rows<T, 3>(rows, K, wtail, xm, out); break;
@@ -193,14 +199,33 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
               "sgrt_dense_avx2.linear: x's rows must be contiguous (stride 1 along K), got strides ", x.strides());
   at::Tensor y(at::detail::empty_cpu({x.size(0), w.size(0)}, w.scalar_type()));
   if (x.size(0) == 0) return y;
-  if (w.scalar_type() == at::kFloat) run<float>(x, w, y);
-  else run<uint16_t>(x, w, y);
+  if (w.scalar_type() == at::kFloat)
+    run<float>(x.data_ptr<float>(), x.size(0), x.stride(0), w.data_ptr<float>(), w.size(0), w.size(1), y.data_ptr<float>());
+  else
+    run<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.size(0), x.stride(0),
+                  reinterpret_cast<const uint16_t*>(w.data_ptr()), w.size(0), w.size(1),
+                  reinterpret_cast<uint16_t*>(y.data_ptr()));
   return y;
 }
+
+// y [M, N] = x [M, K] @ w [N, K].T on raw storage (contiguous rows; bf16: bfloat16 bits, else
+// float32), arguments valid (dense_linear checks them): what the decode plan
+// (sgrt/kernels/layer_ops_cpu.cpp, DenseRaw) calls directly. Change both together.
+void dense_raw(const void* x, int64_t M, const void* w, int64_t N, int64_t K, bool bf16, void* y) {
+  if (M == 0) return;
+  if (bf16)
+    run<uint16_t>(static_cast<const uint16_t*>(x), M, K, static_cast<const uint16_t*>(w), N, K, static_cast<uint16_t*>(y));
+  else
+    run<float>(static_cast<const float*>(x), M, K, static_cast<const float*>(w), N, K, static_cast<float*>(y));
+}
+
+int64_t raw_entry() { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&dense_raw)); }
 
 }  // namespace
 
 TORCH_LIBRARY(sgrt_dense_avx2, m) {
   m.def("linear(Tensor x, Tensor weight) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(dense_linear));
+  // the address of dense_raw, for the decode plan (no tensor arguments: a catch-all kernel)
+  m.def("raw_entry() -> int", &raw_entry);
 }

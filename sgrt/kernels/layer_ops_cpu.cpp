@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -771,12 +772,39 @@ Tensor decode_attention_qkv_(Tensor qkv, const Tensor& cos, const Tensor& sin, i
 using WoqLinear = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, int64_t,
                          int64_t);
 using DenseLinear = Tensor(const Tensor&, const Tensor&);
+// The kernels' computations on raw storage, behind their registered operators, which the plan calls
+// directly where the kernel library exports one (its `raw_entry() -> int` operator gives the
+// address): no dispatcher, no argument checks and no output allocation per call. MUST match
+// linear_raw in woq_avx2.cpp and dense_raw in dense_avx2.cpp.
+// WoqRaw: y [M, n] bf16 bits = x [M, k] bf16 bits @ the fused weight stream (bits 4 / 8, group).
+using WoqRaw = void(const uint16_t* x, int64_t M, const uint8_t* packed, int64_t n, int64_t k, int64_t bits,
+                    int64_t group, uint16_t* y);
+// DenseRaw: y [M, N] = x [M, K] @ w [N, K].T, contiguous rows, bfloat16 bits (bf16) or float32.
+using DenseRaw = void(const void* x, int64_t M, const void* w, int64_t N, int64_t K, bool bf16, void* y);
 
 // One fused projection: the weight-only quantized kernel's arguments (bits 4 / 8, as GroupLinear
-// passes them), or the dense kernel's (bits 0, as DenseLinear passes them).
+// passes them), or the dense kernel's (bits 0, as DenseLinear passes them); the kernel's raw entry
+// where its library has one.
 struct Projection {
   Tensor weight, scales, offsets;
   int64_t n = 0, k = 0, bits = 0, group = 0;
+  WoqRaw* woq_raw = nullptr;
+  DenseRaw* dense_raw = nullptr;
+};
+
+// The per-step buffers of DecodePlan::forward: reused across layers and, while the batch size and
+// dtype stay, across steps (a decode step allocates only its embedding and its output then).
+struct Workspace {
+  Tensor h, normed, attn, qkv, o, gate_up, act, down;
+  std::vector<Tensor> cos, sin;  // per rotary table: the rows of this step's positions [B, head_dim]
+
+  // slot as a [rows, cols] tensor with `options`, reusing its storage where it has that shape
+  static Tensor& get(Tensor& slot, int64_t rows, int64_t cols, const at::TensorOptions& options) {
+    if (!slot.defined() || slot.size(0) != rows || slot.size(1) != cols || slot.dtype() != options.dtype()) {
+      slot = at::empty({rows, cols}, options);
+    }
+    return slot;
+  }
 };
 
 struct PlanLayer {
@@ -800,6 +828,10 @@ struct DecodePlan : torch::CustomClassHolder {
   std::vector<PlanLayer> layers;
   std::optional<c10::TypedOperatorHandle<WoqLinear>> woq;
   std::optional<c10::TypedOperatorHandle<DenseLinear>> dense;
+  // forward()'s buffers; a call that finds them in use by another thread makes its own
+  mutable std::mutex workspace_mutex;
+  mutable Workspace workspace;
+  bool raw_entries = true;  // call the kernels' raw entries where they have them (else the dispatcher)
 
   DecodePlan(Tensor embed, std::optional<Tensor> embed_scale, Tensor final_norm, double eps, int64_t n_heads,
              int64_t head_dim, std::vector<Tensor> cos, std::vector<Tensor> sin)
@@ -838,19 +870,48 @@ struct DecodePlan : torch::CustomClassHolder {
     Projection* p = name == "qkv_proj" ? &l.qkv : name == "o_proj" ? &l.o : name == "gate_up_proj" ? &l.gate_up
                   : name == "down_proj" ? &l.down : nullptr;
     TORCH_CHECK(p != nullptr, "unknown projection ", name);
-    auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(op.c_str(), "");
+    auto& dispatcher = c10::Dispatcher::singleton();
+    auto handle = dispatcher.findSchemaOrThrow(op.c_str(), "");
+    Projection proj{std::move(weight), std::move(scales), std::move(offsets), n, k, bits, group};
+    // The library's raw entry, if it has one (the operator's namespace, `::raw_entry`).
+    const std::string ns = op.substr(0, op.find("::"));
+    auto entry = dispatcher.findSchema({ns + "::raw_entry", ""});
+    const int64_t address = entry ? entry->typed<int64_t()>().call() : 0;
     if (bits > 0) {
       woq = handle.typed<WoqLinear>();
+      // the operator's own argument checks, once, on an x of no rows (the raw calls skip them)
+      woq->call(at::empty({0, k}, at::kBFloat16), proj.weight, proj.scales, proj.offsets, n, k, bits, group);
+      proj.woq_raw = reinterpret_cast<WoqRaw*>(static_cast<intptr_t>(address));
     } else {
       dense = handle.typed<DenseLinear>();
+      TORCH_CHECK(proj.weight.dim() == 2, "a dense projection's weight must be [N, K]");
+      dense->call(at::empty({0, proj.weight.size(1)}, proj.weight.options()), proj.weight);
+      proj.dense_raw = reinterpret_cast<DenseRaw*>(static_cast<intptr_t>(address));
     }
-    *p = Projection{std::move(weight), std::move(scales), std::move(offsets), n, k, bits, group};
+    *p = std::move(proj);
   }
 
-  Tensor project(const Projection& p, const Tensor& x) const {
+  // p's output for x [B, in] (contiguous, the model's dtype): written into `out` (resized to
+  // [B, out features]) by the raw entry, else the operator's own new tensor.
+  Tensor project(const Projection& p, const Tensor& x, Tensor& out) const {
     TORCH_CHECK(p.weight.defined(), "a projection was not set");
-    if (p.bits > 0) return woq->call(x, p.weight, p.scales, p.offsets, p.n, p.k, p.bits, p.group);
-    return dense->call(x, p.weight);
+    if (p.bits > 0) {
+      if (p.woq_raw == nullptr || !raw_entries) return woq->call(x, p.weight, p.scales, p.offsets, p.n, p.k, p.bits, p.group);
+      TORCH_CHECK(x.dim() == 2 && x.size(1) == p.k && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+                  "a projection's input must be contiguous bfloat16 [B, ", p.k, "]");
+      Workspace::get(out, x.size(0), p.n, x.options());
+      p.woq_raw(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), x.size(0), p.weight.const_data_ptr<uint8_t>(),
+                p.n, p.k, p.bits, p.group, reinterpret_cast<uint16_t*>(out.data_ptr()));
+      return out;
+    }
+    if (p.dense_raw == nullptr || !raw_entries) return dense->call(x, p.weight);
+    const int64_t n = p.weight.size(0), k = p.weight.size(1);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.is_contiguous() && x.scalar_type() == p.weight.scalar_type(),
+                "a projection's input must be contiguous [B, ", k, "] in the weight's dtype");
+    Workspace::get(out, x.size(0), n, x.options());
+    p.dense_raw(x.const_data_ptr(), x.size(0), p.weight.const_data_ptr(), n, k, x.scalar_type() == at::kBFloat16,
+                out.data_ptr());
+    return out;
   }
 
   // RMSNorm.forward's own ATen ops (the q/k norms run them on the per-layer path too).
@@ -862,24 +923,72 @@ struct DecodePlan : torch::CustomClassHolder {
   // layers; new_slots [B]: where each row's new K/V go; slots[w] [B, max_kv] / kv_lens[w] [B]:
   // each row's context for the layers of window_id w (PagedAttention.native_decode's tables).
   // -> the final hidden states [B, hidden] in the model's dtype.
+  // Whether projections call the kernels' raw entries (default) or their operators through the
+  // dispatcher (the path of a kernel library without one); the same bits either way (tests).
+  // Returns the number of projections that have a raw entry.
+  int64_t use_raw_entries(bool enable) {
+    raw_entries = enable;
+    int64_t n = 0;
+    for (const PlanLayer& l : layers)
+      for (const Projection* p : {&l.qkv, &l.o, &l.gate_up, &l.down}) n += p->woq_raw || p->dense_raw;
+    return n;
+  }
+
   Tensor forward(const Tensor& input_ids, const Tensor& positions, std::vector<Tensor> k_layers,
                  std::vector<Tensor> v_layers, const Tensor& new_slots, std::vector<Tensor> slots,
                  std::vector<Tensor> kv_lens) const {
+    std::unique_lock<std::mutex> lock(workspace_mutex, std::try_to_lock);
+    Workspace own;  // (only where another thread is in forward() with the plan's workspace)
+    return run(lock.owns_lock() ? workspace : own, input_ids, positions, k_layers, v_layers, new_slots, slots,
+               kv_lens);
+  }
+
+  // The rows of the rotary tables at `positions` in `dtype` into ws.cos / ws.sin: what
+  // cos.index_select(0, positions).to(dtype) gives (round to nearest even for bfloat16).
+  void rope_rows(Workspace& ws, const Tensor& positions, at::ScalarType dtype) const {
+    TORCH_CHECK(positions.dim() == 1 && positions.scalar_type() == at::kLong && positions.is_contiguous(),
+                "positions must be a contiguous int64 [B]");
+    const int64_t b = positions.size(0);
+    const int64_t* pos = positions.const_data_ptr<int64_t>();
+    ws.cos.resize(cos.size());
+    ws.sin.resize(sin.size());
+    for (size_t i = 0; i < cos.size(); ++i) {
+      const int64_t rows = cos[i].size(0), d = cos[i].size(1);
+      TORCH_CHECK(cos[i].scalar_type() == at::kFloat && cos[i].is_contiguous() && sin[i].scalar_type() == at::kFloat &&
+                      sin[i].is_contiguous() && sin[i].sizes() == cos[i].sizes(),
+                  "rotary tables must be contiguous float32 [positions, head_dim]");
+      for (auto [table, out] : {std::pair{&cos[i], &ws.cos[i]}, std::pair{&sin[i], &ws.sin[i]}}) {
+        Workspace::get(*out, b, d, at::TensorOptions().dtype(dtype));
+        const float* src = table->const_data_ptr<float>();
+        dispatch_float(dtype, [&]<typename scalar_t>() {
+          using R = raw<scalar_t>;
+          R* dst = raw_ptr<scalar_t>(*out);
+          for (int64_t r = 0; r < b; ++r) {
+            TORCH_CHECK(pos[r] >= 0 && pos[r] < rows, "position ", pos[r], " out of the rotary table's ", rows);
+            for (int64_t j = 0; j < d; ++j) dst[r * d + j] = from_f<R>(src[pos[r] * d + j]);
+          }
+        });
+      }
+    }
+  }
+
+  Tensor run(Workspace& ws, const Tensor& input_ids, const Tensor& positions, const std::vector<Tensor>& k_layers,
+             const std::vector<Tensor>& v_layers, const Tensor& new_slots, const std::vector<Tensor>& slots,
+             const std::vector<Tensor>& kv_lens) const {
     TORCH_CHECK(k_layers.size() == layers.size() && v_layers.size() == layers.size(), "one KV layer per layer");
     TORCH_CHECK(slots.size() == kv_lens.size(), "one kv_lens per slot table");
     // CausalLM.forward: embedding (scaled), the rotary tables' rows for these positions.
     Tensor x = at::embedding(embed, input_ids);
     if (embed_scale) x = at::mul(x, *embed_scale);
     const auto dtype = x.scalar_type();
-    std::vector<std::pair<Tensor, Tensor>> rope;
-    for (size_t i = 0; i < cos.size(); ++i) {
-      rope.emplace_back(cos[i].index_select(0, positions).to(dtype), sin[i].index_select(0, positions).to(dtype));
-    }
-    const int64_t b = x.size(0);
+    rope_rows(ws, positions, dtype);
+    const int64_t b = x.size(0), hidden = x.size(1);
     // Buffers reused by every layer: the norm that feeds a projection, a norm of a projection's
-    // output (sandwich), attention, SiLU gating.
-    Tensor h = at::empty_like(x), normed = at::empty_like(x), attn = at::empty({b, n_heads * head_dim}, x.options());
-    Tensor act;
+    // output (sandwich), attention, SiLU gating, the projections' outputs.
+    const auto options = x.options();
+    Tensor& h = Workspace::get(ws.h, b, hidden, options);
+    Tensor& normed = Workspace::get(ws.normed, b, hidden, options);
+    Tensor& attn = Workspace::get(ws.attn, b, n_heads * head_dim, options);
     Tensor delta;  // the previous layer's output, not yet added to x
     for (size_t i = 0; i < layers.size(); ++i) {
       const PlanLayer& l = layers[i];
@@ -889,7 +998,7 @@ struct DecodePlan : torch::CustomClassHolder {
       } else {
         rms_norm_into(x, l.input_norm, eps, h);
       }
-      Tensor qkv = project(l.qkv, h);
+      Tensor qkv = project(l.qkv, h, ws.qkv);
       if (l.qkv_bias) qkv = at::add(qkv, *l.qkv_bias);
       if (l.q_norm) {
         qkv = qkv.view({b, -1, head_dim});
@@ -899,22 +1008,20 @@ struct DecodePlan : torch::CustomClassHolder {
                        qkv.narrow(1, n_heads + n_kv, n_kv)},
                       1);
       }
-      const auto& [c, s] = rope[l.rope_id];
       TORCH_CHECK(l.window_id >= 0 && l.window_id < static_cast<int64_t>(slots.size()), "no slot table ",
                   l.window_id);
-      decode_attention_qkv_into(qkv, c, s, n_heads, l.q_scale, k_layers[i], v_layers[i], new_slots,
-                                slots[l.window_id], kv_lens[l.window_id], attn);
-      Tensor o = project(l.o, attn);
+      decode_attention_qkv_into(qkv, ws.cos[l.rope_id], ws.sin[l.rope_id], n_heads, l.q_scale, k_layers[i],
+                                v_layers[i], new_slots, slots[l.window_id], kv_lens[l.window_id], attn);
+      Tensor o = project(l.o, attn, ws.o);
       if (l.pre_feedforward_norm) {
         rms_norm_into(o, l.post_attention_norm, eps, normed);
         add_rms_norm_into(x, normed, *l.pre_feedforward_norm, eps, h);
       } else {
         add_rms_norm_into(x, o, l.post_attention_norm, eps, h);
       }
-      Tensor gate_up = project(l.gate_up, h);
-      Tensor m;
-      if (!act.defined()) act = at::empty({b, gate_up.size(1) / 2}, x.options());
-      m = project(l.down, l.gelu ? gelu_tanh_mul_into(gate_up, act) : silu_mul_into(gate_up, act));
+      Tensor gate_up = project(l.gate_up, h, ws.gate_up);
+      Tensor& act = Workspace::get(ws.act, b, gate_up.size(1) / 2, options);
+      Tensor m = project(l.down, l.gelu ? gelu_tanh_mul_into(gate_up, act) : silu_mul_into(gate_up, act), ws.down);
       if (l.post_feedforward_norm) m = rms_norm_into(m, *l.post_feedforward_norm, eps, normed);
       delta = m;
     }
@@ -940,6 +1047,7 @@ TORCH_LIBRARY(sgrt_layer, m) {
                        std::vector<Tensor>>())
       .def("add_layer", &DecodePlan::add_layer)
       .def("set_projection", &DecodePlan::set_projection)
+      .def("use_raw_entries", &DecodePlan::use_raw_entries)
       .def("forward", &DecodePlan::forward);
 }
 

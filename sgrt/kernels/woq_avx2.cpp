@@ -279,8 +279,99 @@ inline void block8(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_
   }
 }
 
-at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                      const at::Tensor& offsets, int64_t n, int64_t k, int64_t bits, int64_t group) {
+// ---- setup, scratch and threading -----------------------------------------------------------------
+// A batch-1 decode step makes ~120 calls of a few to a few hundred us each, so a call's fixed cost
+// counts: nothing here allocates once its thread has served a call of that size (the scratch
+// below is per thread and grows only: at most the largest call's quantized x, 2 bytes an input,
+// and a tile's expanded X, <= 256 KB).
+
+// Per-thread scratch: the quantized rows of x (q1 / q2 or Q, dx, qs) and the expanded X of a tile.
+struct Scratch {
+  std::vector<int8_t> q1, q2, X;
+  std::vector<int16_t> Q;
+  std::vector<float> dx, qs;
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+template <typename T>
+T* at_least(std::vector<T>& v, int64_t n) {  // grown, never shrunk (not zeroed: every byte read is written first)
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  return v.data();
+}
+
+// y [M, n] (bf16 bits) = x [M, k] (bf16 bits) @ the fused weight stream wp, arguments valid
+// (woq_linear checks them). The computation behind sgrt_woq_avx2.linear, without a tensor in sight:
+// the decode plan (sgrt/kernels/layer_ops_cpu.cpp) calls it directly (raw_entry below).
+// NOTE: the loops below keep the shape they had with per-call vectors: a variant that passed the
+// quantized rows around in a struct (and quantized a small x on every thread) made GCC spill the
+// kernel's accumulators, 1.25-1.35x the time of a decode step's 120 calls; measure after a change.
+void linear_raw(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, int64_t k, int64_t bits, int64_t group,
+                uint16_t* yp) {
+  if (M == 0) return;
+  const int64_t G = k / group;
+  const int64_t block_bytes = G * (HEADER_BYTES + BLOCK_N * group * bits / 8);
+  // every row of x quantized once, up front
+  const int64_t KB = k / QBLOCK;
+  const int group_shift = group == 32 ? 0 : group == 64 ? 1 : 2;  // log2(group / 32)
+  // (q1 and q2 int8 for 4-bit codes, as vpmaddubsw takes; Q int16 for 8-bit codes, as vpmaddwd takes)
+  Scratch& s = scratch();
+  int8_t* const q1 = at_least(s.q1, bits == 4 ? M * k : 0);
+  int8_t* const q2 = at_least(s.q2, bits == 4 ? M * k : 0);
+  int16_t* const Q = at_least(s.Q, bits == 8 ? M * k : 0);
+  float* const dx = at_least(s.dx, M * KB);
+  float* const qs = at_least(s.qs, M * KB);
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / k), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      if (bits == 4)
+        quantize_row(xb + m * k, k, q1 + m * k, q2 + m * k, nullptr, dx + m * KB, qs + m * KB);
+      else
+        quantize_row(xb + m * k, k, nullptr, nullptr, Q + m * k, dx + m * KB, qs + m * KB);
+    }
+  });
+
+  // bytes of expanded activations per row; a tile of rows keeps them within ~256 KB (L2)
+  const int64_t row_bytes = bits == 4 ? 16 * k : 0;
+  const int64_t tile = bits == 4 ? std::min<int64_t>(M, std::max<int64_t>(2, (262144 / row_bytes) & ~int64_t(1))) : M;
+  at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
+    // (this thread's; not zeroed: expand4 writes every byte read)
+    int8_t* const X = at_least(scratch().X, tile * row_bytes + 64);
+    for (int64_t t0 = 0; t0 < M; t0 += tile) {
+      const int64_t t1 = std::min(M, t0 + tile);
+      if (bits == 4)
+        for (int64_t m = t0; m < t1; ++m) expand4(q1 + m * k, q2 + m * k, k, X + (m - t0) * row_bytes);
+      // the row's activations: expanded (4-bit, this tile), or the int16 q themselves (8-bit)
+      auto xrow = [&](int64_t m) -> const void* {
+        return bits == 4 ? static_cast<const void*>(X + (m - t0) * row_bytes)
+                         : static_cast<const void*>(Q + m * k);
+      };
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* w = wp + b * block_bytes;
+        int64_t m = t0;
+        for (; m + 2 <= t1; m += 2) {
+          const RowArgs rows[2] = {
+              {xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N},
+              {xrow(m + 1), dx + (m + 1) * KB, qs + (m + 1) * KB, yp + (m + 1) * n + b * BLOCK_N}};
+          if (bits == 4) block4<2>(w, rows, KB, group_shift);
+          else block8<2>(w, rows, KB, group_shift);
+        }
+        if (m < t1) {
+          const RowArgs rows[1] = {{xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N}};
+          if (bits == 4) block4<1>(w, rows, KB, group_shift);
+          else block8<1>(w, rows, KB, group_shift);
+        }
+      }
+    }
+  });
+}
+
+// The checks of sgrt_woq_avx2.linear on its arguments (the decode plan runs them once per weight,
+// with an x of one row, before it calls linear_raw directly).
+void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
+                int64_t n, int64_t k, int64_t bits, int64_t group) {
   TORCH_CHECK(bits == 4 || bits == 8, "sgrt_woq_avx2.linear: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(group == 32 || group == 64 || group == 128,
               "sgrt_woq_avx2.linear: group must be 32, 64 or 128, got ", group);
@@ -311,70 +402,27 @@ at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
               "sgrt_woq_avx2.linear: packed must be contiguous with n*k*bits/8 + 4*n*k/group=",
               n / BLOCK_N * block_bytes, " bytes (woq.fuse: codes, scales and offsets in one stream), got ",
               packed.numel());
+}
+
+at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                      const at::Tensor& offsets, int64_t n, int64_t k, int64_t bits, int64_t group) {
+  check_args(x, packed, scales, offsets, n, k, bits, group);
   const int64_t M = x.size(0);
   at::Tensor y(at::detail::empty_cpu({M, n}, at::kBFloat16));
-  if (M == 0) return y;
-
-  // every row of x quantized once, up front
-  const int64_t KB = k / QBLOCK;
-  const int group_shift = group == 32 ? 0 : group == 64 ? 1 : 2;  // log2(group / 32)
-  // (q1 and q2 int8 for 4-bit codes, as vpmaddubsw takes; Q int16 for 8-bit codes, as vpmaddwd takes)
-  std::vector<int8_t> q1(static_cast<size_t>(bits == 4 ? M * k : 0)), q2(q1.size());
-  std::vector<int16_t> Q(static_cast<size_t>(bits == 8 ? M * k : 0));
-  std::vector<float> dx(static_cast<size_t>(M * KB)), qs(static_cast<size_t>(M * KB));
-  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / k), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      if (bits == 4)
-        quantize_row(xb + m * k, k, q1.data() + m * k, q2.data() + m * k, nullptr, dx.data() + m * KB, qs.data() + m * KB);
-      else
-        quantize_row(xb + m * k, k, nullptr, nullptr, Q.data() + m * k, dx.data() + m * KB, qs.data() + m * KB);
-    }
-  });
-
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  // bytes of expanded activations per row; a tile of rows keeps them within ~256 KB (L2)
-  const int64_t row_bytes = bits == 4 ? 16 * k : 0;
-  const int64_t tile = bits == 4 ? std::min<int64_t>(M, std::max<int64_t>(2, (262144 / row_bytes) & ~int64_t(1))) : M;
-  at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
-    // (not zeroed: expand4 writes every byte read; the memset cost ~1 us a call at k = 1536)
-    std::unique_ptr<int8_t[]> X(new int8_t[static_cast<size_t>(tile * row_bytes + 64)]);
-    for (int64_t t0 = 0; t0 < M; t0 += tile) {
-      const int64_t t1 = std::min(M, t0 + tile);
-      if (bits == 4)
-        for (int64_t m = t0; m < t1; ++m) expand4(q1.data() + m * k, q2.data() + m * k, k, X.get() + (m - t0) * row_bytes);
-      // the row's activations: expanded (4-bit, this tile), or the int16 q themselves (8-bit)
-      auto xrow = [&](int64_t m) -> const void* {
-        return bits == 4 ? static_cast<const void*>(X.get() + (m - t0) * row_bytes)
-                         : static_cast<const void*>(Q.data() + m * k);
-      };
-      for (int64_t b = b0; b < b1; ++b) {
-        const uint8_t* w = wp + b * block_bytes;
-        int64_t m = t0;
-        for (; m + 2 <= t1; m += 2) {
-          const RowArgs rows[2] = {
-              {xrow(m), dx.data() + m * KB, qs.data() + m * KB, yp + m * n + b * BLOCK_N},
-              {xrow(m + 1), dx.data() + (m + 1) * KB, qs.data() + (m + 1) * KB,
-               yp + (m + 1) * n + b * BLOCK_N}};
-          if (bits == 4) block4<2>(w, rows, KB, group_shift);
-          else block8<2>(w, rows, KB, group_shift);
-        }
-        if (m < t1) {
-          const RowArgs rows[1] = {
-              {xrow(m), dx.data() + m * KB, qs.data() + m * KB, yp + m * n + b * BLOCK_N}};
-          if (bits == 4) block4<1>(w, rows, KB, group_shift);
-          else block8<1>(w, rows, KB, group_shift);
-        }
-      }
-    }
-  });
+  linear_raw(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, packed.data_ptr<uint8_t>(), n, k, bits, group,
+             reinterpret_cast<uint16_t*>(y.data_ptr()));
   return y;
 }
+
+// The address of linear_raw, for the decode plan's direct calls (no dispatcher, no tensors a call).
+// The plan declares the same signature (WoqRaw in layer_ops_cpu.cpp): change both together.
+int64_t raw_entry() { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&linear_raw)); }
 
 }  // namespace
 
 TORCH_LIBRARY(sgrt_woq_avx2, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int n, int k, int bits, int group) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(woq_linear));
+  // (no tensor arguments: registered as a catch-all kernel)
+  m.def("raw_entry() -> int", &raw_entry);
 }

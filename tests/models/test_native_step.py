@@ -80,6 +80,68 @@ def test_default_model_step_is_bit_identical(which, lens, request):
     assert_step_matches_layers(request.getfixturevalue(fixture).model, lens)
 
 
+def test_step_outputs_are_not_the_plans_reused_buffers(smollm_int4):
+    """The plan keeps its per-step buffers across steps: a step's hidden states must stay what they
+    were after later steps of other batch sizes, and equal a repeat of the same step."""
+    model = smollm_int4.model
+    first = _step(model, [80])
+    kept = first.clone()
+    others = [_step(model, lens) for lens in ([300, 37, 1, 90], [5, 6])]
+    assert torch.equal(first, kept)
+    assert torch.equal(_step(model, [80]), kept)
+    assert not torch.equal(others[1][:1], kept)
+
+
+def test_dispatcher_and_raw_entries_give_the_same_bits(smollm_int4, smollm_bf16):
+    """The projections' two ways into the kernels (the raw entries the AVX2 builds export, the
+    dispatcher that a library without one takes): hidden states bit for bit equal."""
+    for loaded in (smollm_int4, smollm_bf16):
+        plan = loaded.model.native_step.plan
+        n_raw = plan.use_raw_entries(True)
+        layers = loaded.model.config.num_hidden_layers
+        assert n_raw in (0, 4 * layers)  # every projection has one, or (a build without) none
+        raw = _step(loaded.model, [300, 37, 1, 90])
+        try:
+            plan.use_raw_entries(False)
+            dispatched = _step(loaded.model, [300, 37, 1, 90])
+        finally:
+            plan.use_raw_entries(True)
+        assert torch.equal(raw, dispatched)
+
+
+def test_steps_from_two_threads_at_once(smollm_int4):
+    """Two threads in the plan's forward at the same time (one of them on a workspace of its own)
+    get what each gets alone."""
+    import threading
+
+    model = smollm_int4.model
+    batches = ([80], [30, 12])
+    alone = [_step(model, lens) for lens in batches]
+    got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def run(i: int) -> None:
+        for _ in range(4):
+            got[i].append(_step(model, batches[i]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        assert len(got[i]) == 4 and all(torch.equal(h, alone[i]) for h in got[i])
+
+
+def _step(model: CausalLM, lens: list[int]) -> torch.Tensor:
+    """The plan's hidden states for a decode batch over a fresh random pool (seeded by lens)."""
+    ids, positions, rows = _decode_batch(lens, model.config.vocab_size)
+    pool = _pool(model, 1 + len(lens) * max(lens), seed=sum(lens))
+    with torch.inference_mode():
+        out = model.native_step.forward(ids, positions, PagedAttention(pool, rows, native=True))
+    assert out is not None
+    return out
+
+
 def test_gemma3_int4_takes_the_step_and_is_bit_identical():
     """Gemma 3: sandwich norms, q/k norms, GELU-tanh gating, q pre-scale, embedding scale, local
     and global rotary tables, and 512-token windows (a 700-token row is cut by them)."""
