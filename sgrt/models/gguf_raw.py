@@ -3,17 +3,21 @@
 llama.cpp's Q4_1 block (``block_q4_1`` in ggml's ``ggml-common.h``) covers 32 consecutive weights
 of one row in 20 bytes: ``d`` (float16 scale), ``m`` (float16 minimum), then 16 bytes whose low
 nibbles are weights 0..15 and high nibbles weights 16..31. A weight is ``w = d * q + m`` with
-``q`` in 0..15 (this is what ``gguf.quants.dequantize`` computes, in float32).
+``q`` in 0..15 (this is what ``gguf.quants.dequantize`` computes, in float32). A Q4_K
+super-block (256 weights) has the same form per group of 32, with each group's scale and minimum
+a product of two numbers (:func:`unpack_q4_k`): it is read into Q4_1's form too, so int4 takes a
+K-quant file's 4-bit tensors with their codes as they are instead of re-quantizing them.
 
 :func:`read_q4_1` returns, per HF parameter name, the codes and per-block ``d`` / ``m``, with
 llama.cpp's q/k row permutation undone on whole rows (the same
 :func:`sgrt.models.checkpoint.unpermute_rotary` the float conversion uses), so row ``i`` here is row
 ``i`` of the converted float weight. Parsing a GGUF's metadata takes seconds (the tokenizer's
 100k strings), so :func:`load_q4_1` keeps the blocks beside the float conversion in its cache
-folder (``q4_1.safetensors``: codes two a byte, ``d``, ``m``) and reads them from there next time.
+folder (``q4_groups.safetensors``: codes two a byte, ``d``, ``m``) and reads them from there next time.
 """
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -27,7 +31,16 @@ from sgrt.errors import ModelLoadError
 
 Q4_1_GROUP = 32  # weights per block
 _Q4_1_BLOCK_BYTES = 20  # 2 (d) + 2 (m) + 16 (codes)
-Q4_1_CACHE_FILE = "q4_1.safetensors"
+# (named anew when Q4_K joined Q4_1: a cache written before holds the Q4_1 tensors only)
+Q4_1_CACHE_FILE = "q4_groups.safetensors"
+TENSOR_TYPES_CACHE_FILE = "tensor_types.json"
+# GGML tensor types whose codes have at most 4 bits a weight: sgrt's int4 layout (16 levels per
+# group of 32 with a float16 scale and offset) is as fine as they are. Every other type (Q5_*,
+# Q6_K, Q8_*, F16, BF16, F32, ...) holds more levels than int4 can, so re-quantizing it to int4
+# loses precision the file has: on Gemma 3 270M Q4_K_M (mostly Q5_0) that cost top-1 agreement
+# with the file's float32 weights 97% -> 60% (mean KL 0.0045 -> 0.50).
+NARROW_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S",
+                          "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "Q1_0"})
 
 
 @dataclass
@@ -75,10 +88,49 @@ def unpack_q4_1(blocks: np.ndarray, rows: int, cols: int) -> Q4_1Weight:
                       torch.from_numpy(m.copy()))
 
 
+Q4_K_SUPER = 256  # weights per Q4_K super-block: 8 groups of 32
+_Q4_K_BLOCK_BYTES = 144  # 2 (d) + 2 (dmin) + 12 (6-bit scales and mins) + 128 (codes)
+
+
+def unpack_q4_k(blocks: np.ndarray, rows: int, cols: int) -> Q4_1Weight:
+    """Raw bytes ``[rows, cols // 256 * 144]`` uint8 of one Q4_K tensor -> :class:`Q4_1Weight`.
+
+    ggml's ``block_q4_K``: per 256 weights a float16 ``d`` and ``dmin``, 8 six-bit scales ``sc``
+    and mins ``mn`` (packed in 12 bytes), and 4-bit codes; group ``j`` of 32 weights is
+    ``w = (d * sc[j]) * q - (dmin * mn[j])``. That is Q4_1's form per group of 32, so the codes
+    are kept as they are and ``d * sc[j]`` / ``-(dmin * mn[j])`` become the group's float16 ``d``
+    / ``m`` (rounded once to float16: relative error <= 2**-11 of a group's scale and minimum,
+    against up to half a step when a group is re-quantized by its min / max).
+    """
+    if cols % Q4_K_SUPER:
+        raise ValueError(f"Q4_K row length {cols} is not a multiple of {Q4_K_SUPER}")
+    nb = cols // Q4_K_SUPER
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows, nb, _Q4_K_BLOCK_BYTES)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = b[..., 4:16].astype(np.uint8)  # [rows, nb, 12]
+    sc = np.empty((rows, nb, 8), dtype=np.uint8)
+    mn = np.empty((rows, nb, 8), dtype=np.uint8)
+    sc[..., :4] = q[..., 0:4] & 63
+    mn[..., :4] = q[..., 4:8] & 63
+    sc[..., 4:] = (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    qs = b[..., 16:].reshape(rows, nb, 4, 32)  # per 64 weights: low nibbles group 2i, high 2i + 1
+    codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)
+    gd = (d[..., None] * sc.astype(np.float32)).astype(np.float16).reshape(rows, nb * 8)
+    gm = (-(dmin[..., None] * mn.astype(np.float32))).astype(np.float16).reshape(rows, nb * 8)
+    return Q4_1Weight(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(gd.copy()),
+                      torch.from_numpy(gm.copy()))
+
+
+# The 4-bit GGML types read as Q4_1-form groups of 32 (codes as they are), by type name.
+_Q4_READERS = {"Q4_1": unpack_q4_1, "Q4_K": unpack_q4_k}
+
+
 def read_q4_1(gguf_path: str | Path, spec: str = "", reader: Any = None,
               names: set[str] | None = None) -> dict[str, Q4_1Weight]:
-    """Every Q4_1 tensor of a Llama GGUF, keyed by HF parameter name
-    (``model.layers.0.self_attn.q_proj.weight``), q/k rows unpermuted.
+    """Every Q4_1 and Q4_K tensor of a GGUF (Q4_K in Q4_1's form, :func:`unpack_q4_k`), keyed by
+    HF parameter name (``model.layers.0.self_attn.q_proj.weight``), q/k rows unpermuted.
 
     Tensors of other types are left out (the caller quantizes those from float weights).
 
@@ -105,7 +157,8 @@ def read_q4_1(gguf_path: str | Path, spec: str = "", reader: Any = None,
     parts = {p for ps in FUSED_PROJECTIONS.values() for p in ps} | {"lm_head.weight", "embed_tokens.weight"}
     out: dict[str, Q4_1Weight] = {}
     for t in reader.tensors:
-        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+        unpack = _Q4_READERS.get(t.tensor_type.name)
+        if unpack is None:
             continue
         name = family.gguf_hf_name(t.name)
         if name is None:
@@ -116,7 +169,7 @@ def read_q4_1(gguf_path: str | Path, spec: str = "", reader: Any = None,
         if names is not None and name not in names:
             continue
         cols, rows = (int(x) for x in t.shape)  # GGUF lists dims innermost first
-        w = unpack_q4_1(t.data, rows, cols)
+        w = unpack(t.data, rows, cols)
         n_heads = _rotary_heads(t.name, config) if family.gguf_unpermute_qk else None
         if n_heads is not None:
             w = Q4_1Weight(*(unpermute_rotary(x, n_heads).contiguous() for x in (w.codes, w.d, w.m)))
@@ -144,7 +197,7 @@ def load_q4_1(gguf_path: str | Path, cache_folder: str | Path | None, spec: str 
             flat[n + ".d"], flat[n + ".m"] = w.d, w.m
         tmp = cached.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{cached.name}")
         try:
-            save_file(flat, str(tmp), metadata={"format": "sgrt-q4_1", "source": str(gguf_path)})
+            save_file(flat, str(tmp), metadata={"format": "sgrt-q4-groups", "source": str(gguf_path)})
             umask = os.umask(0)
             os.umask(umask)
             os.chmod(tmp, 0o666 & ~umask)
@@ -152,6 +205,59 @@ def load_q4_1(gguf_path: str | Path, cache_folder: str | Path | None, spec: str 
         except OSError:
             tmp.unlink(missing_ok=True)
     return out
+
+
+def read_tensor_types(gguf_path: str | Path, spec: str = "", reader: Any = None) -> dict[str, str]:
+    """The GGML type name (``"Q5_0"``, ``"Q4_K"``, ...) of every tensor of a GGUF that has an HF
+    counterpart, keyed by HF parameter name (``model.layers.0.self_attn.q_proj.weight``).
+
+    Raises:
+        ModelLoadError: the file cannot be read.
+    """
+    import gguf
+
+    from sgrt.models.checkpoint import gguf_family
+
+    if reader is None:
+        try:
+            reader = gguf.GGUFReader(str(gguf_path))
+        except Exception as e:  # gguf raises ValueError / struct.error on a corrupt file
+            raise ModelLoadError(f"model {spec!r}: cannot read GGUF {gguf_path}: {e}") from e
+    family = gguf_family(reader, spec)
+    out: dict[str, str] = {}
+    for t in reader.tensors:
+        name = family.gguf_hf_name(t.name)
+        if name is not None:
+            out[name] = t.tensor_type.name
+    return out
+
+
+def load_tensor_types(gguf_path: str | Path, cache_folder: str | Path | None, spec: str = "") -> dict[str, str]:
+    """:func:`read_tensor_types`, through ``cache_folder / tensor_types.json`` (as
+    :func:`load_q4_1` caches its blocks: parsing the GGUF's metadata takes seconds)."""
+    cached = Path(cache_folder) / TENSOR_TYPES_CACHE_FILE if cache_folder is not None else None
+    if cached is not None and cached.is_file():
+        try:
+            types = json.loads(cached.read_text())
+        except (OSError, ValueError):
+            types = None
+        if isinstance(types, dict):
+            return {str(k): str(v) for k, v in types.items()}
+    out = read_tensor_types(gguf_path, spec)
+    if cached is not None:
+        tmp = cached.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{cached.name}")
+        try:
+            tmp.write_text(json.dumps(out, sort_keys=True))
+            os.replace(tmp, cached)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    return out
+
+
+def wider_than_4_bits(types: dict[str, str]) -> frozenset[str]:
+    """The HF names among ``types`` (:func:`load_tensor_types`) whose file type is not in
+    :data:`NARROW_TYPES`: the tensors that int4 would hold less precisely than the file does."""
+    return frozenset(name for name, t in types.items() if t not in NARROW_TYPES)
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:

@@ -127,16 +127,18 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
     except (KeyError, RuntimeError, ValueError) as e:  # missing weight / shape mismatch
         raise ModelLoadError(f"model {spec!r}: weights in {folder} do not fit the config: {e}") from e
     if quantization != "none":
-        q4_1 = None
+        q4_1, wide = None, frozenset()
         if quantization == "int4" and kind == "gguf":
-            from sgrt.models.gguf_raw import load_q4_1
+            from sgrt.models.gguf_raw import load_q4_1, load_tensor_types, wider_than_4_bits
 
             q4_1 = load_q4_1(src, folder, spec)
-        counts = quantize_model(model, quantization, state, q4_1)
+            wide = wider_than_4_bits(load_tensor_types(src, folder, spec))
+        counts = quantize_model(model, quantization, state, q4_1, wide)
         if kind == "gguf" and counts["quantized"]:
             logger.info("%s: %d projections re-quantized at load to %s groups of 32 (the file's blocks "
-                        "are not Q4_1, the layout sgrt's kernel takes); %d taken as they are",
-                        spec, counts["quantized"], quantization, counts["q4_1"])
+                        "are not Q4_1, the layout sgrt's kernel takes; %d of them in int8, the file "
+                        "holding a part in more than 4 bits); %d taken as they are",
+                        spec, counts["quantized"], quantization, counts["int8_wide"], counts["q4_1"])
     del state
     if prepack:
         pack_linear_layers(model, tuple(FUSED_PROJECTIONS))

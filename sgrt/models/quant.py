@@ -88,7 +88,7 @@ def native_kernel_available() -> bool:
 
 
 def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
-                   q4_1: dict[str, Any] | None = None) -> dict[str, int]:
+                   q4_1: dict[str, Any] | None = None, wide: frozenset[str] = frozenset()) -> dict[str, int]:
     """Replace every fused projection of ``model`` (a :class:`sgrt.models.llama.LlamaForCausalLM`)
     and its LM head by quantized layers, in place.
 
@@ -98,10 +98,14 @@ def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
             rather than from the model's (maybe bfloat16) parameters keeps one rounding, not two.
         q4_1: for int4, Q4_1 blocks by HF name (:func:`sgrt.models.gguf_raw.read_q4_1`); a fused
             projection whose parts are all there is built from them as they are.
+        wide: for int4, HF names whose source holds more precision than int4 (a GGUF's Q5_0, Q6_K,
+            Q8_0, ... tensors: :func:`sgrt.models.gguf_raw.wider_than_4_bits`); a fused projection
+            with such a part is built in int8 instead, so that int4 never drops below the file.
 
     Returns:
         Counts: ``{"q4_1": layers loaded from Q4_1 blocks, "quantized": layers quantized at load,
-        "float": layers left in float because the kernel cannot take their shape}``. The LM head
+        "int8_wide": of those, int4-mode layers built in int8 for a ``wide`` part, "float": layers
+        left in float because the kernel cannot take their shape}``. The LM head
         is int8 in int4 mode too, unless the file holds it in Q4_1.
 
     Raises:
@@ -110,16 +114,20 @@ def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
     from sgrt.models.llama import FUSED_PROJECTIONS
 
     method = parse_quantization(method)
-    counts = {"q4_1": 0, "quantized": 0, "float": 0}
+    counts = {"q4_1": 0, "quantized": 0, "int8_wide": 0, "float": 0}
     if method == "none":
         return counts
     sd = {k.removeprefix("model."): v for k, v in weights.items()}
     blocks = {k.removeprefix("model."): v for k, v in (q4_1 or {}).items()} if method == "int4" else {}
+    wide_parts = {k.removeprefix("model.") for k in wide} if method == "int4" else set()
     device = model.device
 
     native = device.type == "cpu" and native_kernel_available()
 
     def build(names: list[str], current: nn.Module | None, kind: str) -> nn.Module | None:
+        widened = kind == "int4" and any(n in wide_parts for n in names)
+        if widened:  # a part finer than int4 in the file: keep its precision (int8)
+            kind = "int8"
         bits = 8 if kind == "int8" else 4
         if all(n in blocks for n in names):
             from sgrt.models.gguf_raw import Q4_1Weight
@@ -140,6 +148,7 @@ def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
                 logger.warning("%s: %s kept in float (%s)", method, "+".join(names), e)
             else:
                 counts["quantized"] += 1
+                counts["int8_wide"] += widened
                 return layer
         else:
             logger.warning("%s: %s kept in float (shape %s not supported by the %s kernel)",

@@ -333,7 +333,7 @@ def test_tiny_model_quantizes_at_load_and_keeps_unsupported_shapes_in_float():
         counts = quant.quantize_model(model, method, state)
         assert model.quantization == method
         # down_proj (in_features 104) fits no kernel (torch's int8: in % 16, int4 and the native one: in % 32).
-        assert counts == {"q4_1": 0, "quantized": 2 * 3 + 1, "float": 2}, counts
+        assert counts == {"q4_1": 0, "quantized": 2 * 3 + 1, "int8_wide": 0, "float": 2}, counts
         assert type(model.layers[0].down_proj) is torch.nn.Linear
         if NATIVE:
             assert isinstance(model.layers[0].gate_up_proj, quant.GroupLinear)
