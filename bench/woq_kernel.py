@@ -30,8 +30,18 @@ at 16 rows and 0.43-0.58 at 256; int8 / base-int8 0.25-0.36 and 0.21-0.26; LM he
 int8 0.50-0.89, the new int4 kernel streaming 2.5-3.5 GB/s (56-78% of it). With 2 threads on that
 loaded machine every parallel call waited ~16 ms for its second thread: use ``--threads 1`` there.
 
+``--ab REV``: instead, this tree's int4 kernel against commit ``REV``'s (built with the same
+flags, as library ``sgrt_woq_avx2_base``; its weights in the layout it takes, so only a base
+with the fused stream, ``e0b4e97`` on), on the four projection shapes at ``--rows`` rows
+(default 1 and 256), in the calling thread's CPU time (``time.thread_time``: other processes on a
+shared machine do not count), ABBA rounds (``--passes``), a sample the best of ``--best-of``
+timings; prints G weights / s per side, the median ratio new / base with its range, and whether
+the outputs are bitwise equal. 1 row: ``--copies`` layers (30: from memory; 1: in cache); from 64
+rows on 2 copies (compute-bound).
+
 Run: ``python bench/woq_kernel.py [--rows 1,16,256] [--passes 5] [--threads 2] [--copies 30]
-[--base 632e14a] [--methods ...]``
+[--base 632e14a] [--methods ...]``; ``python bench/woq_kernel.py --ab 3c0d442 --threads 1
+[--rows 1,256] [--copies 30] [--passes 7]``
 """
 from __future__ import annotations
 
@@ -63,9 +73,11 @@ BASE_REV = "632e14a"
 _BASE_FUSED = {"fused": False}
 
 
-def load_base(rev: str) -> bool:
-    """Compile commit ``rev``'s ``woq_avx2.cpp`` as library ``sgrt_woq_avx2_base`` and load it.
-    False (with the reason printed) where that fails."""
+def load_base(rev: str, exact: bool = False) -> bool:
+    """Compile commit ``rev``'s ``woq_avx2.cpp`` as library ``sgrt_woq_avx2_base`` and load it
+    (``exact``: with the kernel's own flags, ``-ffp-contract=off`` included, so that a kernel with
+    the same arithmetic gives bitwise the same outputs; else without it, as the commits before
+    that flag were built). False (with the reason printed) where that fails."""
     from sgrt.kernels import woq
     from sgrt.kernels.build import load_library
 
@@ -79,7 +91,7 @@ def load_base(rev: str) -> bool:
     src = src.replace("TORCH_LIBRARY(sgrt_woq_avx2,", "TORCH_LIBRARY(sgrt_woq_avx2_base,")
     path = Path(tempfile.gettempdir()) / f"sgrt_woq_avx2_base_{rev}.cpp"
     path.write_text(src)
-    flags = [f for f in woq.CFLAGS_AVX2 if f != "-ffp-contract=off"]
+    flags = list(woq.CFLAGS_AVX2) if exact else [f for f in woq.CFLAGS_AVX2 if f != "-ffp-contract=off"]
     reason = load_library("sgrt_woq_avx2_base", path, flags, woq.REQUIRED_CPU_FLAGS_AVX2)
     if reason is not None:
         print(f"base kernel unavailable: {reason}")
@@ -171,8 +183,12 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=30)
     ap.add_argument("--base", default=BASE_REV, help="commit whose AVX2 kernel the base-* methods run")
     ap.add_argument("--bandwidth-mib", type=int, default=512, help="0: skip the read-bandwidth measurement")
+    ap.add_argument("--ab", metavar="REV", default="", help="this tree's int4 kernel against commit REV's")
+    ap.add_argument("--best-of", type=int, default=3, help="--ab: a sample is the best of this many timings")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.ab:
+        return ab(args)
     rows = [int(r) for r in args.rows.split(",") if r]
     head_rows = [int(r) for r in args.head_rows.split(",") if r]
     methods = [m for m in args.methods.split(",") if m]
@@ -245,6 +261,68 @@ def main() -> None:
           + (" (the figures are unreliable: rerun on a quiet machine)" if other_share > 0.05 else ""))
     emit_json("woq_kernel", threads=args.threads, read_bandwidth_gbs=round(bandwidth, 2),
               other_cpu_share=round(other_share, 3), **figures)
+
+
+def ab(args) -> None:
+    """This tree's int4 kernel against commit ``args.ab``'s, in thread CPU time (see the docstring)."""
+    import statistics
+
+    from sgrt.kernels import woq
+
+    if not woq.available() or woq.isa() != "avx2" or not load_base(args.ab, exact=True):
+        sys.exit("--ab needs the AVX2 build and a compilable base kernel")
+    if not _BASE_FUSED["fused"]:
+        sys.exit(f"--ab: {args.ab}'s kernel predates the fused weight stream")
+    sides = {"base": torch.ops.sgrt_woq_avx2_base.linear.default, "new": woq.kernel()}
+    rows_list = [int(r) for r in (args.rows if args.rows != "1,16,256" else "1,256").split(",") if r]
+    shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",") if sh]
+    gen = torch.Generator().manual_seed(1)
+    table, figures = [], {"base": args.ab, "threads": args.threads, "copies": args.copies, "best_of": args.best_of}
+    print(f"load average before: {os.getloadavg()}")
+    with torch.inference_mode():
+        for n, k in shapes:
+            for m in rows_list:
+                copies = args.copies if m <= 16 else 2
+                layers = []
+                for _ in range(copies):
+                    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+                    scale = (torch.rand(n, k // GROUP, generator=gen) * 9e-3 + 1e-3).half()
+                    offset = (-8 * scale.float()).half()
+                    layers.append(woq.prepare(woq.pack(codes, 4), scale, offset, n, k, 4, GROUP))
+                x = torch.randn(m, k, generator=gen).bfloat16()
+                empty = torch.empty(0, dtype=torch.half)
+                equal = all(torch.equal(sides["base"](x, w, empty, empty, n, k, 4, GROUP).view(torch.int16),
+                                        sides["new"](x, w, empty, empty, n, k, 4, GROUP).view(torch.int16))
+                            for w in layers)
+                reps = max(1, int(2e7 // (n * k * m * copies)))  # ~20 M weights a timing
+
+                def measure(op) -> float:
+                    best = 0.0
+                    for _ in range(args.best_of):
+                        t0 = time.thread_time()
+                        for _ in range(reps):
+                            for w in layers:
+                                op(x, w, empty, empty, n, k, 4, GROUP)
+                        best = max(best, n * k * m * copies * reps / (time.thread_time() - t0) / 1e9)
+                    return best
+
+                samples: dict[str, list[float]] = {"base": [], "new": []}
+                for r in range(args.passes):
+                    for name in (("base", "new") if r % 2 == 0 else ("new", "base")):
+                        samples[name].append(measure(sides[name]))
+                ratios = [b / a for a, b in zip(samples["base"], samples["new"])]  # speed new / base
+                base, new = statistics.median(samples["base"]), statistics.median(samples["new"])
+                ratio = statistics.median(ratios)
+                table.append([f"{n}x{k}", m, copies, round(base, 1), round(new, 1),
+                              f"{ratio:.2f} ({min(ratios):.2f}-{max(ratios):.2f})", equal])
+                key = f"{n}x{k}_M{m}"
+                figures.update({f"{key}_base_gws": round(base, 2), f"{key}_new_gws": round(new, 2),
+                                f"{key}_speedup": round(ratio, 3), f"{key}_bitwise_equal": equal})
+    print(f"{args.threads} threads, G int4 weights x rows per second of thread CPU time; median of {args.passes} "
+          f"ABBA rounds (a sample: the best of {args.best_of}); base = {args.ab}")
+    print_table(["shape", "rows", "copies", "base", "new", "speed new / base (min-max)", "bitwise equal"], table)
+    print(f"load average after: {os.getloadavg()}")
+    emit_json("woq_kernel_ab", **figures)
 
 
 if __name__ == "__main__":
