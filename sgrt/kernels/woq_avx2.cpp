@@ -223,10 +223,13 @@ inline void block4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_
         const __m256i* X = reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(rows[r].X) + (b * 4 + c) * 128);
         const __m256i X01 = _mm256_loadu_si256(X), X23 = _mm256_loadu_si256(X + 1);
         const __m256i Y01 = _mm256_loadu_si256(X + 2), Y23 = _mm256_loadu_si256(X + 3);
-        hA[r] = _mm256_add_epi16(hA[r], _mm256_add_epi16(_mm256_maddubs_epi16(Alo, X01), _mm256_maddubs_epi16(Ahi, X23)));
-        hB[r] = _mm256_add_epi16(hB[r], _mm256_add_epi16(_mm256_maddubs_epi16(Blo, X01), _mm256_maddubs_epi16(Bhi, X23)));
-        lA[r] = _mm256_add_epi16(lA[r], _mm256_add_epi16(_mm256_maddubs_epi16(Alo, Y01), _mm256_maddubs_epi16(Ahi, Y23)));
-        lB[r] = _mm256_add_epi16(lB[r], _mm256_add_epi16(_mm256_maddubs_epi16(Blo, Y01), _mm256_maddubs_epi16(Bhi, Y23)));
+        // (R = 1: the first chunk starts the sums; each sum right after its two products, an order
+        // that keeps gcc from spilling at R = 2)
+        const auto acc = [c](__m256i s, __m256i t) { return R == 1 && c == 0 ? t : _mm256_add_epi16(s, t); };
+        hA[r] = acc(hA[r], _mm256_add_epi16(_mm256_maddubs_epi16(Alo, X01), _mm256_maddubs_epi16(Ahi, X23)));
+        hB[r] = acc(hB[r], _mm256_add_epi16(_mm256_maddubs_epi16(Blo, X01), _mm256_maddubs_epi16(Bhi, X23)));
+        lA[r] = acc(lA[r], _mm256_add_epi16(_mm256_maddubs_epi16(Alo, Y01), _mm256_maddubs_epi16(Ahi, Y23)));
+        lB[r] = acc(lB[r], _mm256_add_epi16(_mm256_maddubs_epi16(Blo, Y01), _mm256_maddubs_epi16(Bhi, Y23)));
       }
       // a compiler barrier per chunk: without it gcc reassociates the four chunks' integer adds into
       // one tree after all 32 (R = 1) or 64 (R = 2) vpmaddubsw, which spills ~20 vectors to the
