@@ -48,3 +48,25 @@ def test_batched_greedy_decode_equals_one_by_one(engine, tokenizer):
     alone = [engine.generate(p, params).token_ids for p in prompts]
     together = [r.token_ids for r in engine.generate_batch(prompts, params)]
     assert together == alone
+
+
+def test_a_window_that_hides_nothing_reuses_the_full_slot_tables():
+    # Decode rows whose contexts fit in the window: the windowed layers get the full tables (not
+    # a second build) and attend exactly as the PyTorch path's windowed attention.
+    from sgrt.engine.attention import PagedAttention, RowSpec
+    from sgrt.kernels import layer_ops
+    from tests.engine.test_attention import _pool
+
+    if not layer_ops.available():
+        import pytest
+
+        pytest.skip("the native layer operators are not built here")
+    rows = [RowSpec(list(range(1, 301)), 1), RowSpec(list(range(2000, 2100)), 1)]
+    q, k, v = (torch.randn(2, h, 64, generator=torch.Generator().manual_seed(h)) for h in (9, 3, 3))
+    native = PagedAttention(_pool(torch.float32), rows, native=True)
+    assert native._window_groups(512)[1] is native._native_decode
+    assert native._window_groups(200)[1] is not native._native_decode  # row 0 is cut to 200
+    for window in (512, 200):
+        got = PagedAttention(_pool(torch.float32), rows, native=True).forward(0, q, k, v, window=window)
+        want = PagedAttention(_pool(torch.float32), rows, native=False).forward(0, q, k, v, window=window)
+        assert (got - want).abs().max().item() <= 1e-5
