@@ -163,7 +163,11 @@ class PagedAttention:
         decode-only native forward only the native slot tables (groups None: not needed)."""
         cached = self._windowed.get(window)
         if cached is None:
-            if self._decode_only:
+            if self._decode_only and all(len(r.slots) <= window for r in self._rows):
+                # A window that hides nothing (every context fits in it): the full tables, not a
+                # second build of the same values (Gemma 3's 512-token window, short contexts).
+                cached = (None, self._native_decode)
+            elif self._decode_only:
                 out_slots, table, kv_lens = _decode_tables([r.slots[max(0, len(r.slots) - window):] for r in self._rows])
                 cached = (None, (table, kv_lens))
             else:

@@ -73,9 +73,7 @@ class ModelRunner:
         if len(picks) != base or picks != list(range(base)):  # (decode batches pick every row)
             hidden = hidden[torch.tensor(picks, dtype=torch.long, device=dev)]
         logits = self.model.compute_logits(hidden)
-        out = []
-        i = 0
-        for offsets in logit_offsets:
-            out.append(logits[i: i + len(offsets)])
-            i += len(offsets)
-        return out
+        if len(logit_offsets) == 1:
+            return [logits]
+        # (one split: views of consecutive rows, which the sampler batches back without a copy)
+        return list(logits.split([len(offsets) for offsets in logit_offsets]))

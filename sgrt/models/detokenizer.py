@@ -3,14 +3,17 @@
 Decoding each new token on its own is wrong twice over: a multi-byte character split across
 tokens decodes to U+FFFD halves, and some tokenizers (SentencePiece's leading-space rule, byte-level
 merges) decode a suffix differently from how that suffix reads inside the whole. So we keep two
-offsets into the id list, as vLLM and TGI do:
+offsets into the id list, as vLLM, TGI and tokenizers' ``DecodeStream`` do:
 
 - ``prefix_offset``: start of a short window of already-emitted tokens kept as left context;
 - ``read_offset``: end of what has been emitted.
 
-Each step decodes ``ids[prefix_offset:read_offset]`` (text already emitted, in context) and
-``ids[prefix_offset:]`` (the same plus the new tokens); the new text is the difference. While that
-text ends in U+FFFD the tail is an incomplete character and is held back.
+Each step decodes the window ``ids[prefix_offset:]`` once and compares it with the cached text of
+``ids[prefix_offset:read_offset]`` (the window's emitted part); the new text is the difference.
+While that text ends in U+FFFD the tail is an incomplete character and is held back. When text is
+emitted, the window's decode *is* the next step's cached prefix text, so a step costs one decode
+of a few tokens. The window grows by the emitted tokens until it holds more than
+:data:`MAX_WINDOW` tokens; then it restarts at the last emitted chunk (one extra decode then).
 """
 from __future__ import annotations
 
@@ -19,6 +22,9 @@ from collections.abc import Iterable
 from sgrt.models.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
+# Tokens in the decode window before it restarts: long enough that the restart's extra decode is
+# rare, short enough that decoding the window stays a few microseconds.
+MAX_WINDOW = 8
 
 
 class IncrementalDetokenizer:
@@ -38,6 +44,8 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
+        self._decode = tokenizer.decode
+        self._prefix_text = ""  # decode of ids[prefix_offset:read_offset]
 
     def add(self, token_ids: int | Iterable[int]) -> str:
         """Append one id or several; return the newly completed text (possibly ``""``)."""
@@ -47,12 +55,10 @@ class IncrementalDetokenizer:
             self.ids.extend(int(t) for t in token_ids)
         if len(self.ids) == self.read_offset:
             return ""
-        prefix_text, full_text = self._window_texts()
+        prefix_text = self._prefix_text
+        full_text = self._decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
         if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT_CHAR):
-            # NOTE: the new start of the context window is the old read offset, which always sits
-            # on a character boundary (we only advance it when the text was complete).
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
+            self._advance(full_text)
             return full_text[len(prefix_text):]
         return ""
 
@@ -63,9 +69,9 @@ class IncrementalDetokenizer:
         """
         if len(self.ids) == self.read_offset:
             return ""
-        prefix_text, full_text = self._window_texts()
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
+        prefix_text = self._prefix_text
+        full_text = self._decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        self._advance(full_text)
         return full_text[len(prefix_text):]
 
     @property
@@ -73,8 +79,14 @@ class IncrementalDetokenizer:
         """True while tokens have been added whose text has not been returned yet."""
         return len(self.ids) > self.read_offset
 
-    def _window_texts(self) -> tuple[str, str]:
-        decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full_text = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
-        return prefix_text, full_text
+    def _advance(self, full_text: str) -> None:
+        """Mark everything added as emitted; ``full_text`` is the decode of the whole window."""
+        last_read = self.read_offset
+        self.read_offset = len(self.ids)
+        if self.read_offset - self.prefix_offset <= MAX_WINDOW:
+            self._prefix_text = full_text
+            return
+        # NOTE: the new window starts at the old read offset, which sits on a character boundary
+        # (it only advances when the text was complete, or at flush).
+        self.prefix_offset = last_read
+        self._prefix_text = self._decode(self.ids[last_read:], self.skip_special_tokens)

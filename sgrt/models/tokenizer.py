@@ -74,6 +74,22 @@ def _decoder_kinds(backend: Any) -> set[str]:
     return kinds
 
 
+def _decodes_with_backend(cls: type) -> bool:
+    """Whether ``cls(...).decode(ids, skip_special_tokens=s, clean_up_tokenization_spaces=False)``
+    is exactly ``backend_tokenizer.decode(ids, skip_special_tokens=s)``: transformers' own
+    ``TokenizersBackend._decode`` (5.x) or ``PreTrainedTokenizerFast._decode`` (4.x), not one a
+    model's tokenizer class replaces."""
+    try:
+        import transformers
+    except ImportError:
+        return False
+    base = getattr(transformers, "TokenizersBackend", None) or getattr(transformers, "PreTrainedTokenizerFast", None)
+    if base is None or not issubclass(cls, base):
+        return False
+    base_decode = transformers.PreTrainedTokenizerBase.decode
+    return cls._decode is base._decode and cls.decode is base_decode
+
+
 class Tokenizer:
     """Text <-> token ids for one model, plus the facts the engine and grammars need.
 
@@ -122,6 +138,11 @@ class Tokenizer:
         self._byte_level = "ByteLevel" in kinds
         self._metaspace = "Metaspace" in kinds or "SpaceReplace" in kinds
         self._all_bytes: list[bytes] | None = None
+        # transformers' fast-tokenizer decode, without clean-up, is the Rust backend's decode
+        # behind a few layers of Python argument handling; call the backend directly (the
+        # streaming detokenizer decodes once per generated token) unless the class overrides it.
+        self._backend_decode = (hf.backend_tokenizer.decode
+                                if _decodes_with_backend(type(hf)) else None)
 
     @classmethod
     def from_folder(cls, folder: str | Path, extra_eos_token_ids: Iterable[int] = ()) -> "Tokenizer":
@@ -163,6 +184,8 @@ class Tokenizer:
 
         No tokenization-space clean-up is applied, so ``decode(encode(s)) == s``.
         """
+        if self._backend_decode is not None:
+            return self._backend_decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens,
                               clean_up_tokenization_spaces=False)
 
