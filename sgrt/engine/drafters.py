@@ -59,6 +59,10 @@ class _DraftSeq:
     fill_ids: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
 
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """``fill_ids[start:end]`` (what a ``Row`` feeds, as :meth:`sgrt.engine.request.Req.fill_slice`)."""
+        return self.fill_ids[start:end]
+
 
 class DraftModelDrafter:
     """Propose tokens with a draft model.

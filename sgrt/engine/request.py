@@ -66,6 +66,16 @@ class Req:
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """``fill_ids[start:end]``, sliced from the prompt and the output without building
+        ``fill_ids`` (a decode step feeds one token; building it would copy the whole context)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p: end - p]
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
     @property
     def num_fill(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

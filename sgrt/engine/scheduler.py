@@ -78,20 +78,7 @@ class Row:
 
     def input_ids(self) -> list[int]:
         """The token ids this row feeds (``n`` of them)."""
-        # (sliced from prompt_ids / output_ids: a decode row feeds one token, and building
-        # fill_ids would copy the whole context every step)
-        req = self.req
-        start, end = self.start, self.start + self.n - len(self.draft)
-        prompt = getattr(req, "prompt_ids", None)
-        p = 0 if prompt is None else len(prompt)
-        if prompt is None:  # a draft model's sequence (drafters._DraftSeq): fill_ids only
-            fed = req.fill_ids[start:end]
-        elif start >= p:
-            fed = req.output_ids[start - p: end - p]
-        elif end <= p:
-            fed = req.prompt_ids[start:end]
-        else:
-            fed = req.prompt_ids[start:] + req.output_ids[: end - p]
+        fed = self.req.fill_slice(self.start, self.start + self.n - len(self.draft))
         return fed + self.draft if self.draft else fed
 
 
