@@ -12,7 +12,7 @@ K-quant file's 4-bit tensors with their codes as they are instead of re-quantizi
 llama.cpp's q/k row permutation undone on whole rows (the same
 :func:`sgrt.models.checkpoint.unpermute_rotary` the float conversion uses), so row ``i`` here is row
 ``i`` of the converted float weight. Parsing a GGUF's metadata takes seconds (the tokenizer's
-100k strings), so :func:`load_q4_1` keeps the blocks beside the float conversion in its cache
+100k strings), so :func:`load_q4_groups` keeps the blocks (and every tensor's type) beside the float conversion in its cache
 folder (``q4_groups.safetensors``: codes two a byte, ``d``, ``m``) and reads them from there next time.
 """
 from __future__ import annotations
@@ -33,7 +33,6 @@ Q4_1_GROUP = 32  # weights per block
 _Q4_1_BLOCK_BYTES = 20  # 2 (d) + 2 (m) + 16 (codes)
 # (named anew when Q4_K joined Q4_1: a cache written before holds the Q4_1 tensors only)
 Q4_1_CACHE_FILE = "q4_groups.safetensors"
-TENSOR_TYPES_CACHE_FILE = "tensor_types.json"
 # GGML tensor types whose codes have at most 4 bits a weight: sgrt's int4 layout (16 levels per
 # group of 32 with a float16 scale and offset) is as fine as they are. Every other type (Q5_*,
 # Q6_K, Q8_*, F16, BF16, F32, ...) holds more levels than int4 can, so re-quantizing it to int4
@@ -141,16 +140,11 @@ def read_q4_1(gguf_path: str | Path, spec: str = "", reader: Any = None,
     Raises:
         ModelLoadError: the file cannot be read, or a tensor has no Llama counterpart.
     """
-    import gguf
-
     from sgrt.models.layers import FUSED_PROJECTIONS
     from sgrt.models.checkpoint import gguf_config, gguf_family, unpermute_rotary
 
     if reader is None:
-        try:
-            reader = gguf.GGUFReader(str(gguf_path))
-        except Exception as e:  # gguf raises ValueError / struct.error on a corrupt file
-            raise ModelLoadError(f"model {spec!r}: cannot read GGUF {gguf_path}: {e}") from e
+        reader = _open(gguf_path, spec)
     config, _ = gguf_config(reader, spec)
     family = gguf_family(reader, spec)
     # Only tensors that are whole parts of our fused projections (not Phi-3's pre-fused ones).
@@ -177,36 +171,6 @@ def read_q4_1(gguf_path: str | Path, spec: str = "", reader: Any = None,
     return out
 
 
-def load_q4_1(gguf_path: str | Path, cache_folder: str | Path | None, spec: str = "") -> dict[str, Q4_1Weight]:
-    """:func:`read_q4_1`, through ``cache_folder / q4_1.safetensors`` (the GGUF's conversion
-    cache entry, whose name already digests the file's contents): read from it when present,
-    else read the GGUF and write it there (atomically; skipped if the folder is read-only)."""
-    from safetensors.torch import load_file, save_file
-
-    cached = Path(cache_folder) / Q4_1_CACHE_FILE if cache_folder is not None else None
-    if cached is not None and cached.is_file():
-        flat = load_file(str(cached))
-        names = {k.rsplit(".", 1)[0] for k in flat}
-        return {n: Q4_1Weight(_unpack_nibbles(flat[n + ".codes"]), flat[n + ".d"], flat[n + ".m"])
-                for n in sorted(names)}
-    out = read_q4_1(gguf_path, spec)
-    if cached is not None:
-        flat = {}
-        for n, w in out.items():
-            flat[n + ".codes"] = (w.codes[:, 0::2] | (w.codes[:, 1::2] << 4)).contiguous()
-            flat[n + ".d"], flat[n + ".m"] = w.d, w.m
-        tmp = cached.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{cached.name}")
-        try:
-            save_file(flat, str(tmp), metadata={"format": "sgrt-q4-groups", "source": str(gguf_path)})
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, cached)
-        except OSError:
-            tmp.unlink(missing_ok=True)
-    return out
-
-
 def read_tensor_types(gguf_path: str | Path, spec: str = "", reader: Any = None) -> dict[str, str]:
     """The GGML type name (``"Q5_0"``, ``"Q4_K"``, ...) of every tensor of a GGUF that has an HF
     counterpart, keyed by HF parameter name (``model.layers.0.self_attn.q_proj.weight``).
@@ -214,15 +178,10 @@ def read_tensor_types(gguf_path: str | Path, spec: str = "", reader: Any = None)
     Raises:
         ModelLoadError: the file cannot be read.
     """
-    import gguf
-
     from sgrt.models.checkpoint import gguf_family
 
     if reader is None:
-        try:
-            reader = gguf.GGUFReader(str(gguf_path))
-        except Exception as e:  # gguf raises ValueError / struct.error on a corrupt file
-            raise ModelLoadError(f"model {spec!r}: cannot read GGUF {gguf_path}: {e}") from e
+        reader = _open(gguf_path, spec)
     family = gguf_family(reader, spec)
     out: dict[str, str] = {}
     for t in reader.tensors:
@@ -232,32 +191,59 @@ def read_tensor_types(gguf_path: str | Path, spec: str = "", reader: Any = None)
     return out
 
 
-def load_tensor_types(gguf_path: str | Path, cache_folder: str | Path | None, spec: str = "") -> dict[str, str]:
-    """:func:`read_tensor_types`, through ``cache_folder / tensor_types.json`` (as
-    :func:`load_q4_1` caches its blocks: parsing the GGUF's metadata takes seconds)."""
-    cached = Path(cache_folder) / TENSOR_TYPES_CACHE_FILE if cache_folder is not None else None
+def load_q4_groups(gguf_path: str | Path, cache_folder: str | Path | None, spec: str = ""
+                   ) -> tuple[dict[str, Q4_1Weight], dict[str, str]]:
+    """:func:`read_q4_1` and :func:`read_tensor_types` of one GGUF (one reader), through
+    ``cache_folder / q4_groups.safetensors`` (the GGUF's conversion cache entry, whose name already
+    digests the file's contents; the types in its metadata): read from it when present, else read
+    the GGUF and write it there (atomically; skipped if the folder is read-only)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    cached = Path(cache_folder) / Q4_1_CACHE_FILE if cache_folder is not None else None
     if cached is not None and cached.is_file():
-        try:
-            types = json.loads(cached.read_text())
-        except (OSError, ValueError):
-            types = None
-        if isinstance(types, dict):
-            return {str(k): str(v) for k, v in types.items()}
-    out = read_tensor_types(gguf_path, spec)
+        with safe_open(str(cached), "pt") as f:
+            meta = f.metadata() or {}
+        if "tensor_types" in meta:
+            flat = load_file(str(cached))
+            names = {k.rsplit(".", 1)[0] for k in flat}
+            blocks = {n: Q4_1Weight(_unpack_nibbles(flat[n + ".codes"]), flat[n + ".d"], flat[n + ".m"])
+                      for n in sorted(names)}
+            return blocks, json.loads(meta["tensor_types"])
+    reader = _open(gguf_path, spec)
+    blocks, types = read_q4_1(gguf_path, spec, reader), read_tensor_types(gguf_path, spec, reader)
     if cached is not None:
+        flat = {}
+        for n, w in blocks.items():
+            flat[n + ".codes"] = (w.codes[:, 0::2] | (w.codes[:, 1::2] << 4)).contiguous()
+            flat[n + ".d"], flat[n + ".m"] = w.d, w.m
         tmp = cached.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{cached.name}")
         try:
-            tmp.write_text(json.dumps(out, sort_keys=True))
+            save_file(flat, str(tmp), metadata={"format": "sgrt-q4-groups", "source": str(gguf_path),
+                                                "tensor_types": json.dumps(types, sort_keys=True)})
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
             os.replace(tmp, cached)
         except OSError:
             tmp.unlink(missing_ok=True)
-    return out
+    return blocks, types
 
 
 def wider_than_4_bits(types: dict[str, str]) -> frozenset[str]:
-    """The HF names among ``types`` (:func:`load_tensor_types`) whose file type is not in
+    """The HF names among ``types`` (:func:`read_tensor_types`) whose file type is not in
     :data:`NARROW_TYPES`: the tensors that int4 would hold less precisely than the file does."""
     return frozenset(name for name, t in types.items() if t not in NARROW_TYPES)
+
+
+def _open(gguf_path: str | Path, spec: str) -> Any:
+    """A ``gguf.GGUFReader`` of the file; ModelLoadError naming it if it cannot be read."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(gguf_path))
+    except Exception as e:  # gguf raises ValueError / struct.error on a corrupt file
+        raise ModelLoadError(f"model {spec!r}: cannot read GGUF {gguf_path}: {e}") from e
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:

@@ -129,10 +129,10 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
     if quantization != "none":
         q4_1, wide = None, frozenset()
         if quantization == "int4" and kind == "gguf":
-            from sgrt.models.gguf_raw import load_q4_1, load_tensor_types, wider_than_4_bits
+            from sgrt.models.gguf_raw import load_q4_groups, wider_than_4_bits
 
-            q4_1 = load_q4_1(src, folder, spec)
-            wide = wider_than_4_bits(load_tensor_types(src, folder, spec))
+            q4_1, types = load_q4_groups(src, folder, spec)
+            wide = wider_than_4_bits(types)
         counts = quantize_model(model, quantization, state, q4_1, wide)
         if kind == "gguf" and counts["quantized"]:
             logger.info("%s: %d projections re-quantized at load to %s groups of 32 (the file's blocks "

@@ -244,9 +244,10 @@ def test_int4_model_uses_the_files_codes(quantized, quantized_torch, gguf_reader
 
 def test_q4_1_cache_file_round_trips(tmp_path):
     path = loader.default_gguf_path()
-    first = gguf_raw.load_q4_1(path, tmp_path, MODEL)  # reads the GGUF, writes the cache file
+    first, first_types = gguf_raw.load_q4_groups(path, tmp_path, MODEL)  # reads the GGUF, writes the cache file
     assert (tmp_path / gguf_raw.Q4_1_CACHE_FILE).is_file()
-    second = gguf_raw.load_q4_1(path, tmp_path, MODEL)  # reads the cache file
+    second, second_types = gguf_raw.load_q4_groups(path, tmp_path, MODEL)  # reads the cache file
+    assert first_types == second_types and first_types["model.embed_tokens.weight"] == "Q8_0"
     assert first.keys() == second.keys() and len(first) == 7 * 30
     for name in first:
         a, b = first[name], second[name]
