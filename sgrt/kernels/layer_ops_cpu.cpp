@@ -836,7 +836,15 @@ struct DecodePlan : torch::CustomClassHolder {
   DecodePlan(Tensor embed, std::optional<Tensor> embed_scale, Tensor final_norm, double eps, int64_t n_heads,
              int64_t head_dim, std::vector<Tensor> cos, std::vector<Tensor> sin)
       : embed(std::move(embed)), embed_scale(std::move(embed_scale)), final_norm(std::move(final_norm)), eps(eps),
-        n_heads(n_heads), head_dim(head_dim), cos(std::move(cos)), sin(std::move(sin)) {}
+        n_heads(n_heads), head_dim(head_dim), cos(std::move(cos)), sin(std::move(sin)) {
+    TORCH_CHECK(this->cos.size() == this->sin.size(), "one sin table per cos table");
+    for (size_t i = 0; i < this->cos.size(); ++i) {
+      TORCH_CHECK(this->cos[i].dim() == 2 && this->cos[i].scalar_type() == at::kFloat && this->cos[i].is_contiguous() &&
+                      this->sin[i].scalar_type() == at::kFloat && this->sin[i].is_contiguous() &&
+                      this->sin[i].sizes() == this->cos[i].sizes(),
+                  "rotary tables must be contiguous float32 [positions, head_dim]");
+    }
+  }
 
   void add_layer(Tensor input_norm, Tensor post_attention_norm, std::optional<Tensor> pre_feedforward_norm,
                  std::optional<Tensor> post_feedforward_norm, std::optional<Tensor> q_norm,
@@ -919,10 +927,6 @@ struct DecodePlan : torch::CustomClassHolder {
     return at::mul(weight, at::rms_norm(x.to(at::kFloat), weight.sizes(), std::nullopt, eps).to(x.scalar_type()));
   }
 
-  // input_ids, positions [B] int64 (one new token a row); k_layers / v_layers: the KV pool's
-  // layers; new_slots [B]: where each row's new K/V go; slots[w] [B, max_kv] / kv_lens[w] [B]:
-  // each row's context for the layers of window_id w (PagedAttention.native_decode's tables).
-  // -> the final hidden states [B, hidden] in the model's dtype.
   // Whether projections call the kernels' raw entries (default) or their operators through the
   // dispatcher (the path of a kernel library without one); the same bits either way (tests).
   // Returns the number of projections that have a raw entry.
@@ -934,6 +938,10 @@ struct DecodePlan : torch::CustomClassHolder {
     return n;
   }
 
+  // input_ids, positions [B] int64 (one new token a row); k_layers / v_layers: the KV pool's
+  // layers; new_slots [B]: where each row's new K/V go; slots[w] [B, max_kv] / kv_lens[w] [B]:
+  // each row's context for the layers of window_id w (PagedAttention.native_decode's tables).
+  // -> the final hidden states [B, hidden] in the model's dtype.
   Tensor forward(const Tensor& input_ids, const Tensor& positions, std::vector<Tensor> k_layers,
                  std::vector<Tensor> v_layers, const Tensor& new_slots, std::vector<Tensor> slots,
                  std::vector<Tensor> kv_lens) const {
@@ -953,10 +961,7 @@ struct DecodePlan : torch::CustomClassHolder {
     ws.cos.resize(cos.size());
     ws.sin.resize(sin.size());
     for (size_t i = 0; i < cos.size(); ++i) {
-      const int64_t rows = cos[i].size(0), d = cos[i].size(1);
-      TORCH_CHECK(cos[i].scalar_type() == at::kFloat && cos[i].is_contiguous() && sin[i].scalar_type() == at::kFloat &&
-                      sin[i].is_contiguous() && sin[i].sizes() == cos[i].sizes(),
-                  "rotary tables must be contiguous float32 [positions, head_dim]");
+      const int64_t rows = cos[i].size(0), d = cos[i].size(1);  // (tables checked at construction)
       for (auto [table, out] : {std::pair{&cos[i], &ws.cos[i]}, std::pair{&sin[i], &ws.sin[i]}}) {
         Workspace::get(*out, b, d, at::TensorOptions().dtype(dtype));
         const float* src = table->const_data_ptr<float>();

@@ -379,7 +379,7 @@ void linear_raw(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, int
 }
 
 // The checks of sgrt_woq_avx2.linear on its arguments (the decode plan runs them once per weight,
-// with an x of one row, before it calls linear_raw directly).
+// with an x of no rows, before it calls linear_raw directly).
 void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
                 int64_t n, int64_t k, int64_t bits, int64_t group) {
   TORCH_CHECK(bits == 4 || bits == 8, "sgrt_woq_avx2.linear: bits must be 4 or 8, got ", bits);
