@@ -136,7 +136,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
         counts = quantize_model(model, quantization, state, q4_1, wide)
         if kind == "gguf" and counts["quantized"]:
             logger.info("%s: %d projections re-quantized at load to %s groups of 32 (the file's blocks "
-                        "are not Q4_1, the layout sgrt's kernel takes; %d of them in int8, the file "
+                        "are not Q4_1 / Q4_K, the forms sgrt's kernel takes; %d of them in int8, the file "
                         "holding a part in more than 4 bits); %d taken as they are",
                         spec, counts["quantized"], quantization, counts["int8_wide"], counts["q4_1"])
     del state

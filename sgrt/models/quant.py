@@ -96,14 +96,15 @@ def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
         method: ``"int8"`` or ``"int4"`` (``"none"`` does nothing).
         weights: the float checkpoint, HF names (``model.`` prefix optional): quantizing from it
             rather than from the model's (maybe bfloat16) parameters keeps one rounding, not two.
-        q4_1: for int4, Q4_1 blocks by HF name (:func:`sgrt.models.gguf_raw.read_q4_1`); a fused
-            projection whose parts are all there is built from them as they are.
+        q4_1: for int4, Q4_1 blocks (and Q4_K ones in Q4_1's form) by HF name
+            (:func:`sgrt.models.gguf_raw.read_q4_1`); a fused projection whose parts are all there
+            is built from them as they are.
         wide: for int4, HF names whose source holds more precision than int4 (a GGUF's Q5_0, Q6_K,
             Q8_0, ... tensors: :func:`sgrt.models.gguf_raw.wider_than_4_bits`); a fused projection
             with such a part is built in int8 instead, so that int4 never drops below the file.
 
     Returns:
-        Counts: ``{"q4_1": layers loaded from Q4_1 blocks, "quantized": layers quantized at load,
+        Counts: ``{"q4_1": layers loaded from Q4_1 / Q4_K blocks, "quantized": layers quantized at load,
         "int8_wide": of those, int4-mode layers built in int8 for a ``wide`` part, "float": layers
         left in float because the kernel cannot take their shape}``. The LM head
         is int8 in int4 mode too, unless the file holds it in Q4_1.
