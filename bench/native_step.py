@@ -15,12 +15,18 @@ Both paths give bit-identical hidden states (checked here once per model too).
 the plan on them (AVX2 builds; the base plan must take this model), alternated with the other
 paths; the ratio base / one-call (above 1: this tree's step is faster). Bit-identical to this tree's.
 
+``--no-team``: also this tree's one-call step with its thread team off
+(``DecodePlan.use_thread_team(False)``: every operator opens its own OpenMP region, as before the
+team), alternated with the others; the ratio no-team / one-call (above 1: the team is faster).
+Meaningful with ``--threads 2`` (on one thread there is no team). Bit-identical to the others.
+
 ``--engine N``: also batch-1 engine decode, output tok/s of one request of ``N`` new tokens
 after a 60-token prompt (wall time of the engine's step loop: scheduler, sampler and all), with
 the model's one-call step switched off and on, alternated; medians.
 
 Run: ``python bench/native_step.py [--models smollm2:int4,smollm2:bfloat16,smollm2:float32,gemma3:int4]
-[--threads 1] [--rounds 40] [--context 80] [--base 3c0d442] [--engine 64 --engine-rounds 5]``
+[--threads 1] [--clock thread|wall] [--rounds 40] [--context 80] [--base 3c0d442] [--no-team]
+[--engine 64 --engine-rounds 5]``
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ def main() -> None:
     ap.add_argument("--clock", choices=("thread", "wall"), default="thread",
                     help="thread CPU time of the calling thread, or wall time")
     ap.add_argument("--base", default=None, help="also time this commit's one-call step (in this process)")
+    ap.add_argument("--no-team", action="store_true", help="also time the one-call step without its thread team")
     ap.add_argument("--engine", type=int, default=0, help="new tokens of the engine decode runs (0: skip)")
     ap.add_argument("--engine-rounds", type=int, default=5)
     args = ap.parse_args()
@@ -83,6 +90,8 @@ def main() -> None:
             if base_step is None:
                 sys.exit(f"the base plan does not take {item}: {why}")
             paths["base"] = lambda attn, step=base_step: step.forward(ids, positions, attn)
+        if args.no_team:
+            paths["no_team"] = lambda attn: no_team(model, ids, positions, attn)
         samples: dict[str, list[float]] = {p: [] for p in paths}
         with torch.inference_mode():
             outs = {p: run(PagedAttention(pool, spec, cascade=False, native=True)) for p, run in paths.items()}
@@ -106,6 +115,10 @@ def main() -> None:
             base = statistics.median(samples["base"])
             figures[f"{key}_base_one_call_ms"], figures[f"{key}_base_ratio"] = round(base, 3), round(base / new, 3)
             row += [base, base / new]
+        if args.no_team:
+            plain = statistics.median(samples["no_team"])
+            figures[f"{key}_no_team_ms"], figures[f"{key}_no_team_ratio"] = round(plain, 3), round(plain / new, 3)
+            row += [plain, plain / new]
         if args.engine:
             tps = engine_tps(loaded, args.engine, args.engine_rounds)
             figures[f"{key}_engine_per_layer_tok_s"] = round(tps["per_layer"], 1)
@@ -119,6 +132,8 @@ def main() -> None:
     headers = ["model", "per-layer ms", "one call ms", "per-layer / one call"]
     if args.base:
         headers += [f"{args.base} one call ms", "base / one call"]
+    if args.no_team:
+        headers += ["no-team one call ms", "no-team / one call"]
     if args.engine:
         headers += ["engine per-layer tok/s", "engine one call tok/s", "one call / per-layer"]
     print_table(headers, rows)
@@ -164,6 +179,16 @@ def load_base(rev: str):
     sys.modules[module.__name__] = module  # (its dataclass looks itself up there)
     exec(compile(src, f"{rev}:sgrt/models/native_step.py", "exec"), module.__dict__)
     return module.build
+
+
+def no_team(model, ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+    """The model's one-call step with the plan's thread team switched off for this call."""
+    plan = model.native_step.plan
+    plan.use_thread_team(False)
+    try:
+        return model.native_step.forward(ids, positions, attn)
+    finally:
+        plan.use_thread_team(True)
 
 
 def engine_tps(loaded, new_tokens: int, rounds: int) -> dict[str, float]:

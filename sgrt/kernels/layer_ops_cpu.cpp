@@ -702,8 +702,8 @@ bool attend_share(at::ScalarType dtype, const AttendArgs& a, AttendWork& w, bool
   return ok;
 }
 
-// decode_attention's checks on the caches and slot tables for b rows of heads kv heads... (the
-// plan runs them once a step before its thread team starts).
+// decode_attention's checks on the caches and slot tables, for a q of b rows of h heads of d values
+// in `dtype` (the plan runs them once a step, for every layer, before its thread team starts).
 void check_cache_and_tables(const Tensor& k_cache, const Tensor& v_cache, at::ScalarType dtype, int64_t b, int64_t h,
                             int64_t d, const Tensor& slots, const Tensor& kv_lens) {
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
