@@ -1347,7 +1347,7 @@ struct DecodePlan : torch::CustomClassHolder {
         }
       }
       if (state.error) std::rethrow_exception(state.error);
-      TORCH_CHECK(!state.bad.load(), "slot ", state.bad_slot.load(), " outside the pool's slots");
+      TORCH_CHECK(!state.bad.load(), "slot ", state.bad_slot.load(), " outside the pool's ", k_layers[0].size(0), " slots");
     } else {
       body(Team{});
     }

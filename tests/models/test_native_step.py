@@ -137,6 +137,33 @@ def test_thread_team_and_per_operator_regions_give_the_same_bits(which, request)
         torch.set_num_threads(threads)
 
 
+def test_errors_inside_the_thread_team_are_raised_after_it(smollm_int4):
+    """A slot outside the pool in a context (met by the attention's items, on any thread of the team)
+    and a new slot outside it (met by the K/V store, on the team's first thread) raise a RuntimeError
+    after the team ends, on the caller, instead of hanging or crashing; the next step is right."""
+    model = smollm_int4.model
+    step = model.native_step
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert step.plan.use_thread_team(True)
+        good = _step(model, [80])
+        ids, positions, rows = _decode_batch([80], model.config.vocab_size)
+        pool = _pool(model, 81, seed=80)
+        args = [PagedAttention(pool, rows, native=True).native_decode(layer, window) for layer, window in step.tables]
+        new_slots, slots, lens = args[0][2], [a[3].clone() for a in args], [a[4] for a in args]
+        slots[0][0, 40] = 82  # (the pool has 81 + 1 slots)
+        with torch.inference_mode():
+            with pytest.raises(RuntimeError, match="slot 82 outside the pool's 82 slots"):
+                step.plan.forward(ids, positions, pool.k_layers, pool.v_layers, new_slots, slots, lens)
+            slots[0][0, 40] = args[0][3][0, 40]
+            with pytest.raises(RuntimeError, match="slot 500 outside the pool's 82 slots"):
+                step.plan.forward(ids, positions, pool.k_layers, pool.v_layers, torch.tensor([500]), slots, lens)
+        assert torch.equal(_step(model, [80]), good)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_steps_from_two_threads_at_once(smollm_int4):
     """Two threads in the plan's forward at the same time (one of them on a workspace of its own)
     get what each gets alone."""
