@@ -5,7 +5,8 @@ per-layer path (``DecoderLayer.forward`` with the fused operators: ``ops=model.l
 and the one-call step (``sgrt.models.native_step``: the whole stack in one C++ call), alternated
 ``--rounds`` times. Times are the calling thread's CPU time (``time.thread_time``: less moved by
 other tenants of a shared machine than wall time; with ``--threads 1`` the whole forward runs on
-this thread), medians in ms; the ratio is per-layer / one-call (above 1: the step is faster).
+this thread), or with ``--clock wall`` wall time (``time.perf_counter``: what to use with
+``--threads 2``, where the calling thread's CPU time leaves out what it waits for), medians in ms; the ratio is per-layer / one-call (above 1: the step is faster).
 Both paths give bit-identical hidden states (checked here once per model too).
 
 ``--base REV``: also commit ``REV``'s one-call step, in this process: its ``layer_ops_cpu.cpp``,
@@ -14,12 +15,18 @@ Both paths give bit-identical hidden states (checked here once per model too).
 the plan on them (AVX2 builds; the base plan must take this model), alternated with the other
 paths; the ratio base / one-call (above 1: this tree's step is faster). Bit-identical to this tree's.
 
+``--no-team``: also this tree's one-call step with its thread team off
+(``DecodePlan.use_thread_team(False)``: every operator opens its own OpenMP region, as before the
+team), alternated with the others; the ratio no-team / one-call (above 1: the team is faster).
+Meaningful with ``--threads 2`` (on one thread there is no team). Bit-identical to the others.
+
 ``--engine N``: also batch-1 engine decode, output tok/s of one request of ``N`` new tokens
 after a 60-token prompt (wall time of the engine's step loop: scheduler, sampler and all), with
 the model's one-call step switched off and on, alternated; medians.
 
 Run: ``python bench/native_step.py [--models smollm2:int4,smollm2:bfloat16,smollm2:float32,gemma3:int4]
-[--threads 1] [--rounds 40] [--context 80] [--base 3c0d442] [--engine 64 --engine-rounds 5]``
+[--threads 1] [--clock thread|wall] [--rounds 40] [--context 80] [--base 3c0d442] [--no-team]
+[--engine 64 --engine-rounds 5]``
 """
 from __future__ import annotations
 
@@ -48,7 +55,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--context", type=int, default=80)
+    ap.add_argument("--clock", choices=("thread", "wall"), default="thread",
+                    help="thread CPU time of the calling thread, or wall time")
     ap.add_argument("--base", default=None, help="also time this commit's one-call step (in this process)")
+    ap.add_argument("--no-team", action="store_true", help="also time the one-call step without its thread team")
     ap.add_argument("--engine", type=int, default=0, help="new tokens of the engine decode runs (0: skip)")
     ap.add_argument("--engine-rounds", type=int, default=5)
     args = ap.parse_args()
@@ -80,6 +90,8 @@ def main() -> None:
             if base_step is None:
                 sys.exit(f"the base plan does not take {item}: {why}")
             paths["base"] = lambda attn, step=base_step: step.forward(ids, positions, attn)
+        if args.no_team:
+            paths["no_team"] = lambda attn: no_team(model, ids, positions, attn)
         samples: dict[str, list[float]] = {p: [] for p in paths}
         with torch.inference_mode():
             outs = {p: run(PagedAttention(pool, spec, cascade=False, native=True)) for p, run in paths.items()}
@@ -87,12 +99,13 @@ def main() -> None:
             for _ in range(3):  # warm-up
                 for run in paths.values():
                     run(PagedAttention(pool, spec, cascade=False, native=True))
+            clock = time.thread_time if args.clock == "thread" else time.perf_counter
             for _ in range(args.rounds):
                 for p, run in paths.items():
                     attn = PagedAttention(pool, spec, cascade=False, native=True)
-                    t0 = time.thread_time()
+                    t0 = clock()
                     run(attn)
-                    samples[p].append((time.thread_time() - t0) * 1e3)
+                    samples[p].append((clock() - t0) * 1e3)
         old, new = statistics.median(samples["per_layer"]), statistics.median(samples["one_call"])
         key = f"{name}_{kind}"
         figures[f"{key}_per_layer_ms"], figures[f"{key}_one_call_ms"] = round(old, 3), round(new, 3)
@@ -102,6 +115,10 @@ def main() -> None:
             base = statistics.median(samples["base"])
             figures[f"{key}_base_one_call_ms"], figures[f"{key}_base_ratio"] = round(base, 3), round(base / new, 3)
             row += [base, base / new]
+        if args.no_team:
+            plain = statistics.median(samples["no_team"])
+            figures[f"{key}_no_team_ms"], figures[f"{key}_no_team_ratio"] = round(plain, 3), round(plain / new, 3)
+            row += [plain, plain / new]
         if args.engine:
             tps = engine_tps(loaded, args.engine, args.engine_rounds)
             figures[f"{key}_engine_per_layer_tok_s"] = round(tps["per_layer"], 1)
@@ -111,14 +128,16 @@ def main() -> None:
         rows.append(row)
         del model, pool, loaded
     print(f"CausalLM.forward, 1 token at {args.context} tokens of context, {args.threads} thread(s), "
-          f"thread CPU time, median of {args.rounds} alternating rounds (ms)")
+          f"{'thread CPU' if args.clock == 'thread' else 'wall'} time, median of {args.rounds} alternating rounds (ms)")
     headers = ["model", "per-layer ms", "one call ms", "per-layer / one call"]
     if args.base:
         headers += [f"{args.base} one call ms", "base / one call"]
+    if args.no_team:
+        headers += ["no-team one call ms", "no-team / one call"]
     if args.engine:
         headers += ["engine per-layer tok/s", "engine one call tok/s", "one call / per-layer"]
     print_table(headers, rows)
-    emit_json("native_step", threads=args.threads, rounds=args.rounds, context=args.context, base=args.base,
+    emit_json("native_step", threads=args.threads, clock=args.clock, rounds=args.rounds, context=args.context, base=args.base,
               **figures)
 
 
@@ -160,6 +179,16 @@ def load_base(rev: str):
     sys.modules[module.__name__] = module  # (its dataclass looks itself up there)
     exec(compile(src, f"{rev}:sgrt/models/native_step.py", "exec"), module.__dict__)
     return module.build
+
+
+def no_team(model, ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+    """The model's one-call step with the plan's thread team switched off for this call."""
+    plan = model.native_step.plan
+    plan.use_thread_team(False)
+    try:
+        return model.native_step.forward(ids, positions, attn)
+    finally:
+        plan.use_thread_team(True)
 
 
 def engine_tps(loaded, new_tokens: int, rounds: int) -> dict[str, float]:

@@ -122,11 +122,11 @@ float* x_buffer(int64_t n) {
   return buf.data();
 }
 
-// y [M, N] = x [M, K] (rows xs apart) @ w [N, K].T, T float (float32) or uint16_t (bfloat16 bits).
+// x [M, K] (rows xs apart) as fp32, zero padded to KP = K rounded up to 16, into this thread's
+// buffer; for bfloat16, each 16-step holds the even inputs then the odd.
 template <typename T>
-void run(const T* xp, int64_t M, int64_t xs, const T* wp, int64_t N, int64_t K, T* yp) {
+float* widen_x(const T* xp, int64_t M, int64_t xs, int64_t K) {
   const int64_t KP = (K + STEP_K - 1) / STEP_K * STEP_K;
-  // x as fp32, zero padded to KP; for bfloat16, each 16-step holds the even inputs then the odd.
   float* const xf = x_buffer(M * KP);
   std::fill(xf, xf + M * KP, 0.0f);
   for (int64_t m = 0; m < M; ++m) {
@@ -144,45 +144,58 @@ void run(const T* xp, int64_t M, int64_t xs, const T* wp, int64_t N, int64_t K, 
       dst[std::is_same_v<T, float> ? k : base + (j % 2) * 8 + j / 2] = v;
     }
   }
+  return xf;
+}
+
+// Outputs r0..r1 of every row of y [M, N] from x widened (widen_x) and w [N, K]: the kernel's one
+// computation, run by the per-call entry (run, a range per thread) and the in-team one (dense_part).
+template <typename T>
+void rows_range(const float* xf, int64_t M, const T* wp, int64_t N, int64_t K, T* yp, int64_t r0, int64_t r1) {
+  const int64_t KP = (K + STEP_K - 1) / STEP_K * STEP_K;
   const int64_t full = K / STEP_K * STEP_K, tail = K - full;
+  T wtail[STREAMS * STEP_K];
+  const T* rows[STREAMS];
+  int64_t idx[STREAMS];
+  float out[STREAMS];
+  // One group: R weight rows idx[0..R), every row of x against them while they are in L1.
+  auto group = [&](int R) {
+    for (int r = 0; r < R; ++r) rows[r] = wp + idx[r] * K;
+    if (tail) {
+      std::memset(wtail, 0, sizeof(wtail));
+      for (int r = 0; r < R; ++r) std::memcpy(wtail + r * STEP_K, rows[r] + full, tail * sizeof(T));
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = xf + m * KP;
+      switch (R) {  // (R <= STREAMS)
+        case 4: dot_rows<T, 4>(rows, K, wtail, xm, out); break;
+        case 3: dot_rows<T, 3>(rows, K, wtail, xm, out); break;
+        case 2: dot_rows<T, 2>(rows, K, wtail, xm, out); break;
+        default: dot_rows<T, 1>(rows, K, wtail, xm, out); break;
+      }
+      T* yrow = yp + m * N;
+      for (int r = 0; r < R; ++r) {
+        if constexpr (std::is_same_v<T, float>) yrow[idx[r]] = out[r];
+        else yrow[idx[r]] = to_bf16(out[r]);
+      }
+    }
+  };
+  const int64_t part = (r1 - r0) / STREAMS;  // rows in each of the STREAMS parts
+  for (int64_t i = 0; i < part; ++i) {
+    for (int s = 0; s < STREAMS; ++s) idx[s] = r0 + s * part + i;
+    group(STREAMS);
+  }
+  const int64_t left = (r1 - r0) - STREAMS * part;  // < STREAMS rows: one group of adjacent rows
+  for (int r = 0; r < left; ++r) idx[r] = r0 + STREAMS * part + r;
+  if (left) group(static_cast<int>(left));
+}
+
+// y [M, N] = x [M, K] (rows xs apart) @ w [N, K].T, T float (float32) or uint16_t (bfloat16 bits).
+template <typename T>
+void run(const T* xp, int64_t M, int64_t xs, const T* wp, int64_t N, int64_t K, T* yp) {
+  const float* const xf = widen_x(xp, M, xs, K);  // (the calling thread's buffer, read by the team)
   // ~64 KiB of weights a task at least, so that small layers do not wake every thread
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * static_cast<int64_t>(sizeof(T))));
-  at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
-    T wtail[STREAMS * STEP_K];
-    const T* rows[STREAMS];
-    int64_t idx[STREAMS];
-    float out[STREAMS];
-    // One group: R weight rows idx[0..R), every row of x against them while they are in L1.
-    auto group = [&](int R) {
-      for (int r = 0; r < R; ++r) rows[r] = wp + idx[r] * K;
-      if (tail) {
-        std::memset(wtail, 0, sizeof(wtail));
-        for (int r = 0; r < R; ++r) std::memcpy(wtail + r * STEP_K, rows[r] + full, tail * sizeof(T));
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xm = xf + m * KP;
-        switch (R) {  // (R <= STREAMS)
-          case 4: dot_rows<T, 4>(rows, K, wtail, xm, out); break;
-          case 3: dot_rows<T, 3>(rows, K, wtail, xm, out); break;
-          case 2: dot_rows<T, 2>(rows, K, wtail, xm, out); break;
-          default: dot_rows<T, 1>(rows, K, wtail, xm, out); break;
-        }
-        T* yrow = yp + m * N;
-        for (int r = 0; r < R; ++r) {
-          if constexpr (std::is_same_v<T, float>) yrow[idx[r]] = out[r];
-          else yrow[idx[r]] = to_bf16(out[r]);
-        }
-      }
-    };
-    const int64_t part = (r1 - r0) / STREAMS;  // rows in each of the STREAMS parts
-    for (int64_t i = 0; i < part; ++i) {
-      for (int s = 0; s < STREAMS; ++s) idx[s] = r0 + s * part + i;
-      group(STREAMS);
-    }
-    const int64_t left = (r1 - r0) - STREAMS * part;  // < STREAMS rows: one group of adjacent rows
-    for (int r = 0; r < left; ++r) idx[r] = r0 + STREAMS * part + r;
-    if (left) group(static_cast<int>(left));
-  });
+  at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) { rows_range(xf, M, wp, N, K, yp, r0, r1); });
 }
 
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
@@ -219,7 +232,25 @@ void dense_raw(const void* x, int64_t M, const void* w, int64_t N, int64_t K, bo
     run<float>(static_cast<const float*>(x), M, K, static_cast<const float*>(w), N, K, static_cast<float*>(y));
 }
 
+// dense_raw's part `part` of `parts`, for a thread of a team the caller already runs (the decode
+// plan's one OpenMP region a step): this thread widens x into its own buffer and computes outputs
+// [N * part / parts, N * (part + 1) / parts) of every row. No parallel region, no wait; the same
+// bits as dense_raw (an output does not depend on the split). Change DensePart there with it.
+void dense_part(const void* x, int64_t M, const void* w, int64_t N, int64_t K, bool bf16, void* y, int64_t part,
+                int64_t parts) {
+  const int64_t r0 = N * part / parts, r1 = N * (part + 1) / parts;
+  if (M == 0 || r0 == r1) return;
+  if (bf16) {
+    const auto* xp = static_cast<const uint16_t*>(x);
+    rows_range(widen_x(xp, M, K, K), M, static_cast<const uint16_t*>(w), N, K, static_cast<uint16_t*>(y), r0, r1);
+  } else {
+    const auto* xp = static_cast<const float*>(x);
+    rows_range(widen_x(xp, M, K, K), M, static_cast<const float*>(w), N, K, static_cast<float*>(y), r0, r1);
+  }
+}
+
 int64_t raw_entry() { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&dense_raw)); }
+int64_t team_entry() { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&dense_part)); }
 
 }  // namespace
 
@@ -228,4 +259,6 @@ TORCH_LIBRARY(sgrt_dense_avx2, m) {
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(dense_linear));
   // the address of dense_raw, for the decode plan (no tensor arguments: a catch-all kernel)
   m.def("raw_entry() -> int", &raw_entry);
+  // the address of dense_part, for the plan's thread team
+  m.def("team_entry() -> int", &team_entry);
 }

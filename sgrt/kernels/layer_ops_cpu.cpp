@@ -19,11 +19,15 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <exception>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <vector>
+
+#include <omp.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -460,158 +464,270 @@ void accumulate_values_blocked(const float* p, int64_t g, int64_t d, const R* vb
 // directly, as the kernel did before it split long contexts.
 constexpr int64_t kDecodeChunk = 256;
 
-// One work item: keys [c0, c0 + n) of row r's context, kv head kh.
+// One work item: keys [c0, c0 + n) of row r's context, kv head kh, its query heads [i0, i1) of
+// the kv head's g. Each query head's scores, softmax and output are computed on their own (the
+// same instructions whichever heads share an item), so splitting a kv head's query heads over
+// items changes which thread computes a head, not its bits.
 struct AttendItem {
   int64_t r, kh, c0, n;
   int64_t part;  // index of its partial result (-1: the row's only chunk, written to out directly)
+  int64_t i0, i1;
 };
 
-// DC: head_dim known at compile time (64, 128: AVX-512 paths whose loops over it unroll), or 0
-// for any other head_dim (portable loops).
-// Returns false, with *bad_slot set to a slot outside [0, num_slots), if it met one (nothing of
-// a bad item is read, and out is left partly unwritten).
-template <typename T, int DC>
-bool attend_rows(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const int64_t* sl, const int64_t* ln,
-                 int64_t max_kv, Tensor& out, int64_t* bad_slot) {
-  const int64_t d = DC > 0 ? DC : q.size(2);
-  int64_t b = q.size(0), h = q.size(1), hkv = k_cache.size(1), g = h / hkv, num_slots = k_cache.size(0);
-  float scale = 1.f / std::sqrt(static_cast<float>(d));
-  using R = raw<T>;
-  const R* qp = raw_ptr<T>(q);
-  const R* kp = raw_ptr<T>(k_cache);
-  const R* vp = raw_ptr<T>(v_cache);
-  R* op = raw_ptr<T>(out);
-  int64_t qs0 = q.stride(0), qs1 = q.stride(1), row = hkv * d;
-  // Items ordered row, chunk, kv head (a chunk's kv heads share the cache lines of its slots'
-  // rows, so one thread takes them in a row); partials of split rows laid out in the same order:
-  // row r's chunk c, kv head kh at first_part[r] + c * hkv + kh.
+// The work of one decode attention call, which depends only on the rows' context lengths, the
+// heads and the number of threads (so the decode plan makes it once a step per slot table and
+// every layer of that table reuses it): the items, and the (row, kv head, query head) triples of
+// split rows whose chunks' partials are merged afterwards.
+struct AttendWork {
+  int64_t g = 0, hkv = 0, d = 0;
+  int64_t span = 0;       // scores buffer stride: the longest item's keys
+  int64_t part_size = 0;  // floats a partial: g maxima, g sums, g * d unnormalised outputs
   std::vector<AttendItem> items;
-  std::vector<int64_t> first_part(b, -1);
+  std::vector<int64_t> merges;      // (r * hkv + kh) * g + i, rows of more than one chunk
+  std::vector<int64_t> first_part;  // per row: its chunk 0, kv head 0's partial (-1: one chunk)
+  std::vector<float> partials;      // [partials, part_size]
+};
+
+// Items ordered row, chunk, kv head, query heads (a chunk's kv heads share the cache lines of its
+// slots' rows, so one thread takes them in a row); partials of split rows laid out in the same
+// order: row r's chunk c, kv head kh at first_part[r] + c * hkv + kh. Where the (row, chunk, kv
+// head) items are fewer than 4 a thread and do not divide evenly among `threads` (SmolLM2's 3 kv
+// heads on 2 threads: 2 : 1; Gemma 3's one: 1 : 0), each query head is an item of its own (9: 5 : 4,
+// 4: 2 : 2); the keys of a kv head are then read once per query head instead of once (from cache
+// at those lengths).
+void plan_attention(AttendWork& w, int64_t b, int64_t h, int64_t hkv, int64_t d, const int64_t* ln, int64_t max_kv,
+                    int64_t threads) {
+  const int64_t g = h / hkv;
+  w.g = g;
+  w.hkv = hkv;
+  w.d = d;
+  w.span = std::min(max_kv, kDecodeChunk);
+  w.part_size = g * (d + 2);
+  w.items.clear();
+  w.merges.clear();
+  w.first_part.assign(b, -1);
+  int64_t base = 0;
+  for (int64_t r = 0; r < b; ++r) base += (ln[r] + kDecodeChunk - 1) / kDecodeChunk * hkv;
+  const bool per_head = threads > 1 && base % threads != 0 && base < 4 * threads;
+  const int64_t heads_per_item = per_head ? 1 : g;
   int64_t parts = 0;
   for (int64_t r = 0; r < b; ++r) {
-    int64_t len = ln[r], chunks = (len + kDecodeChunk - 1) / kDecodeChunk;
-    if (chunks == 1) {
-      for (int64_t kh = 0; kh < hkv; ++kh) items.push_back({r, kh, 0, len, -1});
-      continue;
-    }
-    first_part[r] = parts;
+    const int64_t len = ln[r], chunks = (len + kDecodeChunk - 1) / kDecodeChunk;
+    if (chunks > 1) w.first_part[r] = parts;
     for (int64_t c = 0; c < chunks; ++c) {
       for (int64_t kh = 0; kh < hkv; ++kh) {
-        items.push_back({r, kh, c * kDecodeChunk, std::min(kDecodeChunk, len - c * kDecodeChunk), parts++});
+        const int64_t part = chunks > 1 ? parts++ : -1;
+        for (int64_t i0 = 0; i0 < g; i0 += heads_per_item) {
+          w.items.push_back({r, kh, c * kDecodeChunk, std::min(kDecodeChunk, len - c * kDecodeChunk), part, i0,
+                             std::min(g, i0 + heads_per_item)});
+        }
       }
     }
+    if (chunks > 1)
+      for (int64_t k = 0; k < hkv * g; ++k) w.merges.push_back(r * hkv * g + k);
   }
-  // Per partial: g maxima, g sums, g * d unnormalised outputs.
-  const int64_t part_size = g * (d + 2);
-  std::vector<float> partials(parts * part_size);
-  const int64_t span = std::min(max_kv, kDecodeChunk);
-  std::vector<int64_t> bad(items.size());
-  std::vector<uint8_t> is_bad(items.size(), 0);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(g * d), scores(g * span), acc(g * d), sums(g), maxes(g), buf(8 * d);
-    for (int64_t it = begin; it < end; ++it) {
-      const AttendItem& item = items[it];
-      int64_t r = item.r, kh = item.kh, len = item.n;
-      const int64_t* rs = sl + r * max_kv + item.c0;
-      // The slots are checked here, in parallel, rather than in a serial pass over every slot of
-      // every row before the call (that pass grows with the context, once a layer).
-      int64_t lo = 0, hi = 0;
-      for (int64_t j = 0; j < len; ++j) {
-        lo = std::min(lo, rs[j]);
-        hi = std::max(hi, rs[j]);
-      }
-      if (lo < 0 || hi >= num_slots) {
-        bad[it] = lo < 0 ? lo : hi;
-        is_bad[it] = 1;
-        continue;
-      }
-      for (int64_t i = 0; i < g; ++i) {
-        float* qi = qf.data() + i * d;
-        load_row(qp + r * qs0 + (kh * g + i) * qs1, qi, d);
-        for (int64_t c = 0; c < d; ++c) qi[c] *= scale;
-      }
+  w.partials.resize(parts * w.part_size);
+}
+
+// Where an attention call reads and writes: q [B, H, D] (strides qs0, qs1; last dim contiguous),
+// the caches [num_slots, hkv, D], the slot tables, out [B, H * D]; all in one dtype.
+struct AttendArgs {
+  const void* q;
+  int64_t qs0, qs1;
+  const void* k;
+  const void* v;
+  int64_t num_slots;
+  const int64_t* sl;  // [B, max_kv]
+  const int64_t* ln;  // [B]
+  int64_t max_kv;
+  void* out;
+};
+
+// Per-thread scratch of the attention items, grown and never shrunk.
+struct AttendScratch {
+  std::vector<float> qf, scores, acc, sums, maxes, buf;
+};
+
+AttendScratch& attend_scratch() {
+  thread_local AttendScratch s;
+  return s;
+}
+
+template <typename T>
+T* at_least(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  return v.data();
+}
+
+// Items [begin, end) of w. DC: head_dim known at compile time (64, 128: AVX-512 paths whose loops
+// over it unroll), or 0 for any other head_dim (portable loops). Returns false, with *bad_slot set
+// to a slot outside [0, num_slots), if it met one (nothing of a bad item is read, and out is left
+// partly unwritten).
+template <typename T, int DC>
+bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end, int64_t* bad_slot) {
+  using R = raw<T>;
+  const int64_t d = DC > 0 ? DC : w.d;
+  const int64_t g = w.g, hkv = w.hkv, h = g * hkv, span = w.span, row = hkv * d;
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  const R* qp = static_cast<const R*>(a.q);
+  const R* kp = static_cast<const R*>(a.k);
+  const R* vp = static_cast<const R*>(a.v);
+  R* op = static_cast<R*>(a.out);
+  AttendScratch& sc = attend_scratch();
+  float* const qf = at_least(sc.qf, g * d);
+  float* const scores = at_least(sc.scores, g * span);
+  float* const acc = at_least(sc.acc, g * d);
+  float* const sums = at_least(sc.sums, g);
+  float* const maxes = at_least(sc.maxes, g);
+  float* const buf = at_least(sc.buf, 8 * d);
+  bool ok = true;
+  for (int64_t it = begin; it < end; ++it) {
+    const AttendItem& item = w.items[it];
+    const int64_t r = item.r, kh = item.kh, len = item.n, i0 = item.i0, gi = item.i1 - item.i0;
+    const int64_t* rs = a.sl + r * a.max_kv + item.c0;
+    // The slots are checked here, in parallel, rather than in a serial pass over every slot of
+    // every row before the call (that pass grows with the context, once a layer).
+    int64_t lo = 0, hi = 0;
+    for (int64_t j = 0; j < len; ++j) {
+      lo = std::min(lo, rs[j]);
+      hi = std::max(hi, rs[j]);
+    }
+    if (lo < 0 || hi >= a.num_slots) {
+      *bad_slot = lo < 0 ? lo : hi;
+      ok = false;
+      continue;
+    }
+    for (int64_t i = 0; i < gi; ++i) {
+      float* qi = qf + i * d;
+      load_row(qp + r * a.qs0 + (kh * g + i0 + i) * a.qs1, qi, d);
+      for (int64_t c = 0; c < d; ++c) qi[c] *= scale;
+    }
 #ifdef SGRT_BLOCKED_ATTENTION
-      const bool blocked = item.part >= 0 && d % 8 == 0;
+    const bool blocked = item.part >= 0 && d % 8 == 0;
 #else
-      const bool blocked = false;
+    const bool blocked = false;
 #endif
-      if (blocked) {
+    if (blocked) {
 #ifdef SGRT_BLOCKED_ATTENTION
-        score_keys_blocked<R>(qf.data(), g, d, kp + kh * d, rs, len, row, scores.data(), span, buf.data());
+      score_keys_blocked<R>(qf, gi, d, kp + kh * d, rs, len, row, scores, span, buf);
 #endif
-      } else {
-        score_keys<R, DC>(qf.data(), g, d, kp + kh * d, rs, len, row, scores.data(), span);
-      }
-      for (int64_t i = 0; i < g; ++i) {
-        float* si = scores.data() + i * span;
-        float m = *std::max_element(si, si + len);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < len; ++j) {
-          si[j] = fast_exp(si[j] - m);
-          total += si[j];
-        }
-        sums[i] = total;
-        maxes[i] = m;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      if (blocked) {
-#ifdef SGRT_BLOCKED_ATTENTION
-        accumulate_values_blocked<R>(scores.data(), g, d, vp + kh * d, rs, len, row, span, acc.data(), buf.data());
-#endif
-      } else {
-        accumulate_values<R, DC>(scores.data(), g, d, vp + kh * d, rs, len, row, span, acc.data());
-      }
-      if (item.part < 0) {
-        for (int64_t i = 0; i < g; ++i) {
-          R* o = op + r * h * d + (kh * g + i) * d;
-          float inv = 1.f / sums[i];
-          for (int64_t c = 0; c < d; ++c) o[c] = from_f<R>(acc[i * d + c] * inv);
-        }
-      } else {
-        float* pp = partials.data() + item.part * part_size;
-        std::copy(maxes.begin(), maxes.end(), pp);
-        std::copy(sums.begin(), sums.end(), pp + g);
-        std::copy(acc.begin(), acc.end(), pp + 2 * g);
-      }
+    } else {
+      score_keys<R, DC>(qf, gi, d, kp + kh * d, rs, len, row, scores, span);
     }
-  });
-  for (size_t it = 0; it < items.size(); ++it) {
-    if (is_bad[it]) {
-      *bad_slot = bad[it];
-      return false;
+    for (int64_t i = 0; i < gi; ++i) {
+      float* si = scores + i * span;
+      float m = *std::max_element(si, si + len);
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t j = 0; j < len; ++j) {
+        si[j] = fast_exp(si[j] - m);
+        total += si[j];
+      }
+      sums[i] = total;
+      maxes[i] = m;
+    }
+    std::fill(acc, acc + gi * d, 0.f);
+    if (blocked) {
+#ifdef SGRT_BLOCKED_ATTENTION
+      accumulate_values_blocked<R>(scores, gi, d, vp + kh * d, rs, len, row, span, acc, buf);
+#endif
+    } else {
+      accumulate_values<R, DC>(scores, gi, d, vp + kh * d, rs, len, row, span, acc);
+    }
+    if (item.part < 0) {
+      for (int64_t i = 0; i < gi; ++i) {
+        R* o = op + r * h * d + (kh * g + i0 + i) * d;
+        float inv = 1.f / sums[i];
+        for (int64_t c = 0; c < d; ++c) o[c] = from_f<R>(acc[i * d + c] * inv);
+      }
+    } else {
+      float* pp = w.partials.data() + item.part * w.part_size;
+      std::copy(maxes, maxes + gi, pp + i0);
+      std::copy(sums, sums + gi, pp + g + i0);
+      std::copy(acc, acc + gi * d, pp + 2 * g + i0 * d);
     }
   }
-  if (parts == 0) return true;
-  // Merge each split (row, kv head)'s chunks in chunk order: weights exp(m_c - max_c m_c).
-  at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(d);
-    for (int64_t rk = begin; rk < end; ++rk) {
-      int64_t r = rk / hkv, kh = rk % hkv;
-      if (first_part[r] < 0) continue;
-      int64_t chunks = (ln[r] + kDecodeChunk - 1) / kDecodeChunk;
-      const float* p0 = partials.data() + (first_part[r] + kh) * part_size;
-      const int64_t step = hkv * part_size;  // from one chunk's partial to the next's
-      for (int64_t i = 0; i < g; ++i) {
-        float m = -INFINITY;
-        for (int64_t c = 0; c < chunks; ++c) m = std::max(m, p0[c * step + i]);
-        float total = 0.f;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t c = 0; c < chunks; ++c) {
-          const float* pc = p0 + c * step;
-          float w = std::exp(pc[i] - m);
-          total += w * pc[g + i];
-          const float* ac = pc + 2 * g + i * d;
+  return ok;
+}
+
+// Merges [begin, end) of w: a split (row, kv head, query head)'s chunks in chunk order, weights
+// exp(m_c - max_c m_c).
+template <typename T>
+void merge_items(const AttendArgs& a, const AttendWork& w, int64_t begin, int64_t end) {
+  using R = raw<T>;
+  const int64_t g = w.g, hkv = w.hkv, d = w.d, h = g * hkv;
+  R* op = static_cast<R*>(a.out);
+  float* const acc = at_least(attend_scratch().acc, d);
+  for (int64_t mi = begin; mi < end; ++mi) {
+    const int64_t rk = w.merges[mi] / g, i = w.merges[mi] % g, r = rk / hkv, kh = rk % hkv;
+    const int64_t chunks = (a.ln[r] + kDecodeChunk - 1) / kDecodeChunk;
+    const float* p0 = w.partials.data() + (w.first_part[r] + kh) * w.part_size;
+    const int64_t step = hkv * w.part_size;  // from one chunk's partial to the next's
+    float m = -INFINITY;
+    for (int64_t c = 0; c < chunks; ++c) m = std::max(m, p0[c * step + i]);
+    float total = 0.f;
+    std::fill(acc, acc + d, 0.f);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* pc = p0 + c * step;
+      float wt = std::exp(pc[i] - m);
+      total += wt * pc[g + i];
+      const float* ac = pc + 2 * g + i * d;
 #pragma omp simd
-          for (int64_t e = 0; e < d; ++e) acc[e] += w * ac[e];
-        }
-        R* o = op + r * h * d + (kh * g + i) * d;
-        float inv = 1.f / total;
-        for (int64_t e = 0; e < d; ++e) o[e] = from_f<R>(acc[e] * inv);
-      }
+      for (int64_t e = 0; e < d; ++e) acc[e] += wt * ac[e];
+    }
+    R* o = op + r * h * d + (kh * g + i) * d;
+    float inv = 1.f / total;
+    for (int64_t e = 0; e < d; ++e) o[e] = from_f<R>(acc[e] * inv);
+  }
+}
+
+// This thread's share, part of parts, of w's items (end == true: of its merges), q's dtype and
+// head_dim chosen here. Returns false with *bad_slot set as attend_items does.
+bool attend_share(at::ScalarType dtype, const AttendArgs& a, AttendWork& w, bool merges, int64_t part, int64_t parts,
+                  int64_t* bad_slot) {
+  const int64_t n = static_cast<int64_t>(merges ? w.merges.size() : w.items.size());
+  const int64_t begin = n * part / parts, end = n * (part + 1) / parts;
+  bool ok = true;
+  dispatch_float(dtype, [&]<typename scalar_t>() {
+    if (merges) {
+      merge_items<scalar_t>(a, w, begin, end);
+    } else if (w.d == 64) {
+      ok = attend_items<scalar_t, 64>(a, w, begin, end, bad_slot);
+    } else if (w.d == 128) {
+      ok = attend_items<scalar_t, 128>(a, w, begin, end, bad_slot);
+    } else {
+      ok = attend_items<scalar_t, 0>(a, w, begin, end, bad_slot);
     }
   });
-  return true;
+  return ok;
+}
+
+// decode_attention's checks on the caches and slot tables, for a q of b rows of h heads of d values
+// in `dtype` (the plan runs them once a step, for every layer, before its thread team starts).
+void check_cache_and_tables(const Tensor& k_cache, const Tensor& v_cache, at::ScalarType dtype, int64_t b, int64_t h,
+                            int64_t d, const Tensor& slots, const Tensor& kv_lens) {
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "k_cache and v_cache must be contiguous [slots, kv_heads, head_dim] in q's dtype");
+  const int64_t hkv = k_cache.size(1);
+  TORCH_CHECK(h > 0 && hkv > 0 && d > 0, "heads, kv_heads and head_dim must be positive, got ", h, ", ", hkv, ", ", d);
+  TORCH_CHECK(k_cache.size(2) == d && h % hkv == 0, "head_dim must match and heads must be a multiple of kv_heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) == b && slots.is_contiguous(),
+              "slots must be contiguous int64 [B, max_kv]");
+  TORCH_CHECK(kv_lens.scalar_type() == at::kLong && kv_lens.dim() == 1 && kv_lens.size(0) == b &&
+                  kv_lens.is_contiguous(),
+              "kv_lens must be contiguous int64 [B]");
+  const int64_t* ln = kv_lens.const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < b; ++r) {
+    TORCH_CHECK(ln[r] >= 1 && ln[r] <= slots.size(1), "kv_lens[", r, "] = ", ln[r], " outside 1..", slots.size(1));
+  }
+}
+
+AttendArgs attend_args(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
+                       const Tensor& kv_lens, Tensor& out) {
+  return {q.const_data_ptr(), q.stride(0), q.stride(1), k_cache.const_data_ptr(), v_cache.const_data_ptr(),
+          k_cache.size(0), slots.const_data_ptr<int64_t>(), kv_lens.const_data_ptr<int64_t>(), slots.size(1),
+          out.data_ptr()};
 }
 
 // out: a [B, H * D] buffer of q's dtype to write into, or undefined.
@@ -619,37 +735,26 @@ Tensor decode_attention_into(const Tensor& q, const Tensor& k_cache, const Tenso
                              const Tensor& kv_lens, Tensor out) {
   check_cpu_float(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, heads, head_dim] with a contiguous last dim");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && k_cache.scalar_type() == q.scalar_type() &&
-                  v_cache.scalar_type() == q.scalar_type(),
-              "k_cache and v_cache must be contiguous [slots, kv_heads, head_dim] in q's dtype");
-  int64_t b = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1);
-  TORCH_CHECK(h > 0 && hkv > 0 && d > 0, "heads, kv_heads and head_dim must be positive, got ", h, ", ", hkv, ", ", d);
-  TORCH_CHECK(k_cache.size(2) == d && h % hkv == 0, "head_dim must match and heads must be a multiple of kv_heads");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) == b && slots.is_contiguous(),
-              "slots must be contiguous int64 [B, max_kv]");
-  TORCH_CHECK(kv_lens.scalar_type() == at::kLong && kv_lens.dim() == 1 && kv_lens.size(0) == b,
-              "kv_lens must be int64 [B]");
-  int64_t max_kv = slots.size(1), num_slots = k_cache.size(0);
-  const int64_t* sl = slots.const_data_ptr<int64_t>();
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
   Tensor lens = kv_lens.contiguous();
-  const int64_t* ln = lens.const_data_ptr<int64_t>();
-  for (int64_t r = 0; r < b; ++r) {
-    TORCH_CHECK(ln[r] >= 1 && ln[r] <= max_kv, "kv_lens[", r, "] = ", ln[r], " outside 1..", max_kv);
-  }
+  check_cache_and_tables(k_cache, v_cache, q.scalar_type(), b, h, d, slots, lens);
   out = out.defined() ? out : at::empty({b, h * d}, q.options());
-  int64_t bad = 0;
-  bool ok = true;
-  dispatch_float(q.scalar_type(), [&]<typename scalar_t>() {
-    if (d == 64) {
-      ok = attend_rows<scalar_t, 64>(q, k_cache, v_cache, sl, ln, max_kv, out, &bad);
-    } else if (d == 128) {
-      ok = attend_rows<scalar_t, 128>(q, k_cache, v_cache, sl, ln, max_kv, out, &bad);
-    } else {
-      ok = attend_rows<scalar_t, 0>(q, k_cache, v_cache, sl, ln, max_kv, out, &bad);
-    }
-  });
-  TORCH_CHECK(ok, "slot ", bad, " outside the pool's ", num_slots, " slots");
+  const AttendArgs a = attend_args(q, k_cache, v_cache, slots, lens, out);
+  thread_local AttendWork own;  // (its vectors reused call to call)
+  AttendWork& w = own;  // (a lambda naming a thread_local would read the running thread's own one)
+  const int64_t threads = at::get_num_threads();
+  plan_attention(w, b, h, k_cache.size(1), d, a.ln, a.max_kv, threads);
+  std::vector<int64_t> bad(threads, 0);
+  std::vector<uint8_t> is_bad(threads, 0);
+  const auto dtype = q.scalar_type();
+  for (bool merges : {false, true}) {
+    const int64_t n = static_cast<int64_t>(merges ? w.merges.size() : w.items.size());
+    if (n == 0) continue;
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) is_bad[t] = !attend_share(dtype, a, w, merges, t, threads, &bad[t]);
+    });
+    for (int64_t t = 0; t < threads; ++t) TORCH_CHECK(!is_bad[t], "slot ", bad[t], " outside the pool's ", a.num_slots, " slots");
+  }
   return out;
 }
 
@@ -713,10 +818,10 @@ Tensor rotary_heads_(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t h
 // store_kv_ does, then decode_attention of q over each row's slots. What rotary_heads_, a split,
 // store_kv_ and decode_attention do, in one dispatch instead of four.
 
-// out: a [B, n_heads * head_dim] buffer to write the attention into, or undefined.
-Tensor decode_attention_qkv_into(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t n_heads, double q_scale,
-                                 Tensor k_cache, Tensor v_cache, const Tensor& new_slots, const Tensor& slots,
-                                 const Tensor& kv_lens, Tensor out) {
+// The first part of decode_attention_qkv_: rotary, q's pre-scale, the K/V store; returns q
+// [B, n_heads, D] (a view of qkv) for the attention.
+Tensor prepare_qkv_(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t n_heads, double q_scale,
+                    Tensor k_cache, Tensor v_cache, const Tensor& new_slots) {
   check_cpu_float(qkv, "qkv");
   TORCH_CHECK((qkv.dim() == 2 || qkv.dim() == 3) && k_cache.dim() == 3,
               "qkv must be [B, heads * head_dim] or [B, heads, head_dim] and k_cache [slots, kv_heads, head_dim]");
@@ -746,6 +851,14 @@ Tensor decode_attention_qkv_into(Tensor qkv, const Tensor& cos, const Tensor& si
     });
   }
   store_kv_(k_cache, v_cache, new_slots, qkv.narrow(1, n_heads, hkv), qkv.narrow(1, n_heads + hkv, hkv));
+  return q;
+}
+
+// out: a [B, n_heads * head_dim] buffer to write the attention into, or undefined.
+Tensor decode_attention_qkv_into(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t n_heads, double q_scale,
+                                 Tensor k_cache, Tensor v_cache, const Tensor& new_slots, const Tensor& slots,
+                                 const Tensor& kv_lens, Tensor out) {
+  Tensor q = prepare_qkv_(std::move(qkv), cos, sin, n_heads, q_scale, k_cache, v_cache, new_slots);
   return decode_attention_into(q, k_cache, v_cache, slots, kv_lens, out);
 }
 
@@ -781,6 +894,13 @@ using WoqRaw = void(const uint16_t* x, int64_t M, const uint8_t* packed, int64_t
                     int64_t group, uint16_t* y);
 // DenseRaw: y [M, N] = x [M, K] @ w [N, K].T, contiguous rows, bfloat16 bits (bf16) or float32.
 using DenseRaw = void(const void* x, int64_t M, const void* w, int64_t N, int64_t K, bool bf16, void* y);
+// Their in-team entries (`team_entry() -> int`; linear_part, dense_part): the same computation's
+// share `part` of `parts` (a split of the output features), for a thread of a team the caller
+// runs; no parallel region of their own, no waiting. MUST match those functions.
+using WoqPart = void(const uint16_t* x, int64_t M, const uint8_t* packed, int64_t n, int64_t k, int64_t bits,
+                     int64_t group, uint16_t* y, int64_t part, int64_t parts);
+using DensePart = void(const void* x, int64_t M, const void* w, int64_t N, int64_t K, bool bf16, void* y,
+                       int64_t part, int64_t parts);
 
 // One fused projection: the weight-only quantized kernel's arguments (bits 4 / 8, as GroupLinear
 // passes them), or the dense kernel's (bits 0, as DenseLinear passes them); the kernel's raw entry
@@ -790,13 +910,21 @@ struct Projection {
   int64_t n = 0, k = 0, bits = 0, group = 0;
   WoqRaw* woq_raw = nullptr;
   DenseRaw* dense_raw = nullptr;
+  WoqPart* woq_part = nullptr;
+  DensePart* dense_part = nullptr;
+
+  int64_t out_features() const { return bits > 0 ? n : weight.size(0); }
 };
 
 // The per-step buffers of DecodePlan::forward: reused across layers and, while the batch size and
 // dtype stay, across steps (a decode step allocates only its embedding and its output then).
 struct Workspace {
-  Tensor h, normed, attn, qkv, o, gate_up, act, down;
+  Tensor attn, qkv, o, gate_up, down;  // written by the team's threads together
+  // per thread of the team (one where there is none): the residual stream, the norm that feeds a
+  // projection, a norm of a projection's output (sandwich), the gating's output
+  std::vector<Tensor> x, h, normed, act;
   std::vector<Tensor> cos, sin;  // per rotary table: the rows of this step's positions [B, head_dim]
+  std::vector<AttendWork> attend;  // per slot table: the attention's work items (thread team)
 
   // slot as a [rows, cols] tensor with `options`, reusing its storage where it has that shape
   static Tensor& get(Tensor& slot, int64_t rows, int64_t cols, const at::TensorOptions& options) {
@@ -804,6 +932,50 @@ struct Workspace {
       slot = at::empty({rows, cols}, options);
     }
     return slot;
+  }
+};
+
+// Where DecodePlan::run's layer loop runs: on the calling thread alone (team false: every
+// operator opens its own parallel region, as outside the plan), or as thread `part` of a team of
+// `parts` threads that forward() opened once for the whole step (one OpenMP region a step instead
+// of one an operator: ~150 for SmolLM2). In a team, the projections and the attention split their
+// work by part, and barrier() separates an operator's writes from the next one's reads; an
+// exception on one thread is kept (first one wins) and the other threads skip the rest of the step's
+// work but still meet every barrier, so none waits forever.
+struct TeamState {
+  std::atomic<bool> failed{false};
+  std::mutex mutex;
+  std::exception_ptr error;
+  std::atomic<bool> bad{false};  // an attention item met a slot outside the pool
+  std::atomic<int64_t> bad_slot{0};
+};
+
+struct Team {
+  int64_t part = 0, parts = 1;
+  bool team = false;
+  TeamState* state = nullptr;
+
+  bool lead() const { return part == 0; }
+  void barrier() const {
+    if (team) {
+#pragma omp barrier
+    }
+  }
+  // f() here, unless another thread of the team has failed; its exception kept, not thrown, in a team
+  template <typename F>
+  void run(F&& f) const {
+    if (!team) {
+      f();
+      return;
+    }
+    if (state->failed.load(std::memory_order_relaxed)) return;
+    try {
+      f();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(state->mutex);
+      if (!state->error) state->error = std::current_exception();
+      state->failed.store(true);
+    }
   }
 };
 
@@ -832,6 +1004,7 @@ struct DecodePlan : torch::CustomClassHolder {
   mutable std::mutex workspace_mutex;
   mutable Workspace workspace;
   bool raw_entries = true;  // call the kernels' raw entries where they have them (else the dispatcher)
+  bool thread_team = true;  // run a step in one thread team where it applies (team_applies)
 
   DecodePlan(Tensor embed, std::optional<Tensor> embed_scale, Tensor final_norm, double eps, int64_t n_heads,
              int64_t head_dim, std::vector<Tensor> cos, std::vector<Tensor> sin)
@@ -885,40 +1058,59 @@ struct DecodePlan : torch::CustomClassHolder {
     const std::string ns = op.substr(0, op.find("::"));
     auto entry = dispatcher.findSchema({ns + "::raw_entry", ""});
     const int64_t address = entry ? entry->typed<int64_t()>().call() : 0;
+    auto team = dispatcher.findSchema({ns + "::team_entry", ""});
+    const int64_t team_address = team ? team->typed<int64_t()>().call() : 0;
     if (bits > 0) {
       woq = handle.typed<WoqLinear>();
       // the operator's own argument checks, once, on an x of no rows (the raw calls skip them)
       woq->call(at::empty({0, k}, at::kBFloat16), proj.weight, proj.scales, proj.offsets, n, k, bits, group);
       proj.woq_raw = reinterpret_cast<WoqRaw*>(static_cast<intptr_t>(address));
+      proj.woq_part = reinterpret_cast<WoqPart*>(static_cast<intptr_t>(team_address));
     } else {
       dense = handle.typed<DenseLinear>();
       TORCH_CHECK(proj.weight.dim() == 2, "a dense projection's weight must be [N, K]");
       dense->call(at::empty({0, proj.weight.size(1)}, proj.weight.options()), proj.weight);
       proj.dense_raw = reinterpret_cast<DenseRaw*>(static_cast<intptr_t>(address));
+      proj.dense_part = reinterpret_cast<DensePart*>(static_cast<intptr_t>(team_address));
     }
     *p = std::move(proj);
   }
 
   // p's output for x [B, in] (contiguous, the model's dtype): written into `out` (resized to
-  // [B, out features]) by the raw entry, else the operator's own new tensor.
-  Tensor project(const Projection& p, const Tensor& x, Tensor& out) const {
+  // [B, out features]) by the raw entry, else the operator's own new tensor. In a team (t.team),
+  // this thread's share of it by the in-team entry into `out`, which forward() sized beforehand.
+  Tensor project(const Projection& p, const Tensor& x, Tensor& out, const Team& t) const {
     TORCH_CHECK(p.weight.defined(), "a projection was not set");
     if (p.bits > 0) {
-      if (p.woq_raw == nullptr || !raw_entries) return woq->call(x, p.weight, p.scales, p.offsets, p.n, p.k, p.bits, p.group);
+      if (!t.team && (p.woq_raw == nullptr || !raw_entries))
+        return woq->call(x, p.weight, p.scales, p.offsets, p.n, p.k, p.bits, p.group);
       TORCH_CHECK(x.dim() == 2 && x.size(1) == p.k && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
                   "a projection's input must be contiguous bfloat16 [B, ", p.k, "]");
+      const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+      const uint8_t* wp = p.weight.const_data_ptr<uint8_t>();
+      if (t.team) {
+        TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == p.n, "the team's buffers were sized for other layers");
+        p.woq_part(xp, x.size(0), wp, p.n, p.k, p.bits, p.group, reinterpret_cast<uint16_t*>(out.data_ptr()), t.part,
+                   t.parts);
+        return out;
+      }
       Workspace::get(out, x.size(0), p.n, x.options());
-      p.woq_raw(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), x.size(0), p.weight.const_data_ptr<uint8_t>(),
-                p.n, p.k, p.bits, p.group, reinterpret_cast<uint16_t*>(out.data_ptr()));
+      p.woq_raw(xp, x.size(0), wp, p.n, p.k, p.bits, p.group, reinterpret_cast<uint16_t*>(out.data_ptr()));
       return out;
     }
-    if (p.dense_raw == nullptr || !raw_entries) return dense->call(x, p.weight);
+    if (!t.team && (p.dense_raw == nullptr || !raw_entries)) return dense->call(x, p.weight);
     const int64_t n = p.weight.size(0), k = p.weight.size(1);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.is_contiguous() && x.scalar_type() == p.weight.scalar_type(),
                 "a projection's input must be contiguous [B, ", k, "] in the weight's dtype");
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    if (t.team) {
+      TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n, "the team's buffers were sized for other layers");
+      p.dense_part(x.const_data_ptr(), x.size(0), p.weight.const_data_ptr(), n, k, bf16, out.data_ptr(), t.part,
+                   t.parts);
+      return out;
+    }
     Workspace::get(out, x.size(0), n, x.options());
-    p.dense_raw(x.const_data_ptr(), x.size(0), p.weight.const_data_ptr(), n, k, x.scalar_type() == at::kBFloat16,
-                out.data_ptr());
+    p.dense_raw(x.const_data_ptr(), x.size(0), p.weight.const_data_ptr(), n, k, bf16, out.data_ptr());
     return out;
   }
 
@@ -936,6 +1128,14 @@ struct DecodePlan : torch::CustomClassHolder {
     for (const PlanLayer& l : layers)
       for (const Projection* p : {&l.qkv, &l.o, &l.gate_up, &l.down}) n += p->woq_raw || p->dense_raw;
     return n;
+  }
+
+  // Whether a step may run in one thread team (default) or every operator opens its own parallel
+  // region; the same bits either way (tests). Returns whether a step on this thread would now.
+  bool use_thread_team(bool enable) {
+    thread_team = enable;
+    at::internal::lazy_init_num_threads();
+    return team_applies();
   }
 
   // input_ids, positions [B] int64 (one new token a row); k_layers / v_layers: the KV pool's
@@ -977,60 +1177,182 @@ struct DecodePlan : torch::CustomClassHolder {
     }
   }
 
+  // Whether this step runs in a thread team (one OpenMP region): more than one thread, not already
+  // inside a parallel region, every projection with an in-team entry (and the raw entries on),
+  // and every layer's projections of one width (the team's shared buffers are sized once).
+  bool team_applies() const {
+    if (!thread_team || !raw_entries || layers.empty() || at::get_num_threads() < 2 || omp_in_parallel()) return false;
+    const PlanLayer& first = layers.front();
+    for (const PlanLayer& l : layers) {
+      for (auto [p, q] : {std::pair{&l.qkv, &first.qkv}, std::pair{&l.o, &first.o}, std::pair{&l.gate_up, &first.gate_up},
+                          std::pair{&l.down, &first.down}}) {
+        if (!p->weight.defined() || (p->bits > 0 ? p->woq_part == nullptr : p->dense_part == nullptr)) return false;
+        if (p->out_features() != q->out_features()) return false;
+      }
+    }
+    return true;
+  }
+
   Tensor run(Workspace& ws, const Tensor& input_ids, const Tensor& positions, const std::vector<Tensor>& k_layers,
              const std::vector<Tensor>& v_layers, const Tensor& new_slots, const std::vector<Tensor>& slots,
              const std::vector<Tensor>& kv_lens) const {
     TORCH_CHECK(k_layers.size() == layers.size() && v_layers.size() == layers.size(), "one KV layer per layer");
     TORCH_CHECK(slots.size() == kv_lens.size(), "one kv_lens per slot table");
-    // CausalLM.forward: embedding (scaled), the rotary tables' rows for these positions.
-    Tensor x = at::embedding(embed, input_ids);
-    if (embed_scale) x = at::mul(x, *embed_scale);
-    const auto dtype = x.scalar_type();
-    rope_rows(ws, positions, dtype);
-    const int64_t b = x.size(0), hidden = x.size(1);
-    // Buffers reused by every layer: the norm that feeds a projection, a norm of a projection's
-    // output (sandwich), attention, SiLU gating, the projections' outputs.
-    const auto options = x.options();
-    Tensor& h = Workspace::get(ws.h, b, hidden, options);
-    Tensor& normed = Workspace::get(ws.normed, b, hidden, options);
-    Tensor& attn = Workspace::get(ws.attn, b, n_heads * head_dim, options);
-    Tensor delta;  // the previous layer's output, not yet added to x
-    for (size_t i = 0; i < layers.size(); ++i) {
-      const PlanLayer& l = layers[i];
-      // DecoderLayer.forward, step by step.
-      if (delta.defined()) {
-        add_rms_norm_into(x, delta, l.input_norm, eps, h);
-      } else {
-        rms_norm_into(x, l.input_norm, eps, h);
-      }
-      Tensor qkv = project(l.qkv, h, ws.qkv);
-      if (l.qkv_bias) qkv = at::add(qkv, *l.qkv_bias);
-      if (l.q_norm) {
-        qkv = qkv.view({b, -1, head_dim});
-        const int64_t n_kv = (qkv.size(1) - n_heads) / 2;
-        qkv = at::cat({eager_rms_norm(qkv.narrow(1, 0, n_heads), *l.q_norm, eps),
-                       eager_rms_norm(qkv.narrow(1, n_heads, n_kv), *l.k_norm, eps),
-                       qkv.narrow(1, n_heads + n_kv, n_kv)},
-                      1);
-      }
-      TORCH_CHECK(l.window_id >= 0 && l.window_id < static_cast<int64_t>(slots.size()), "no slot table ",
-                  l.window_id);
-      decode_attention_qkv_into(qkv, ws.cos[l.rope_id], ws.sin[l.rope_id], n_heads, l.q_scale, k_layers[i],
-                                v_layers[i], new_slots, slots[l.window_id], kv_lens[l.window_id], attn);
-      Tensor o = project(l.o, attn, ws.o);
-      if (l.pre_feedforward_norm) {
-        rms_norm_into(o, l.post_attention_norm, eps, normed);
-        add_rms_norm_into(x, normed, *l.pre_feedforward_norm, eps, h);
-      } else {
-        add_rms_norm_into(x, o, l.post_attention_norm, eps, h);
-      }
-      Tensor gate_up = project(l.gate_up, h, ws.gate_up);
-      Tensor& act = Workspace::get(ws.act, b, gate_up.size(1) / 2, options);
-      Tensor m = project(l.down, l.gelu ? gelu_tanh_mul_into(gate_up, act) : silu_mul_into(gate_up, act), ws.down);
-      if (l.post_feedforward_norm) m = rms_norm_into(m, *l.post_feedforward_norm, eps, normed);
-      delta = m;
+    for (const PlanLayer& l : layers) {
+      TORCH_CHECK(l.window_id >= 0 && l.window_id < static_cast<int64_t>(slots.size()), "no slot table ", l.window_id);
     }
-    return delta.defined() ? add_rms_norm_(x, delta, final_norm, eps) : rms_norm(x, final_norm, eps);
+    // CausalLM.forward: embedding (scaled), the rotary tables' rows for these positions.
+    Tensor x0 = at::embedding(embed, input_ids);
+    if (embed_scale) x0 = at::mul(x0, *embed_scale);
+    const auto dtype = x0.scalar_type();
+    rope_rows(ws, positions, dtype);
+    const int64_t b = x0.size(0), hidden = x0.size(1);
+    const auto options = x0.options();
+    at::internal::lazy_init_num_threads();  // (this thread's OpenMP thread count, as at::parallel_for sets it)
+    const bool in_team = team_applies();
+    // Buffers: the attention's output and, in a team, the projections' outputs (shared by the
+    // team: each thread writes its share); per thread the residual stream (each thread keeps its
+    // own copy and does the small row-wise work itself, which costs less than a barrier), the
+    // norm that feeds a projection, a norm of a projection's output (sandwich), the gating.
+    const int64_t copies = in_team ? omp_get_max_threads() : 1;
+    ws.x.resize(copies);
+    ws.h.resize(copies);
+    ws.normed.resize(copies);
+    ws.act.resize(copies);
+    for (int64_t t = 0; t < copies; ++t) {
+      Workspace::get(ws.x[t], b, hidden, options).copy_(x0);
+      Workspace::get(ws.h[t], b, hidden, options);
+      Workspace::get(ws.normed[t], b, hidden, options);
+    }
+    Workspace::get(ws.attn, b, n_heads * head_dim, options);
+    std::vector<Tensor> lens(kv_lens.size());
+    if (in_team) {
+      const PlanLayer& l = layers.front();
+      Workspace::get(ws.qkv, b, l.qkv.out_features(), options);
+      Workspace::get(ws.o, b, l.o.out_features(), options);
+      Workspace::get(ws.gate_up, b, l.gate_up.out_features(), options);
+      Workspace::get(ws.down, b, l.down.out_features(), options);
+      for (int64_t t = 0; t < copies; ++t) Workspace::get(ws.act[t], b, l.gate_up.out_features() / 2, options);
+      // the attention's checks, and its work items once per slot table, before the team starts
+      for (size_t w = 0; w < kv_lens.size(); ++w) lens[w] = kv_lens[w].contiguous();
+      ws.attend.resize(slots.size());
+      std::vector<int64_t> planned(slots.size(), -1);  // kv heads each table's work was made for
+      for (size_t i = 0; i < layers.size(); ++i) {
+        const int64_t w = layers[i].window_id;
+        check_cache_and_tables(k_layers[i], v_layers[i], dtype, b, n_heads, head_dim, slots[w], lens[w]);
+        const int64_t hkv = k_layers[i].size(1);
+        if (planned[w] < 0) {
+          plan_attention(ws.attend[w], b, n_heads, hkv, head_dim, lens[w].const_data_ptr<int64_t>(), slots[w].size(1),
+                         copies);
+          planned[w] = hkv;
+        }
+        TORCH_CHECK(planned[w] == hkv, "layers of one slot table must have one number of kv heads");
+      }
+    }
+    TeamState state;
+    Tensor q_shared;    // a team's q of the current layer (rotated, pre-scaled), from its first thread
+    Tensor out_delta;   // the last layer's output, not yet added to the residual (first thread's)
+    auto body = [&](const Team t) {
+      Tensor& x = ws.x[t.part];
+      Tensor& h = ws.h[t.part];
+      Tensor& normed = ws.normed[t.part];
+      Tensor delta;  // the previous layer's output, not yet added to x
+      for (size_t i = 0; i < layers.size(); ++i) {
+        const PlanLayer& l = layers[i];
+        // DecoderLayer.forward, step by step.
+        t.run([&] {
+          if (delta.defined()) {
+            add_rms_norm_into(x, delta, l.input_norm, eps, h);
+          } else {
+            rms_norm_into(x, l.input_norm, eps, h);
+          }
+        });
+        Tensor qkv;
+        t.run([&] { qkv = project(l.qkv, h, ws.qkv, t); });
+        t.barrier();
+        // q / k norm, bias (ATen ops), rotary, q's pre-scale and the K/V store: one thread
+        if (t.lead()) {
+          t.run([&] {
+            if (l.qkv_bias) qkv = at::add(qkv, *l.qkv_bias);
+            if (l.q_norm) {
+              qkv = qkv.view({b, -1, head_dim});
+              const int64_t n_kv = (qkv.size(1) - n_heads) / 2;
+              qkv = at::cat({eager_rms_norm(qkv.narrow(1, 0, n_heads), *l.q_norm, eps),
+                             eager_rms_norm(qkv.narrow(1, n_heads, n_kv), *l.k_norm, eps),
+                             qkv.narrow(1, n_heads + n_kv, n_kv)},
+                            1);
+            }
+            Tensor q = prepare_qkv_(qkv, ws.cos[l.rope_id], ws.sin[l.rope_id], n_heads, l.q_scale, k_layers[i],
+                                    v_layers[i], new_slots);
+            if (t.team) {
+              q_shared = q;
+            } else {
+              decode_attention_into(q, k_layers[i], v_layers[i], slots[l.window_id], kv_lens[l.window_id], ws.attn);
+            }
+          });
+        }
+        if (t.team) {  // the attention's items, then the merges of split rows' chunks, split by part
+          AttendWork& work = ws.attend[l.window_id];
+          t.barrier();
+          for (bool merges : {false, true}) {
+            if (merges && work.merges.empty()) break;
+            t.run([&] {
+              const AttendArgs a = attend_args(q_shared, k_layers[i], v_layers[i], slots[l.window_id],
+                                               lens[l.window_id], ws.attn);
+              int64_t bad = 0;
+              if (!attend_share(dtype, a, work, merges, t.part, t.parts, &bad)) {
+                state.bad_slot.store(bad);
+                state.bad.store(true);
+              }
+            });
+            t.barrier();
+          }
+        }
+        Tensor o;
+        t.run([&] { o = project(l.o, ws.attn, ws.o, t); });
+        t.barrier();
+        t.run([&] {
+          if (l.pre_feedforward_norm) {
+            rms_norm_into(o, l.post_attention_norm, eps, normed);
+            add_rms_norm_into(x, normed, *l.pre_feedforward_norm, eps, h);
+          } else {
+            add_rms_norm_into(x, o, l.post_attention_norm, eps, h);
+          }
+        });
+        Tensor gate_up;
+        t.run([&] { gate_up = project(l.gate_up, h, ws.gate_up, t); });
+        t.barrier();
+        Tensor m;
+        t.run([&] {
+          Tensor& act = Workspace::get(ws.act[t.part], b, gate_up.size(1) / 2, options);
+          m = project(l.down, l.gelu ? gelu_tanh_mul_into(gate_up, act) : silu_mul_into(gate_up, act), ws.down, t);
+        });
+        t.barrier();
+        t.run([&] {
+          if (l.post_feedforward_norm) m = rms_norm_into(m, *l.post_feedforward_norm, eps, normed);
+          delta = m;
+        });
+      }
+      if (t.lead()) out_delta = delta;
+    };
+    if (in_team) {
+#pragma omp parallel
+      {
+        const int64_t part = omp_get_thread_num(), parts = omp_get_num_threads();
+        const Team t{part, parts, true, &state};
+        if (parts <= copies) {
+          body(t);
+        } else if (t.lead()) {  // (cannot happen: a team has at most omp_get_max_threads())
+          t.run([&] { TORCH_CHECK(false, "the decode plan's team has ", parts, " threads, buffers for ", copies); });
+        }
+      }
+      if (state.error) std::rethrow_exception(state.error);
+      TORCH_CHECK(!state.bad.load(), "slot ", state.bad_slot.load(), " outside the pool's ", k_layers[0].size(0), " slots");
+    } else {
+      body(Team{});
+    }
+    Tensor& x = ws.x[0];
+    return out_delta.defined() ? add_rms_norm_(x, out_delta, final_norm, eps) : rms_norm(x, final_norm, eps);
   }
 };
 }  // namespace
@@ -1053,6 +1375,7 @@ TORCH_LIBRARY(sgrt_layer, m) {
       .def("add_layer", &DecodePlan::add_layer)
       .def("set_projection", &DecodePlan::set_projection)
       .def("use_raw_entries", &DecodePlan::use_raw_entries)
+      .def("use_thread_team", &DecodePlan::use_thread_team)
       .def("forward", &DecodePlan::forward);
 }
 

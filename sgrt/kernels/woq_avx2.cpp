@@ -310,72 +310,111 @@ T* at_least(std::vector<T>& v, int64_t n) {  // grown, never shrunk (not zeroed:
   return v.data();
 }
 
-// y [M, n] (bf16 bits) = x [M, k] (bf16 bits) @ the fused weight stream wp, arguments valid
-// (woq_linear checks them). The computation behind sgrt_woq_avx2.linear, without a tensor in sight:
-// the decode plan (sgrt/kernels/layer_ops_cpu.cpp) calls it directly (raw_entry below).
+// x's rows quantized (quantize_row): q1 / q2 (4-bit codes) or Q (8-bit codes), dx, qs; rows m0..m1.
+struct QuantizedX {
+  int8_t* q1;
+  int8_t* q2;
+  int16_t* Q;
+  float* dx;
+  float* qs;
+};
+
+// This thread's scratch, grown to hold M quantized rows of k inputs for `bits`-bit codes.
+QuantizedX quantized_scratch(int64_t M, int64_t k, int64_t bits) {
+  Scratch& s = scratch();
+  const int64_t KB = k / QBLOCK;
+  return {at_least(s.q1, bits == 4 ? M * k : 0), at_least(s.q2, bits == 4 ? M * k : 0),
+          at_least(s.Q, bits == 8 ? M * k : 0), at_least(s.dx, M * KB), at_least(s.qs, M * KB)};
+}
+
+void quantize_rows(const uint16_t* xb, int64_t m0, int64_t m1, int64_t k, int64_t bits, const QuantizedX& q) {
+  const int64_t KB = k / QBLOCK;
+  for (int64_t m = m0; m < m1; ++m) {
+    if (bits == 4)
+      quantize_row(xb + m * k, k, q.q1 + m * k, q.q2 + m * k, nullptr, q.dx + m * KB, q.qs + m * KB);
+    else
+      quantize_row(xb + m * k, k, nullptr, nullptr, q.Q + m * k, q.dx + m * KB, q.qs + m * KB);
+  }
+}
+
+// y's 16-row output blocks b0..b1 for all M rows of x, from x quantized (q1, q2, Q, dx, qs: see
+// QuantizedX; passed as plain pointers, see the note below): the kernel's one computation, which
+// both the per-call entry (linear_raw) and the in-team entry (linear_part) run.
 // NOTE: the loops below keep the shape they had with per-call vectors: a variant that passed the
 // quantized rows around in a struct (and quantized a small x on every thread) made GCC spill the
 // kernel's accumulators, 1.25-1.35x the time of a decode step's 120 calls; measure after a change.
-void linear_raw(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, int64_t k, int64_t bits, int64_t group,
-                uint16_t* yp) {
-  if (M == 0) return;
+__attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_t* const q2, const int16_t* const Q,
+                                             const float* const dx, const float* const qs, int64_t M,
+                                             const uint8_t* wp, int64_t n, int64_t k, int64_t bits, int64_t group,
+                                             uint16_t* yp, int64_t b0, int64_t b1) {
   const int64_t G = k / group;
   const int64_t block_bytes = G * (HEADER_BYTES + BLOCK_N * group * bits / 8);
-  // every row of x quantized once, up front
   const int64_t KB = k / QBLOCK;
   const int group_shift = group == 32 ? 0 : group == 64 ? 1 : 2;  // log2(group / 32)
-  // (q1 and q2 int8 for 4-bit codes, as vpmaddubsw takes; Q int16 for 8-bit codes, as vpmaddwd takes)
-  Scratch& s = scratch();
-  int8_t* const q1 = at_least(s.q1, bits == 4 ? M * k : 0);
-  int8_t* const q2 = at_least(s.q2, bits == 4 ? M * k : 0);
-  int16_t* const Q = at_least(s.Q, bits == 8 ? M * k : 0);
-  float* const dx = at_least(s.dx, M * KB);
-  float* const qs = at_least(s.qs, M * KB);
-  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / k), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      if (bits == 4)
-        quantize_row(xb + m * k, k, q1 + m * k, q2 + m * k, nullptr, dx + m * KB, qs + m * KB);
-      else
-        quantize_row(xb + m * k, k, nullptr, nullptr, Q + m * k, dx + m * KB, qs + m * KB);
-    }
-  });
-
   // bytes of expanded activations per row; a tile of rows keeps them within ~256 KB (L2)
   const int64_t row_bytes = bits == 4 ? 16 * k : 0;
   const int64_t tile = bits == 4 ? std::min<int64_t>(M, std::max<int64_t>(2, (262144 / row_bytes) & ~int64_t(1))) : M;
-  at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
-    // (this thread's; not zeroed: expand4 writes every byte read)
-    // 64-byte aligned: block4's 32-byte loads of X otherwise straddle cache lines every other load
-    // (a vector's data is only 16-byte aligned), 1.15x the time at 256 rows
-    int8_t* const Xbuf = at_least(scratch().X, tile * row_bytes + 128);
-    int8_t* const X = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(Xbuf) + 63) & ~uintptr_t(63));
-    for (int64_t t0 = 0; t0 < M; t0 += tile) {
-      const int64_t t1 = std::min(M, t0 + tile);
-      if (bits == 4)
-        for (int64_t m = t0; m < t1; ++m) expand4(q1 + m * k, q2 + m * k, k, X + (m - t0) * row_bytes);
-      // the row's activations: expanded (4-bit, this tile), or the int16 q themselves (8-bit)
-      auto xrow = [&](int64_t m) -> const void* {
-        return bits == 4 ? static_cast<const void*>(X + (m - t0) * row_bytes)
-                         : static_cast<const void*>(Q + m * k);
-      };
-      for (int64_t b = b0; b < b1; ++b) {
-        const uint8_t* w = wp + b * block_bytes;
-        int64_t m = t0;
-        for (; m + 2 <= t1; m += 2) {
-          const RowArgs rows[2] = {
-              {xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N},
-              {xrow(m + 1), dx + (m + 1) * KB, qs + (m + 1) * KB, yp + (m + 1) * n + b * BLOCK_N}};
-          if (bits == 4) block4<2>(w, rows, KB, group_shift);
-          else block8<2>(w, rows, KB, group_shift);
-        }
-        if (m < t1) {
-          const RowArgs rows[1] = {{xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N}};
-          if (bits == 4) block4<1>(w, rows, KB, group_shift);
-          else block8<1>(w, rows, KB, group_shift);
-        }
+  // (this thread's; not zeroed: expand4 writes every byte read)
+  // 64-byte aligned: block4's 32-byte loads of X otherwise straddle cache lines every other load
+  // (a vector's data is only 16-byte aligned), 1.15x the time at 256 rows
+  int8_t* const Xbuf = at_least(scratch().X, tile * row_bytes + 128);
+  int8_t* const X = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(Xbuf) + 63) & ~uintptr_t(63));
+  for (int64_t t0 = 0; t0 < M; t0 += tile) {
+    const int64_t t1 = std::min(M, t0 + tile);
+    if (bits == 4)
+      for (int64_t m = t0; m < t1; ++m) expand4(q1 + m * k, q2 + m * k, k, X + (m - t0) * row_bytes);
+    // the row's activations: expanded (4-bit, this tile), or the int16 q themselves (8-bit)
+    auto xrow = [&](int64_t m) -> const void* {
+      return bits == 4 ? static_cast<const void*>(X + (m - t0) * row_bytes) : static_cast<const void*>(Q + m * k);
+    };
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* w = wp + b * block_bytes;
+      int64_t m = t0;
+      for (; m + 2 <= t1; m += 2) {
+        const RowArgs rows[2] = {
+            {xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N},
+            {xrow(m + 1), dx + (m + 1) * KB, qs + (m + 1) * KB, yp + (m + 1) * n + b * BLOCK_N}};
+        if (bits == 4) block4<2>(w, rows, KB, group_shift);
+        else block8<2>(w, rows, KB, group_shift);
+      }
+      if (m < t1) {
+        const RowArgs rows[1] = {{xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N}};
+        if (bits == 4) block4<1>(w, rows, KB, group_shift);
+        else block8<1>(w, rows, KB, group_shift);
       }
     }
+  }
+}
+
+// y [M, n] (bf16 bits) = x [M, k] (bf16 bits) @ the fused weight stream wp, arguments valid
+// (woq_linear checks them). The computation behind sgrt_woq_avx2.linear, without a tensor in sight:
+// x quantized once (rows split across threads), then the output blocks split across threads
+// (at::parallel_for, one OpenMP region each). The decode plan (sgrt/kernels/layer_ops_cpu.cpp)
+// calls it directly outside its thread team (raw_entry below).
+void linear_raw(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, int64_t k, int64_t bits, int64_t group,
+                uint16_t* yp) {
+  if (M == 0) return;
+  const QuantizedX q = quantized_scratch(M, k, bits);  // (the calling thread's, shared with the team)
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / k),
+                   [&](int64_t m0, int64_t m1) { quantize_rows(xb, m0, m1, k, bits, q); });
+  at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
+    linear_blocks(q.q1, q.q2, q.Q, q.dx, q.qs, M, wp, n, k, bits, group, yp, b0, b1);
   });
+}
+
+// linear_raw's part `part` of `parts` (0 <= part < parts), for a thread of a team that the caller
+// already runs (the decode plan's one OpenMP region a step): this thread quantizes all of x into
+// its own scratch (a decode-sized x: cheaper than a barrier), then computes the output blocks
+// [nb * part / parts, nb * (part + 1) / parts) of the nb = n / 16. Opens no parallel region and
+// waits for no other thread; the parts of one y together write each output once, with the same
+// bits as linear_raw (a row's outputs do not depend on the split).
+void linear_part(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, int64_t k, int64_t bits, int64_t group,
+                 uint16_t* yp, int64_t part, int64_t parts) {
+  const int64_t nb = n / BLOCK_N, b0 = nb * part / parts, b1 = nb * (part + 1) / parts;
+  if (M == 0 || b0 == b1) return;
+  const QuantizedX q = quantized_scratch(M, k, bits);
+  quantize_rows(xb, 0, M, k, bits, q);
+  linear_blocks(q.q1, q.q2, q.Q, q.dx, q.qs, M, wp, n, k, bits, group, yp, b0, b1);
 }
 
 // The checks of sgrt_woq_avx2.linear on its arguments (the decode plan runs them once per weight,
@@ -427,6 +466,8 @@ at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
 // The address of linear_raw, for the decode plan's direct calls (no dispatcher, no tensors a call).
 // The plan declares the same signature (WoqRaw in layer_ops_cpu.cpp): change both together.
 int64_t raw_entry() { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&linear_raw)); }
+// The address of linear_part, for the decode plan's thread team (WoqPart in layer_ops_cpu.cpp).
+int64_t team_entry() { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&linear_part)); }
 
 }  // namespace
 
@@ -435,4 +476,5 @@ TORCH_LIBRARY(sgrt_woq_avx2, m) {
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(woq_linear));
   // (no tensor arguments: registered as a catch-all kernel)
   m.def("raw_entry() -> int", &raw_entry);
+  m.def("team_entry() -> int", &team_entry);
 }

@@ -165,18 +165,24 @@ def test_decode_attention_split_into_chunks_matches_sdpa(dtype, n_heads, n_kv, h
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_does_not_depend_on_the_thread_count(dtype):
-    """Chunks are fixed in size (not one per thread) and merged in chunk order: 1 thread and 2
-    threads give the same bits, for a batch of one long row and for a ragged batch."""
+@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(4, 1, 64), (9, 3, 64), (4, 1, 256)])
+def test_decode_attention_does_not_depend_on_the_thread_count(dtype, n_heads, n_kv, head_dim):
+    """Chunks are fixed in size (not one per thread) and merged in chunk order, and where the
+    (row, chunk, kv head) items do not divide evenly among the threads each query head is an item
+    of its own (Gemma 3's one kv head, SmolLM2's three, on 2 or 3 threads): 1, 2 and 3 threads
+    give the same bits, for one short row, one long row, rows of 2-3 chunks and a ragged batch,
+    and match PyTorch's attention."""
     threads = torch.get_num_threads()
     try:
-        for lens in ([2000], CHUNK_EDGE_LENS):
-            args, _ = _ragged_case(dtype, lens, 4, 1, 64, seed=len(lens))
+        for lens in ([80], [2000], [513], [300, 3], CHUNK_EDGE_LENS):
+            args, ref = _ragged_case(dtype, lens, n_heads, n_kv, head_dim, seed=len(lens))
             out = {}
-            for n in (1, 2):
+            for n in (1, 2, 3):
                 torch.set_num_threads(n)
                 out[n] = torch.ops.sgrt_layer.decode_attention(*args)
-            assert torch.equal(out[1], out[2])
+            assert torch.equal(out[1], out[2]) and torch.equal(out[1], out[3]), lens
+            if dtype == torch.float32:
+                torch.testing.assert_close(out[2], ref, rtol=1e-5, atol=2e-6)
     finally:
         torch.set_num_threads(threads)
 

@@ -109,6 +109,61 @@ def test_dispatcher_and_raw_entries_give_the_same_bits(smollm_int4, smollm_bf16)
         assert torch.equal(raw, dispatched)
 
 
+@pytest.mark.parametrize("which", ["int4", "bfloat16", "float32"])
+def test_thread_team_and_per_operator_regions_give_the_same_bits(which, request):
+    """A step in one thread team (one OpenMP region: the projections and the attention split by
+    thread, barriers between them) against every operator opening its own parallel region, and
+    against one thread: the hidden states bit for bit equal (batches of short rows, where the
+    attention splits query heads, and of long ragged rows)."""
+    fixture = {"int4": "smollm_int4", "bfloat16": "smollm_bf16", "float32": "loaded_model"}[which]
+    model = request.getfixturevalue(fixture).model
+    plan = model.native_step.plan
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert plan.use_thread_team(True), "2 threads and the AVX2 kernels' team entries: a thread team"
+        for lens in ([80], [300, 37, 1, 90]):
+            team = _step(model, lens)
+            plan.use_thread_team(False)
+            per_operator = _step(model, lens)
+            plan.use_thread_team(True)
+            torch.set_num_threads(1)
+            assert not plan.use_thread_team(True)  # (one thread: no team)
+            one = _step(model, lens)
+            torch.set_num_threads(2)
+            assert torch.equal(team, per_operator) and torch.equal(team, one)
+    finally:
+        plan.use_thread_team(True)
+        torch.set_num_threads(threads)
+
+
+def test_errors_inside_the_thread_team_are_raised_after_it(smollm_int4):
+    """A slot outside the pool in a context (met by the attention's items, on any thread of the team)
+    and a new slot outside it (met by the K/V store, on the team's first thread) raise a RuntimeError
+    after the team ends, on the caller, instead of hanging or crashing; the next step is right."""
+    model = smollm_int4.model
+    step = model.native_step
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert step.plan.use_thread_team(True)
+        good = _step(model, [80])
+        ids, positions, rows = _decode_batch([80], model.config.vocab_size)
+        pool = _pool(model, 81, seed=80)
+        args = [PagedAttention(pool, rows, native=True).native_decode(layer, window) for layer, window in step.tables]
+        new_slots, slots, lens = args[0][2], [a[3].clone() for a in args], [a[4] for a in args]
+        slots[0][0, 40] = 82  # (the pool has 81 + 1 slots)
+        with torch.inference_mode():
+            with pytest.raises(RuntimeError, match="slot 82 outside the pool's 82 slots"):
+                step.plan.forward(ids, positions, pool.k_layers, pool.v_layers, new_slots, slots, lens)
+            slots[0][0, 40] = args[0][3][0, 40]
+            with pytest.raises(RuntimeError, match="slot 500 outside the pool's 82 slots"):
+                step.plan.forward(ids, positions, pool.k_layers, pool.v_layers, torch.tensor([500]), slots, lens)
+        assert torch.equal(_step(model, [80]), good)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_steps_from_two_threads_at_once(smollm_int4):
     """Two threads in the plan's forward at the same time (one of them on a workspace of its own)
     get what each gets alone."""
@@ -151,6 +206,17 @@ def test_gemma3_int4_takes_the_step_and_is_bit_identical():
     model = load_model(str(pkg.assemble()), dtype="bfloat16", quantization="int4").model
     assert [w for _, w in model.native_step.tables] == [512, None]
     assert_step_matches_layers(model, [700, 45])
+    # one kv head: at one row the attention splits its 4 query heads over the team's threads
+    plan, threads = model.native_step.plan, torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert plan.use_thread_team(True)
+        assert_step_matches_layers(model, [80])
+        team = _step(model, [80])
+        torch.set_num_threads(1)
+        assert torch.equal(team, _step(model, [80]))
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---- tiny random models, one per family's switches ---------------------------------------------------
