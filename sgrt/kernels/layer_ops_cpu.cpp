@@ -790,6 +790,9 @@ struct Projection {
   int64_t n = 0, k = 0, bits = 0, group = 0;
   WoqRaw* woq_raw = nullptr;
   DenseRaw* dense_raw = nullptr;
+  // the projection's own operator (int4 projections with int8 activations run linear_q8 beside
+  // int8 ones on linear in one model)
+  std::optional<c10::TypedOperatorHandle<WoqLinear>> woq_op;
 };
 
 // The per-step buffers of DecodePlan::forward: reused across layers and, while the batch size and
@@ -881,14 +884,17 @@ struct DecodePlan : torch::CustomClassHolder {
     auto& dispatcher = c10::Dispatcher::singleton();
     auto handle = dispatcher.findSchemaOrThrow(op.c_str(), "");
     Projection proj{std::move(weight), std::move(scales), std::move(offsets), n, k, bits, group};
-    // The library's raw entry, if it has one (the operator's namespace, `::raw_entry`).
+    // The operator's raw entry, if its library has one: `<op>_raw_entry`, or for `ns::linear` the
+    // library's `ns::raw_entry` (sgrt_woq_avx2::linear_q8 is linear_q8_raw_entry, and so on).
     const std::string ns = op.substr(0, op.find("::"));
-    auto entry = dispatcher.findSchema({ns + "::raw_entry", ""});
+    auto entry = dispatcher.findSchema({op + "_raw_entry", ""});
+    if (!entry && op == ns + "::linear") entry = dispatcher.findSchema({ns + "::raw_entry", ""});
     const int64_t address = entry ? entry->typed<int64_t()>().call() : 0;
     if (bits > 0) {
       woq = handle.typed<WoqLinear>();
       // the operator's own argument checks, once, on an x of no rows (the raw calls skip them)
       woq->call(at::empty({0, k}, at::kBFloat16), proj.weight, proj.scales, proj.offsets, n, k, bits, group);
+      proj.woq_op = woq;
       proj.woq_raw = reinterpret_cast<WoqRaw*>(static_cast<intptr_t>(address));
     } else {
       dense = handle.typed<DenseLinear>();
@@ -904,7 +910,7 @@ struct DecodePlan : torch::CustomClassHolder {
   Tensor project(const Projection& p, const Tensor& x, Tensor& out) const {
     TORCH_CHECK(p.weight.defined(), "a projection was not set");
     if (p.bits > 0) {
-      if (p.woq_raw == nullptr || !raw_entries) return woq->call(x, p.weight, p.scales, p.offsets, p.n, p.k, p.bits, p.group);
+      if (p.woq_raw == nullptr || !raw_entries) return p.woq_op->call(x, p.weight, p.scales, p.offsets, p.n, p.k, p.bits, p.group);
       TORCH_CHECK(x.dim() == 2 && x.size(1) == p.k && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
                   "a projection's input must be contiguous bfloat16 [B, ", p.k, "]");
       Workspace::get(out, x.size(0), p.n, x.options());
