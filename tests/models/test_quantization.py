@@ -161,13 +161,32 @@ def test_int8_activations_accuracy(bf16_reference):
     assert top1 >= INT8_ACTIVATIONS_MIN_TOP1 and kl <= INT8_ACTIVATIONS_MAX_KL, (top1, kl)
 
 
+@pytest.mark.skipif(not NATIVE or woq_isa() != "avx2", reason="int8 activations are the AVX2 kernel's option")
+def test_int8_prefill_activations_follow_the_row_count(bf16_reference, quantized):
+    """``int4_activations="int8-prefill"`` end to end: a prefill of 200 tokens gets int8's logits
+    bit for bit, a one-token call the default's (decode keeps 16 bits)."""
+    int8 = load_model(MODEL, dtype="bfloat16", quantization="int4", int4_activations="int8")
+    mixed = load_model(MODEL, dtype="bfloat16", quantization="int4", int4_activations="int8-prefill")
+    for lm in (int8, mixed):
+        lm.model.logits_head_max_rows = N_TOKENS
+    ids = torch.tensor(bf16_reference.tokenizer.encode(TEXT)[:N_TOKENS])
+    assert torch.equal(_logits(mixed, ids), _logits(int8, ids))
+    assert torch.equal(_logits(mixed, ids[:1]), _logits(quantized["int4"], ids[:1]))
+    assert not torch.equal(_logits(int8, ids[:1]), _logits(quantized["int4"], ids[:1]))
+
+
 def test_int4_activations_errors():
-    """Checked before anything loads: an unknown name, int8 activations without int4."""
-    with pytest.raises(InvalidRequest, match="int4_activations must be one of int16, int8") as e:
-        load_model(MODEL, dtype="bfloat16", quantization="int4", int4_activations="fp8")
-    assert e.value.field == "int4_activations"
-    with pytest.raises(InvalidRequest, match="applies to quantization='int4'"):
-        load_model(MODEL, dtype="bfloat16", quantization="int8", int4_activations="int8")
+    """Checked before anything loads (load_model, Engine): an unknown name, int8 activations
+    without int4."""
+    from sgrt.engine import Engine
+
+    for load in (load_model, Engine):
+        with pytest.raises(InvalidRequest, match="int4_activations must be one of int16, int8, int8-prefill") as e:
+            load(MODEL, dtype="bfloat16", quantization="int4", int4_activations="fp8")
+        assert e.value.field == "int4_activations"
+        with pytest.raises(InvalidRequest, match="applies to quantization='int4'") as e:
+            load(MODEL, dtype="bfloat16", quantization="int8", int4_activations="int8-prefill")
+        assert e.value.field == "int4_activations"
 
 
 @needs_native
