@@ -17,6 +17,11 @@ and once in int4, then scores the same text with the int4 projections computed f
 The LM head (int8) keeps sgrt's default in every variant. Prints top-1 agreement and mean KL
 against bfloat16 per text and ends with one line of JSON.
 
+``--policies int16,int8,int8-prefill``: instead, the ``int4_activations`` policies as served:
+the first half of the text prefilled in one chunk, the rest fed one token a step over the KV
+pool (decode), every position scored against bfloat16 (so ``int8-prefill`` shows its decode-time
+accuracy, prefill's KV included).
+
     python bench/int8_activations_accuracy.py [--model smollm2-135m-instruct] [--tokens 200]
         [--long-tokens 600] [--modes int16,int8,llama.cpp] [--skip-test-text]
 """
@@ -86,6 +91,42 @@ def _patch(model, mode: str) -> None:
             mod.forward = types.MethodType(lambda self, x, _m=mode: _simulate(_m, x, *self._sim), mod)
 
 
+def _served_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits [T, vocab] float32: ids[:T // 2] prefilled in one chunk, then one token a step."""
+    from sgrt.engine.attention import PagedAttention, RowSpec
+    from sgrt.engine.kv_pool import KVPool
+
+    cfg, t = model.config, len(ids)
+    pool = KVPool(t + 8, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.dtype, "cpu")
+    half = t // 2
+    out = []
+    with torch.inference_mode():
+        attn = PagedAttention(pool, [RowSpec(list(range(1, half + 1)), half)], native=model.native_ops)
+        out.append(model.compute_logits(model(ids[:half], torch.arange(half), attn)))
+        for i in range(half, t):
+            attn = PagedAttention(pool, [RowSpec(list(range(1, i + 2)), 1)], native=model.native_ops)
+            out.append(model.compute_logits(model(ids[i:i + 1], torch.tensor([i]), attn)))
+    return torch.cat(out).float()
+
+
+def served(args, ref, texts) -> dict:
+    from sgrt.models import load_model
+    from test_quantization import _agreement_and_kl
+
+    result = {}
+    for policy in args.policies.split(","):
+        lm = load_model(args.model, dtype="bfloat16", quantization="int4", int4_activations=policy)
+        lm.model.logits_head_max_rows = 1 << 20
+        for name, ids in texts.items():
+            with torch.inference_mode():
+                want = ref.model.forward_simple(ids).float()
+            top1, kl = _agreement_and_kl(want, _served_logits(lm.model, ids))
+            result[f"{name}/{policy}"] = {"top1": round(top1, 4), "kl": round(kl, 5)}
+            print(f"{args.model} {name} ({len(ids)} tokens, half prefilled, half decoded) {policy:12s} "
+                  f"top-1 {top1:6.1%}  KL {kl:.5f}", flush=True)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -93,18 +134,22 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=600, help="tokens of docs/DESIGN.md as a second text (0: none)")
     ap.add_argument("--modes", default="int16,int8,sim-int8,llama.cpp,exact-sum,float")
     ap.add_argument("--skip-test-text", action="store_true")
+    ap.add_argument("--policies", default="", help="score these int4_activations policies as served instead")
     args = ap.parse_args()
 
     from sgrt.models import load_model
     from test_quantization import TEXT, _agreement_and_kl
 
     ref = load_model(args.model, dtype="bfloat16", prepack=False)
-    lm = load_model(args.model, dtype="bfloat16", quantization="int4")
-    lm.model.logits_head_max_rows = 1 << 20
     texts = {} if args.skip_test_text else {"test text": torch.tensor(ref.tokenizer.encode(TEXT)[:args.tokens])}
     if args.long_tokens:
         design = (ROOT / "docs" / "DESIGN.md").read_text()
         texts["DESIGN.md"] = torch.tensor(ref.tokenizer.encode(design)[:args.long_tokens])
+    if args.policies:
+        print(json.dumps({"model": args.model, "served": served(args, ref, texts)}))
+        return
+    lm = load_model(args.model, dtype="bfloat16", quantization="int4")
+    lm.model.logits_head_max_rows = 1 << 20
     result = {}
     for name, ids in texts.items():
         with torch.inference_mode():
