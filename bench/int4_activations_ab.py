@@ -58,6 +58,7 @@ def main() -> None:
             for task, (fn, ids) in tasks.items():
                 for p in order:
                     got[task, p].append(fn(models[p], ids))
+                    print(f"  {spec} round {r} {task} {p}: {got[task, p][-1]:.1f} tok/s", flush=True)
         key = spec.replace("-", "_")
         for task in tasks:
             base = got[task, "int16"]
