@@ -31,12 +31,17 @@ token ids (the prompt is given to llama.cpp as ids, not text).
 
 ``--torch-kernels-row``: sgrt int4 also on torch's packed kernels (what a CPU without sgrt's
 native kernel runs), in the same alternation: a before / after of the native kernel.
+``--int4-activations-rows int8,int8-prefill``: sgrt int4 also with those ``int4_activations``
+policies (``"int8"``: llama.cpp's activation precision, less accurate; ``"int8-prefill"``: int8 for
+calls of >= 32 rows only; docs/DESIGN.md), each an extra labelled row in the same alternation; the
+default's figures stay those of the default (``--int8-activations-row``: ``int8`` alone).
 
 Targets (issue 21): int4 decode >= 2x llama.cpp and >= 60% of its bandwidth limit; bfloat16 and
 float32 >= 70% of theirs; prefill >= 3x llama.cpp.
 
 Run: ``python bench/vs_llamacpp.py [--models smollm2-135m-instruct,gemma3-270m-q4-k-m]
-[--dtypes float32,bfloat16] [--pairs 4] [--runs 3] [--prefill 1024] [--threads 2] [--torch-kernels-row]``
+[--dtypes float32,bfloat16] [--pairs 4] [--runs 3] [--prefill 1024] [--threads 2] [--torch-kernels-row]
+[--int4-activations-rows int8,int8-prefill]``
 """
 from __future__ import annotations
 
@@ -108,7 +113,16 @@ def main() -> None:
     ap.add_argument("--torch-kernels-row", action="store_true",
                     help="also run sgrt int4 on torch's packed kernels (what CPUs without sgrt's native "
                          "kernel run), alternated with the others: a before / after in one invocation")
+    ap.add_argument("--int8-activations-row", action="store_true",
+                    help="also run sgrt int4 with int4_activations='int8' (opt-in, less accurate), alternated "
+                         "with the others, as an extra row")
+    ap.add_argument("--int4-activations-rows", default="",
+                    help="comma-separated int4_activations policies (int8, int8-prefill) each run as an extra "
+                         "row, alternated with the others")
     args = ap.parse_args()
+    policies = [p for p in args.int4_activations_rows.split(",") if p]
+    if args.int8_activations_row and "int8" not in policies:
+        policies.insert(0, "int8")
     torch.set_num_threads(args.threads)
     from sgrt.models import load_model
 
@@ -140,10 +154,16 @@ def main() -> None:
         base = load_torch_kernels(spec) if args.torch_kernels_row else None
         base_dec: list[float] = []
         base_pre: list[float] = []
+        acts = {p: load_model(spec, dtype="bfloat16", quantization="int4", int4_activations=p) for p in policies}
+        acts_dec: dict[str, list[float]] = {p: [] for p in policies}
+        acts_pre: dict[str, list[float]] = {p: [] for p in policies}
         for _ in range(args.pairs):
             if base is not None:
                 base_dec.append(median_of(args.runs, lambda: sgrt_decode_tps(base, prompt_ids)))
                 base_pre.append(median_of(args.runs, lambda: sgrt_prefill_tps(base, long_ids)))
+            for p, lm in acts.items():
+                acts_dec[p].append(median_of(args.runs, lambda: sgrt_decode_tps(lm, prompt_ids)))
+                acts_pre[p].append(median_of(args.runs, lambda: sgrt_prefill_tps(lm, long_ids)))
             if llama is not None:
                 theirs_dec.append(median_of(args.runs, lambda: llama.decode_tps(prompt_ids, NEW_TOKENS)))
                 theirs_pre.append(median_of(args.runs, lambda: llama.prefill_tps(long_ids)))
@@ -181,6 +201,27 @@ def main() -> None:
             rows.append(brow)
             print(f"{spec}: native int4 kernel / torch's kernels, decode: {gain:.2f} (median of pairs)")
             del base
+        for p, lm in acts.items():
+            tag = "int8_activations" if p == "int8" else p.replace("-", "_") + "_activations"
+            adec, apre = statistics.median(acts_dec[p]), statistics.median(acts_pre[p])
+            figures[f"{key}_int4_{tag}_decode_tok_s"] = round(adec, 1)
+            figures[f"{key}_int4_{tag}_prefill_tok_s"] = round(apre, 1)
+            # against the default in the same pairs (the policy's own gain, llama.cpp aside)
+            figures[f"{key}_{tag}_over_int16_decode"] = round(
+                statistics.median([a / b for a, b in zip(acts_dec[p], ours_dec)]), 3)
+            figures[f"{key}_{tag}_over_int16_prefill"] = round(
+                statistics.median([a / b for a, b in zip(acts_pre[p], ours_pre)]), 3)
+            arow = [spec, f"int4 ({p} activations)", round(adec, 1), "-", "-", round(apre, 1), "-", "-", "?"]
+            shares.append((arow, f"{key}_int4_{tag}_bandwidth_share", adec, bytes_per_token(lm, context)))
+            if llama is not None:
+                aratios = [a / b for a, b in zip(acts_dec[p], theirs_dec)]
+                apratios = [a / b for a, b in zip(acts_pre[p], theirs_pre)]
+                figures[f"{key}_{tag}_decode_ratio"] = round(statistics.median(aratios), 3)
+                figures[f"{key}_{tag}_prefill_ratio"] = round(statistics.median(apratios), 3)
+                arow[3:5] = [row[3], f"{statistics.median(aratios):.2f} ({min(aratios):.2f}-{max(aratios):.2f})"]
+                arow[6:8] = [row[6], f"{statistics.median(apratios):.2f}"]
+            rows.append(arow)
+        acts.clear()
         if llama is not None:
             llama.close()
         for dtype in [d for d in args.dtypes.split(",") if d]:

@@ -49,6 +49,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
                    help="weight-only quantization of the linear layers (use with --dtype bfloat16)")
+    p.add_argument("--int4-activations", default="int16", choices=["int16", "int8", "int8-prefill"],
+                   help="with --quantization int4 on the AVX2 kernel: the int4 layers' activation precision "
+                        "(int8: llama.cpp's Q8 blocks, faster prefill, less accurate; int8-prefill: int8 for "
+                        "prefill / extend chunks of >= 32 rows only, decode keeps int16)")
     p.add_argument("--max-total-tokens", type=int, default=16384,
                    help="KV pool size in tokens (all requests' prompt + output at once)")
     _output_args(p)
@@ -171,7 +175,8 @@ def _constraint(args: argparse.Namespace) -> dict[str, Any]:
 def check_args(args: argparse.Namespace) -> None:
     """Everything that can be checked without the model, so that a typo fails in a second, not
     after the model load: sampling values, the engine's sizes, the grammar limits, and the
-    constraint (parsed, checked against the limits and the schema rewrites).
+    constraint (parsed, checked against the limits and the schema rewrites), and whether
+    --int4-activations applies (--quantization int4, the AVX2 kernel).
 
     Raises:
         InvalidRequest / GrammarError: naming the flag's field.
@@ -193,6 +198,12 @@ def check_args(args: argparse.Namespace) -> None:
     if args.grammar_compile_timeout <= 0:
         raise InvalidRequest(f"--grammar-compile-timeout must be > 0, got {args.grammar_compile_timeout}",
                              field="grammar_compile_timeout")
+    if args.int4_activations != "int16":  # (the default applies everywhere: no kernel to ask)
+        import torch
+
+        from sgrt.models.quant import check_int4_activations, parse_quantization
+
+        check_int4_activations(args.int4_activations, parse_quantization(args.quantization), torch.device(args.device))
     _grammar_limits(args)
 
 
@@ -244,7 +255,7 @@ def _engine(args: argparse.Namespace):
     t0 = time.perf_counter()
     with progress(f"loading {args.model}"):
         engine = Engine(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-                        max_total_tokens=args.max_total_tokens, grammar_limits=_grammar_limits(args),
+                        int4_activations=args.int4_activations, max_total_tokens=args.max_total_tokens, grammar_limits=_grammar_limits(args),
                         grammar_compile_timeout_s=args.grammar_compile_timeout)
     if not args.quiet:
         print(f"[sgrt] loaded {args.model} ({args.dtype}, {args.device}) in {time.perf_counter() - t0:.1f} s",

@@ -81,6 +81,7 @@ def test_raw_is_a_plain_completion(runtime, capsys):
     (["--max-total-tokens", "0"], "--max-total-tokens must be >= 1"),
     (["--max-ref-depth", "0"], "max_ref_depth must be an int >= 1"),
     (["--regex", "a", "--json-schema", "{}"], "at most one of"),
+    (["--int4-activations", "int8"], "int4_activations='int8' applies to quantization='int4'"),
 ])
 def test_bad_arguments_fail_before_the_model_load(args, names, capsys, monkeypatch):
     import sgrt.engine

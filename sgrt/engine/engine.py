@@ -178,6 +178,11 @@ class Engine:
         device: ``"cpu"`` or ``"cuda"`` (ignored for a LoadedModel).
         quantization: ``"none"``, ``"int8"`` or ``"int4"`` weight-only linear layers (see
             :mod:`sgrt.models.quant`; ignored for a LoadedModel).
+        int4_activations: with ``quantization="int4"`` on the AVX2 kernel, the int4 projections'
+            activations: ``"int16"`` (default), ``"int8"`` (llama.cpp's Q8 blocks: faster prefill,
+            less accurate) or ``"int8-prefill"`` (int8 for calls of >= 32 rows only: prefill and
+            extend chunks; decode keeps 16 bits); see :func:`sgrt.models.load_model` (ignored for
+            a LoadedModel).
         **options: the options of :class:`EngineConfig`, by their flat names.
 
     Raises:
@@ -187,12 +192,12 @@ class Engine:
     """
 
     def __init__(self, model: Any = "smollm2-135m-instruct", dtype: str = "float32", device: str = "cpu",
-                 quantization: str = "none", **options: Any):
+                 quantization: str = "none", int4_activations: str = "int16", **options: Any):
         from sgrt.models import LoadedModel, load_model
 
         self.config = config = EngineConfig.from_options(**options)
         self.loaded = model if isinstance(model, LoadedModel) else load_model(
-            model, dtype=dtype, device=device, quantization=quantization)
+            model, dtype=dtype, device=device, quantization=quantization, int4_activations=int4_activations)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         cfg = self.loaded.config

@@ -912,6 +912,9 @@ struct Projection {
   DenseRaw* dense_raw = nullptr;
   WoqPart* woq_part = nullptr;
   DensePart* dense_part = nullptr;
+  // the projection's own operator (int4 projections with int8 activations run linear_q8 beside
+  // int8 ones on linear in one model)
+  std::optional<c10::TypedOperatorHandle<WoqLinear>> woq_op;
 
   int64_t out_features() const { return bits > 0 ? n : weight.size(0); }
 };
@@ -1054,16 +1057,21 @@ struct DecodePlan : torch::CustomClassHolder {
     auto& dispatcher = c10::Dispatcher::singleton();
     auto handle = dispatcher.findSchemaOrThrow(op.c_str(), "");
     Projection proj{std::move(weight), std::move(scales), std::move(offsets), n, k, bits, group};
-    // The library's raw entry, if it has one (the operator's namespace, `::raw_entry`).
+    // The operator's raw entry, if its library has one: `<op>_raw_entry`, or for `ns::linear` the
+    // library's `ns::raw_entry` (sgrt_woq_avx2::linear_q8 is linear_q8_raw_entry, and so on).
     const std::string ns = op.substr(0, op.find("::"));
-    auto entry = dispatcher.findSchema({ns + "::raw_entry", ""});
+    auto entry = dispatcher.findSchema({op + "_raw_entry", ""});
+    if (!entry && op == ns + "::linear") entry = dispatcher.findSchema({ns + "::raw_entry", ""});
     const int64_t address = entry ? entry->typed<int64_t()>().call() : 0;
-    auto team = dispatcher.findSchema({ns + "::team_entry", ""});
+    // Its in-team entry likewise: `<op>_team_entry`, or for `ns::linear` the library's `ns::team_entry`.
+    auto team = dispatcher.findSchema({op + "_team_entry", ""});
+    if (!team && op == ns + "::linear") team = dispatcher.findSchema({ns + "::team_entry", ""});
     const int64_t team_address = team ? team->typed<int64_t()>().call() : 0;
     if (bits > 0) {
       woq = handle.typed<WoqLinear>();
       // the operator's own argument checks, once, on an x of no rows (the raw calls skip them)
       woq->call(at::empty({0, k}, at::kBFloat16), proj.weight, proj.scales, proj.offsets, n, k, bits, group);
+      proj.woq_op = woq;
       proj.woq_raw = reinterpret_cast<WoqRaw*>(static_cast<intptr_t>(address));
       proj.woq_part = reinterpret_cast<WoqPart*>(static_cast<intptr_t>(team_address));
     } else {
@@ -1083,7 +1091,7 @@ struct DecodePlan : torch::CustomClassHolder {
     TORCH_CHECK(p.weight.defined(), "a projection was not set");
     if (p.bits > 0) {
       if (!t.team && (p.woq_raw == nullptr || !raw_entries))
-        return woq->call(x, p.weight, p.scales, p.offsets, p.n, p.k, p.bits, p.group);
+        return p.woq_op->call(x, p.weight, p.scales, p.offsets, p.n, p.k, p.bits, p.group);
       TORCH_CHECK(x.dim() == 2 && x.size(1) == p.k && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
                   "a projection's input must be contiguous bfloat16 [B, ", p.k, "]");
       const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());

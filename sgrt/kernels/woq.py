@@ -82,6 +82,9 @@ Rows of ``x`` go two at a time per weight load, in tiles whose expanded activati
 integer sums are exact and every row's float32 steps are the same instructions in the same order,
 so a row's result does not depend on the batch or the thread split (bitwise). NaN or infinity in
 a block of ``x`` makes that row's outputs NaN; blocks with ``max |x| < 2**-100`` count as zero.
+The operator ``sgrt_woq_avx2::linear_q8`` (``activations="int8"``, opt-in) is the same with
+``Q = q1`` and ``dx = a / 127``: half the ``vpmaddubsw``, 1.3-1.5x the speed, less accurate
+(docs/DESIGN.md).
 Speed (``bench/woq_kernel.py``, this kernel against the previous AVX2 one, float32 FMAs on codes
 widened to float32, built in the same run; 1 thread of the 2-core AMD EPYC, one run on a machine
 loaded ~4x over, where the read bandwidth measured 4.4 GB/s instead of ~16): time ratio new / old
@@ -111,6 +114,11 @@ CFLAGS_AVX2 = ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
 BLOCK_N = 16
 GROUP_SIZES = (32, 64, 128)
 BITS = (4, 8)
+# the AVX2 build's activation precisions: ~16-bit (default), int8 (opt-in, linear_q8), int8 for
+# calls of >= PREFILL_ROWS rows only (linear_q8_prefill: prefill / extend chunks)
+ACTIVATIONS = ("int16", "int8", "int8-prefill")
+PREFILL_ROWS = 32  # (Q8_PREFILL_ROWS in woq_avx2.cpp)
+_OPS = {"int16": "linear", "int8": "linear_q8", "int8-prefill": "linear_q8_prefill"}
 # Checked before the library is built or loaded: its code is AVX-512 throughout, and loading it on
 # another CPU could crash the process.
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma", "f16c")
@@ -255,21 +263,55 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n
     return fuse(packed, scales, offsets, n, k, bits, group) if isa() == "avx2" else packed
 
 
-def kernel():
+def check_activations(activations: str) -> None:
+    """``activations`` is ``"int16"`` (the default: ~16-bit activations, ``Q = 254 q1 + q2``),
+    ``"int8"`` (the opt-in: q1 alone, a step of ``max|x| / 127`` per block of 32, llama.cpp's Q8
+    activation blocks) or ``"int8-prefill"`` (int8 for calls of at least :data:`PREFILL_ROWS`
+    rows, 16-bit below: prefill / extend chunks, where the kernel is compute-bound, get the speed;
+    decode keeps the accuracy), and the loaded build takes it: the int8 ones only on the AVX2 build
+    (``linear_q8``, ``linear_q8_prefill``; the AVX-512 BF16 build multiplies bfloat16 x exactly).
+
+    Raises:
+        ValueError: another value, or an int8 one where the AVX2 build is not the one loaded.
+    """
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    if activations != "int16" and isa() != "avx2":
+        raise ValueError(f"activations={activations!r} needs the AVX2 build of the kernel; this one is {isa()!r}")
+
+
+def op_name(activations: str = "int16") -> str | None:
+    """The registered name of the operator :func:`kernel` returns (``sgrt_woq_avx2::linear``,
+    ``sgrt_woq_avx2::linear_q8``, ``sgrt_woq::linear``), for C++ callers that look it up by name;
+    None where no build is loaded."""
+    if not available():
+        return None
+    check_activations(activations)
+    if isa() == "avx2":
+        return "sgrt_woq_avx2::" + _OPS[activations]
+    return "sgrt_woq::linear"
+
+
+def kernel(activations: str = "int16"):
     """The registered operator itself, with :func:`linear`'s signature (positional arguments),
     for callers that check :func:`available` once and call it many times (one Python frame
-    less a call).
+    less a call). ``activations``: see :func:`check_activations` (``"int8"``: the AVX2 build's
+    ``linear_q8``; ``"int8-prefill"``: its ``linear_q8_prefill``).
 
     Raises:
         RuntimeError: :func:`available` is False.
+        ValueError: from :func:`check_activations`.
     """
     if not available():
         raise RuntimeError("sgrt.kernels.woq: the native kernel is unavailable (see the log)")
-    return _state["op"]
+    if activations == "int16":
+        return _state["op"]
+    check_activations(activations)
+    return operator_entry(getattr(torch.ops.sgrt_woq_avx2, _OPS[activations]).default)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-           n: int, k: int, bits: int, group: int = 32) -> torch.Tensor:
+           n: int, k: int, bits: int, group: int = 32, activations: str = "int16") -> torch.Tensor:
     """``y[m, n] = sum_k x[m, k] * (scales[n, k // group] * code[n, k] + offsets[n, k // group])``.
 
     Args:
@@ -279,6 +321,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets:
         scales, offsets: ``[n, k // group]`` float16, contiguous (Q4_1's ``d`` and ``m``).
         n, k: output / input features (``n % 16 == 0``, ``k % group == 0``).
         bits: 4 or 8. group: 32, 64 or 128 inputs per scale.
+        activations: ``"int16"`` or, on the AVX2 build, ``"int8"`` (x quantized to int8 per block
+            of 32, ``dx = max|x| / 127``, as llama.cpp's Q8 blocks: faster, less accurate) or
+            ``"int8-prefill"`` (int8 where ``M >= PREFILL_ROWS``); see :func:`check_activations`.
 
     Returns:
         ``[M, n]`` bfloat16, in the units of ``x @ W.T`` (nothing rescaled): fp32 sums rounded
@@ -292,13 +337,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets:
         RuntimeError: from the kernel, naming the argument and the limit (dtype, shape,
             contiguity, ``n % 16``, ``k % group``, bits / group values).
         RuntimeError: :func:`available` is False.
+        ValueError: ``activations`` (:func:`check_activations`).
     """
     if isa() == "avx2" and packed.numel() == n * k * bits // 8:  # pack()'s codes alone: fuse them here
         try:
             packed = fuse(packed, scales, offsets, n, k, bits, group)
         except ValueError:
             pass  # (bad arguments: the kernel names the one at fault)
-    return kernel()(x, packed, scales, offsets, n, k, bits, group)
+    return kernel(activations)(x, packed, scales, offsets, n, k, bits, group)
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: int, k: int, bits: int,

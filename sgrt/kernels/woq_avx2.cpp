@@ -84,8 +84,10 @@ inline __m128i to_bf16(__m256 v) {
 
 // One row of x (bf16, k values) -> per block of 32: dx and qsum (as float), and the integer
 // activations Q = 254 q1 + q2 as q1, q2 (int8, for the 4-bit kernel) or Q (int16, 8-bit kernel);
-// either pointer may be null.
-void quantize_row(const uint16_t* x, int64_t k, int8_t* q1, int8_t* q2, int16_t* Q, float* dx, float* qs) {
+// either pointer may be null. act8 (the opt-in int8 activations, linear_q8): Q = q1 alone,
+// dx = a / 127, qsum = sum q1 (q2 is not written).
+void quantize_row(const uint16_t* x, int64_t k, int8_t* q1, int8_t* q2, int16_t* Q, float* dx, float* qs,
+                  bool act8 = false) {
   const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
   const __m256 f254 = _mm256_set1_ps(254.0f);
   for (int64_t b = 0; b < k / QBLOCK; ++b) {
@@ -107,7 +109,7 @@ void quantize_row(const uint16_t* x, int64_t k, int8_t* q1, int8_t* q2, int16_t*
     const int64_t o = b * QBLOCK;
     if (abits >= 0x7f800000u || a < 0x1p-100f) {  // NaN / infinity, or (next to) zero
       if (q1) std::memset(q1 + o, 0, QBLOCK);
-      if (q2) std::memset(q2 + o, 0, QBLOCK);
+      if (q2 && !act8) std::memset(q2 + o, 0, QBLOCK);
       if (Q) std::memset(Q + o, 0, QBLOCK * 2);
       dx[b] = abits >= 0x7f800000u ? __builtin_nanf("") : 0.0f;
       qs[b] = 0.0f;
@@ -123,7 +125,7 @@ void quantize_row(const uint16_t* x, int64_t k, int8_t* q1, int8_t* q2, int16_t*
       const __m256 r2 = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(t, r1), f254), RN);
       i1[j] = _mm256_cvtps_epi32(r1);
       i2[j] = _mm256_cvtps_epi32(r2);
-      iq[j] = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(i1[j], 8), _mm256_slli_epi32(i1[j], 1)), i2[j]);
+      iq[j] = act8 ? i1[j] : _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(i1[j], 8), _mm256_slli_epi32(i1[j], 1)), i2[j]);
     }
     // (packs works per 128-bit lane: the permutations put the values back in order)
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -131,7 +133,7 @@ void quantize_row(const uint16_t* x, int64_t k, int8_t* q1, int8_t* q2, int16_t*
       const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i1[0], i1[1]), _mm256_packs_epi32(i1[2], i1[3]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q1 + o), _mm256_permutevar8x32_epi32(p, order));
     }
-    if (q2) {
+    if (q2 && !act8) {
       const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i2[0], i2[1]), _mm256_packs_epi32(i2[2], i2[3]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q2 + o), _mm256_permutevar8x32_epi32(p, order));
     }
@@ -144,15 +146,29 @@ void quantize_row(const uint16_t* x, int64_t k, int8_t* q1, int8_t* q2, int16_t*
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), s);
     int32_t t = 0;
     for (int i = 0; i < 8; ++i) t += lanes[i];
-    dx[b] = a / 32258.0f;  // (127 * 254: the step of Q)
+    dx[b] = act8 ? a / 127.0f : a / 32258.0f;  // (127 * 254: the step of Q)
     qs[b] = static_cast<float>(t);
   }
 }
 
 // q1, q2 (k int8 each) -> the 4-bit kernel's X vectors: per chunk c (8 inputs) 128 bytes, X01 and
 // X23 of q1, then of q2; X01's 8-byte segments 0 and 2 hold (q[8c], q[8c+1]) x 4, segments 1 and 3
-// (q[8c+2], q[8c+3]) x 4; X23 likewise with inputs 8c+4 .. 8c+7.
+// (q[8c+2], q[8c+3]) x 4; X23 likewise with inputs 8c+4 .. 8c+7. q2 null (int8 activations): 64
+// bytes a chunk, q1's two vectors.
 void expand4(const int8_t* q1, const int8_t* q2, int64_t k, int8_t* X) {
+  if (!q2) {
+    const __m256i c01 = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,
+                                         0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3);
+    const __m256i c23 = _mm256_add_epi8(c01, _mm256_set1_epi8(4));
+    for (int64_t c = 0; c < k / 8; ++c) {
+      int64_t v1;
+      std::memcpy(&v1, q1 + 8 * c, 8);
+      const __m256i b1 = _mm256_set1_epi64x(v1);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(X + 64 * c), _mm256_shuffle_epi8(b1, c01));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(X + 64 * c + 32), _mm256_shuffle_epi8(b1, c23));
+    }
+    return;
+  }
   const __m256i ctl01 = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,
                                          0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3);
   const __m256i ctl23 = _mm256_add_epi8(ctl01, _mm256_set1_epi8(4));
@@ -192,8 +208,9 @@ inline void load_header(const uint8_t* h, __m256* so) {
   for (int i = 0; i < 4; ++i) so[i] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 16 * i)));
 }
 
-// R rows (1 or 2) against one 16-row block of 4-bit codes.
-template <int R>
+// R rows (1 or 2) against one 16-row block of 4-bit codes. ACT8: int8 activations (expand4 without
+// q2: isum = the sum against q1 alone, half the vpmaddubsw).
+template <int R, bool ACT8 = false>
 inline void block4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
   const __m256i m0f = _mm256_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1), w254 = _mm256_set1_epi16(254);
@@ -220,23 +237,32 @@ inline void block4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_
       const __m256i Alo = _mm256_and_si256(A, m0f), Ahi = _mm256_and_si256(_mm256_srli_epi16(A, 4), m0f);
       const __m256i Blo = _mm256_and_si256(B, m0f), Bhi = _mm256_and_si256(_mm256_srli_epi16(B, 4), m0f);
       for (int r = 0; r < R; ++r) {
-        const __m256i* X = reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(rows[r].X) + (b * 4 + c) * 128);
+        const __m256i* X = reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(rows[r].X) + (b * 4 + c) * (ACT8 ? 64 : 128));
         const __m256i X01 = _mm256_loadu_si256(X), X23 = _mm256_loadu_si256(X + 1);
-        const __m256i Y01 = _mm256_loadu_si256(X + 2), Y23 = _mm256_loadu_si256(X + 3);
         // (R = 1: the first chunk starts the sums; each sum right after its two products, an order
         // that keeps gcc from spilling at R = 2)
         const auto acc = [c](__m256i s, __m256i t) { return R == 1 && c == 0 ? t : _mm256_add_epi16(s, t); };
         hA[r] = acc(hA[r], _mm256_add_epi16(_mm256_maddubs_epi16(Alo, X01), _mm256_maddubs_epi16(Ahi, X23)));
         hB[r] = acc(hB[r], _mm256_add_epi16(_mm256_maddubs_epi16(Blo, X01), _mm256_maddubs_epi16(Bhi, X23)));
+        if (ACT8) continue;
+        const __m256i Y01 = _mm256_loadu_si256(X + 2), Y23 = _mm256_loadu_si256(X + 3);
         lA[r] = acc(lA[r], _mm256_add_epi16(_mm256_maddubs_epi16(Alo, Y01), _mm256_maddubs_epi16(Ahi, Y23)));
         lB[r] = acc(lB[r], _mm256_add_epi16(_mm256_maddubs_epi16(Blo, Y01), _mm256_maddubs_epi16(Bhi, Y23)));
       }
       // a compiler barrier per chunk: without it gcc reassociates the four chunks' integer adds into
       // one tree after all 32 (R = 1) or 64 (R = 2) vpmaddubsw, which spills ~20 vectors to the
       // stack a block (the same sums: integer adds are exact in any order)
-      for (int r = 0; r < R; ++r) asm("" : "+x"(hA[r]), "+x"(hB[r]), "+x"(lA[r]), "+x"(lB[r]));
+      for (int r = 0; r < R; ++r) {
+        asm("" : "+x"(hA[r]), "+x"(hB[r]));
+        if (!ACT8) asm("" : "+x"(lA[r]), "+x"(lB[r]));
+      }
     }
     for (int r = 0; r < R; ++r) {  // isum = 254 * (sum against q1) + (sum against q2), exact in s32
+      if (ACT8) {
+        epilogue(_mm256_madd_epi16(_mm256_shuffle_epi8(hA[r], pairs), ones),
+                 _mm256_madd_epi16(_mm256_shuffle_epi8(hB[r], pairs), ones), so, rows[r].dx[b], rows[r].qs[b], y0[r], y1[r]);
+        continue;
+      }
       const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(hA[r], pairs), w254),
                                           _mm256_madd_epi16(_mm256_shuffle_epi8(lA[r], pairs), ones));
       const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(hB[r], pairs), w254),
@@ -310,7 +336,8 @@ T* at_least(std::vector<T>& v, int64_t n) {  // grown, never shrunk (not zeroed:
   return v.data();
 }
 
-// x's rows quantized (quantize_row): q1 / q2 (4-bit codes) or Q (8-bit codes), dx, qs; rows m0..m1.
+// x's rows quantized (quantize_row): q1 / q2 (4-bit codes; q2 none with int8 activations) or Q
+// (8-bit codes), dx, qs.
 struct QuantizedX {
   int8_t* q1;
   int8_t* q2;
@@ -320,29 +347,36 @@ struct QuantizedX {
 };
 
 // This thread's scratch, grown to hold M quantized rows of k inputs for `bits`-bit codes.
+// (q1 and q2 int8 for 4-bit codes, as vpmaddubsw takes; Q int16 for 8-bit codes, as vpmaddwd takes)
+template <bool ACT8>
 QuantizedX quantized_scratch(int64_t M, int64_t k, int64_t bits) {
   Scratch& s = scratch();
   const int64_t KB = k / QBLOCK;
-  return {at_least(s.q1, bits == 4 ? M * k : 0), at_least(s.q2, bits == 4 ? M * k : 0),
+  return {at_least(s.q1, bits == 4 ? M * k : 0), ACT8 ? nullptr : at_least(s.q2, bits == 4 ? M * k : 0),
           at_least(s.Q, bits == 8 ? M * k : 0), at_least(s.dx, M * KB), at_least(s.qs, M * KB)};
 }
 
+// Rows m0..m1 of x quantized into q.
+template <bool ACT8>
 void quantize_rows(const uint16_t* xb, int64_t m0, int64_t m1, int64_t k, int64_t bits, const QuantizedX& q) {
   const int64_t KB = k / QBLOCK;
   for (int64_t m = m0; m < m1; ++m) {
     if (bits == 4)
-      quantize_row(xb + m * k, k, q.q1 + m * k, q.q2 + m * k, nullptr, q.dx + m * KB, q.qs + m * KB);
+      quantize_row(xb + m * k, k, q.q1 + m * k, ACT8 ? nullptr : q.q2 + m * k, nullptr, q.dx + m * KB,
+                   q.qs + m * KB, ACT8);
     else
-      quantize_row(xb + m * k, k, nullptr, nullptr, q.Q + m * k, q.dx + m * KB, q.qs + m * KB);
+      quantize_row(xb + m * k, k, nullptr, nullptr, q.Q + m * k, q.dx + m * KB, q.qs + m * KB, ACT8);
   }
 }
 
 // y's 16-row output blocks b0..b1 for all M rows of x, from x quantized (q1, q2, Q, dx, qs: see
 // QuantizedX; passed as plain pointers, see the note below): the kernel's one computation, which
 // both the per-call entry (linear_raw) and the in-team entry (linear_part) run.
+// ACT8: the opt-in int8 activations (linear_q8: q1 alone, dx = max|x| / 127 per block of 32).
 // NOTE: the loops below keep the shape they had with per-call vectors: a variant that passed the
 // quantized rows around in a struct (and quantized a small x on every thread) made GCC spill the
 // kernel's accumulators, 1.25-1.35x the time of a decode step's 120 calls; measure after a change.
+template <bool ACT8>
 __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_t* const q2, const int16_t* const Q,
                                              const float* const dx, const float* const qs, int64_t M,
                                              const uint8_t* wp, int64_t n, int64_t k, int64_t bits, int64_t group,
@@ -352,7 +386,7 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
   const int64_t KB = k / QBLOCK;
   const int group_shift = group == 32 ? 0 : group == 64 ? 1 : 2;  // log2(group / 32)
   // bytes of expanded activations per row; a tile of rows keeps them within ~256 KB (L2)
-  const int64_t row_bytes = bits == 4 ? 16 * k : 0;
+  const int64_t row_bytes = bits == 4 ? (ACT8 ? 8 : 16) * k : 0;
   const int64_t tile = bits == 4 ? std::min<int64_t>(M, std::max<int64_t>(2, (262144 / row_bytes) & ~int64_t(1))) : M;
   // (this thread's; not zeroed: expand4 writes every byte read)
   // 64-byte aligned: block4's 32-byte loads of X otherwise straddle cache lines every other load
@@ -362,7 +396,7 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
   for (int64_t t0 = 0; t0 < M; t0 += tile) {
     const int64_t t1 = std::min(M, t0 + tile);
     if (bits == 4)
-      for (int64_t m = t0; m < t1; ++m) expand4(q1 + m * k, q2 + m * k, k, X + (m - t0) * row_bytes);
+      for (int64_t m = t0; m < t1; ++m) expand4(q1 + m * k, ACT8 ? nullptr : q2 + m * k, k, X + (m - t0) * row_bytes);
     // the row's activations: expanded (4-bit, this tile), or the int16 q themselves (8-bit)
     auto xrow = [&](int64_t m) -> const void* {
       return bits == 4 ? static_cast<const void*>(X + (m - t0) * row_bytes) : static_cast<const void*>(Q + m * k);
@@ -374,12 +408,12 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
         const RowArgs rows[2] = {
             {xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N},
             {xrow(m + 1), dx + (m + 1) * KB, qs + (m + 1) * KB, yp + (m + 1) * n + b * BLOCK_N}};
-        if (bits == 4) block4<2>(w, rows, KB, group_shift);
+        if (bits == 4) block4<2, ACT8>(w, rows, KB, group_shift);
         else block8<2>(w, rows, KB, group_shift);
       }
       if (m < t1) {
         const RowArgs rows[1] = {{xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N}};
-        if (bits == 4) block4<1>(w, rows, KB, group_shift);
+        if (bits == 4) block4<1, ACT8>(w, rows, KB, group_shift);
         else block8<1>(w, rows, KB, group_shift);
       }
     }
@@ -387,18 +421,19 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
 }
 
 // y [M, n] (bf16 bits) = x [M, k] (bf16 bits) @ the fused weight stream wp, arguments valid
-// (woq_linear checks them). The computation behind sgrt_woq_avx2.linear, without a tensor in sight:
-// x quantized once (rows split across threads), then the output blocks split across threads
-// (at::parallel_for, one OpenMP region each). The decode plan (sgrt/kernels/layer_ops_cpu.cpp)
-// calls it directly outside its thread team (raw_entry below).
+// (woq_linear checks them). The computation behind sgrt_woq_avx2.linear (ACT8: linear_q8),
+// without a tensor in sight: x quantized once (rows split across threads), then the output blocks
+// split across threads (at::parallel_for, one OpenMP region each). The decode plan
+// (sgrt/kernels/layer_ops_cpu.cpp) calls it directly outside its thread team (raw entries below).
+template <bool ACT8>
 void linear_raw(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, int64_t k, int64_t bits, int64_t group,
                 uint16_t* yp) {
   if (M == 0) return;
-  const QuantizedX q = quantized_scratch(M, k, bits);  // (the calling thread's, shared with the team)
+  const QuantizedX q = quantized_scratch<ACT8>(M, k, bits);  // (the calling thread's, shared with the team)
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / k),
-                   [&](int64_t m0, int64_t m1) { quantize_rows(xb, m0, m1, k, bits, q); });
+                   [&](int64_t m0, int64_t m1) { quantize_rows<ACT8>(xb, m0, m1, k, bits, q); });
   at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
-    linear_blocks(q.q1, q.q2, q.Q, q.dx, q.qs, M, wp, n, k, bits, group, yp, b0, b1);
+    linear_blocks<ACT8>(q.q1, q.q2, q.Q, q.dx, q.qs, M, wp, n, k, bits, group, yp, b0, b1);
   });
 }
 
@@ -408,14 +443,34 @@ void linear_raw(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, int
 // [nb * part / parts, nb * (part + 1) / parts) of the nb = n / 16. Opens no parallel region and
 // waits for no other thread; the parts of one y together write each output once, with the same
 // bits as linear_raw (a row's outputs do not depend on the split).
+template <bool ACT8>
 void linear_part(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, int64_t k, int64_t bits, int64_t group,
                  uint16_t* yp, int64_t part, int64_t parts) {
   const int64_t nb = n / BLOCK_N, b0 = nb * part / parts, b1 = nb * (part + 1) / parts;
   if (M == 0 || b0 == b1) return;
-  const QuantizedX q = quantized_scratch(M, k, bits);
-  quantize_rows(xb, 0, M, k, bits, q);
-  linear_blocks(q.q1, q.q2, q.Q, q.dx, q.qs, M, wp, n, k, bits, group, yp, b0, b1);
+  const QuantizedX q = quantized_scratch<ACT8>(M, k, bits);
+  quantize_rows<ACT8>(xb, 0, M, k, bits, q);
+  linear_blocks<ACT8>(q.q1, q.q2, q.Q, q.dx, q.qs, M, wp, n, k, bits, group, yp, b0, b1);
 }
+
+// linear_q8_prefill: int8 activations for a call of at least Q8_PREFILL_ROWS rows (prefill / extend
+// chunks, large batches: the kernel is compute-bound there and int8 halves its vpmaddubsw), the
+// default 16-bit ones below (decode: memory-bound, where int8 gains nothing and costs accuracy).
+constexpr int64_t Q8_PREFILL_ROWS = 32;
+
+void linear_raw_q8_prefill(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, int64_t k, int64_t bits,
+                           int64_t group, uint16_t* yp) {
+  if (M >= Q8_PREFILL_ROWS) linear_raw<true>(xb, M, wp, n, k, bits, group, yp);
+  else linear_raw<false>(xb, M, wp, n, k, bits, group, yp);
+}
+
+void linear_part_q8_prefill(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, int64_t k, int64_t bits,
+                            int64_t group, uint16_t* yp, int64_t part, int64_t parts) {
+  if (M >= Q8_PREFILL_ROWS) linear_part<true>(xb, M, wp, n, k, bits, group, yp, part, parts);
+  else linear_part<false>(xb, M, wp, n, k, bits, group, yp, part, parts);
+}
+
+using LinearRaw = void(const uint16_t*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t, uint16_t*);
 
 // The checks of sgrt_woq_avx2.linear on its arguments (the decode plan runs them once per weight,
 // with an x of no rows, before it calls linear_raw directly).
@@ -453,28 +508,42 @@ void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
               packed.numel());
 }
 
+// The operators linear, linear_q8, linear_q8_prefill: check_args, then the raw computation F.
+template <LinearRaw* F>
 at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                       const at::Tensor& offsets, int64_t n, int64_t k, int64_t bits, int64_t group) {
   check_args(x, packed, scales, offsets, n, k, bits, group);
   const int64_t M = x.size(0);
   at::Tensor y(at::detail::empty_cpu({M, n}, at::kBFloat16));
-  linear_raw(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, packed.data_ptr<uint8_t>(), n, k, bits, group,
+  F(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, packed.data_ptr<uint8_t>(), n, k, bits, group,
              reinterpret_cast<uint16_t*>(y.data_ptr()));
   return y;
 }
 
-// The address of linear_raw, for the decode plan's direct calls (no dispatcher, no tensors a call).
-// The plan declares the same signature (WoqRaw in layer_ops_cpu.cpp): change both together.
-int64_t raw_entry() { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&linear_raw)); }
-// The address of linear_part, for the decode plan's thread team (WoqPart in layer_ops_cpu.cpp).
-int64_t team_entry() { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&linear_part)); }
+// The addresses of the operators' raw computations, for the decode plan's direct calls (no
+// dispatcher, no tensors a call): `raw_entry` / `team_entry` are linear's per-call entry
+// (linear_raw) and in-team entry (linear_part), `<op>_raw_entry` / `<op>_team_entry` another
+// operator's (DecodePlan::set_projection looks them up so). The plan declares the same signatures
+// (WoqRaw / WoqPart in layer_ops_cpu.cpp): change both together.
+template <auto F>
+int64_t entry_of() { return static_cast<int64_t>(reinterpret_cast<intptr_t>(F)); }
 
 }  // namespace
 
 TORCH_LIBRARY(sgrt_woq_avx2, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int n, int k, int bits, int group) -> Tensor");
-  m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(woq_linear));
-  // (no tensor arguments: registered as a catch-all kernel)
-  m.def("raw_entry() -> int", &raw_entry);
-  m.def("team_entry() -> int", &team_entry);
+  m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(woq_linear<&linear_raw<false>>));
+  // the same with int8 activations (opt-in: half the int4 kernel's vpmaddubsw, less accurate;
+  // docs/DESIGN.md), always or for calls of >= Q8_PREFILL_ROWS rows only
+  m.def("linear_q8(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int n, int k, int bits, int group) -> Tensor");
+  m.impl("linear_q8", c10::DispatchKey::CPU, TORCH_FN(woq_linear<&linear_raw<true>>));
+  m.def("linear_q8_prefill(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int n, int k, int bits, int group) -> Tensor");
+  m.impl("linear_q8_prefill", c10::DispatchKey::CPU, TORCH_FN(woq_linear<&linear_raw_q8_prefill>));
+  // (no tensor arguments: registered as catch-all kernels)
+  m.def("raw_entry() -> int", &entry_of<&linear_raw<false>>);
+  m.def("team_entry() -> int", &entry_of<&linear_part<false>>);
+  m.def("linear_q8_raw_entry() -> int", &entry_of<&linear_raw<true>>);
+  m.def("linear_q8_team_entry() -> int", &entry_of<&linear_part<true>>);
+  m.def("linear_q8_prefill_raw_entry() -> int", &entry_of<&linear_raw_q8_prefill>);
+  m.def("linear_q8_prefill_team_entry() -> int", &entry_of<&linear_part_q8_prefill>);
 }

@@ -73,7 +73,7 @@ class LoadedModel:
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu",
                cache_dir: str | Path | None = None, quantization: str = "none", prepack: bool = True,
-               native_ops: bool = True) -> LoadedModel:
+               native_ops: bool = True, int4_activations: str = "int16") -> LoadedModel:
     """Load a model of any registered family (:mod:`sgrt.models.registry`) by name, GGUF path or
     HF folder (see the module docstring).
 
@@ -94,6 +94,10 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
         native_ops: on CPU, run the layers' non-matmul steps and decode attention through sgrt's
             fused C++ operators (:mod:`sgrt.kernels.layer_ops`, compiled on first use and cached;
             same rounding as the PyTorch ops). ``False``, or a build failure, keeps PyTorch ops.
+        int4_activations: with ``quantization="int4"`` on the AVX2 kernel, the int4 projections'
+            activation precision: ``"int16"`` (default), ``"int8"`` (per block of 32, llama.cpp's
+            Q8 blocks: faster, less accurate: docs/DESIGN.md), or ``"int8-prefill"`` (int8 only
+            for calls of >= 32 rows: prefill / extend chunks; decode keeps 16-bit).
 
     Returns:
         A :class:`LoadedModel`.
@@ -102,15 +106,17 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
         ModelLoadError: the spec names no file or folder we can find (the message lists every
             place looked), the architecture has no registered family (or uses a feature its family
             does not implement; the message names it), or the files are incomplete.
-        InvalidRequest: ``dtype`` or ``quantization`` is not one of the names above.
+        InvalidRequest: ``dtype``, ``quantization`` or ``int4_activations`` is not one of the names
+            above, or an int8 ``int4_activations`` where it cannot apply (no int4, no AVX2 kernel).
     """
     from sgrt.models.layers import FUSED_PROJECTIONS, CausalLM
     from sgrt.models.packed import pack_lm_head, pack_linear_layers
-    from sgrt.models.quant import parse_quantization, quantize_model
+    from sgrt.models.quant import check_int4_activations, parse_quantization, quantize_model
 
     start = time.perf_counter()
     torch_dtype = parse_dtype(dtype)
     quantization = parse_quantization(quantization)
+    check_int4_activations(int4_activations, quantization, torch.device(device))
     kind, src = resolve_spec(spec)
     converted = False
     if kind == "gguf":
@@ -133,7 +139,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
 
             q4_1, types = load_q4_groups(src, folder, spec)
             wide = wider_than_4_bits(types)
-        counts = quantize_model(model, quantization, state, q4_1, wide)
+        counts = quantize_model(model, quantization, state, q4_1, wide, int4_activations)
         if kind == "gguf" and counts["quantized"]:
             logger.info("%s: %d projections re-quantized at load to %s groups of 32 (the file's blocks "
                         "are not Q4_1 / Q4_K, the forms sgrt's kernel takes; %d of them in int8, the file "

@@ -108,7 +108,7 @@ def build(model) -> tuple[NativeDecodeStep | None, str]:
         for name in PROJECTIONS:
             mod = layer._modules[name]
             if type(mod) is GroupLinear and model.dtype == KERNEL_DTYPE:
-                op = _woq_op()
+                op = _woq_op(mod.activations)
                 if op is None:
                     return None, "the weight-only kernel's operator is not loaded"
                 packed, scales, offsets, n, k, bits, group = mod._args
@@ -151,8 +151,9 @@ def build(model) -> tuple[NativeDecodeStep | None, str]:
     return NativeDecodeStep(plan, tables, max_rows), ""
 
 
-def _woq_op() -> str | None:
-    """The registered name of the weight-only kernel GroupLinear calls (the build ``woq.isa()`` loaded)."""
+def _woq_op(activations: str = "int16") -> str | None:
+    """The registered name of the weight-only kernel a GroupLinear with these ``activations`` calls
+    (the build ``woq.isa()`` loaded)."""
     from sgrt.kernels import woq
 
-    return {"avx2": "sgrt_woq_avx2::linear", "avx512_bf16": "sgrt_woq::linear"}.get(woq.isa() or "")
+    return woq.op_name(activations)

@@ -87,8 +87,27 @@ def native_kernel_available() -> bool:
     return woq.available()
 
 
+def check_int4_activations(activations: str, method: str, device: torch.device) -> None:
+    """Raises InvalidRequest (field ``int4_activations``) where ``activations`` cannot apply."""
+    from sgrt.errors import InvalidRequest
+    from sgrt.kernels import woq
+
+    if activations not in woq.ACTIVATIONS:
+        raise InvalidRequest(f"int4_activations must be one of {', '.join(woq.ACTIVATIONS)}, got {activations!r}",
+                             field="int4_activations")
+    if activations != "int16":
+        if method != "int4":
+            raise InvalidRequest(f"int4_activations={activations!r} applies to quantization='int4', got {method!r}",
+                                 field="int4_activations")
+        if device.type != "cpu" or not native_kernel_available() or woq.isa() != "avx2":
+            raise InvalidRequest(f"int4_activations={activations!r} needs sgrt's AVX2 int4 kernel (a CPU with AVX2 + FMA "
+                                 f"and without AVX-512 BF16; this one runs {woq.isa() or 'no native kernel'})",
+                                 field="int4_activations")
+
+
 def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
-                   q4_1: dict[str, Any] | None = None, wide: frozenset[str] = frozenset()) -> dict[str, int]:
+                   q4_1: dict[str, Any] | None = None, wide: frozenset[str] = frozenset(),
+                   int4_activations: str = "int16") -> dict[str, int]:
     """Replace every fused projection of ``model`` (a :class:`sgrt.models.llama.LlamaForCausalLM`)
     and its LM head by quantized layers, in place.
 
@@ -102,6 +121,11 @@ def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
         wide: for int4, HF names whose source holds more precision than int4 (a GGUF's Q5_0, Q6_K,
             Q8_0, ... tensors: :func:`sgrt.models.gguf_raw.wider_than_4_bits`); a fused projection
             with such a part is built in int8 instead, so that int4 never drops below the file.
+        int4_activations: ``"int16"`` (default), ``"int8"`` or ``"int8-prefill"``: the activation
+            precision of the int4 projections on the AVX2 kernel
+            (:func:`sgrt.kernels.woq.check_activations`; ``"int8"`` is llama.cpp's Q8 blocks:
+            faster, less accurate, docs/DESIGN.md; ``"int8-prefill"`` only for calls of many
+            rows). The LM head and int8 projections keep ``"int16"``.
 
     Returns:
         Counts: ``{"q4_1": layers loaded from Q4_1 / Q4_K blocks, "quantized": layers quantized at load,
@@ -110,11 +134,13 @@ def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
         is int8 in int4 mode too, unless the file holds it in Q4_1.
 
     Raises:
-        InvalidRequest: an unknown ``method``.
+        InvalidRequest: an unknown ``method``; ``int4_activations`` not one of the names above, or
+            ``"int8"`` without ``method="int4"`` on the AVX2 kernel.
     """
     from sgrt.models.llama import FUSED_PROJECTIONS
 
     method = parse_quantization(method)
+    check_int4_activations(int4_activations, method, model.device)
     counts = {"q4_1": 0, "quantized": 0, "int8_wide": 0, "float": 0}
     if method == "none":
         return counts
@@ -125,7 +151,8 @@ def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
 
     native = device.type == "cpu" and native_kernel_available()
 
-    def build(names: list[str], current: nn.Module | None, kind: str) -> nn.Module | None:
+    def build(names: list[str], current: nn.Module | None, kind: str,
+              acts: str = int4_activations) -> nn.Module | None:
         widened = kind == "int4" and any(n in wide_parts for n in names)
         if widened:  # a part finer than int4 in the file: keep its precision (int8)
             kind = "int8"
@@ -136,7 +163,7 @@ def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
             b = Q4_1Weight.cat([blocks[n] for n in names])
             if native and GroupLinear.supports(*b.shape, device):
                 counts["q4_1"] += 1
-                return GroupLinear.from_q4_1(b.codes, b.d, b.m)
+                return GroupLinear.from_q4_1(b.codes, b.d, b.m, activations=acts)
             if Int4Linear.supports(*b.shape, device):
                 counts["q4_1"] += 1
                 return Int4Linear.from_q4_1(b.codes, b.d, b.m, device)
@@ -144,7 +171,10 @@ def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
         cls = GroupLinear if native else (Int8Linear if kind == "int8" else Int4Linear)
         if cls.supports(*w.shape, device):
             try:
-                layer = GroupLinear.from_float(w, bits) if native else cls.from_float(w, device)
+                if native:
+                    layer = GroupLinear.from_float(w, bits, activations=acts if bits == 4 else "int16")
+                else:
+                    layer = cls.from_float(w, device)
             except ValueError as e:  # float16 scales cannot hold this weight
                 logger.warning("%s: %s kept in float (%s)", method, "+".join(names), e)
             else:
@@ -165,7 +195,7 @@ def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
         # NOTE: the LM head is int4 only when the file stores it in Q4_1; otherwise int8. An int4
         # head quantized at load cuts top-1 agreement with bfloat16 to ~85% on the default model
         # (whose tied embedding is Q8_0), against ~97% with an int8 head (see the module docstring).
-        model.logits_head = build([head], None, "int4" if head in blocks else "int8")
+        model.logits_head = build([head], None, "int4" if head in blocks else "int8", "int16")
         if model.lm_head is None and isinstance(model.logits_head, Int8Linear):
             # NOTE: the int8 kernel is compute-bound past a few rows (CPU, 1 thread, 49152 x 576:
             # 4.9 ms at 1 row vs 10.5 bfloat16; 7.4 vs 10.6 at 4; 35 vs 13 at 16), and a tied model

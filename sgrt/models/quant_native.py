@@ -46,6 +46,12 @@ class GroupLinear(QuantizedLinear):
         scales, offsets: ``[N, K // group_size]``, stored as float16 (a Q4_1 block's ``d`` and
             ``m`` are float16 in the file, so they are kept exactly).
         bits: 4 or 8. group_size: 32, 64 or 128.
+        activations: ``"int16"`` (default) or ``"int8"``: the AVX2 kernel's activation precision
+            (:func:`sgrt.kernels.woq.check_activations`; ``"int8"``, llama.cpp's Q8 blocks, is
+            faster and less accurate: docs/DESIGN.md).
+
+    Raises:
+        ValueError: ``activations`` (an unknown value, or ``"int8"`` off the AVX2 build).
 
     On the AVX2 build the buffer ``packed`` is the kernel's single stream of codes, scales and
     offsets (:func:`sgrt.kernels.woq.fuse`) and there are no ``scales`` / ``offsets`` buffers
@@ -53,9 +59,12 @@ class GroupLinear(QuantizedLinear):
     """
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
-                 group_size: int = INT4_GROUP_SIZE):
+                 group_size: int = INT4_GROUP_SIZE, activations: str = "int16"):
         super().__init__()
         from sgrt.kernels import woq
+
+        woq.check_activations(activations)
+        self.activations = activations
 
         self.out_features, self.in_features = codes.shape
         self.bits, self.group_size = bits, group_size
@@ -72,7 +81,7 @@ class GroupLinear(QuantizedLinear):
         else:
             self.register_buffer("scales", scales)
             self.register_buffer("offsets", offsets)
-        self._linear = woq.kernel()
+        self._linear = woq.kernel(activations)
         self._refresh_args()
 
     def _refresh_args(self) -> None:
@@ -100,18 +109,20 @@ class GroupLinear(QuantizedLinear):
         return out
 
     @classmethod
-    def from_q4_1(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> "GroupLinear":
+    def from_q4_1(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                  activations: str = "int16") -> "GroupLinear":
         """From Q4_1 blocks (``d``, ``m``: ``[N, K // 32]`` float16), all three as they are."""
-        return cls(codes, d, m, 4, INT4_GROUP_SIZE)
+        return cls(codes, d, m, 4, INT4_GROUP_SIZE, activations)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bits: int, group_size: int = INT4_GROUP_SIZE) -> "GroupLinear":
+    def from_float(cls, weight: torch.Tensor, bits: int, group_size: int = INT4_GROUP_SIZE,
+                   activations: str = "int16") -> "GroupLinear":
         """Quantize a float weight ``[N, K]`` at load (:func:`quantize_groups`).
 
         Raises:
             ValueError: a weight beyond float16's range.
         """
-        return cls(*quantize_groups(weight, bits, group_size), bits, group_size)
+        return cls(*quantize_groups(weight, bits, group_size), bits, group_size, activations)
 
     @staticmethod
     def supports(out_features: int, in_features: int, device: torch.device) -> bool:
@@ -141,4 +152,5 @@ class GroupLinear(QuantizedLinear):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int{self.bits} group_size={self.group_size}, native kernel")
+                f"int{self.bits} group_size={self.group_size}, native kernel"
+                + (", int8 activations" if self.activations == "int8" else ""))

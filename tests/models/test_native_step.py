@@ -11,7 +11,7 @@ import torch
 
 from sgrt.engine.attention import PagedAttention, RowSpec
 from sgrt.engine.kv_pool import KVPool
-from sgrt.kernels import layer_ops
+from sgrt.kernels import layer_ops, woq
 from sgrt.models.layers import FUSED_PROJECTIONS, CausalAttention, CausalLM
 
 pytestmark = pytest.mark.skipif(not layer_ops.available(), reason="sgrt_layer operators could not be built here")
@@ -240,9 +240,11 @@ FAMILIES = {
 }
 
 
-def tiny_model(family: str, kind: str, **changes) -> CausalLM:
+def tiny_model(family: str, kind: str, acts: str = "int16", **changes) -> CausalLM:
     """A random-weight model with ``family``'s switches: ``kind`` float32 / bfloat16 (DenseLinear
-    projections) or int8 / int4 (GroupLinear, bfloat16); norms and biases far from their init."""
+    projections) or int8 / int4 (GroupLinear, bfloat16; ``int4+int8``: int4 with each layer's
+    o_proj in int8, as Gemma 3's mixed files load); ``acts``: the int4 projections' activations
+    (the AVX2 kernel's ``linear_q8`` / ``linear_q8_prefill``); norms and biases far from their init."""
     from sgrt.models import config as config_mod
     from sgrt.models.packed import pack_linear_layers
     from sgrt.models.quant_native import GroupLinear
@@ -255,11 +257,12 @@ def tiny_model(family: str, kind: str, **changes) -> CausalLM:
         for name, p in model.named_parameters():
             norm = "norm" in name
             p.copy_(torch.randn(p.shape, generator=g) * (0.5 if norm else 0.3) + (1.0 if norm else 0.0))
-    if kind in ("int8", "int4"):
+    if kind in ("int8", "int4", "int4+int8"):
         for layer in model.layers:
             for name in FUSED_PROJECTIONS:
                 weight = getattr(layer, name).weight
-                setattr(layer, name, GroupLinear.from_float(weight.float(), 8 if kind == "int8" else 4))
+                bits = 8 if kind == "int8" or (kind == "int4+int8" and name == "o_proj") else 4
+                setattr(layer, name, GroupLinear.from_float(weight.float(), bits, activations=acts if bits == 4 else "int16"))
     else:
         assert pack_linear_layers(model, tuple(FUSED_PROJECTIONS)) == 4 * cfg.num_hidden_layers
     model.use_native_ops(True)
@@ -272,6 +275,28 @@ def test_tiny_family_step_is_bit_identical(family, kind):
     model = tiny_model(family, kind)
     for lens in ([30], [40, 9, 23]):  # windows of 12 / 16 tokens: the longer rows are cut
         assert_step_matches_layers(model, lens)
+
+
+@pytest.mark.skipif(woq.isa() != "avx2", reason="int8 activations are the AVX2 kernel's option")
+@pytest.mark.parametrize("acts", ["int8", "int8-prefill"])
+def test_int8_activations_take_the_step_with_their_operator(acts):
+    """int4 layers with int8 activations beside int8 layers: the plan calls each projection's own
+    operator as the layers do (bitwise equal), through its raw entry (every projection has one) and
+    through the dispatcher alike; "int8" differs from the default activations (the option reaches
+    the step), "int8-prefill" is the default's bits on a decode step's few rows."""
+    q8, q16 = tiny_model("llama", "int4+int8", acts), tiny_model("llama", "int4+int8")
+    assert q8.native_step is not None
+    assert_step_matches_layers(q8, [30, 9])
+    plan = q8.native_step.plan
+    assert plan.use_raw_entries(True) == 4 * q8.config.num_hidden_layers
+    raw = _step(q8, [30, 9, 4])
+    try:
+        plan.use_raw_entries(False)
+        dispatched = _step(q8, [30, 9, 4])
+    finally:
+        plan.use_raw_entries(True)
+    assert torch.equal(raw, dispatched)
+    assert torch.equal(raw, _step(q16, [30, 9, 4])) == (acts == "int8-prefill")
 
 
 def test_gemma3_switches_mixed_otherwise():

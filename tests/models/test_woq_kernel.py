@@ -73,13 +73,14 @@ def _weight(codes, scales, offsets, group):
     return w.reshape(n, k)
 
 
-def _quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_x(x: torch.Tensor, activations: str = "int16") -> tuple[torch.Tensor, torch.Tensor]:
     """The AVX2 kernel's activation quantization, symmetric per row and block of 32 inputs, in
     float32 arithmetic: ``a = max |x|``, ``t = x * (127 / a)``, ``q1 = round(t)`` (int8, as
     llama.cpp's Q8 blocks), ``q2 = round((t - q1) * 254)`` (the remainder, int8), ``Q = 254 q1 +
     q2``, ``dx = a / 32258``: ``x ~ dx * Q``, a step of ``max|x| / 32258`` (rounding half to
-    even throughout); ``Q = 0, dx = 0`` where ``a < 2**-100``. Returns (Q ``[M, K/32, 32]``
-    float32 integers, dx ``[M, K/32]`` float32)."""
+    even throughout); ``Q = 0, dx = 0`` where ``a < 2**-100``. ``activations="int8"`` (the opt-in
+    ``linear_q8``): ``Q = q1``, ``dx = a / 127``. Returns (Q ``[M, K/32, 32]`` float32 integers, dx
+    ``[M, K/32]`` float32)."""
     m, k = x.shape
     xf = x.float().reshape(m, k // 32, 32)
     a = xf.abs().amax(-1)
@@ -89,6 +90,8 @@ def _quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q2 = torch.round((t - q1) * torch.tensor(254.0))
     q1[tiny] = q2[tiny] = 0.0
     assert q1.abs().max() <= 127 and q2.abs().max() <= 127
+    if activations == "int8":
+        return q1, torch.where(tiny, torch.zeros_like(a), a / torch.tensor(127.0))
     q = 254 * q1 + q2
     dx = torch.where(tiny, torch.zeros_like(a), a / torch.tensor(32258.0))
     return q, dx
@@ -103,7 +106,7 @@ def _x_ref(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (q.double() * dx.double()[..., None]).reshape(x.shape)
 
 
-def _avx2_reference(x, codes, scales, offsets, bits, group) -> torch.Tensor:
+def _avx2_reference(x, codes, scales, offsets, bits, group, activations="int16") -> torch.Tensor:
     """The AVX2 kernel's result, bit for bit: per 32-input block b (scale group g), the exact
     integer sums ``isum = sum code * q`` and ``qsum = sum q``, then in float32 with one rounding
     per operation ``t = scale * float(isum); u = offset * qsum; t = t + u; y = y + dx * t``
@@ -111,7 +114,7 @@ def _avx2_reference(x, codes, scales, offsets, bits, group) -> torch.Tensor:
     one round to nearest even to bfloat16."""
     m, k = x.shape
     n = codes.shape[0]
-    q, dx = _quantize_x(x)
+    q, dx = _quantize_x(x, activations)
     isum = torch.einsum("mbk,nbk->mnb", q.to(torch.int64), codes.to(torch.int64).reshape(n, k // 32, 32))
     qsum = q.sum(-1)  # exact: integers below 2**24
     y = torch.zeros(m, n)
@@ -197,6 +200,71 @@ def test_avx2_matches_its_formula_bitwise(bits, group):
             y = woq.linear(x, packed, scales, offsets, n, k, bits, group)
             want = _avx2_reference(x, codes, scales, offsets, bits, group)
             assert torch.equal(y, want), (n, k, m, (y.float() - want.float()).abs().max().item())
+
+
+@avx2_only
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activations_match_their_formula_bitwise(bits, group):
+    """``activations="int8"`` (``linear_q8``): the same formula with ``Q = q1`` and ``dx = max|x|
+    / 127``, bit for bit (odd row counts, a tiny and a zero block, a NaN row), rows independent of
+    the batch; its error against the unquantized x is larger than the default's (the step is
+    254x larger) and within the int8 step's bound."""
+    for n, k in [(16, 128), (960, 576), (576, 1536)]:
+        if k % group:
+            continue
+        codes, packed, scales, offsets, w = _layer(n, k, bits, group)
+        for m in (1, 2, 3, 7):
+            x = _x(m, k).float()
+            x[:, 32:64] *= 1e-3
+            x[0, 64:96] = 0.0
+            x = x.bfloat16()
+            y = woq.linear(x, packed, scales, offsets, n, k, bits, group, activations="int8")
+            want = _avx2_reference(x, codes, scales, offsets, bits, group, "int8")
+            assert torch.equal(y, want), (n, k, m, (y.float() - want.float()).abs().max().item())
+    x = _x(9, k)
+    x[4, 3] = float("nan")
+    y = woq.linear(x, packed, scales, offsets, n, k, bits, group, activations="int8")
+    assert not torch.isfinite(y[4]).any() and torch.isfinite(y[torch.arange(9) != 4]).all()
+    for i in (0, 5, 8):
+        assert torch.equal(y[i], woq.linear(x[i:i + 1], packed, scales, offsets, n, k, bits, group,
+                                            activations="int8")[0])
+    x = _x(16, k)
+    ref = x.double() @ w.T
+    rms = lambda t: t.pow(2).mean().sqrt().item()  # noqa: E731
+    err8 = rms(woq.linear(x, packed, scales, offsets, n, k, bits, group, activations="int8").double() - ref)
+    err16 = rms(woq.linear(x, packed, scales, offsets, n, k, bits, group).double() - ref)
+    assert err16 < err8 <= 2.0 ** -6 * rms(ref)
+
+
+@avx2_only
+def test_int8_prefill_switches_on_the_row_count():
+    """``activations="int8-prefill"`` (``linear_q8_prefill``): the default's bits below
+    ``PREFILL_ROWS`` rows, ``"int8"``'s from there on."""
+    n, k = 64, 256
+    _, packed, scales, offsets, _ = _layer(n, k, 4, 32)
+    for m in (1, woq.PREFILL_ROWS - 1, woq.PREFILL_ROWS, woq.PREFILL_ROWS + 3):
+        x = _x(m, k)
+        y = woq.linear(x, packed, scales, offsets, n, k, 4, 32, activations="int8-prefill")
+        same = "int8" if m >= woq.PREFILL_ROWS else "int16"
+        other = "int16" if same == "int8" else "int8"
+        assert torch.equal(y, woq.linear(x, packed, scales, offsets, n, k, 4, 32, activations=same))
+        assert not torch.equal(y, woq.linear(x, packed, scales, offsets, n, k, 4, 32, activations=other))
+
+
+def test_activations_errors():
+    """An unknown activation precision is a ValueError naming it; ``"int8"`` is one only where the
+    AVX2 build runs."""
+    _, packed, scales, offsets, _ = _layer(16, 32, 4, 32)
+    x = _x(1, 32)
+    with pytest.raises(ValueError, match="activations must be one of int16, int8"):
+        woq.linear(x, packed, scales, offsets, 16, 32, 4, 32, activations="int4")
+    if woq.isa() == "avx2":
+        assert woq.op_name("int8") == "sgrt_woq_avx2::linear_q8"
+        assert woq.op_name("int8-prefill") == "sgrt_woq_avx2::linear_q8_prefill"
+    else:
+        with pytest.raises(ValueError, match="needs the AVX2 build"):
+            woq.linear(x, packed, scales, offsets, 16, 32, 4, 32, activations="int8")
 
 
 @avx2_only
