@@ -36,12 +36,15 @@ with the fused stream, ``e0b4e97`` on), on the four projection shapes at ``--row
 (default 1 and 256), in the calling thread's CPU time (``time.thread_time``: other processes on a
 shared machine do not count), ABBA rounds (``--passes``), a sample the best of ``--best-of``
 timings; prints G weights / s per side, the median ratio new / base with its range, and whether
-the outputs are bitwise equal. 1 row: ``--copies`` layers (30: from memory; 1: in cache); from 64
-rows on 2 copies (compute-bound).
+the outputs are bitwise equal. 1 row: ``--copies`` layers (30: from memory; 1: in cache; at most
+~400 MB, so one copy of an LM head such as Gemma 3's 262144x640), and ``torch.sum`` over the same
+weight bytes in the same rounds: the read rate, and each kernel's share of it; from 64 rows on 2
+copies (compute-bound). ``--bits 8``: the int8 kernel instead (e.g. ``--shapes
+1536x640,640x2048,262144x640``, Gemma 3's int8 projections and head).
 
 Run: ``python bench/woq_kernel.py [--rows 1,16,256] [--passes 5] [--threads 2] [--copies 30]
 [--base 632e14a] [--methods ...]``; ``python bench/woq_kernel.py --ab 3c0d442 --threads 1
-[--rows 1,256] [--copies 30] [--passes 7]``
+[--rows 1,256] [--copies 30] [--passes 7] [--bits 8] [--shapes ...]``
 """
 from __future__ import annotations
 
@@ -185,6 +188,7 @@ def main() -> None:
     ap.add_argument("--bandwidth-mib", type=int, default=512, help="0: skip the read-bandwidth measurement")
     ap.add_argument("--ab", metavar="REV", default="", help="this tree's int4 kernel against commit REV's")
     ap.add_argument("--best-of", type=int, default=3, help="--ab: a sample is the best of this many timings")
+    ap.add_argument("--bits", type=int, default=4, choices=(4, 8), help="--ab: the codes' width")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.ab:
@@ -264,7 +268,8 @@ def main() -> None:
 
 
 def ab(args) -> None:
-    """This tree's int4 kernel against commit ``args.ab``'s, in thread CPU time (see the docstring)."""
+    """This tree's int4 (``--bits 8``: int8) kernel against commit ``args.ab``'s, in thread CPU
+    time (see the docstring)."""
     import statistics
 
     from sgrt.kernels import woq
@@ -277,50 +282,71 @@ def ab(args) -> None:
     rows_list = [int(r) for r in (args.rows if args.rows != "1,16,256" else "1,256").split(",") if r]
     shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",") if sh]
     gen = torch.Generator().manual_seed(1)
-    table, figures = [], {"base": args.ab, "threads": args.threads, "copies": args.copies, "best_of": args.best_of}
+    bits = args.bits
+    table, figures = [], {"base": args.ab, "threads": args.threads, "copies": args.copies,
+                          "best_of": args.best_of, "bits": bits}
     print(f"load average before: {os.getloadavg()}")
     with torch.inference_mode():
         for n, k in shapes:
             for m in rows_list:
                 copies = args.copies if m <= 16 else 2
+                copies = max(1, min(copies, int(4e8 // (n * k * bits // 8))))  # (an LM head: one copy)
                 layers = []
                 for _ in range(copies):
-                    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+                    codes = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=gen)
                     scale = (torch.rand(n, k // GROUP, generator=gen) * 9e-3 + 1e-3).half()
-                    offset = (-8 * scale.float()).half()
-                    layers.append(woq.prepare(woq.pack(codes, 4), scale, offset, n, k, 4, GROUP))
+                    offset = (-(2 ** (bits - 1)) * scale.float()).half()
+                    layers.append(woq.prepare(woq.pack(codes, bits), scale, offset, n, k, bits, GROUP))
+                    del codes
                 x = torch.randn(m, k, generator=gen).bfloat16()
                 empty = torch.empty(0, dtype=torch.half)
-                equal = all(torch.equal(sides["base"](x, w, empty, empty, n, k, 4, GROUP).view(torch.int16),
-                                        sides["new"](x, w, empty, empty, n, k, 4, GROUP).view(torch.int16))
+                equal = all(torch.equal(sides["base"](x, w, empty, empty, n, k, bits, GROUP).view(torch.int16),
+                                        sides["new"](x, w, empty, empty, n, k, bits, GROUP).view(torch.int16))
                             for w in layers)
                 reps = max(1, int(2e7 // (n * k * m * copies)))  # ~20 M weights a timing
+                calls = {name: (lambda w, op=op: op(x, w, empty, empty, n, k, bits, GROUP))
+                         for name, op in sides.items()}
+                if m == 1:  # the read rate of the same bytes (torch.sum, as vs_llamacpp's bandwidth)
+                    calls["read"] = lambda w: w.view(torch.float32).sum()
 
-                def measure(op) -> float:
+                def measure(call) -> float:
                     best = 0.0
                     for _ in range(args.best_of):
                         t0 = time.thread_time()
                         for _ in range(reps):
                             for w in layers:
-                                op(x, w, empty, empty, n, k, 4, GROUP)
+                                call(w)
                         best = max(best, n * k * m * copies * reps / (time.thread_time() - t0) / 1e9)
                     return best
 
-                samples: dict[str, list[float]] = {"base": [], "new": []}
+                samples: dict[str, list[float]] = {name: [] for name in calls}
                 for r in range(args.passes):
-                    for name in (("base", "new") if r % 2 == 0 else ("new", "base")):
-                        samples[name].append(measure(sides[name]))
+                    for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+                        samples[name].append(measure(calls[name]))
                 ratios = [b / a for a, b in zip(samples["base"], samples["new"])]  # speed new / base
                 base, new = statistics.median(samples["base"]), statistics.median(samples["new"])
                 ratio = statistics.median(ratios)
+                # the weight stream's bytes a weight (codes + the 64-byte headers)
+                stream = layers[0].numel() / (n * k)
+                shares = {name: statistics.median(v / r for v, r in zip(samples[name], samples["read"]))
+                          for name in ("base", "new")} if "read" in samples else {}
                 table.append([f"{n}x{k}", m, copies, round(base, 1), round(new, 1),
-                              f"{ratio:.2f} ({min(ratios):.2f}-{max(ratios):.2f})", equal])
+                              f"{ratio:.2f} ({min(ratios):.2f}-{max(ratios):.2f})", equal,
+                              round(statistics.median(samples["read"]) * stream, 1) if shares else "-",
+                              f"{shares['base']:.2f} / {shares['new']:.2f}" if shares else "-"])
                 key = f"{n}x{k}_M{m}"
                 figures.update({f"{key}_base_gws": round(base, 2), f"{key}_new_gws": round(new, 2),
                                 f"{key}_speedup": round(ratio, 3), f"{key}_bitwise_equal": equal})
-    print(f"{args.threads} threads, G int4 weights x rows per second of thread CPU time; median of {args.passes} "
+                if shares:
+                    figures.update({f"{key}_read_gbs": round(statistics.median(samples["read"]) * stream, 2),
+                                    f"{key}_base_share_of_read": round(shares["base"], 3),
+                                    f"{key}_new_share_of_read": round(shares["new"], 3)})
+    print(f"{args.threads} threads, G int{bits} weights x rows per second of thread CPU time; median of {args.passes} "
           f"ABBA rounds (a sample: the best of {args.best_of}); base = {args.ab}")
-    print_table(["shape", "rows", "copies", "base", "new", "speed new / base (min-max)", "bitwise equal"], table)
+    print("read GB/s: torch.sum over the same weight bytes in the same rounds (1 row); share: the kernel's "
+          "rate / that, per round, median")
+    print_table(["shape", "rows", "copies", "base", "new", "speed new / base (min-max)", "bitwise equal",
+                 "read GB/s", "share base / new"], table)
     print(f"load average after: {os.getloadavg()}")
     emit_json("woq_kernel_ab", **figures)
 

@@ -14,6 +14,9 @@ ulps in float32.
   place on ``[T, heads, head_dim]``.
 - ``rotary_heads_(qkv, cos, sin, heads)``: the same on the first ``heads`` heads of the QKV
   projection's output ``[T, q + k + v heads, head_dim]`` (q and k), v untouched.
+- ``qk_norm_(qkv, q_weight, k_weight, n_heads, eps)``: the per-head RMSNorm of q and k (Qwen3,
+  Gemma 3) in place on the QKV projection's output ``[T, q + k + v heads, head_dim]``, each head
+  as ``rms_norm`` does a row, v untouched.
 - ``silu_mul(gate_up)``: SwiGLU's ``silu(gate) * up`` (Shazeer, arXiv:2002.05202).
 - ``gelu_tanh_mul(gate_up)``: GeGLU's ``gelu_tanh(gate) * up`` (Gemma's MLP; the same paper), as
   ``F.gelu(gate, approximate="tanh") * up`` (its tanh as ``1 - 2 / (1 + exp(2u))``).
@@ -80,6 +83,7 @@ def _register_fakes() -> None:
     torch.library.register_fake(lib + "add_rms_norm_")(lambda x, delta, weight, eps: torch.empty_like(x))
     torch.library.register_fake(lib + "rotary_")(lambda qk, cos, sin: qk)
     torch.library.register_fake(lib + "rotary_heads_")(lambda qkv, cos, sin, heads: qkv)
+    torch.library.register_fake(lib + "qk_norm_")(lambda qkv, q_weight, k_weight, n_heads, eps: qkv)
     torch.library.register_fake(lib + "silu_mul")(
         lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
     torch.library.register_fake(lib + "gelu_tanh_mul")(

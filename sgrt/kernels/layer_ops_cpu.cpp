@@ -192,6 +192,46 @@ Tensor add_rms_norm_(Tensor x, const Tensor& delta, const Tensor& weight, double
   return add_rms_norm_into(x, delta, weight, eps, Tensor());
 }
 
+// qk_norm_: the per-head RMSNorm of q and k (Qwen3, Gemma 3) in place on the QKV projection's output
+// viewed as [T, q + k + v heads, head_dim] (or [T, heads * head_dim]): the first n_heads heads
+// with q_weight, the next (heads - n_heads) / 2 with k_weight, each head as rms_norm does a row;
+// v untouched. One call instead of RMSNorm.forward's eager ops twice and a cat (~20 a layer).
+Tensor qk_norm_(Tensor qkv, const Tensor& q_weight, const Tensor& k_weight, int64_t n_heads, double eps) {
+  check_cpu_float(qkv, "qkv");
+  const int64_t d = q_weight.dim() == 1 ? q_weight.size(0) : -1;
+  TORCH_CHECK(d > 0 && k_weight.dim() == 1 && k_weight.size(0) == d && q_weight.is_contiguous() &&
+                  k_weight.is_contiguous() && q_weight.scalar_type() == qkv.scalar_type() &&
+                  k_weight.scalar_type() == qkv.scalar_type(),
+              "q_weight and k_weight must be contiguous [head_dim] in qkv's dtype");
+  if (qkv.dim() == 2) {
+    TORCH_CHECK(qkv.stride(1) == 1 && qkv.size(1) % d == 0, "a 2-D qkv must be [T, heads * head_dim=", d,
+                "] with a contiguous last dim");
+    qkv = qkv.view({qkv.size(0), -1, d});
+  }
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(2) == d && qkv.stride(2) == 1,
+              "qkv must be [T, heads, head_dim=", d, "] with a contiguous last dim");
+  const int64_t heads = qkv.size(1), n_kv = (heads - n_heads) / 2;
+  TORCH_CHECK(n_heads > 0 && n_kv > 0 && n_heads + 2 * n_kv == heads, "qkv's ", heads,
+              " heads must be n_heads=", n_heads, " plus twice the kv heads");
+  const int64_t t = qkv.size(0), st = qkv.stride(0), sh = qkv.stride(1), normed = n_heads + n_kv;
+  Tensor out = qkv;
+  dispatch_float(qkv.scalar_type(), [&]<typename scalar_t>() {
+    using R = raw<scalar_t>;
+    R* base = raw_ptr<scalar_t>(qkv);
+    const R* wq = raw_ptr<scalar_t>(q_weight);
+    const R* wk = raw_ptr<scalar_t>(k_weight);
+    // (a decode step's few heads run inline on the calling thread: below the grain)
+    at::parallel_for(0, t * normed, 64, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t r = i / normed, hd = i % normed;
+        R* p = base + r * st + hd * sh;
+        rms_norm_row<R>(p, hd < n_heads ? wq : wk, p, d, static_cast<float>(eps));  // (in place: reads first)
+      }
+    });
+  });
+  return out;
+}
+
 // ---- rotary embedding (Su et al., arXiv:2104.09864), HF "rotate half" -----------------------
 // In place on qk [T, heads, D] (any strides with a contiguous last dim); cos / sin [T, D] in
 // qk's dtype: x' = x * cos + rotate_half(x) * sin, each product rounded, then the sum.
@@ -1122,11 +1162,6 @@ struct DecodePlan : torch::CustomClassHolder {
     return out;
   }
 
-  // RMSNorm.forward's own ATen ops (the q/k norms run them on the per-layer path too).
-  static Tensor eager_rms_norm(const Tensor& x, const Tensor& weight, double eps) {
-    return at::mul(weight, at::rms_norm(x.to(at::kFloat), weight.sizes(), std::nullopt, eps).to(x.scalar_type()));
-  }
-
   // Whether projections call the kernels' raw entries (default) or their operators through the
   // dispatcher (the path of a kernel library without one); the same bits either way (tests).
   // Returns the number of projections that have a raw entry.
@@ -1282,14 +1317,7 @@ struct DecodePlan : torch::CustomClassHolder {
         if (t.lead()) {
           t.run([&] {
             if (l.qkv_bias) qkv = at::add(qkv, *l.qkv_bias);
-            if (l.q_norm) {
-              qkv = qkv.view({b, -1, head_dim});
-              const int64_t n_kv = (qkv.size(1) - n_heads) / 2;
-              qkv = at::cat({eager_rms_norm(qkv.narrow(1, 0, n_heads), *l.q_norm, eps),
-                             eager_rms_norm(qkv.narrow(1, n_heads, n_kv), *l.k_norm, eps),
-                             qkv.narrow(1, n_heads + n_kv, n_kv)},
-                            1);
-            }
+            if (l.q_norm) qkv = qk_norm_(qkv.view({b, -1, head_dim}), *l.q_norm, *l.k_norm, n_heads, eps);
             Tensor q = prepare_qkv_(qkv, ws.cos[l.rope_id], ws.sin[l.rope_id], n_heads, l.q_scale, k_layers[i],
                                     v_layers[i], new_slots);
             if (t.team) {
@@ -1374,6 +1402,7 @@ TORCH_LIBRARY(sgrt_layer, m) {
   m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor kv_lens) -> Tensor");
   m.def("rotary_heads_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads) -> Tensor(a!)");
+  m.def("qk_norm_(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, int n_heads, float eps) -> Tensor(a!)");
   m.def(
       "decode_attention_qkv_(Tensor(a!) qkv, Tensor cos, Tensor sin, int n_heads, float q_scale, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor new_slots, Tensor slots, Tensor kv_lens) -> Tensor");
@@ -1396,5 +1425,6 @@ TORCH_LIBRARY_IMPL(sgrt_layer, CPU, m) {
   m.impl("store_kv_", store_kv_);
   m.impl("decode_attention", decode_attention);
   m.impl("rotary_heads_", rotary_heads_);
+  m.impl("qk_norm_", qk_norm_);
   m.impl("decode_attention_qkv_", decode_attention_qkv_);
 }

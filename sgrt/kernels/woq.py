@@ -75,7 +75,8 @@ row, reused by every weight block): 16-bit lanes (row, k-pair), 8 pair sums a bl
 (q1 with weight 254, q2). 8-bit codes: ``vpmovzxbw`` + ``vpmaddwd`` against the int16 Q pairs.
 Its weight argument is :func:`fuse`'s single stream (codes, scales and offsets interleaved per
 16-row block and group, in the order the kernel reads them; :func:`prepare` builds it at load,
-and :func:`linear` fuses :func:`pack`'s codes per call where given those), prefetched 4 KB ahead;
+and :func:`linear` fuses :func:`pack`'s codes per call where given those), prefetched 4 KB ahead
+(one row against 8-bit codes: each thread's blocks read as 4 streams side by side instead);
 the ``scales`` / ``offsets`` arguments are then not read, only checked (float16, and ``[n, k /
 group]`` or empty: :class:`~sgrt.models.quant_native.GroupLinear` keeps only the stream).
 Rows of ``x`` go two at a time per weight load, in tiles whose expanded activations stay in L2;

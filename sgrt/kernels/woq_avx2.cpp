@@ -70,6 +70,16 @@ constexpr int64_t BLOCK_N = 16;
 #define SGRT_PREFETCH_HINT _MM_HINT_T0
 #endif
 constexpr int64_t PREFETCH_BYTES = SGRT_PREFETCH_BYTES;
+// One row of x against 8-bit codes (decode; the int8 LM head is 65% of Gemma 3's bytes a token):
+// each thread reads its range of 16-row blocks as this many contiguous parts side by side
+// (block8_streams), no software prefetch. One prefetched stream read at 0.85-0.92x torch.sum's rate
+// over the same bytes on the 2-core EPYC; 4 streams 1.10-1.25x (1.28-1.57x the speed, 1 thread,
+// bench/woq_kernel.py --ab REV --bits 8 --rows 1); 3 and 6 no better than 4, and prefetching each
+// stream 4 KB ahead lost most of the gain. (1: the single stream.)
+#ifndef SGRT_WOQ8_STREAMS
+#define SGRT_WOQ8_STREAMS 4
+#endif
+constexpr int STREAMS8 = SGRT_WOQ8_STREAMS;
 constexpr int64_t QBLOCK = 32;  // inputs per activation quantization block
 constexpr int64_t HEADER_BYTES = 64;  // a group's 16 float16 scales, then its 16 float16 offsets
 
@@ -312,6 +322,75 @@ inline void block8(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_
   }
 }
 
+// One row of x against STREAMS 16-row blocks of 8-bit codes at once, far apart in the weight stream
+// (decode: see linear_raw). Each block's arithmetic is block8<1>'s, in the same order (the integer
+// sums are exact in any order; the float32 epilogue is the same instructions), so the outputs are
+// bitwise those of one block at a time; the k-pairs of the S blocks are read side by side, one
+// broadcast of x serving all S.
+template <int S>
+inline void block8_streams(const uint8_t* const* w, const RowArgs& row, uint16_t* const* y, int64_t KB,
+                           int group_shift) {
+  __m256 y0[S], y1[S];
+  for (int s = 0; s < S; ++s) y0[s] = y1[s] = _mm256_setzero_ps();
+  const int64_t per_group = int64_t(1) << group_shift;
+  const uint8_t* p[S];
+  const uint8_t* h[S];  // each block's current group header (read again per block of 32: in L1)
+  for (int s = 0; s < S; ++s) p[s] = h[s] = w[s];
+  const int16_t* const X = static_cast<const int16_t*>(row.X);
+  for (int64_t b = 0; b < KB; ++b) {
+    if ((b & (per_group - 1)) == 0)
+      for (int s = 0; s < S; ++s) {
+        h[s] = p[s];
+        p[s] += HEADER_BYTES;
+      }
+    __m256i a0[S], a1[S];
+    for (int s = 0; s < S; ++s) a0[s] = a1[s] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int j = 0; j < 16; ++j) {
+      int32_t pair;  // (q[2p], q[2p + 1]) as int16
+      std::memcpy(&pair, X + 2 * (b * 16 + j), 4);
+      const __m256i xp = _mm256_set1_epi32(pair);
+      for (int s = 0; s < S; ++s) {
+        const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[s] + 32 * j)));
+        const __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[s] + 32 * j + 16)));
+        a0[s] = _mm256_add_epi32(a0[s], _mm256_madd_epi16(lo, xp));
+        a1[s] = _mm256_add_epi32(a1[s], _mm256_madd_epi16(hi, xp));
+      }
+    }
+    for (int s = 0; s < S; ++s) {
+      __m256 so[4];
+      load_header(h[s], so);
+      epilogue(a0[s], a1[s], so, row.dx[b], row.qs[b], y0[s], y1[s]);
+      p[s] += 512;
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[s]), to_bf16(y0[s]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[s] + 8), to_bf16(y1[s]));
+  }
+}
+
+// One row of x against the 16-row blocks [b0, b1) of an 8-bit weight stream: the range cut into
+// STREAMS8 equal contiguous parts walked side by side (block i of each part together), the blocks
+// left over one at a time.
+void row8_streams(const uint8_t* wp, int64_t block_bytes, int64_t b0, int64_t b1, const RowArgs& row,
+                  uint16_t* yp, int64_t KB, int group_shift) {
+  const int64_t part = (b1 - b0) / STREAMS8;
+  for (int64_t i = 0; i < part; ++i) {
+    const uint8_t* w[STREAMS8];
+    uint16_t* y[STREAMS8];
+    for (int s = 0; s < STREAMS8; ++s) {
+      w[s] = wp + (b0 + s * part + i) * block_bytes;
+      y[s] = yp + (b0 + s * part + i) * BLOCK_N;
+    }
+    block8_streams<STREAMS8>(w, row, y, KB, group_shift);
+  }
+  for (int64_t b = b0 + STREAMS8 * part; b < b1; ++b) {
+    const RowArgs rows[1] = {{row.X, row.dx, row.qs, yp + b * BLOCK_N}};
+    block8<1>(wp + b * block_bytes, rows, KB, group_shift);
+  }
+}
+
 // ---- setup, scratch and threading -----------------------------------------------------------------
 // A batch-1 decode step makes ~120 calls of a few to a few hundred us each, so a call's fixed cost
 // counts: nothing here allocates once its thread has served a call of that size (the scratch
@@ -385,6 +464,10 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
   const int64_t block_bytes = G * (HEADER_BYTES + BLOCK_N * group * bits / 8);
   const int64_t KB = k / QBLOCK;
   const int group_shift = group == 32 ? 0 : group == 64 ? 1 : 2;  // log2(group / 32)
+  if (bits == 8 && M == 1 && STREAMS8 > 1) {  // decode: several streams (block8_streams)
+    row8_streams(wp, block_bytes, b0, b1, RowArgs{Q, dx, qs, nullptr}, yp, KB, group_shift);
+    return;
+  }
   // bytes of expanded activations per row; a tile of rows keeps them within ~256 KB (L2)
   const int64_t row_bytes = bits == 4 ? (ACT8 ? 8 : 16) * k : 0;
   const int64_t tile = bits == 4 ? std::min<int64_t>(M, std::max<int64_t>(2, (262144 / row_bytes) & ~int64_t(1))) : M;

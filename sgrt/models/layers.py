@@ -91,6 +91,15 @@ class LayerOps:
             x = x + delta
         return x, norm(x)
 
+    def qk_norm(self, layer: "DecoderLayer", qkv: torch.Tensor) -> torch.Tensor:
+        """The layer's per-head RMSNorm of q and k (Qwen3, Gemma 3): qkv ``[T, (n_heads + 2 *
+        n_kv_heads) * head_dim]`` -> ``[T, n_heads + 2 * n_kv_heads, head_dim]`` with q and k
+        normed, v as it was (may be qkv itself, changed in place)."""
+        qkv = qkv.view(qkv.shape[0], layer.n_heads + 2 * layer.n_kv_heads, layer.head_dim)
+        n_qk = layer.n_heads + layer.n_kv_heads
+        return torch.cat((layer.q_norm.forward(qkv[:, : layer.n_heads]),
+                          layer.k_norm.forward(qkv[:, layer.n_heads: n_qk]), qkv[:, n_qk:]), dim=1)
+
     def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """qk ``[T, heads, head_dim]`` (may be a view into the QKV output) -> rotated."""
         return apply_rotary(qk, cos, sin)
@@ -140,12 +149,21 @@ class NativeLayerOps(LayerOps):
         self._rms_norm, self._add_rms_norm = op("rms_norm"), op("add_rms_norm_")
         self._rotary, self._silu_mul, self._gelu_mul = op("rotary_"), op("silu_mul"), op("gelu_tanh_mul")
         self._rotary_heads, self._decode_attention_qkv = op("rotary_heads_"), op("decode_attention_qkv_")
+        self._qk_norm = op("qk_norm_")
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         weight = norm._parameters["weight"]  # (not norm.weight: see DecoderLayer.forward's NOTE)
         if delta is None:
             return x, self._rms_norm(x, weight, norm.eps)
         return x, self._add_rms_norm(x, delta, weight, norm.eps)
+
+    def qk_norm(self, layer: "DecoderLayer", qkv: torch.Tensor) -> torch.Tensor:
+        # in place, one call (the decode plan's qk_norm_ too); the weights as add_norm reads them
+        qkv = qkv.view(qkv.shape[0], layer.n_heads + 2 * layer.n_kv_heads, layer.head_dim)
+        mods = layer._modules
+        q_norm = mods["q_norm"]
+        return self._qk_norm(qkv, q_norm._parameters["weight"], mods["k_norm"]._parameters["weight"], layer.n_heads,
+                             q_norm.eps)
 
     def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if cos.shape[-1] != qk.shape[-1]:
@@ -246,10 +264,7 @@ class DecoderLayer(nn.Module):
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         if self.q_norm is not None:
-            qkv = qkv.view(x.shape[0], self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-            n_qk = self.n_heads + self.n_kv_heads
-            qkv = torch.cat((self.q_norm.forward(qkv[:, : self.n_heads]),
-                             self.k_norm.forward(qkv[:, self.n_heads: n_qk]), qkv[:, n_qk:]), dim=1)
+            qkv = ops.qk_norm(self, qkv)
         cos, sin = rope[self.rope_id]
         o = mods["o_proj"].forward(ops.attention(self, qkv, cos, sin, attn))
         if self.sandwich:

@@ -308,6 +308,37 @@ def test_rotary_qkv_rotates_q_and_k_in_place_and_matches_eager(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_in_place_matches_eager_and_leaves_v(dtype):
+    """The native qk_norm (qk_norm_, in place on the QKV output) gives the eager per-head RMSNorm
+    of q and k (RMSNorm.forward's ops and a cat) within a sum order's rounding, each head equal to
+    rms_norm of that head as a row bit for bit, and v untouched; over a decode row and a prefill
+    of 70 rows (past the operator's thread grain)."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(5)
+    n_heads, n_kv, d = 4, 1, 256
+    layer = SimpleNamespace(n_heads=n_heads, n_kv_heads=n_kv, head_dim=d,
+                            q_norm=_norm((torch.rand(d, generator=g) + 0.5).to(dtype)),
+                            k_norm=_norm((torch.rand(d, generator=g) + 0.5).to(dtype)))
+    layer._modules = {"q_norm": layer.q_norm, "k_norm": layer.k_norm}
+    for t in (1, 70):
+        qkv = (torch.randn(t, (n_heads + 2 * n_kv) * d, generator=g) * 4).to(dtype)
+        ref = LayerOps().qk_norm(layer, qkv.clone())
+        work = qkv.clone()
+        got = NativeLayerOps().qk_norm(layer, work)
+        assert got.shape == (t, n_heads + 2 * n_kv, d) and got.data_ptr() == work.data_ptr()  # in place
+        _close(got, ref, dtype)
+        heads = qkv.view(t, -1, d)
+        for h, norm in ((0, layer.q_norm), (n_heads - 1, layer.q_norm), (n_heads, layer.k_norm)):
+            assert torch.equal(got[:, h], torch.ops.sgrt_layer.rms_norm(heads[:, h].contiguous(), norm.weight, 1e-5))
+        assert torch.equal(got[:, n_heads + n_kv:], heads[:, n_heads + n_kv:])  # v untouched
+    with pytest.raises(RuntimeError, match="qkv's 6 heads must be n_heads=5 plus twice the kv heads"):
+        torch.ops.sgrt_layer.qk_norm_(work, layer.q_norm.weight, layer.k_norm.weight, 5, 1e-5)
+    with pytest.raises(RuntimeError, match="q_weight and k_weight must be contiguous"):
+        torch.ops.sgrt_layer.qk_norm_(work, layer.q_norm.weight[:128], layer.k_norm.weight, n_heads, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("q_scale,window", [(1.0, None), (0.7, None), (1.0, 5), (0.7, 300)])
 def test_fused_decode_attention_equals_the_unfused_steps(dtype, q_scale, window):
     """NativeLayerOps.attention on a decode-only forward (one decode_attention_qkv_ call) writes

@@ -351,6 +351,27 @@ def test_rows_do_not_depend_on_the_batch(bits):
         torch.set_num_threads(threads)
 
 
+@avx2_only
+@pytest.mark.parametrize("group", [32, 128])
+def test_avx2_one_row_streams_match_the_formula(group):
+    """One row of x against 8-bit codes (decode) reads a thread's row blocks as 4 streams side by
+    side: every split of the blocks into streams and left-over blocks (1 to 4 blocks a stream, 0
+    to 3 left over, 1 and 2 threads) gives :func:`_avx2_reference`'s bits."""
+    k = 256
+    threads = torch.get_num_threads()
+    try:
+        for blocks in (3, 4, 5, 8, 11, 16, 19, 37):
+            n = 16 * blocks
+            codes, packed, scales, offsets, _ = _layer(n, k, 8, group)
+            x = _x(1, k)
+            want = _avx2_reference(x, codes, scales, offsets, 8, group)
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                assert torch.equal(woq.linear(x, packed, scales, offsets, n, k, 8, group), want), (blocks, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_empty_batch():
     _, packed, scales, offsets, _ = _layer(16, 32, 4, 32)
     y = woq.linear(torch.empty(0, 32, dtype=torch.bfloat16), packed, scales, offsets, 16, 32, 4, 32)
