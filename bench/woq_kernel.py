@@ -30,7 +30,7 @@ at 16 rows and 0.43-0.58 at 256; int8 / base-int8 0.25-0.36 and 0.21-0.26; LM he
 int8 0.50-0.89, the new int4 kernel streaming 2.5-3.5 GB/s (56-78% of it). With 2 threads on that
 loaded machine every parallel call waited ~16 ms for its second thread: use ``--threads 1`` there.
 
-``--ab REV``: instead, this tree's int4 kernel against commit ``REV``'s (built with the same
+``--ab REV``: instead, this tree's int4 kernel (``--bits 8``: int8) against commit ``REV``'s (built with the same
 flags, as library ``sgrt_woq_avx2_base``; its weights in the layout it takes, so only a base
 with the fused stream, ``e0b4e97`` on), on the four projection shapes at ``--rows`` rows
 (default 1 and 256), in the calling thread's CPU time (``time.thread_time``: other processes on a
@@ -185,6 +185,7 @@ def main() -> None:
     ap.add_argument("--bandwidth-mib", type=int, default=512, help="0: skip the read-bandwidth measurement")
     ap.add_argument("--ab", metavar="REV", default="", help="this tree's int4 kernel against commit REV's")
     ap.add_argument("--best-of", type=int, default=3, help="--ab: a sample is the best of this many timings")
+    ap.add_argument("--bits", type=int, choices=(4, 8), default=4, help="--ab: the codes' width")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.ab:
@@ -264,7 +265,8 @@ def main() -> None:
 
 
 def ab(args) -> None:
-    """This tree's int4 kernel against commit ``args.ab``'s, in thread CPU time (see the docstring)."""
+    """This tree's int4 (``--bits 8``: int8) kernel against commit ``args.ab``'s, in thread CPU time
+    (see the docstring)."""
     import statistics
 
     from sgrt.kernels import woq
@@ -277,7 +279,9 @@ def ab(args) -> None:
     rows_list = [int(r) for r in (args.rows if args.rows != "1,16,256" else "1,256").split(",") if r]
     shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",") if sh]
     gen = torch.Generator().manual_seed(1)
-    table, figures = [], {"base": args.ab, "threads": args.threads, "copies": args.copies, "best_of": args.best_of}
+    bits = args.bits
+    table, figures = [], {"base": args.ab, "bits": bits, "threads": args.threads, "copies": args.copies,
+                          "best_of": args.best_of}
     print(f"load average before: {os.getloadavg()}")
     with torch.inference_mode():
         for n, k in shapes:
@@ -285,14 +289,14 @@ def ab(args) -> None:
                 copies = args.copies if m <= 16 else 2
                 layers = []
                 for _ in range(copies):
-                    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+                    codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=gen)
                     scale = (torch.rand(n, k // GROUP, generator=gen) * 9e-3 + 1e-3).half()
-                    offset = (-8 * scale.float()).half()
-                    layers.append(woq.prepare(woq.pack(codes, 4), scale, offset, n, k, 4, GROUP))
+                    offset = (-(1 << (bits - 1)) * scale.float()).half()
+                    layers.append(woq.prepare(woq.pack(codes, bits), scale, offset, n, k, bits, GROUP))
                 x = torch.randn(m, k, generator=gen).bfloat16()
                 empty = torch.empty(0, dtype=torch.half)
-                equal = all(torch.equal(sides["base"](x, w, empty, empty, n, k, 4, GROUP).view(torch.int16),
-                                        sides["new"](x, w, empty, empty, n, k, 4, GROUP).view(torch.int16))
+                equal = all(torch.equal(sides["base"](x, w, empty, empty, n, k, bits, GROUP).view(torch.int16),
+                                        sides["new"](x, w, empty, empty, n, k, bits, GROUP).view(torch.int16))
                             for w in layers)
                 reps = max(1, int(2e7 // (n * k * m * copies)))  # ~20 M weights a timing
 
@@ -302,7 +306,7 @@ def ab(args) -> None:
                         t0 = time.thread_time()
                         for _ in range(reps):
                             for w in layers:
-                                op(x, w, empty, empty, n, k, 4, GROUP)
+                                op(x, w, empty, empty, n, k, bits, GROUP)
                         best = max(best, n * k * m * copies * reps / (time.thread_time() - t0) / 1e9)
                     return best
 
@@ -318,7 +322,7 @@ def ab(args) -> None:
                 key = f"{n}x{k}_M{m}"
                 figures.update({f"{key}_base_gws": round(base, 2), f"{key}_new_gws": round(new, 2),
                                 f"{key}_speedup": round(ratio, 3), f"{key}_bitwise_equal": equal})
-    print(f"{args.threads} threads, G int4 weights x rows per second of thread CPU time; median of {args.passes} "
+    print(f"{args.threads} threads, G int{bits} weights x rows per second of thread CPU time; median of {args.passes} "
           f"ABBA rounds (a sample: the best of {args.best_of}); base = {args.ab}")
     print_table(["shape", "rows", "copies", "base", "new", "speed new / base (min-max)", "bitwise equal"], table)
     print(f"load average after: {os.getloadavg()}")
