@@ -284,6 +284,16 @@ def test_rows_do_not_depend_on_the_batch(bits):
         torch.set_num_threads(threads)
 
 
+def test_int8_row_tiles_do_not_change_rows():
+    """8-bit codes at a long k go in tiles of rows (32 rows of k = 2,048): a batch that spans
+    several tiles, each ending in a group of fewer than 4 rows, equals its rows computed alone."""
+    n, k = 32, 2048
+    _, packed, scales, offsets, _ = _layer(n, k, 8, 32)
+    x = _x(71, k)
+    alone = torch.cat([woq.linear(x[i:i + 1], packed, scales, offsets, n, k, 8, 32) for i in range(71)])
+    assert torch.equal(woq.linear(x, packed, scales, offsets, n, k, 8, 32), alone)
+
+
 def test_empty_batch():
     _, packed, scales, offsets, _ = _layer(16, 32, 4, 32)
     y = woq.linear(torch.empty(0, 32, dtype=torch.bfloat16), packed, scales, offsets, 16, 32, 4, 32)
