@@ -219,6 +219,19 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
 
+    def _norm_qk_(self, qkv: torch.Tensor) -> None:
+        """q/k norm (Gemma 3, Qwen 3) in place on qkv ``[T, n_heads + 2 * n_kv_heads, head_dim]``:
+        each q head by ``q_norm``, each k head by ``k_norm``, as :meth:`RMSNorm.forward` computes
+        them, in one ``rms_norm`` call over the q and k heads together and one multiply by their
+        weights written back into qkv, instead of two norms and a ``cat`` that copied all of qkv
+        (the same bits: the norm is per head row; ``tests/models/test_families.py``).
+        ``DecodePlan`` (C++) norms the two apart, with the same result."""
+        n_qk = self.n_heads + self.n_kv_heads
+        qk = qkv[:, :n_qk]
+        weight = torch.cat((self.q_norm.weight.expand(self.n_heads, -1), self.k_norm.weight.expand(self.n_kv_heads, -1)))
+        normed = F.rms_norm(qk.float(), (self.head_dim,), eps=self.q_norm.eps).to(qkv.dtype)
+        torch.mul(weight, normed, out=qk)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -247,9 +260,7 @@ class DecoderLayer(nn.Module):
             qkv = qkv + self.qkv_bias
         if self.q_norm is not None:
             qkv = qkv.view(x.shape[0], self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-            n_qk = self.n_heads + self.n_kv_heads
-            qkv = torch.cat((self.q_norm.forward(qkv[:, : self.n_heads]),
-                             self.k_norm.forward(qkv[:, self.n_heads: n_qk]), qkv[:, n_qk:]), dim=1)
+            self._norm_qk_(qkv)
         cos, sin = rope[self.rope_id]
         o = mods["o_proj"].forward(ops.attention(self, qkv, cos, sin, attn))
         if self.sandwich:
