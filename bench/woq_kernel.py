@@ -30,7 +30,7 @@ at 16 rows and 0.43-0.58 at 256; int8 / base-int8 0.25-0.36 and 0.21-0.26; LM he
 int8 0.50-0.89, the new int4 kernel streaming 2.5-3.5 GB/s (56-78% of it). With 2 threads on that
 loaded machine every parallel call waited ~16 ms for its second thread: use ``--threads 1`` there.
 
-``--ab REV``: instead, this tree's int4 kernel against commit ``REV``'s (built with the same
+``--ab REV``: instead, this tree's int4 kernel (``--bits 8``: int8) against commit ``REV``'s (built with the same
 flags, as library ``sgrt_woq_avx2_base``; its weights in the layout it takes, so only a base
 with the fused stream, ``e0b4e97`` on), on the four projection shapes at ``--rows`` rows
 (default 1 and 256), in the calling thread's CPU time (``time.thread_time``: other processes on a

@@ -26,7 +26,7 @@ one ``decode_attention_qkv_`` call rotates, stores K/V and attends (``NativeLaye
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +69,17 @@ class _Group:
     kv_lens: torch.Tensor | None = None  # [size] int64 context lengths (decode groups, native path)
     # A windowed extend row's query blocks: (first query, end query, first key, end key); None = one call.
     bands: list[tuple[int, int, int, int]] | None = None
+    # mask as SDPA's additive float mask (0 / -inf) per query dtype, built on first use (banded rows)
+    additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """``mask`` as the additive mask SDPA turns a boolean mask into (0 where True, -inf where
+        False, in the query's dtype): built once per forward instead of once per layer and band."""
+        m = self.additive.get(dtype)
+        if m is None:
+            m = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(~self.mask, float("-inf"))
+            self.additive[dtype] = m
+        return m
 
 
 class PagedAttention:
@@ -296,9 +307,11 @@ def _banded_attention(g: _Group, q: torch.Tensor, keys: torch.Tensor, values: to
     t, n_heads, head_dim = q.shape
     out = q.new_empty(t, n_heads * head_dim)
     qh, kh, vh = q.transpose(0, 1).unsqueeze(0), keys.transpose(1, 2), values.transpose(1, 2)
+    # (the additive form of the boolean mask, which SDPA would otherwise build per call: the same values)
+    mask = g.additive_mask(q.dtype)
     for a, b, lo, hi in g.bands:
         o = F.scaled_dot_product_attention(qh[:, :, a:b], kh[:, :, lo:hi], vh[:, :, lo:hi],
-                                           attn_mask=g.mask[:, :, a:b, lo:hi], enable_gqa=True)
+                                           attn_mask=mask[:, :, a:b, lo:hi], enable_gqa=True)
         out[a:b] = o[0].transpose(0, 1).reshape(b - a, n_heads * head_dim)
     return out
 

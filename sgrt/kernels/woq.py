@@ -79,7 +79,7 @@ and :func:`linear` fuses :func:`pack`'s codes per call where given those), prefe
 (one row against 8-bit codes: each thread's blocks read as 4 streams side by side instead);
 the ``scales`` / ``offsets`` arguments are then not read, only checked (float16, and ``[n, k /
 group]`` or empty: :class:`~sgrt.models.quant_native.GroupLinear` keeps only the stream).
-Rows of ``x`` go two at a time per weight load, in tiles whose expanded activations stay in L2;
+Rows of ``x`` go two at a time per weight load (four for 8-bit codes), in tiles whose expanded activations stay in L2;
 integer sums are exact and every row's float32 steps are the same instructions in the same order,
 so a row's result does not depend on the batch or the thread split (bitwise). NaN or infinity in
 a block of ``x`` makes that row's outputs NaN; blocks with ``max |x| < 2**-100`` count as zero.

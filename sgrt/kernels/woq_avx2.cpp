@@ -39,7 +39,7 @@
 //
 // The X vectors depend only on x: x is quantized once per call, expanded per tile of rows, and
 // reused by every 16-row weight block. Rows of x are processed in tiles, two at a time
-// per weight load; a row's integer sums are exact whatever the pairing and its fp32 operations
+// per weight load (8-bit codes: four, block8x4); a row's integer sums are exact whatever the pairing and its fp32 operations
 // are the same instructions in the same order, so a row's result does not depend on the other
 // rows of the batch or on the thread split (bitwise).
 #include <ATen/Parallel.h>
@@ -80,6 +80,11 @@ constexpr int64_t PREFETCH_BYTES = SGRT_PREFETCH_BYTES;
 #define SGRT_WOQ8_STREAMS 4
 #endif
 constexpr int STREAMS8 = SGRT_WOQ8_STREAMS;
+
+// Bytes of int16 activations a tile of rows holds for 8-bit codes (see linear_raw).
+#ifndef SGRT_TILE8
+#define SGRT_TILE8 131072
+#endif
 constexpr int64_t QBLOCK = 32;  // inputs per activation quantization block
 constexpr int64_t HEADER_BYTES = 64;  // a group's 16 float16 scales, then its 16 float16 offsets
 
@@ -391,6 +396,87 @@ void row8_streams(const uint8_t* wp, int64_t block_bytes, int64_t b0, int64_t b1
   }
 }
 
+// 4 rows against one 16-row block of 8-bit codes: block8's integer sums, epilogue and rounding
+// for each row, in the same order (a row's result is bitwise block8's), with each weight vector
+// widened once for 4 rows instead of 2. Register budget: the 8 integer sums, the two widened
+// vectors and one broadcast pair; the float sums (y) and the group's scales stay in memory
+// between blocks (with them in registers gcc spilled an integer sum inside the k loop: a
+// store-to-load chain every k-pair, 1.4x block8<2>'s time).
+inline void block8x4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
+  alignas(32) float yacc[4][16];
+  for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < 16; ++i) yacc[r][i] = 0.0f;
+  const int64_t per_group = int64_t(1) << group_shift;
+  const uint8_t* header = w;
+  const uint8_t* p = w;
+  const int16_t* X[4];
+  for (int r = 0; r < 4; ++r) X[r] = static_cast<const int16_t*>(rows[r].X);
+  for (int64_t b = 0; b < KB; ++b, p += 512) {
+    if ((b & (per_group - 1)) == 0) {
+      header = p;
+      p += HEADER_BYTES;
+    }
+    // (named sums, not arrays: gcc kept arrays of them on the stack)
+    __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+            a31 = a00;
+    for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
+    const int16_t* x0 = X[0] + 32 * b;
+    const int16_t* x1 = X[1] + 32 * b;
+    const int16_t* x2 = X[2] + 32 * b;
+    const int16_t* x3 = X[3] + 32 * b;
+    // one k-pair: widen its 32 codes (rows 0-7, 8-15) once, then per row broadcast the s16 pair
+    // (q[2p], q[2p + 1]) and add the two vpmaddwd products to the row's sums. Written as asm:
+    // gcc's own allocation of these 12 registers spilled sums or copied them every k-pair.
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      __m256i lo, hi, xp, t;
+      asm("vpmovzxbw %[w0], %[lo]\n\t"
+          "vpmovzxbw %[w1], %[hi]\n\t"
+          "vpbroadcastd %[q0], %[xp]\n\t"
+          "vpmaddwd %[xp], %[lo], %[t]\n\t"
+          "vpaddd %[t], %[a00], %[a00]\n\t"
+          "vpmaddwd %[xp], %[hi], %[t]\n\t"
+          "vpaddd %[t], %[a01], %[a01]\n\t"
+          "vpbroadcastd %[q1], %[xp]\n\t"
+          "vpmaddwd %[xp], %[lo], %[t]\n\t"
+          "vpaddd %[t], %[a10], %[a10]\n\t"
+          "vpmaddwd %[xp], %[hi], %[t]\n\t"
+          "vpaddd %[t], %[a11], %[a11]\n\t"
+          "vpbroadcastd %[q2], %[xp]\n\t"
+          "vpmaddwd %[xp], %[lo], %[t]\n\t"
+          "vpaddd %[t], %[a20], %[a20]\n\t"
+          "vpmaddwd %[xp], %[hi], %[t]\n\t"
+          "vpaddd %[t], %[a21], %[a21]\n\t"
+          "vpbroadcastd %[q3], %[xp]\n\t"
+          "vpmaddwd %[xp], %[lo], %[t]\n\t"
+          "vpaddd %[t], %[a30], %[a30]\n\t"
+          "vpmaddwd %[xp], %[hi], %[t]\n\t"
+          "vpaddd %[t], %[a31], %[a31]"
+          : [a00] "+x"(a00), [a01] "+x"(a01), [a10] "+x"(a10), [a11] "+x"(a11), [a20] "+x"(a20), [a21] "+x"(a21),
+            [a30] "+x"(a30), [a31] "+x"(a31), [lo] "=&x"(lo), [hi] "=&x"(hi), [xp] "=&x"(xp), [t] "=&x"(t)
+          : [w0] "m"(*reinterpret_cast<const __m128i*>(p + 32 * j)),
+            [w1] "m"(*reinterpret_cast<const __m128i*>(p + 32 * j + 16)),
+            [q0] "m"(*reinterpret_cast<const int32_t*>(x0 + 2 * j)), [q1] "m"(*reinterpret_cast<const int32_t*>(x1 + 2 * j)),
+            [q2] "m"(*reinterpret_cast<const int32_t*>(x2 + 2 * j)), [q3] "m"(*reinterpret_cast<const int32_t*>(x3 + 2 * j)));
+    }
+    const __m256i a0[4] = {a00, a10, a20, a30}, a1[4] = {a01, a11, a21, a31};
+    __m256 so[4];
+    load_header(header, so);
+    for (int r = 0; r < 4; ++r) {
+      __m256 y0 = _mm256_load_ps(yacc[r]), y1 = _mm256_load_ps(yacc[r] + 8);
+      epilogue(a0[r], a1[r], so, rows[r].dx[b], rows[r].qs[b], y0, y1);
+      _mm256_store_ps(yacc[r], y0);
+      _mm256_store_ps(yacc[r] + 8, y1);
+    }
+    // yacc stays in memory across blocks (its address escapes here)
+    asm volatile("" : : "r"(&yacc[0][0]) : "memory");
+  }
+  for (int r = 0; r < 4; ++r) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(_mm256_load_ps(yacc[r])));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(_mm256_load_ps(yacc[r] + 8)));
+  }
+}
+
 // ---- setup, scratch and threading -----------------------------------------------------------------
 // A batch-1 decode step makes ~120 calls of a few to a few hundred us each, so a call's fixed cost
 // counts: nothing here allocates once its thread has served a call of that size (the scratch
@@ -468,9 +554,13 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
     row8_streams(wp, block_bytes, b0, b1, RowArgs{Q, dx, qs, nullptr}, yp, KB, group_shift);
     return;
   }
-  // bytes of expanded activations per row; a tile of rows keeps them within ~256 KB (L2)
+  // bytes of expanded activations per row; a tile of rows keeps them within ~256 KB (L2). 8-bit
+  // codes read the int16 Q in place: a tile of them within SGRT_TILE8 bytes (128 KB) stays in L2
+  // beside a thread's weight blocks (all rows at once: 1,024 rows of k = 2,048 are 4 MB, read
+  // from L3 for every weight block)
   const int64_t row_bytes = bits == 4 ? (ACT8 ? 8 : 16) * k : 0;
-  const int64_t tile = bits == 4 ? std::min<int64_t>(M, std::max<int64_t>(2, (262144 / row_bytes) & ~int64_t(1))) : M;
+  const int64_t tile = bits == 4 ? std::min<int64_t>(M, std::max<int64_t>(2, (262144 / row_bytes) & ~int64_t(1)))
+                                 : std::min<int64_t>(M, std::max<int64_t>(4, (SGRT_TILE8 / (2 * k)) & ~int64_t(3)));
   // (this thread's; not zeroed: expand4 writes every byte read)
   // 64-byte aligned: block4's 32-byte loads of X otherwise straddle cache lines every other load
   // (a vector's data is only 16-byte aligned), 1.15x the time at 256 rows
@@ -487,6 +577,15 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* w = wp + b * block_bytes;
       int64_t m = t0;
+      if (bits == 8)
+        for (; m + 4 <= t1; m += 4) {
+          const RowArgs rows[4] = {
+              {xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N},
+              {xrow(m + 1), dx + (m + 1) * KB, qs + (m + 1) * KB, yp + (m + 1) * n + b * BLOCK_N},
+              {xrow(m + 2), dx + (m + 2) * KB, qs + (m + 2) * KB, yp + (m + 2) * n + b * BLOCK_N},
+              {xrow(m + 3), dx + (m + 3) * KB, qs + (m + 3) * KB, yp + (m + 3) * n + b * BLOCK_N}};
+          block8x4(w, rows, KB, group_shift);
+        }
       for (; m + 2 <= t1; m += 2) {
         const RowArgs rows[2] = {
             {xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N},

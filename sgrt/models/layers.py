@@ -94,11 +94,17 @@ class LayerOps:
     def qk_norm(self, layer: "DecoderLayer", qkv: torch.Tensor) -> torch.Tensor:
         """The layer's per-head RMSNorm of q and k (Qwen3, Gemma 3): qkv ``[T, (n_heads + 2 *
         n_kv_heads) * head_dim]`` -> ``[T, n_heads + 2 * n_kv_heads, head_dim]`` with q and k
-        normed, v as it was (may be qkv itself, changed in place)."""
+        normed, v as it was (qkv itself, changed in place). Each q head by ``q_norm``, each k head
+        by ``k_norm``, as :meth:`RMSNorm.forward` computes them, in one ``rms_norm`` over the q and
+        k heads together and one multiply by their weights written back into qkv (the same bits as
+        two norms and a ``cat``, without copying qkv: ``tests/models/test_qk_norm.py``)."""
         qkv = qkv.view(qkv.shape[0], layer.n_heads + 2 * layer.n_kv_heads, layer.head_dim)
-        n_qk = layer.n_heads + layer.n_kv_heads
-        return torch.cat((layer.q_norm.forward(qkv[:, : layer.n_heads]),
-                          layer.k_norm.forward(qkv[:, layer.n_heads: n_qk]), qkv[:, n_qk:]), dim=1)
+        qk = qkv[:, : layer.n_heads + layer.n_kv_heads]
+        weight = torch.cat((layer.q_norm.weight.expand(layer.n_heads, -1),
+                            layer.k_norm.weight.expand(layer.n_kv_heads, -1)))
+        normed = F.rms_norm(qk.float(), (layer.head_dim,), eps=layer.q_norm.eps).to(qkv.dtype)
+        torch.mul(weight, normed, out=qk)
+        return qkv
 
     def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """qk ``[T, heads, head_dim]`` (may be a view into the QKV output) -> rotated."""

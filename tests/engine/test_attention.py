@@ -133,6 +133,29 @@ def test_windowed_extend_in_bands_matches_one_masked_call(dtype, tol, cached, q_
     assert got.shape == (q_len, 9 * 64) and (got - want).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_banded_extend_with_its_additive_mask_equals_the_boolean_mask(dtype):
+    """The bands read one additive mask (0 / -inf in q's dtype) built once per forward: bit for
+    bit what SDPA gives each band given the boolean mask (which it converts per call)."""
+    import torch.nn.functional as F
+
+    window, cached, q_len = 256, 300, 450
+    rows = [RowSpec(list(range(1, cached + q_len + 1)), q_len)]
+    q, k, v = (torch.randn(q_len, h, 64, generator=torch.Generator().manual_seed(h)).to(dtype) for h in (9, 3, 3))
+    pool = _pool(dtype)
+    att = PagedAttention(pool, rows)
+    got = att.forward(0, q, k, v, window=window)
+    (g,) = att._window_groups(window)[0]
+    assert g.additive_mask(dtype).dtype == dtype and len(g.bands) > 1
+    keys = pool.k_layers[0].index_select(0, g.kv_index).view(1, g.max_kv, 3, 64).transpose(1, 2)
+    values = pool.v_layers[0].index_select(0, g.kv_index).view(1, g.max_kv, 3, 64).transpose(1, 2)
+    qh = q.transpose(0, 1).unsqueeze(0)
+    for a, b, lo, hi in g.bands:
+        o = F.scaled_dot_product_attention(qh[:, :, a:b], keys[:, :, lo:hi], values[:, :, lo:hi],
+                                           attn_mask=g.mask[:, :, a:b, lo:hi], enable_gqa=True)
+        assert torch.equal(got[a:b], o[0].transpose(0, 1).reshape(b - a, 9 * 64)), (a, b)
+
+
 @pytest.mark.parametrize("window", [None, 5, 40])
 def test_decode_tables_equal_the_groups_slot_tables(window):
     """A decode-only native forward builds its slot tables in one buffer (_decode_tables); they

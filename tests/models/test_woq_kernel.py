@@ -186,13 +186,14 @@ avx2_only = pytest.mark.skipif(woq.isa() != "avx2", reason="the AVX2 build's int
 @pytest.mark.parametrize("bits", [4, 8])
 def test_avx2_matches_its_formula_bitwise(bits, group):
     """The AVX2 kernel equals :func:`_avx2_reference` bit for bit: every group size, 4 and 8
-    bits, a lone block (16 x 128), odd row counts (the kernel pairs rows) and the layer shapes;
-    x spans magnitudes (one block tiny, one zero) so every rounding path runs."""
+    bits, a lone block (16 x 128), row counts that use every row grouping (4-bit codes go two rows
+    at a time, 8-bit four, then two, then one) and the layer shapes; x spans magnitudes (one block
+    tiny, one zero) so every rounding path runs."""
     for n, k in [(16, 128), (48, 384), (960, 576), (576, 1536)]:
         if k % group:
             continue
         codes, packed, scales, offsets, _ = _layer(n, k, bits, group)
-        for m in (1, 2, 3, 7):
+        for m in (1, 2, 3, 4, 7, 11):
             x = _x(m, k).float()
             x[:, 32:64] *= 1e-3
             x[0, 64:96] = 0.0
@@ -370,6 +371,16 @@ def test_avx2_one_row_streams_match_the_formula(group):
                 assert torch.equal(woq.linear(x, packed, scales, offsets, n, k, 8, group), want), (blocks, t)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_int8_row_tiles_do_not_change_rows():
+    """8-bit codes at a long k go in tiles of rows (32 rows of k = 2,048): a batch that spans
+    several tiles, each ending in a group of fewer than 4 rows, equals its rows computed alone."""
+    n, k = 32, 2048
+    _, packed, scales, offsets, _ = _layer(n, k, 8, 32)
+    x = _x(71, k)
+    alone = torch.cat([woq.linear(x[i:i + 1], packed, scales, offsets, n, k, 8, 32) for i in range(71)])
+    assert torch.equal(woq.linear(x, packed, scales, offsets, n, k, 8, 32), alone)
 
 
 def test_empty_batch():
