@@ -286,17 +286,24 @@ def test_int8_activations_take_the_step_with_their_operator(acts):
     the step), "int8-prefill" is the default's bits on a decode step's few rows."""
     q8, q16 = tiny_model("llama", "int4+int8", acts), tiny_model("llama", "int4+int8")
     assert q8.native_step is not None
-    assert_step_matches_layers(q8, [30, 9])
     plan = q8.native_step.plan
-    assert plan.use_raw_entries(True) == 4 * q8.config.num_hidden_layers
-    raw = _step(q8, [30, 9, 4])
+    threads = torch.get_num_threads()
     try:
-        plan.use_raw_entries(False)
-        dispatched = _step(q8, [30, 9, 4])
+        # 2 threads: the raw path runs in the plan's thread team (each operator's <op>_team_entry)
+        torch.set_num_threads(2)
+        assert plan.use_thread_team(True)
+        assert_step_matches_layers(q8, [30, 9])
+        assert plan.use_raw_entries(True) == 4 * q8.config.num_hidden_layers
+        raw = _step(q8, [30, 9, 4])
+        try:
+            plan.use_raw_entries(False)
+            dispatched = _step(q8, [30, 9, 4])
+        finally:
+            plan.use_raw_entries(True)
+        assert torch.equal(raw, dispatched)
+        assert torch.equal(raw, _step(q16, [30, 9, 4])) == (acts == "int8-prefill")
     finally:
-        plan.use_raw_entries(True)
-    assert torch.equal(raw, dispatched)
-    assert torch.equal(raw, _step(q16, [30, 9, 4])) == (acts == "int8-prefill")
+        torch.set_num_threads(threads)
 
 
 def test_gemma3_switches_mixed_otherwise():
