@@ -34,7 +34,7 @@ native kernel runs), in the same alternation: a before / after of the native ker
 ``--int4-activations-rows int8,int8-prefill``: sgrt int4 also with those ``int4_activations``
 policies (``"int8"``: llama.cpp's activation precision, less accurate; ``"int8-prefill"``: int8 for
 calls of >= 32 rows only; docs/DESIGN.md), each an extra labelled row in the same alternation; the
-default's figures stay those of the default (``--int8-activations-row``: ``int8`` alone).
+default's figures stay those of the default.
 
 Targets (issue 21): int4 decode >= 2x llama.cpp and >= 60% of its bandwidth limit; bfloat16 and
 float32 >= 70% of theirs; prefill >= 3x llama.cpp.
@@ -113,16 +113,11 @@ def main() -> None:
     ap.add_argument("--torch-kernels-row", action="store_true",
                     help="also run sgrt int4 on torch's packed kernels (what CPUs without sgrt's native "
                          "kernel run), alternated with the others: a before / after in one invocation")
-    ap.add_argument("--int8-activations-row", action="store_true",
-                    help="also run sgrt int4 with int4_activations='int8' (opt-in, less accurate), alternated "
-                         "with the others, as an extra row")
     ap.add_argument("--int4-activations-rows", default="",
                     help="comma-separated int4_activations policies (int8, int8-prefill) each run as an extra "
                          "row, alternated with the others")
     args = ap.parse_args()
     policies = [p for p in args.int4_activations_rows.split(",") if p]
-    if args.int8_activations_row and "int8" not in policies:
-        policies.insert(0, "int8")
     torch.set_num_threads(args.threads)
     from sgrt.models import load_model
 
