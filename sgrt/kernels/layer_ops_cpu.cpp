@@ -1041,8 +1041,7 @@ struct DecodePlan : torch::CustomClassHolder {
   int64_t n_heads, head_dim;
   std::vector<Tensor> cos, sin;  // float32 rotary tables [positions, head_dim]
   std::vector<PlanLayer> layers;
-  std::optional<c10::TypedOperatorHandle<WoqLinear>> woq;
-  std::optional<c10::TypedOperatorHandle<DenseLinear>> dense;
+  std::optional<c10::TypedOperatorHandle<DenseLinear>> dense;  // (a woq projection keeps its own operator)
   // forward()'s buffers; a call that finds them in use by another thread makes its own
   mutable std::mutex workspace_mutex;
   mutable Workspace workspace;
@@ -1108,10 +1107,9 @@ struct DecodePlan : torch::CustomClassHolder {
     if (!team && op == ns + "::linear") team = dispatcher.findSchema({ns + "::team_entry", ""});
     const int64_t team_address = team ? team->typed<int64_t()>().call() : 0;
     if (bits > 0) {
-      woq = handle.typed<WoqLinear>();
+      proj.woq_op = handle.typed<WoqLinear>();
       // the operator's own argument checks, once, on an x of no rows (the raw calls skip them)
-      woq->call(at::empty({0, k}, at::kBFloat16), proj.weight, proj.scales, proj.offsets, n, k, bits, group);
-      proj.woq_op = woq;
+      proj.woq_op->call(at::empty({0, k}, at::kBFloat16), proj.weight, proj.scales, proj.offsets, n, k, bits, group);
       proj.woq_raw = reinterpret_cast<WoqRaw*>(static_cast<intptr_t>(address));
       proj.woq_part = reinterpret_cast<WoqPart*>(static_cast<intptr_t>(team_address));
     } else {
