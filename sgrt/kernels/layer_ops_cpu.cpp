@@ -422,73 +422,156 @@ void accumulate_values(const float* p, int64_t g, int64_t d, const R* vbase, con
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define SGRT_BLOCKED_ATTENTION 1
-// The loops of a split context's chunks (any head_dim that is a multiple of 8): keys and values
-// are widened to float 8 rows at a time into a small buffer, each query head scores 8 keys with 8
-// accumulators reduced together (one horizontal reduction per 8 scores, not one per score), and
-// each value row's contribution is added for 8 keys per load / store of the output accumulator.
-// They sum in another order than the per-key loops above, so one-chunk contexts keep those.
+// The loops of a split context's chunks (head_dim a multiple of 8), for a group of G <= 4 query
+// heads of one kv head. Keys and values are widened from bfloat16 in registers (no buffer); each
+// key row is loaded once for the G heads; 8 keys' dot products are reduced together (one
+// horizontal reduction per 8 scores); the output accumulators stay in registers over a block of
+// keys. Rows are addressed through the slot table, so the hardware prefetcher cannot follow them
+// when the slots are scattered: the rows kPrefetchAhead keys ahead are prefetched explicitly.
+// Sums: a score is each lane's FMA chain over head_dim in order then a fixed tree of the 8 lanes;
+// an output value is the FMA chain over the chunk's keys in order (both as the widening kernel of
+// before, so split contexts kept their results). One-chunk contexts keep the per-key loops above.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// buf[k * d ..] = row of slot rs[k] (kv head at base) as floats, k < 8; rows from cnt on repeat row 0.
-template <typename R>
-inline void widen_rows(const R* base, const int64_t* rs, int64_t cnt, int64_t row, int64_t d, float* buf) {
-  for (int64_t k = 0; k < 8; ++k) {
-    const R* src = base + rs[k < cnt ? k : 0] * row;
-    float* dst = buf + k * d;
-    for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(dst + c, load8(src + c));
-  }
+constexpr int64_t kPrefetchAhead = 16;
+
+// Every cache line of the d values at p, into the cache level `hint` names.
+template <int Hint, typename R>
+inline void prefetch_row(const R* p, int64_t d) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t o = 0; o < d * static_cast<int64_t>(sizeof(R)); o += 64) _mm_prefetch(c + o, static_cast<_mm_hint>(Hint));
 }
 
-// score_keys' contract, 8 keys at a time; buf: 8 * d floats of scratch.
-template <typename R>
-void score_keys_blocked(const float* qf, int64_t g, int64_t d, const R* kbase, const int64_t* rs, int64_t len,
-                        int64_t row, float* scores, int64_t stride, float* buf) {
+// [sum(a[0]), ..., sum(a[7])]: the lane sums of 8 vectors, (l0 + l1) + (l2 + l3) + ((l4 + l5) + (l6 + l7)).
+inline __m256 lane_sums8(const __m256* a) {
+  __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// score_keys' contract for G query heads (qf: G rows of d floats), DC: head_dim if known at
+// compile time (else 0: d). Two keys per pass over head_dim (2 G accumulators); the last block
+// of fewer than 8 keys repeats its last key (its extra scores are not stored). vbase: the values
+// of the same slots, prefetched into L2 meanwhile for accumulate_values_grouped.
+template <typename R, int G, int DC>
+void score_keys_grouped(const float* qf, int64_t d_, const R* kbase, const R* vbase, const int64_t* rs, int64_t len,
+                        int64_t row, float* scores, int64_t stride, const R* kpf, const R* vpf, int64_t npf) {
+  const int64_t d = DC > 0 ? DC : d_;
   for (int64_t j0 = 0; j0 < len; j0 += 8) {
-    int64_t cnt = std::min<int64_t>(8, len - j0);
-    widen_rows(kbase, rs + j0, cnt, row, d, buf);
-    for (int64_t i = 0; i < g; ++i) {
-      const float* qi = qf + i * d;
-      __m256 a[8];
-      for (int k = 0; k < 8; ++k) a[k] = _mm256_setzero_ps();
-      for (int64_t c = 0; c < d; c += 8) {
-        __m256 qv = _mm256_loadu_ps(qi + c);
-        for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(buf + k * d + c), a[k]);
+    const int64_t last = std::min<int64_t>(8, len - j0) - 1;
+    __m256 part[G][8];
+    for (int64_t k = 0; k < 8; k += 2) {
+      const int64_t ja = j0 + std::min(k, last), jb = j0 + std::min(k + 1, last);
+      if (ja + kPrefetchAhead < len) {
+        prefetch_row<_MM_HINT_T0>(kpf + rs[ja + kPrefetchAhead] * row, npf);
+        prefetch_row<_MM_HINT_T1>(vpf + rs[ja + kPrefetchAhead] * row, npf);
       }
-      // [a0..a7] -> the 8 lane sums in one vector
-      __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-      __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-      __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+      if (jb + kPrefetchAhead < len && jb != ja) {
+        prefetch_row<_MM_HINT_T0>(kpf + rs[jb + kPrefetchAhead] * row, npf);
+        prefetch_row<_MM_HINT_T1>(vpf + rs[jb + kPrefetchAhead] * row, npf);
+      }
+      const R* ka = kbase + rs[ja] * row;
+      const R* kb = kbase + rs[jb] * row;
+      __m256 a[G], b[G];
+      for (int i = 0; i < G; ++i) a[i] = b[i] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < d; c += 8) {
+        const __m256 xa = load8(ka + c), xb = load8(kb + c);
+        for (int i = 0; i < G; ++i) {
+          const __m256 qv = _mm256_loadu_ps(qf + i * d + c);
+          a[i] = _mm256_fmadd_ps(qv, xa, a[i]);
+          b[i] = _mm256_fmadd_ps(qv, xb, b[i]);
+        }
+      }
+      for (int i = 0; i < G; ++i) {
+        part[i][k] = a[i];
+        part[i][k + 1] = b[i];
+      }
+    }
+    for (int i = 0; i < G; ++i) {
+      const __m256 sums = lane_sums8(part[i]);
       float* si = scores + i * stride + j0;
-      if (cnt == 8) {
+      if (last == 7) {
         _mm256_storeu_ps(si, sums);
       } else {
         alignas(32) float tmp[8];
         _mm256_store_ps(tmp, sums);
-        std::copy(tmp, tmp + cnt, si);
+        std::copy(tmp, tmp + last + 1, si);
       }
     }
   }
 }
 
-// accumulate_values' contract, 8 keys per load / store of acc; buf: 8 * d floats of scratch.
-template <typename R>
-void accumulate_values_blocked(const float* p, int64_t g, int64_t d, const R* vbase, const int64_t* rs, int64_t len,
-                               int64_t row, int64_t stride, float* acc, float* buf) {
-  for (int64_t j0 = 0; j0 < len; j0 += 8) {
-    int64_t cnt = std::min<int64_t>(8, len - j0);
-    widen_rows(vbase, rs + j0, cnt, row, d, buf);
-    for (int64_t i = 0; i < g; ++i) {
-      __m256 w[8];
-      for (int64_t k = 0; k < cnt; ++k) w[k] = _mm256_set1_ps(p[i * stride + j0 + k]);
-      float* ai = acc + i * d;
-      for (int64_t c = 0; c < d; c += 8) {
-        __m256 x = _mm256_loadu_ps(ai + c);
-        for (int64_t k = 0; k < cnt; ++k) x = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(buf + k * d + c), x);
-        _mm256_storeu_ps(ai + c, x);
+// accumulate_values' contract for G query heads (acc: G rows of d floats), W vectors of 8 output
+// values per head in registers at a time: blocks of kValueBlock keys (their rows stay in L1
+// between the passes over head_dim), each pass W * 8 values of the G heads over the block's keys.
+constexpr int64_t kValueBlock = 32;
+template <typename R, int G, int W, int DC>
+void accumulate_values_grouped(const float* p, int64_t d_, const R* vbase, const int64_t* rs, int64_t len, int64_t row,
+                               int64_t stride, float* acc) {
+  const int64_t d = DC > 0 ? DC : d_;
+  for (int64_t j0 = 0; j0 < len; j0 += kValueBlock) {
+    const int64_t j1 = std::min(len, j0 + kValueBlock);
+    for (int64_t c0 = 0; c0 < d; c0 += 8 * W) {
+      __m256 o[G][W];
+      for (int i = 0; i < G; ++i)
+        for (int w = 0; w < W; ++w) o[i][w] = _mm256_loadu_ps(acc + i * d + c0 + 8 * w);
+      for (int64_t j = j0; j < j1; ++j) {
+        const R* vr = vbase + rs[j] * row + c0;
+        __m256 pj[G];
+        for (int i = 0; i < G; ++i) pj[i] = _mm256_broadcast_ss(p + i * stride + j);
+        for (int w = 0; w < W; ++w) {
+          const __m256 x = load8(vr + 8 * w);
+          for (int i = 0; i < G; ++i) o[i][w] = _mm256_fmadd_ps(pj[i], x, o[i][w]);
+        }
+      }
+      for (int i = 0; i < G; ++i)
+        for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc + i * d + c0 + 8 * w, o[i][w]);
+    }
+  }
+}
+
+// The grouped kernels over gi query heads (any count; groups of at most 4 heads, each group
+// reading the keys and values again, from cache). d: a multiple of 8.
+template <typename R, int DC>
+void score_keys_blocked(const float* qf, int64_t gi, int64_t d, const R* kbase, const R* vbase, const int64_t* rs,
+                        int64_t len, int64_t row, float* scores, int64_t stride, const R* kpf, const R* vpf,
+                        int64_t npf) {
+  for (int64_t i = 0; i < gi; i += 4) {
+    const float* q = qf + i * d;
+    float* s = scores + i * stride;
+    switch (std::min<int64_t>(4, gi - i)) {
+      case 4: score_keys_grouped<R, 4, DC>(q, d, kbase, vbase, rs, len, row, s, stride, kpf, vpf, npf); break;
+      case 3: score_keys_grouped<R, 3, DC>(q, d, kbase, vbase, rs, len, row, s, stride, kpf, vpf, npf); break;
+      case 2: score_keys_grouped<R, 2, DC>(q, d, kbase, vbase, rs, len, row, s, stride, kpf, vpf, npf); break;
+      default: score_keys_grouped<R, 1, DC>(q, d, kbase, vbase, rs, len, row, s, stride, kpf, vpf, npf); break;
+    }
+  }
+}
+
+template <typename R, int DC>
+void accumulate_values_blocked(const float* p, int64_t gi, int64_t d, const R* vbase, const int64_t* rs, int64_t len,
+                               int64_t row, int64_t stride, float* acc) {
+  for (int64_t i = 0; i < gi; i += 4) {
+    const float* pi = p + i * stride;
+    float* a = acc + i * d;
+    const int64_t n = std::min<int64_t>(4, gi - i);
+    if (d % 32 == 0) {  // 4 vectors a head for 1 or 2 heads, 2 for 3 or 4 (at most 12 accumulators)
+      switch (n) {
+        case 4: accumulate_values_grouped<R, 4, 2, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        case 3: accumulate_values_grouped<R, 3, 4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        case 2: accumulate_values_grouped<R, 2, 4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        default: accumulate_values_grouped<R, 1, 4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+      }
+    } else {
+      switch (n) {
+        case 4: accumulate_values_grouped<R, 4, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        case 3: accumulate_values_grouped<R, 3, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        case 2: accumulate_values_grouped<R, 2, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        default: accumulate_values_grouped<R, 1, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
       }
     }
   }
@@ -585,7 +668,7 @@ struct AttendArgs {
 
 // Per-thread scratch of the attention items, grown and never shrunk.
 struct AttendScratch {
-  std::vector<float> qf, scores, acc, sums, maxes, buf;
+  std::vector<float> qf, scores, acc, sums, maxes;
 };
 
 AttendScratch& attend_scratch() {
@@ -597,6 +680,21 @@ template <typename T>
 T* at_least(std::vector<T>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
   return v.data();
+}
+
+// The largest of x[0..n) (n >= 1), any NaN among them giving NaN or a number (the softmax's
+// scores then come out NaN either way). Eight independent lanes: std::max_element's compare and
+// branch per element was a tenth of a long context's attention.
+inline float max_of(const float* x, int64_t n) {
+  float m[8];
+  for (int k = 0; k < 8; ++k) m[k] = x[0];
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int k = 0; k < 8; ++k) m[k] = m[k] < x[j + k] ? x[j + k] : m[k];
+  for (; j < n; ++j) m[0] = m[0] < x[j] ? x[j] : m[0];
+  float r = m[0];
+  for (int k = 1; k < 8; ++k) r = r < m[k] ? m[k] : r;
+  return r;
 }
 
 // Items [begin, end) of w. DC: head_dim known at compile time (64, 128: AVX-512 paths whose loops
@@ -619,7 +717,6 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
   float* const acc = at_least(sc.acc, g * d);
   float* const sums = at_least(sc.sums, g);
   float* const maxes = at_least(sc.maxes, g);
-  float* const buf = at_least(sc.buf, 8 * d);
   bool ok = true;
   for (int64_t it = begin; it < end; ++it) {
     const AttendItem& item = w.items[it];
@@ -649,14 +746,18 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
 #endif
     if (blocked) {
 #ifdef SGRT_BLOCKED_ATTENTION
-      score_keys_blocked<R>(qf, gi, d, kp + kh * d, rs, len, row, scores, span, buf);
+      // the first kv head's item prefetches the whole rows (its chunk's other kv heads, next in
+      // this thread's items, then find theirs in cache)
+      const bool whole = kh == 0;
+      score_keys_blocked<R, DC>(qf, gi, d, kp + kh * d, vp + kh * d, rs, len, row, scores, span, whole ? kp : kp + kh * d,
+                                whole ? vp : vp + kh * d, whole ? row : d);
 #endif
     } else {
       score_keys<R, DC>(qf, gi, d, kp + kh * d, rs, len, row, scores, span);
     }
     for (int64_t i = 0; i < gi; ++i) {
       float* si = scores + i * span;
-      float m = *std::max_element(si, si + len);
+      float m = max_of(si, len);
       float total = 0.f;
 #pragma omp simd reduction(+ : total)
       for (int64_t j = 0; j < len; ++j) {
@@ -669,7 +770,7 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
     std::fill(acc, acc + gi * d, 0.f);
     if (blocked) {
 #ifdef SGRT_BLOCKED_ATTENTION
-      accumulate_values_blocked<R>(scores, gi, d, vp + kh * d, rs, len, row, span, acc, buf);
+      accumulate_values_blocked<R, DC>(scores, gi, d, vp + kh * d, rs, len, row, span, acc);
 #endif
     } else {
       accumulate_values<R, DC>(scores, gi, d, vp + kh * d, rs, len, row, span, acc);
