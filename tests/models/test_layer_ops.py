@@ -187,6 +187,73 @@ def test_decode_attention_does_not_depend_on_the_thread_count(dtype, n_heads, n_
         torch.set_num_threads(threads)
 
 
+def _float64_attention(q, k_cache, v_cache, slots, lens) -> torch.Tensor:
+    """Softmax attention (scale 1/sqrt(head_dim), GQA) in float64 from the same numbers as the
+    operator's inputs: [B, H * D] float64."""
+    b, h, d = q.shape
+    hkv = k_cache.shape[1]
+    out = torch.empty(b, h, d, dtype=torch.float64)
+    for r in range(b):
+        s = slots[r, : int(lens[r])]
+        k, v = k_cache[s].double(), v_cache[s].double()  # [n, hkv, d]
+        qr = q[r].double().view(hkv, h // hkv, d)
+        p = (torch.einsum("kgd,nkd->kgn", qr, k) / d ** 0.5).softmax(-1)
+        out[r] = torch.einsum("kgn,nkd->kgd", p, v).reshape(h, d)
+    return out.view(b, h * d)
+
+
+# Long split contexts: many chunks, ragged last chunks, a one-token and a one-chunk row.
+LONG_LENS = [3000, 1, 700, 2049, 256]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_heads,n_kv,head_dim", [
+    (9, 3, 64),    # SmolLM2: groups of 3 query heads, head_dim 64
+    (4, 1, 256),   # Gemma 3: one group of 4, head_dim 256
+    (3, 3, 64),    # g = 1
+    (8, 2, 64),    # g = 4
+    (10, 2, 40),   # g = 5: a group of 4 and one of 1; head_dim not a multiple of 32
+    (4, 2, 36),    # head_dim not a multiple of 8: the portable loops
+])
+def test_long_split_contexts_match_float64_attention(dtype, n_heads, n_kv, head_dim):
+    """Contexts of up to 3,000 keys (12 chunks, ragged last chunks) against softmax attention in
+    float64 from the same numbers: float32 outputs within float32 rounding of sums, bfloat16
+    outputs within half a bfloat16 step (one rounding of a float32 value); 1 and 2 threads give
+    the same bits."""
+    args, _ = _ragged_case(dtype, LONG_LENS, n_heads, n_kv, head_dim, seed=n_heads * head_dim, slots_n=4000)
+    ref = _float64_attention(*args)
+    threads = torch.get_num_threads()
+    try:
+        out = {}
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out[n] = torch.ops.sgrt_layer.decode_attention(*args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out[1], out[2])
+    got = out[1].double()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=3e-6, atol=1e-6)
+    else:
+        assert bool(((got - ref).abs() <= ref.abs() * 2.0 ** -8 * 1.001 + 2e-6).all())
+        assert (out[1] == ref.to(dtype)).double().mean().item() >= 0.99  # mostly the rounded float64 value
+
+
+def test_long_split_context_propagates_nan():
+    """A NaN key in a later chunk of a long context makes its kv head's outputs NaN (as PyTorch's
+    attention does), and only those; a NaN query makes its own head NaN."""
+    args, _ = _ragged_case(torch.bfloat16, [2000, 900], 9, 3, 64, seed=5, slots_n=3000)
+    q, k_cache, v_cache, slots, lens = args
+    k_cache[slots[0, 1500], 2, 7] = float("nan")  # row 0, kv head 2, chunk 5
+    q[1, 4, 0] = float("nan")  # row 1, query head 4 (kv head 1)
+    out = torch.ops.sgrt_layer.decode_attention(q, k_cache, v_cache, slots, lens).view(2, 9, 64)
+    nan = torch.isnan(out).all(-1)
+    expect = torch.zeros(2, 9, dtype=torch.bool)
+    expect[0, 6:9] = True
+    expect[1, 4] = True
+    assert torch.equal(nan, expect) and not torch.isnan(out[~expect]).any()
+
+
 def test_decode_attention_rejects_a_bad_slot_in_a_later_chunk():
     q, k_cache, v_cache = torch.randn(1, 2, 8), torch.randn(600, 1, 8), torch.randn(600, 1, 8)
     slots = torch.arange(1, 601).view(1, 600) % 600

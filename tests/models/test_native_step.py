@@ -114,7 +114,7 @@ def test_thread_team_and_per_operator_regions_give_the_same_bits(which, request)
     """A step in one thread team (one OpenMP region: the projections and the attention split by
     thread, barriers between them) against every operator opening its own parallel region, and
     against one thread: the hidden states bit for bit equal (batches of short rows, where the
-    attention splits query heads, and of long ragged rows)."""
+    attention splits query heads, of long ragged rows, and one row of 5 chunks)."""
     fixture = {"int4": "smollm_int4", "bfloat16": "smollm_bf16", "float32": "loaded_model"}[which]
     model = request.getfixturevalue(fixture).model
     plan = model.native_step.plan
@@ -122,7 +122,7 @@ def test_thread_team_and_per_operator_regions_give_the_same_bits(which, request)
     try:
         torch.set_num_threads(2)
         assert plan.use_thread_team(True), "2 threads and the AVX2 kernels' team entries: a thread team"
-        for lens in ([80], [300, 37, 1, 90]):
+        for lens in ([80], [300, 37, 1, 90], [1100]):
             team = _step(model, lens)
             plan.use_thread_team(False)
             per_operator = _step(model, lens)
