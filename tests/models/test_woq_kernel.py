@@ -626,3 +626,65 @@ def test_compact_stream_argument_errors():
         woq.kernel()(x, stream, empty, empty, n, k, 4 + 256 * 128, 32)
     with pytest.raises(RuntimeError, match="multiple of group"):
         woq.kernel()(_x(1, 96), stream, empty, empty, n, 96, bits, 64)
+
+
+@avx2_only
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_five_bit_stream_matches_the_int8_one_bitwise(group, activations):
+    """Codes 0..31 with offsets -16 * scale (a Q5_0 tensor's) as the 5-bit stream (woq.fuse5:
+    nibbles and a plane of fifth bits, compact headers): every path (one row: 4 streams and the
+    blocks left over; two rows a load; 1 and 2 threads; 16-bit and int8 activations) gives the
+    int8 stream's bits for the same codes, i.e. :func:`_avx2_reference`'s."""
+    threads = torch.get_num_threads()
+    try:
+        for n, k in [(16, 128), (80, 96), (48, 384), (16 * 37, 256), (960, 576)]:
+            if k % group:
+                continue
+            codes, scales, offsets = _symmetric_layer(n, k, group, 16)
+            codes[1, 3], codes[2, 5] = 31, 16  # (the largest code, and a fifth bit alone)
+            packed = woq.pack(codes, 8)
+            stream, bits = woq.prepare(packed, scales, offsets, n, k, 8, group, five_bit=True)
+            assert bits == woq.stream_bits(5, 16) and stream.numel() == n * k * 5 // 8 + 2 * n * (k // group)
+            full = woq.fuse(packed, scales, offsets, n, k, 8, group)
+            op, empty = woq.kernel(activations), torch.empty(0, dtype=torch.float16)
+            for m in (1, 2, 3, 5):
+                x = _x(m, k).float()
+                x[:, :32] *= 1e-3
+                x[0, 32:64] = 0.0
+                x = x.bfloat16()
+                want = _avx2_reference(x, codes, scales, offsets, 8, group, activations)
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    y = op(x, stream, empty, empty, n, k, bits, group)
+                    assert torch.equal(y, want), (n, k, m, t)
+                    assert torch.equal(op(x, full, empty, empty, n, k, 8, group), y), (n, k, m, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_five_bit_stream_round_trip_and_fallbacks():
+    """fuse5 / unfuse give the codes, scales and offsets back; a code above 31 or an offset off
+    -c * scale keeps the int8 stream (prepare) or is refused (fuse5); prepare picks the 5-bit
+    stream only when asked (five_bit: slower than the compact int8 one here, docs/DESIGN.md)."""
+    n, k, group = 48, 256, 64
+    codes, scales, offsets = _symmetric_layer(n, k, group, 16)
+    packed = woq.pack(codes, 8)
+    fused = woq.fuse5(codes, scales, offsets, n, k, group, 16)
+    assert fused.numel() == n * k * 5 // 8 + 2 * n * (k // group)
+    p2, s2, o2 = woq.unfuse(fused, n, k, woq.stream_bits(5, 16), group)
+    assert torch.equal(p2, packed) and torch.equal(s2, scales)
+    assert torch.equal(o2.view(torch.int16), offsets.view(torch.int16))
+    if woq.isa() != "avx2":
+        return
+    assert woq.prepare(packed, scales, offsets, n, k, 8, group)[1] == woq.stream_bits(8, 16)
+    big = codes.clone()
+    big[7, 9] = 32
+    with pytest.raises(ValueError, match="0..31"):
+        woq.fuse5(big, scales, offsets, n, k, group, 16)
+    assert woq.prepare(woq.pack(big, 8), scales, offsets, n, k, 8, group, five_bit=True)[1] == woq.stream_bits(8, 16)
+    o = offsets.clone()
+    o[3, 1] = (o[3, 1:2].view(torch.int16) + 1).view(torch.float16)[0]
+    with pytest.raises(ValueError, match="-c \\* scale"):
+        woq.fuse5(codes, scales, o, n, k, group, 16)
+    assert woq.prepare(packed, scales, o, n, k, 8, group, five_bit=True)[1] == 8
