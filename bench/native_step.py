@@ -185,7 +185,7 @@ def load_base(rev: str):
 
 def full_streams(model, build):
     """``build(model)`` with every GroupLinear whose stream this tree packs otherwise than a base
-    may (compact headers, 5-bit codes: ``woq.stream_bits`` not 4 / 8) given the full 8-bit stream
+    may (compact headers: ``woq.stream_bits`` not 4 / 8) given the full 8-bit stream
     of the same codes, scales and offsets for the call (the base plan keeps those tensors)."""
     from sgrt.kernels import woq
     from sgrt.models.quant_native import GroupLinear

@@ -40,11 +40,7 @@ the outputs are bitwise equal. 1 row: ``--copies`` layers (30: from memory; 1: i
 ~400 MB, so one copy of an LM head such as Gemma 3's 262144x640), and ``torch.sum`` over the same
 weight bytes in the same rounds: the read rate, and each kernel's share of it; from 64 rows on 2
 copies (compute-bound). ``--bits 8``: the int8 kernel instead (e.g. ``--shapes
-1536x640,640x2048,262144x640``, Gemma 3's int8 projections and head), with offsets ``-128 scale``:
-this tree's side takes the compact stream ``woq.prepare`` picks (no offsets in the headers), the
-base the full stream of the same codes; ``--bits 5``: codes 0..31 with offsets ``-16 scale`` (a
-Q5_0 tensor's), this tree's 5-bit stream (``woq.fuse5``) against the base's full int8 stream.
-Prints the bytes a weight of both streams.
+1536x640,640x2048,262144x640``, Gemma 3's int8 projections and head).
 
 Run: ``python bench/woq_kernel.py [--rows 1,16,256] [--passes 5] [--threads 2] [--copies 30]
 [--base 632e14a] [--methods ...]``; ``python bench/woq_kernel.py --ab 3c0d442 --threads 1
@@ -307,7 +303,7 @@ def ab(args) -> None:
                     scale = (torch.rand(n, k // GROUP, generator=gen) * 9e-3 + 1e-3).half()
                     offset = (-(2 ** (bits - 1)) * scale.float()).half()
                     packed = woq.pack(codes, cbits)
-                    w, new_bits = woq.prepare(packed, scale, offset, n, k, cbits, GROUP, five_bit=bits == 5)
+                    w, new_bits = woq.prepare(packed, scale, offset, n, k, cbits, GROUP)
                     layers.append(w)
                     base_layers.append(woq.fuse(packed, scale, offset, n, k, cbits, GROUP))
                     del codes, packed

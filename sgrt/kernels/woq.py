@@ -81,8 +81,7 @@ the ``scales`` / ``offsets`` arguments are then not read, only checked (float16,
 group]`` or empty: :class:`~sgrt.models.quant_native.GroupLinear` keeps only the stream). 8-bit
 codes whose offsets are all ``-c * scale`` (:func:`symmetric_constant`: a GGUF's Q8_0 / Q5_0
 blocks) get headers without the offsets (:func:`fuse` with ``c``; the kernel's ``bits`` argument is
-then :func:`stream_bits` ``(8, c)``), rebuilt by the kernel in float32 with the same bits; such
-codes in 0..31 can also go as :func:`fuse5`'s 5-bit stream (opt-in: ``prepare(five_bit=True)``).
+then :func:`stream_bits` ``(8, c)``), rebuilt by the kernel in float32 with the same bits.
 Rows of ``x`` go two at a time per weight load (four for 8-bit codes), in tiles whose expanded activations stay in L2;
 integer sums are exact and every row's float32 steps are the same instructions in the same order,
 so a row's result does not depend on the batch or the thread split (bitwise). NaN or infinity in
@@ -249,8 +248,7 @@ def symmetric_constant(scales: torch.Tensor, offsets: torch.Tensor) -> int:
 def stream_bits(bits: int, c: int = 0) -> int:
     """The AVX2 kernel's ``bits`` argument for a stream of ``bits``-bit codes: ``bits`` itself
     (group headers with offsets), or ``bits + 256 * c`` for :func:`fuse`'s compact headers
-    (8-bit codes, every offset ``-c * scale``: :func:`symmetric_constant`) and :func:`fuse5`'s
-    5-bit stream (``bits = 5``)."""
+    (8-bit codes, every offset ``-c * scale``: :func:`symmetric_constant`)."""
     return bits + 256 * c
 
 
@@ -294,85 +292,12 @@ def fuse(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: i
     return torch.cat([head.contiguous().view(torch.uint8), codes], dim=2).reshape(-1)
 
 
-def _vectors5(codes: torch.Tensor) -> torch.Tensor:
-    """Codes ``[n, k]`` -> the 5-bit kernel's code vectors ``[n / 16, k / 8, 4, 32]``: per 16-row
-    block and chunk c of 8 inputs, vector v = 2 h + s (h: rows 0-7 / 8-15, s: inputs 8c..8c+3 /
-    8c+4..8c+7), byte ``16 L + 4 i + 2 j + t`` = code[row 8 h + 4 L + i, input 8c + 4 s + 2 j + t]:
-    each 128-bit lane ``L`` holds 4 rows, each row its two k-pairs side by side, so ``vpmaddubsw``
-    against a broadcast of 4 activations gives (row, k-pair) words that ``vpmaddwd`` sums per row
-    in order, with no shuffle."""
-    n, k = codes.shape
-    v = codes.reshape(n // BLOCK_N, 2, 2, 4, k // 8, 2, 2, 2).permute(0, 4, 1, 5, 2, 3, 6, 7)
-    return v.reshape(n // BLOCK_N, k // 8, 4, 32)
-
-
-def _codes5(vectors: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The inverse of :func:`_vectors5`."""
-    v = vectors.reshape(n // BLOCK_N, k // 8, 2, 2, 2, 4, 2, 2).permute(0, 2, 4, 5, 1, 3, 6, 7)
-    return v.reshape(n, k).contiguous()
-
-
-def fuse5(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: int, k: int, group: int,
-          c: int) -> torch.Tensor:
-    """Codes ``[n, k]`` uint8 in 0..31 whose every offset is ``-c * scale`` (llama.cpp's Q5_0:
-    ``c = 16``) -> the AVX2 kernel's 5-bit stream (``bits = stream_bits(5, c)``): per block of 16
-    output features, per group, the compact header (the 16 float16 scales, 32 bytes), then per
-    block of 32 inputs 4 chunks of 64 bytes, the low 4 bits of :func:`_vectors5`'s vectors 0 and 1
-    (low and high nibbles of 32 bytes), then of 2 and 3, and two 32-byte planes of their fifth bits
-    (plane j: bit ``4 (c % 2) + v`` of byte ``i`` is the fifth bit of byte ``i`` of chunk
-    ``2 j + c % 2``'s vector v): 352 bytes a 16 x 32 group
-    (5.5 bits a weight) against the compact int8 stream's 544. The kernel's integer sums are the
-    8-bit codes' own and its float32 steps the same: bitwise the 8-bit stream's outputs.
-
-    Raises:
-        ValueError: sizes, a code above 31, or offsets that are not ``-c * scale``.
-    """
-    _check_codes(codes, 8)
-    if group not in GROUP_SIZES or codes.shape != (n, k) or k % group:
-        raise ValueError(f"codes must be [{n}, {k}] with k a multiple of group in {GROUP_SIZES}, got "
-                         f"{tuple(codes.shape)}, group={group}")
-    if int(codes.max()) > 31:
-        raise ValueError(f"codes: the 5-bit stream needs codes in 0..31, got a maximum of {int(codes.max())}")
-    if not c or symmetric_constant(scales, offsets) != c:
-        raise ValueError(f"c={c}: the 5-bit stream needs every offset to be -c * scale")
-    nb, g, kb = n // BLOCK_N, k // group, k // 32
-    vec = _vectors5(codes)  # [nb, k / 8, 4, 32]
-    nibbles = torch.cat([vec[:, :, 0] & 15 | (vec[:, :, 1] & 15) << 4, vec[:, :, 2] & 15 | (vec[:, :, 3] & 15) << 4],
-                        dim=2)  # [nb, k / 8, 64]: A (rows 0-7), B (rows 8-15)
-    fifth = (vec >> 4).reshape(nb, kb, 2, 2, 4, 32)  # [nb, b, j, c % 2, v, byte]
-    planes = torch.zeros(nb, kb, 2, 32, dtype=torch.uint8)
-    for cc in range(2):
-        for v in range(4):
-            planes |= fifth[:, :, :, cc, v] << (4 * cc + v)
-    body = torch.cat([nibbles.reshape(nb, kb, 256), planes.reshape(nb, kb, 64)], dim=2).reshape(nb, g, -1)
-    head = scales.reshape(nb, BLOCK_N, g).transpose(1, 2).contiguous().view(torch.uint8)
-    return torch.cat([head, body], dim=2).reshape(-1)
-
-
-def _unfuse5(fused: torch.Tensor, n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`fuse5`'s stream -> (codes ``[n, k]``, scales)."""
-    nb, g, kb = n // BLOCK_N, k // group, k // 32
-    v = fused.reshape(nb, g, 32 + 10 * group)
-    scales = v[:, :, :32].contiguous().view(torch.float16).transpose(1, 2).reshape(n, g).contiguous()
-    body = v[:, :, 32:].reshape(nb, kb, 320)
-    nib = body[:, :, :256].reshape(nb, k // 8, 2, 32)
-    low = torch.stack([nib[:, :, 0] & 15, nib[:, :, 0] >> 4, nib[:, :, 1] & 15, nib[:, :, 1] >> 4], dim=2)
-    planes = body[:, :, 256:].reshape(nb, kb, 2, 1, 1, 32)
-    fifth = torch.cat([(planes >> (4 * cc + v)) & 1 for cc in range(2) for v in range(4)], dim=3)
-    vec = low | (fifth.reshape(nb, k // 8, 4, 32) << 4)
-    return _codes5(vec, n, k), scales
-
-
 def unfuse(fused: torch.Tensor, n: int, k: int, bits: int, group: int = 32
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of :func:`fuse`: (packed codes, scales ``[n, k / group]`` float16, offsets).
     ``bits``: the kernel's argument (:func:`stream_bits`; a compact stream's offsets are rebuilt,
-    ``-c * scale``, exactly the ones it was fused from; :func:`fuse5`'s stream gives the codes in
-    :func:`pack`'s 8-bit layout)."""
+    ``-c * scale``, exactly the ones it was fused from)."""
     bits, c = stream_format(bits)
-    if bits == 5:
-        codes, scales = _unfuse5(fused, n, k, group)
-        return pack(codes, 8), scales, (scales.float() * -float(c)).half()
     nb, g = n // BLOCK_N, k // group
     hb = 32 if c else 64
     v = fused.reshape(nb, g, hb + BLOCK_N * group * bits // 8)
@@ -386,20 +311,15 @@ def unfuse(fused: torch.Tensor, n: int, k: int, bits: int, group: int = 32
 
 
 def prepare(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: int, k: int, bits: int,
-            group: int = 32, five_bit: bool = False) -> tuple[torch.Tensor, int]:
+            group: int = 32) -> tuple[torch.Tensor, int]:
     """(the weight argument the loaded kernel takes, its ``bits`` argument): :func:`fuse`'s stream
     for the AVX2 build (codes, scales and offsets in one sequential run; the compact one, with
     ``bits = stream_bits(8, c)``, for 8-bit codes whose offsets are all ``-c * scale``:
-    :func:`symmetric_constant`; with ``five_bit``, where those codes are all below 32,
-    :func:`fuse5`'s 5-bit stream, ``bits = stream_bits(5, c)``: bitwise the same outputs, 0.65x the
-    bytes, but measured slower than the compact int8 stream on 1 thread of the 2-core EPYC, so
-    off by default: docs/DESIGN.md), :func:`pack`'s codes and ``bits`` for the AVX-512 one. Done
-    once at load (:class:`sgrt.models.quant_native.GroupLinear`)."""
+    :func:`symmetric_constant`), :func:`pack`'s codes and ``bits`` for the AVX-512 one. Done once
+    at load (:class:`sgrt.models.quant_native.GroupLinear`)."""
     if isa() != "avx2":
         return packed, bits
     c = symmetric_constant(scales, offsets) if bits == 8 else 0
-    if five_bit and c and int(packed.max()) <= 31:  # (Q5_0's codes: the 5-bit stream)
-        return fuse5(unpack(packed, n, k, 8), scales, offsets, n, k, group, c), stream_bits(5, c)
     return fuse(packed, scales, offsets, n, k, bits, group, c), stream_bits(bits, c)
 
 

@@ -83,11 +83,6 @@ constexpr int64_t PREFETCH_BYTES = SGRT_PREFETCH_BYTES;
 #define SGRT_WOQ8_STREAMS 4
 #endif
 constexpr int STREAMS8 = SGRT_WOQ8_STREAMS;
-// The same for 5-bit codes (row5_streams; 1: one block at a time, block5<1>, prefetched).
-#ifndef SGRT_WOQ5_STREAMS
-#define SGRT_WOQ5_STREAMS 4
-#endif
-constexpr int STREAMS5 = SGRT_WOQ5_STREAMS;
 
 // Bytes of int16 activations a tile of rows holds for 8-bit codes (see linear_raw).
 #ifndef SGRT_TILE8
@@ -96,9 +91,9 @@ constexpr int STREAMS5 = SGRT_WOQ5_STREAMS;
 constexpr int64_t QBLOCK = 32;  // inputs per activation quantization block
 constexpr int64_t HEADER_BYTES = 64;  // a group's 16 float16 scales, then its 16 float16 offsets
 
-// The operators' `bits` argument: the code width (4, 5 or 8) plus 256 * c. c = 0: each group header
-// holds the 16 scales and the 16 offsets (HEADER_BYTES). c in 1..255 (8-bit codes; 5-bit codes
-// always): the compact header, the 16 scales alone (32 bytes), for a tensor whose every offset is exactly -c * scale
+// The operators' `bits` argument: the code width (4 or 8) plus 256 * c. c = 0: each group header
+// holds the 16 scales and the 16 offsets (HEADER_BYTES). c in 1..255 (8-bit codes): the compact
+// header, the 16 scales alone (32 bytes), for a tensor whose every offset is exactly -c * scale
 // (woq.py's symmetric_constant checks it in float32, bit for bit): the kernel rebuilds offset =
 // scale * (-c) in float32, the same value the stored float16 offset widens to, so the epilogue
 // computes the same bits. (Llama.cpp's Q8_0 read as codes q + 128: c = 128; Q5_0 as codes q: 16.)
@@ -323,154 +318,6 @@ inline void block4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_
   for (int r = 0; r < R; ++r) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(y0[r]));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(y1[r]));
-  }
-}
-
-// 5-bit codes (compact header only; woq.py's fuse5, for Q5_0's 0..31): per block of 32 inputs,
-// 320 bytes: 4 chunks of 64 bytes (A: rows 0-7, B: rows 8-15) of the codes' low 4 bits, then two
-// 32-byte planes H_j of their fifth bits. In A, per 128-bit lane L, byte 4i + 2j + t holds in its
-// low nibble code[row 4L + i, input 8c + 2j + t] and in its high nibble the same for input 8c + 4
-// + 2j + t: each row's two k-pairs side by side, so vpmaddubsw against a broadcast of the 4
-// activations (q[8c] .. q[8c + 3]) gives (row, k-pair) words in row order and vpmaddwd sums them
-// per row, no shuffle; no expanded X either (the broadcasts read q1 / q2 in place). Bit 4 (c % 2)
-// + v of byte i of H_j is the fifth bit of byte i of chunk c = 2j + c % 2's vector v (0, 1: A's
-// low / high nibbles, 2, 3: B's): shifted to bit 4 and masked, it completes the code, 0..31.
-// vpmaddubsw's pair sums reach 2 * 31 * 127 = 7874, so a 16-bit lane takes 4 of them (two chunks,
-// 31496 < 2^15) before it is widened: twice a block. The integer sums are block8's exactly (the
-// same codes times Q = 254 q1 + q2), the float epilogue the same instructions: bitwise the 8-bit
-// stream's outputs for the same codes.
-
-// The s32 row sums (rows 0-7: s0, 8-15: s1) of R rows against the 5-bit codes of block of 32
-// inputs b, whose 320 bytes start at p
-// (row r's q1 at rows[r].X, its q2 q2off bytes further)
-template <int R, bool ACT8>
-inline void sums5(const uint8_t* p, const RowArgs* rows, int64_t q2off, int64_t b, __m256i* s0, __m256i* s1) {
-  const __m256i m0f = _mm256_set1_epi8(0x0f), m10 = _mm256_set1_epi8(0x10);
-  const __m256i ones = _mm256_set1_epi16(1), w254 = _mm256_set1_epi16(254);
-  for (int h = 0; h < 2; ++h) {
-    const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256 + 32 * h));
-    __m256i hA[R], hB[R], lA[R], lB[R];
-#pragma GCC unroll 2
-    for (int cc = 0; cc < 2; ++cc) {
-      const int c = 2 * h + cc;
-      const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
-      const __m256i B = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c + 32));
-      // the fifth bits of vectors 4 cc + 0..3 moved to bit 4 (16-bit shifts: the bits that cross
-      // into the next byte are masked off)
-      const __m256i f0 = cc == 0 ? _mm256_slli_epi16(H, 4) : H;
-      const __m256i f1 = cc == 0 ? _mm256_slli_epi16(H, 3) : _mm256_srli_epi16(H, 1);
-      const __m256i f2 = cc == 0 ? _mm256_slli_epi16(H, 2) : _mm256_srli_epi16(H, 2);
-      const __m256i f3 = cc == 0 ? _mm256_slli_epi16(H, 1) : _mm256_srli_epi16(H, 3);
-      const __m256i Alo = _mm256_or_si256(_mm256_and_si256(A, m0f), _mm256_and_si256(f0, m10));
-      const __m256i Ahi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m0f), _mm256_and_si256(f1, m10));
-      const __m256i Blo = _mm256_or_si256(_mm256_and_si256(B, m0f), _mm256_and_si256(f2, m10));
-      const __m256i Bhi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m0f), _mm256_and_si256(f3, m10));
-      for (int r = 0; r < R; ++r) {
-        const int8_t* x = static_cast<const int8_t*>(rows[r].X) + 32 * b + 8 * c;
-        int32_t w01, w23;
-        std::memcpy(&w01, x, 4);
-        std::memcpy(&w23, x + 4, 4);
-        const __m256i X01 = _mm256_set1_epi32(w01), X23 = _mm256_set1_epi32(w23);
-        const auto acc = [cc](__m256i s, __m256i t) { return cc == 0 ? t : _mm256_add_epi16(s, t); };
-        hA[r] = acc(hA[r], _mm256_add_epi16(_mm256_maddubs_epi16(Alo, X01), _mm256_maddubs_epi16(Ahi, X23)));
-        hB[r] = acc(hB[r], _mm256_add_epi16(_mm256_maddubs_epi16(Blo, X01), _mm256_maddubs_epi16(Bhi, X23)));
-        if (ACT8) continue;
-        std::memcpy(&w01, x + q2off, 4);
-        std::memcpy(&w23, x + q2off + 4, 4);
-        const __m256i Y01 = _mm256_set1_epi32(w01), Y23 = _mm256_set1_epi32(w23);
-        lA[r] = acc(lA[r], _mm256_add_epi16(_mm256_maddubs_epi16(Alo, Y01), _mm256_maddubs_epi16(Ahi, Y23)));
-        lB[r] = acc(lB[r], _mm256_add_epi16(_mm256_maddubs_epi16(Blo, Y01), _mm256_maddubs_epi16(Bhi, Y23)));
-      }
-      for (int r = 0; r < R; ++r) {  // (block4's compiler barrier)
-        asm("" : "+x"(hA[r]), "+x"(hB[r]));
-        if (!ACT8) asm("" : "+x"(lA[r]), "+x"(lB[r]));
-      }
-    }
-    for (int r = 0; r < R; ++r) {  // widen: isum += 254 * (sum against q1) + (sum against q2)
-      const __m256i t0 = ACT8 ? _mm256_madd_epi16(hA[r], ones)
-                              : _mm256_add_epi32(_mm256_madd_epi16(hA[r], w254), _mm256_madd_epi16(lA[r], ones));
-      const __m256i t1 = ACT8 ? _mm256_madd_epi16(hB[r], ones)
-                              : _mm256_add_epi32(_mm256_madd_epi16(hB[r], w254), _mm256_madd_epi16(lB[r], ones));
-      s0[r] = h == 0 ? t0 : _mm256_add_epi32(s0[r], t0);
-      s1[r] = h == 0 ? t1 : _mm256_add_epi32(s1[r], t1);
-    }
-  }
-}
-
-template <int R, bool ACT8 = false>
-inline void block5(const uint8_t* w, const RowArgs* rows, int64_t q2off, int64_t KB, int group_shift,
-                   const Header& hd) {
-  __m256 y0[R], y1[R];
-  for (int r = 0; r < R; ++r) y0[r] = y1[r] = _mm256_setzero_ps();
-  const int64_t per_group = int64_t(1) << group_shift;
-  __m256 so[4];
-  const uint8_t* p = w;
-  for (int64_t b = 0; b < KB; ++b, p += 320) {
-    if ((b & (per_group - 1)) == 0) {
-      load_header(p, so, hd);
-      p += hd.bytes;
-    }
-    for (int l = 0; l < 5; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
-    __m256i s0[R], s1[R];
-    sums5<R, ACT8>(p, rows, q2off, b, s0, s1);
-    for (int r = 0; r < R; ++r) epilogue(s0[r], s1[r], so, rows[r].dx[b], rows[r].qs[b], y0[r], y1[r]);
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(y0[r]));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(y1[r]));
-  }
-}
-
-// One row of x against S 16-row blocks of 5-bit codes far apart in the stream, block of 32 inputs
-// by block of 32 inputs (block8_streams' memory-level parallelism for decode, no software
-// prefetch); each block's sums and epilogue are block5<1>'s, in the same order: the same bits.
-template <int S, bool ACT8>
-inline void block5_streams(const uint8_t* const* w, const RowArgs& row, int64_t q2off, uint16_t* const* y,
-                           int64_t KB, int group_shift, const Header& hd) {
-  __m256 y0[S], y1[S];
-  for (int s = 0; s < S; ++s) y0[s] = y1[s] = _mm256_setzero_ps();
-  const int64_t per_group = int64_t(1) << group_shift;
-  const uint8_t* p[S];
-  const uint8_t* h[S];
-  for (int s = 0; s < S; ++s) p[s] = h[s] = w[s];
-  for (int64_t b = 0; b < KB; ++b) {
-    if ((b & (per_group - 1)) == 0)
-      for (int s = 0; s < S; ++s) {
-        h[s] = p[s];
-        p[s] += hd.bytes;
-      }
-    for (int s = 0; s < S; ++s) {
-      __m256i s0, s1;
-      sums5<1, ACT8>(p[s], &row, q2off, b, &s0, &s1);
-      __m256 so[4];
-      load_header(h[s], so, hd);
-      epilogue(s0, s1, so, row.dx[b], row.qs[b], y0[s], y1[s]);
-      p[s] += 320;
-    }
-  }
-  for (int s = 0; s < S; ++s) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[s]), to_bf16(y0[s]));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[s] + 8), to_bf16(y1[s]));
-  }
-}
-
-// row8_streams for 5-bit codes (row.X: the row's q1, its q2 q2off bytes further)
-template <bool ACT8>
-void row5_streams(const uint8_t* wp, int64_t block_bytes, int64_t b0, int64_t b1, const RowArgs& row,
-                  int64_t q2off, uint16_t* yp, int64_t KB, int group_shift, const Header& hd) {
-  const int64_t part = (b1 - b0) / STREAMS5;
-  for (int64_t i = 0; i < part; ++i) {
-    const uint8_t* w[STREAMS5];
-    uint16_t* y[STREAMS5];
-    for (int s = 0; s < STREAMS5; ++s) {
-      w[s] = wp + (b0 + s * part + i) * block_bytes;
-      y[s] = yp + (b0 + s * part + i) * BLOCK_N;
-    }
-    block5_streams<STREAMS5, ACT8>(w, row, q2off, y, KB, group_shift, hd);
-  }
-  for (int64_t b = b0 + STREAMS5 * part; b < b1; ++b) {
-    const RowArgs rows[1] = {{row.X, row.dx, row.qs, yp + b * BLOCK_N}};
-    block5<1, ACT8>(wp + b * block_bytes, rows, q2off, KB, group_shift, hd);
   }
 }
 
@@ -700,7 +547,7 @@ template <bool ACT8>
 QuantizedX quantized_scratch(int64_t M, int64_t k, int64_t bits) {
   Scratch& s = scratch();
   const int64_t KB = k / QBLOCK;
-  return {at_least(s.q1, bits != 8 ? M * k : 0), ACT8 ? nullptr : at_least(s.q2, bits != 8 ? M * k : 0),
+  return {at_least(s.q1, bits == 4 ? M * k : 0), ACT8 ? nullptr : at_least(s.q2, bits == 4 ? M * k : 0),
           at_least(s.Q, bits == 8 ? M * k : 0), at_least(s.dx, M * KB), at_least(s.qs, M * KB)};
 }
 
@@ -709,7 +556,7 @@ template <bool ACT8>
 void quantize_rows(const uint16_t* xb, int64_t m0, int64_t m1, int64_t k, int64_t bits, const QuantizedX& q) {
   const int64_t KB = k / QBLOCK;
   for (int64_t m = m0; m < m1; ++m) {
-    if (bits != 8)  // (4- and 5-bit codes: q1, q2 for vpmaddubsw)
+    if (bits == 4)
       quantize_row(xb + m * k, k, q.q1 + m * k, ACT8 ? nullptr : q.q2 + m * k, nullptr, q.dx + m * KB,
                    q.qs + m * KB, ACT8);
     else
@@ -755,16 +602,9 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
     const int64_t t1 = std::min(M, t0 + tile);
     if (bits == 4)
       for (int64_t m = t0; m < t1; ++m) expand4(q1 + m * k, ACT8 ? nullptr : q2 + m * k, k, X + (m - t0) * row_bytes);
-    // 5-bit codes read q1 and q2 in place (row m's q2: q2off bytes after its q1)
-    const int64_t q2off = bits == 5 && !ACT8 ? q2 - q1 : 0;
-    if (bits == 5 && M == 1 && STREAMS5 > 1) {  // decode: several streams, as 8-bit codes
-      row5_streams<ACT8>(wp, block_bytes, b0, b1, RowArgs{q1, dx, qs, nullptr}, q2off, yp, KB, group_shift, hd);
-      continue;
-    }
     // the row's activations: expanded (4-bit, this tile), or the int16 q themselves (8-bit)
     auto xrow = [&](int64_t m) -> const void* {
-      return bits == 4 ? static_cast<const void*>(X + (m - t0) * row_bytes)
-                       : bits == 5 ? static_cast<const void*>(q1 + m * k) : static_cast<const void*>(Q + m * k);
+      return bits == 4 ? static_cast<const void*>(X + (m - t0) * row_bytes) : static_cast<const void*>(Q + m * k);
     };
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* w = wp + b * block_bytes;
@@ -783,13 +623,11 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
             {xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N},
             {xrow(m + 1), dx + (m + 1) * KB, qs + (m + 1) * KB, yp + (m + 1) * n + b * BLOCK_N}};
         if (bits == 4) block4<2, ACT8>(w, rows, KB, group_shift);
-        else if (bits == 5) block5<2, ACT8>(w, rows, q2off, KB, group_shift, hd);
         else block8<2>(w, rows, KB, group_shift, hd);
       }
       if (m < t1) {
         const RowArgs rows[1] = {{xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N}};
         if (bits == 4) block4<1, ACT8>(w, rows, KB, group_shift);
-        else if (bits == 5) block5<1, ACT8>(w, rows, q2off, KB, group_shift, hd);
         else block8<1>(w, rows, KB, group_shift, hd);
       }
     }
@@ -853,9 +691,9 @@ using LinearRaw = void(const uint16_t*, int64_t, const uint8_t*, int64_t, int64_
 // with an x of no rows, before it calls linear_raw directly).
 void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
                 int64_t n, int64_t k, int64_t bits, int64_t group) {
-  TORCH_CHECK(bits == 4 || bits == 8 || (bits > 256 && bits < 65536 && (width_of(bits) == 8 || width_of(bits) == 5)),
-              "sgrt_woq_avx2.linear: bits must be 4 or 8, or 8 + 256 * c / 5 + 256 * c with c in 1..255 (8- / 5-bit "
-              "codes, offsets -c * scale, compact group headers), got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 8 || (bits > 256 && bits < 65536 && width_of(bits) == 8),
+              "sgrt_woq_avx2.linear: bits must be 4 or 8, or 8 + 256 * c with c in 1..255 (8-bit codes, "
+              "offsets -c * scale, compact group headers), got ", bits);
   TORCH_CHECK(group == 32 || group == 64 || group == 128,
               "sgrt_woq_avx2.linear: group must be 32, 64 or 128, got ", group);
   TORCH_CHECK(n > 0 && n % BLOCK_N == 0,

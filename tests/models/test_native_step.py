@@ -245,8 +245,7 @@ def tiny_model(family: str, kind: str, acts: str = "int16", **changes) -> Causal
     projections) or int8 / int4 (GroupLinear, bfloat16; ``int4+int8``: int4 with each layer's
     o_proj in int8, as Gemma 3's mixed files load); ``acts``: the int4 projections' activations
     (the AVX2 kernel's ``linear_q8`` / ``linear_q8_prefill``); norms and biases far from their init;
-    ``int8-symmetric`` / ``int5-symmetric``: int8 as a GGUF's Q8_0 / Q5_0 blocks load (codes q + 128,
-    offsets -128 d / codes q in 0..31, offsets -16 d)."""
+    ``int8-symmetric``: int8 as a GGUF's Q8_0 blocks load (codes q + 128, offsets -128 d)."""
     from sgrt.models import config as config_mod
     from sgrt.models.packed import pack_linear_layers
     from sgrt.models.quant_native import GroupLinear
@@ -259,13 +258,12 @@ def tiny_model(family: str, kind: str, acts: str = "int16", **changes) -> Causal
         for name, p in model.named_parameters():
             norm = "norm" in name
             p.copy_(torch.randn(p.shape, generator=g) * (0.5 if norm else 0.3) + (1.0 if norm else 0.0))
-    if kind in ("int8", "int4", "int4+int8", "int8-symmetric", "int5-symmetric"):
+    if kind in ("int8", "int4", "int4+int8", "int8-symmetric"):
         for layer in model.layers:
             for name in FUSED_PROJECTIONS:
                 weight = getattr(layer, name).weight
-                if kind.endswith("-symmetric"):
-                    c = 128 if kind == "int8-symmetric" else 16
-                    setattr(layer, name, GroupLinear(*_symmetric_groups(weight.float(), c), 8))
+                if kind == "int8-symmetric":
+                    setattr(layer, name, GroupLinear(*_symmetric_int8(weight.float()), 8))
                     continue
                 bits = 8 if kind == "int8" or (kind == "int4+int8" and name == "o_proj") else 4
                 setattr(layer, name, GroupLinear.from_float(weight.float(), bits, activations=acts if bits == 4 else "int16"))
@@ -275,34 +273,27 @@ def tiny_model(family: str, kind: str, acts: str = "int16", **changes) -> Causal
     return model
 
 
-def _symmetric_groups(weight: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q8_0-style (c = 128) or Q5_0-style (c = 16) groups of 32: ``d = max|w| / (c - 1)`` (float16),
-    codes ``round(w / d) + c``, offsets ``-c d``."""
+def _symmetric_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q8_0-style groups of 32: ``d = max|w| / 127`` (float16), codes ``round(w / d) + 128``,
+    offsets ``-128 d``."""
     n, k = weight.shape
     w = weight.reshape(n, k // 32, 32)
-    d = (w.abs().amax(-1) / (c - 1)).half()
+    d = (w.abs().amax(-1) / 127).half()
     step = torch.where(d == 0, torch.ones_like(d), d).float().unsqueeze(-1)
-    codes = (torch.round(w / step).clamp(1 - c, c - 1) + c).to(torch.uint8).reshape(n, k)
-    return codes, d, (d.float() * -c).half()
+    codes = (torch.round(w / step).clamp(-127, 127) + 128).to(torch.uint8).reshape(n, k)
+    return codes, d, (d.float() * -128).half()
 
 
-@pytest.mark.skipif(woq.isa() != "avx2", reason="the compact and 5-bit streams are the AVX2 kernel's")
-@pytest.mark.parametrize("kind", ["int8-symmetric", "int5-symmetric"])
-def test_compact_int8_streams_take_the_step(kind, monkeypatch):
-    """int8 projections with every offset -c * scale go as the compact stream (no offsets in the
-    group headers; codes 0..31 with five_bit: the 5-bit stream): the plan's raw and team entries
-    give the layers' bits, and the same bits as the same weights in the full stream (1 and 2
-    threads, one row and several)."""
-    import functools
-
-    c, width = (128, 8) if kind == "int8-symmetric" else (16, 5)
-    if width == 5:
-        monkeypatch.setattr(woq, "prepare", functools.partial(woq.prepare, five_bit=True))
-    compact = tiny_model("gemma3", kind)
+@pytest.mark.skipif(woq.isa() != "avx2", reason="the compact stream is the AVX2 kernel's")
+def test_compact_int8_streams_take_the_step(monkeypatch):
+    """int8 projections with every offset -128 * scale go as the compact stream (no offsets in the
+    group headers): the plan's raw and team entries give the layers' bits, and the same bits as
+    the same weights in the full stream (1 and 2 threads, one row and several)."""
+    compact = tiny_model("gemma3", "int8-symmetric")
     mods = [getattr(layer, name) for layer in compact.layers for name in FUSED_PROJECTIONS]
-    assert all(m.stream_bits == woq.stream_bits(width, c) for m in mods)
+    assert all(m.stream_bits == woq.stream_bits(8, 128) for m in mods)
     monkeypatch.setattr(woq, "symmetric_constant", lambda scales, offsets: 0)
-    full = tiny_model("gemma3", kind)
+    full = tiny_model("gemma3", "int8-symmetric")
     assert all(getattr(layer, name).stream_bits == 8 for layer in full.layers for name in FUSED_PROJECTIONS)
     threads = torch.get_num_threads()
     try:
