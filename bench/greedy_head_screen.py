@@ -68,7 +68,8 @@ def int8_rows(head) -> torch.Tensor:
     from sgrt.kernels import woq
 
     n, k, g = head.out_features, head.in_features, head.group_size
-    packed, s, o = woq.unfuse(head.packed, n, k, 8, g) if head.fused else (head.packed, head.scales, head.offsets)
+    packed, s, o = (woq.unfuse(head.packed, n, k, head.stream_bits, g) if head.fused
+                    else (head.packed, head.scales, head.offsets))
     codes = woq.unpack(packed, n, k, 8).double().view(n, k // g, g)
     return (codes * s.double().unsqueeze(-1) + o.double().unsqueeze(-1)).view(n, k)
 

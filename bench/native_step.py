@@ -14,6 +14,8 @@ Both paths give bit-identical hidden states (checked here once per model too).
 ``sgrt_woq_avx2_base`` / ``sgrt_dense_avx2_base`` and its ``sgrt/models/native_step.py`` building
 the plan on them (AVX2 builds; the base plan must take this model), alternated with the other
 paths; the ratio base / one-call (above 1: this tree's step is faster). Bit-identical to this tree's.
+The base plan takes the same weights in the full 8-bit stream where this tree's are compact
+(:func:`full_streams`), so it measures the kernels on the same codes, not the load.
 
 ``--no-team``: also this tree's one-call step with its thread team off
 (``DecodePlan.use_thread_team(False)``: every operator opens its own OpenMP region, as before the
@@ -178,7 +180,28 @@ def load_base(rev: str):
     module = types.ModuleType("native_step_base")
     sys.modules[module.__name__] = module  # (its dataclass looks itself up there)
     exec(compile(src, f"{rev}:sgrt/models/native_step.py", "exec"), module.__dict__)
-    return module.build
+    return lambda model: full_streams(model, module.build)
+
+
+def full_streams(model, build):
+    """``build(model)`` with every GroupLinear whose stream this tree packs otherwise than a base
+    may (compact headers: ``woq.stream_bits`` not 4 / 8) given the full 8-bit stream
+    of the same codes, scales and offsets for the call (the base plan keeps those tensors)."""
+    from sgrt.kernels import woq
+    from sgrt.models.quant_native import GroupLinear
+
+    saved = {}
+    for mod in model.modules():
+        if type(mod) is GroupLinear and mod.fused and mod._args[5] not in (4, 8):
+            saved[mod] = mod._args
+            packed, scales, offsets = mod._unfused()
+            mod._args = (woq.fuse(packed, scales, offsets, mod.out_features, mod.in_features, mod.bits,
+                                  mod.group_size),) + mod._args[1:5] + (mod.bits, mod.group_size)
+    try:
+        return build(model)
+    finally:
+        for mod, args in saved.items():
+            mod._args = args
 
 
 def no_team(model, ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:

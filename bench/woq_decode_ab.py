@@ -51,9 +51,9 @@ def main() -> None:
     base_state = []
     for m in mods:
         n, k, bits, group = m.out_features, m.in_features, m.bits, m.group_size
-        packed, scales, offsets = woq.unfuse(m.packed, n, k, bits, group)
-        if woq_kernel._BASE_FUSED["fused"]:
-            packed = m.packed
+        packed, scales, offsets = woq.unfuse(m.packed, n, k, m.stream_bits, group)
+        if woq_kernel._BASE_FUSED["fused"]:  # (the full stream: compact ones are this tree's)
+            packed = woq.fuse(packed, scales, offsets, n, k, bits, group)
         base_state.append((base_op, (packed, scales, offsets, n, k, bits, group)))
     print(f"{len(mods)} GroupLinear layers, {sum(m.packed.numel() for m in mods) / 1e6:.1f} MB a step")
 

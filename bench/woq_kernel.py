@@ -127,12 +127,13 @@ def make_layers(method: str, n: int, k: int, copies: int, seed: int = 0) -> list
         if method.startswith(("ours", "base")):
             packed = woq.pack(codes, bits)
             s, o = scale.half(), offset.half()
+            kb = bits
             if method.startswith("ours"):
-                packed = woq.prepare(packed, s, o, n, k, bits, GROUP)  # (as GroupLinear stores it)
+                packed, kb = woq.prepare(packed, s, o, n, k, bits, GROUP)  # (as GroupLinear stores it)
             elif _BASE_FUSED["fused"]:
                 packed = woq.fuse(packed, s, o, n, k, bits, GROUP)
             op = woq.kernel() if method.startswith("ours") else torch.ops.sgrt_woq_avx2_base.linear.default
-            layers.append(lambda x, op=op, p=packed, s=s, o=o, b=bits: op(x, p, s, o, n, k, b, GROUP))
+            layers.append(lambda x, op=op, p=packed, s=s, o=o, b=kb: op(x, p, s, o, n, k, b, GROUP))
         elif method == "torch-int4":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
             # tinygemm: w = (q - 8) * scale + zero
@@ -188,7 +189,8 @@ def main() -> None:
     ap.add_argument("--bandwidth-mib", type=int, default=512, help="0: skip the read-bandwidth measurement")
     ap.add_argument("--ab", metavar="REV", default="", help="this tree's int4 kernel against commit REV's")
     ap.add_argument("--best-of", type=int, default=3, help="--ab: a sample is the best of this many timings")
-    ap.add_argument("--bits", type=int, default=4, choices=(4, 8), help="--ab: the codes' width")
+    ap.add_argument("--bits", type=int, default=4, choices=(4, 5, 8),
+                    help="--ab: the codes' width (5: codes 0..31 as 8-bit codes, offsets -16 scale)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.ab:
@@ -291,31 +293,38 @@ def ab(args) -> None:
             for m in rows_list:
                 copies = args.copies if m <= 16 else 2
                 copies = max(1, min(copies, int(4e8 // (n * k * bits // 8))))  # (an LM head: one copy)
-                layers = []
+                # codes (8 + 5 bits: 0..31, --bits 5) with offsets -c * scale (c = 2**(bits - 1)): the
+                # new side takes the stream prepare() picks (8-bit codes: the compact one), the base
+                # side the full stream of the same codes, scales and offsets
+                cbits = 8 if bits == 5 else bits
+                layers, base_layers, new_bits = [], [], bits
                 for _ in range(copies):
                     codes = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=gen)
                     scale = (torch.rand(n, k // GROUP, generator=gen) * 9e-3 + 1e-3).half()
                     offset = (-(2 ** (bits - 1)) * scale.float()).half()
-                    layers.append(woq.prepare(woq.pack(codes, bits), scale, offset, n, k, bits, GROUP))
-                    del codes
+                    packed = woq.pack(codes, cbits)
+                    w, new_bits = woq.prepare(packed, scale, offset, n, k, cbits, GROUP)
+                    layers.append(w)
+                    base_layers.append(woq.fuse(packed, scale, offset, n, k, cbits, GROUP))
+                    del codes, packed
                 x = torch.randn(m, k, generator=gen).bfloat16()
                 empty = torch.empty(0, dtype=torch.half)
-                equal = all(torch.equal(sides["base"](x, w, empty, empty, n, k, bits, GROUP).view(torch.int16),
-                                        sides["new"](x, w, empty, empty, n, k, bits, GROUP).view(torch.int16))
-                            for w in layers)
+                equal = all(torch.equal(sides["base"](x, wb, empty, empty, n, k, cbits, GROUP).view(torch.int16),
+                                        sides["new"](x, w, empty, empty, n, k, new_bits, GROUP).view(torch.int16))
+                            for w, wb in zip(layers, base_layers))
                 reps = max(1, int(2e7 // (n * k * m * copies)))  # ~20 M weights a timing
-                calls = {name: (lambda w, op=op: op(x, w, empty, empty, n, k, bits, GROUP))
-                         for name, op in sides.items()}
-                if m == 1:  # the read rate of the same bytes (torch.sum, as vs_llamacpp's bandwidth)
-                    calls["read"] = lambda w: w.view(torch.float32).sum()
+                calls = {"base": lambda i, op=sides["base"]: op(x, base_layers[i], empty, empty, n, k, cbits, GROUP),
+                         "new": lambda i, op=sides["new"]: op(x, layers[i], empty, empty, n, k, new_bits, GROUP)}
+                if m == 1:  # the read rate of the base's bytes (torch.sum, as vs_llamacpp's bandwidth)
+                    calls["read"] = lambda i: base_layers[i].view(torch.float32).sum()
 
                 def measure(call) -> float:
                     best = 0.0
                     for _ in range(args.best_of):
                         t0 = time.thread_time()
                         for _ in range(reps):
-                            for w in layers:
-                                call(w)
+                            for i in range(len(layers)):
+                                call(i)
                         best = max(best, n * k * m * copies * reps / (time.thread_time() - t0) / 1e9)
                     return best
 
@@ -326,16 +335,19 @@ def ab(args) -> None:
                 ratios = [b / a for a, b in zip(samples["base"], samples["new"])]  # speed new / base
                 base, new = statistics.median(samples["base"]), statistics.median(samples["new"])
                 ratio = statistics.median(ratios)
-                # the weight stream's bytes a weight (codes + the 64-byte headers)
-                stream = layers[0].numel() / (n * k)
+                # the base weight stream's bytes a weight (codes + the 64-byte headers), and the new one's
+                stream, new_stream = base_layers[0].numel() / (n * k), layers[0].numel() / (n * k)
                 shares = {name: statistics.median(v / r for v, r in zip(samples[name], samples["read"]))
                           for name in ("base", "new")} if "read" in samples else {}
                 table.append([f"{n}x{k}", m, copies, round(base, 1), round(new, 1),
                               f"{ratio:.2f} ({min(ratios):.2f}-{max(ratios):.2f})", equal,
                               round(statistics.median(samples["read"]) * stream, 1) if shares else "-",
-                              f"{shares['base']:.2f} / {shares['new']:.2f}" if shares else "-"])
+                              f"{shares['base']:.2f} / {shares['new']:.2f}" if shares else "-",
+                              f"{stream:.3f} / {new_stream:.3f}"])
                 key = f"{n}x{k}_M{m}"
-                figures.update({f"{key}_base_gws": round(base, 2), f"{key}_new_gws": round(new, 2),
+                figures.update({f"{key}_base_bytes_per_weight": round(stream, 4),
+                                f"{key}_new_bytes_per_weight": round(new_stream, 4),
+                                f"{key}_base_gws": round(base, 2), f"{key}_new_gws": round(new, 2),
                                 f"{key}_speedup": round(ratio, 3), f"{key}_bitwise_equal": equal})
                 if shares:
                     figures.update({f"{key}_read_gbs": round(statistics.median(samples["read"]) * stream, 2),
@@ -343,10 +355,10 @@ def ab(args) -> None:
                                     f"{key}_new_share_of_read": round(shares["new"], 3)})
     print(f"{args.threads} threads, G int{bits} weights x rows per second of thread CPU time; median of {args.passes} "
           f"ABBA rounds (a sample: the best of {args.best_of}); base = {args.ab}")
-    print("read GB/s: torch.sum over the same weight bytes in the same rounds (1 row); share: the kernel's "
-          "rate / that, per round, median")
+    print("read GB/s: torch.sum over the base stream's bytes in the same rounds (1 row); share: the kernel's "
+          "weight rate / that, per round, median (a new stream of fewer bytes can pass 1)")
     print_table(["shape", "rows", "copies", "base", "new", "speed new / base (min-max)", "bitwise equal",
-                 "read GB/s", "share base / new"], table)
+                 "read GB/s", "share base / new", "bytes a weight base / new"], table)
     print(f"load average after: {os.getloadavg()}")
     emit_json("woq_kernel_ab", **figures)
 

@@ -78,7 +78,10 @@ Its weight argument is :func:`fuse`'s single stream (codes, scales and offsets i
 and :func:`linear` fuses :func:`pack`'s codes per call where given those), prefetched 4 KB ahead
 (one row against 8-bit codes: each thread's blocks read as 4 streams side by side instead);
 the ``scales`` / ``offsets`` arguments are then not read, only checked (float16, and ``[n, k /
-group]`` or empty: :class:`~sgrt.models.quant_native.GroupLinear` keeps only the stream).
+group]`` or empty: :class:`~sgrt.models.quant_native.GroupLinear` keeps only the stream). 8-bit
+codes whose offsets are all ``-c * scale`` (:func:`symmetric_constant`: a GGUF's Q8_0 / Q5_0
+blocks) get headers without the offsets (:func:`fuse` with ``c``; the kernel's ``bits`` argument is
+then :func:`stream_bits` ``(8, c)``), rebuilt by the kernel in float32 with the same bits.
 Rows of ``x`` go two at a time per weight load (four for 8-bit codes), in tiles whose expanded activations stay in L2;
 integer sums are exact and every row's float32 steps are the same instructions in the same order,
 so a row's result does not depend on the batch or the thread split (bitwise). NaN or infinity in
@@ -221,16 +224,56 @@ def unpack(packed: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
     return vec.reshape(n // BLOCK_N, k // 2, BLOCK_N, 2).permute(0, 2, 1, 3).reshape(n, k).contiguous()
 
 
+def symmetric_constant(scales: torch.Tensor, offsets: torch.Tensor) -> int:
+    """The integer ``c`` in 1..255 with ``offsets == -c * scales`` in every group, compared bit for
+    bit in float32 (the value the AVX2 kernel rebuilds, ``float(scale) * -c``, against the value
+    the stored float16 offset widens to), or 0 where there is none (an asymmetric group, a
+    different ``c`` per group, or every scale zero). Llama.cpp's ``Q8_0`` read as codes
+    ``q + 128`` gives 128, ``Q5_0`` as codes ``q`` 16 (:mod:`sgrt.models.gguf_raw`).
+
+    Args:
+        scales, offsets: ``[n, k / group]`` float16 (any matching shapes)."""
+    s, o = scales.float(), offsets.float()
+    nz = s != 0
+    if s.shape != o.shape or not bool(nz.any()):
+        return 0
+    i = int(nz.reshape(-1).nonzero()[0])
+    c = -o.reshape(-1)[i].item() / s.reshape(-1)[i].item()
+    if not (c == c and 1 <= round(c) <= 255):
+        return 0
+    c = round(c)
+    return c if torch.equal((s * -float(c)).view(torch.int32), o.view(torch.int32)) else 0
+
+
+def stream_bits(bits: int, c: int = 0) -> int:
+    """The AVX2 kernel's ``bits`` argument for a stream of ``bits``-bit codes: ``bits`` itself
+    (group headers with offsets), or ``bits + 256 * c`` for :func:`fuse`'s compact headers
+    (8-bit codes, every offset ``-c * scale``: :func:`symmetric_constant`)."""
+    return bits + 256 * c
+
+
+def stream_format(kernel_bits: int) -> tuple[int, int]:
+    """The inverse of :func:`stream_bits`: (code width, ``c``; 0 for headers with offsets)."""
+    return kernel_bits & 255, kernel_bits >> 8
+
+
 def fuse(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: int, k: int, bits: int,
-         group: int = 32) -> torch.Tensor:
+         group: int = 32, c: int = 0) -> torch.Tensor:
     """:func:`pack`'s codes with their scales and offsets -> the AVX2 kernel's single stream
     (1-D uint8, ``n * k * bits / 8 + 4 * n * k / group`` bytes): per block of 16 output features,
     per group in k order, a 64-byte header (the 16 rows' float16 scales, then their 16 offsets)
     followed by that group's codes exactly as :func:`pack` lays them out (a block's codes are in
     k order, so a group's are one run of ``16 * group * bits / 8`` bytes).
 
+    ``c > 0`` (8-bit codes, every offset ``-c * scale`` bit for bit: :func:`symmetric_constant`):
+    the compact stream, whose headers hold the 16 scales alone (32 bytes; ``n * k * bits / 8 + 2 *
+    n * k / group`` bytes in all: 544 instead of 576 a group of 16 x 32 int8 codes), taken by the
+    kernel with ``bits = stream_bits(8, c)``; it rebuilds the offsets in float32, with the same
+    bits as the stored ones (the same outputs, bit for bit).
+
     Raises:
-        ValueError: sizes that do not match ``n``, ``k``, ``bits``, ``group``.
+        ValueError: sizes that do not match ``n``, ``k``, ``bits``, ``group``; ``c`` not 0, or
+            not the symmetric constant of 8-bit codes' scales and offsets.
     """
     if group not in GROUP_SIZES or n <= 0 or n % BLOCK_N or k <= 0 or k % group:
         raise ValueError(f"n must be a positive multiple of {BLOCK_N}, k of group in {GROUP_SIZES}; "
@@ -241,27 +284,43 @@ def fuse(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: i
         raise ValueError(f"packed must be uint8 with n*k*bits/8={n * k * bits // 8} elements and scales / "
                          f"offsets float16 [{n}, {g}]; got {packed.dtype} {packed.numel()}, "
                          f"{scales.dtype} {tuple(scales.shape)}, {offsets.dtype} {tuple(offsets.shape)}")
+    if c and (bits != 8 or symmetric_constant(scales, offsets) != c):
+        raise ValueError(f"c={c}: the compact stream needs 8-bit codes whose every offset is -c * scale")
     codes = packed.reshape(nb, g, BLOCK_N * group * bits // 8)
-    head = torch.cat([t.reshape(nb, BLOCK_N, g).transpose(1, 2) for t in (scales, offsets)], dim=2)
+    head = torch.cat([t.reshape(nb, BLOCK_N, g).transpose(1, 2) for t in ((scales,) if c else (scales, offsets))],
+                     dim=2)
     return torch.cat([head.contiguous().view(torch.uint8), codes], dim=2).reshape(-1)
 
 
 def unfuse(fused: torch.Tensor, n: int, k: int, bits: int, group: int = 32
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`fuse`: (packed codes, scales ``[n, k / group]`` float16, offsets)."""
+    """The inverse of :func:`fuse`: (packed codes, scales ``[n, k / group]`` float16, offsets).
+    ``bits``: the kernel's argument (:func:`stream_bits`; a compact stream's offsets are rebuilt,
+    ``-c * scale``, exactly the ones it was fused from)."""
+    bits, c = stream_format(bits)
     nb, g = n // BLOCK_N, k // group
-    v = fused.reshape(nb, g, 64 + BLOCK_N * group * bits // 8)
-    head = v[:, :, :64].contiguous().view(torch.float16)  # [nb, g, 32]
-    scales, offsets = (head[:, :, i:i + BLOCK_N].transpose(1, 2).reshape(n, g).contiguous() for i in (0, BLOCK_N))
-    return v[:, :, 64:].reshape(-1).contiguous(), scales, offsets
+    hb = 32 if c else 64
+    v = fused.reshape(nb, g, hb + BLOCK_N * group * bits // 8)
+    head = v[:, :, :hb].contiguous().view(torch.float16)  # [nb, g, 16 or 32]
+    scales = head[:, :, :BLOCK_N].transpose(1, 2).reshape(n, g).contiguous()
+    if c:
+        offsets = (scales.float() * -float(c)).half()
+    else:
+        offsets = head[:, :, BLOCK_N:].transpose(1, 2).reshape(n, g).contiguous()
+    return v[:, :, hb:].reshape(-1).contiguous(), scales, offsets
 
 
 def prepare(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: int, k: int, bits: int,
-            group: int = 32) -> torch.Tensor:
-    """The weight argument the loaded kernel takes: :func:`fuse`'s stream for the AVX2 build
-    (codes, scales and offsets in one sequential run), :func:`pack`'s codes for the AVX-512 one.
-    Done once at load (:class:`sgrt.models.quant_native.GroupLinear`)."""
-    return fuse(packed, scales, offsets, n, k, bits, group) if isa() == "avx2" else packed
+            group: int = 32) -> tuple[torch.Tensor, int]:
+    """(the weight argument the loaded kernel takes, its ``bits`` argument): :func:`fuse`'s stream
+    for the AVX2 build (codes, scales and offsets in one sequential run; the compact one, with
+    ``bits = stream_bits(8, c)``, for 8-bit codes whose offsets are all ``-c * scale``:
+    :func:`symmetric_constant`), :func:`pack`'s codes and ``bits`` for the AVX-512 one. Done once
+    at load (:class:`sgrt.models.quant_native.GroupLinear`)."""
+    if isa() != "avx2":
+        return packed, bits
+    c = symmetric_constant(scales, offsets) if bits == 8 else 0
+    return fuse(packed, scales, offsets, n, k, bits, group, c), stream_bits(bits, c)
 
 
 def check_activations(activations: str) -> None:

@@ -21,6 +21,9 @@
 // in k order, a 64-byte header (the 16 rows' float16 scales, then their 16 offsets) followed by
 // the group's codes in pack()'s layout (below), so that a thread reads one sequential run (one
 // prefetch stream, no scale arrays on the side) and widens a group's scales with 4 vcvtph2ps.
+// Compact header (8-bit codes whose every offset is -c * scale, e.g. a GGUF's Q8_0 / Q5_0 blocks;
+// the `bits` argument 8 + 256 c, see Header): the 16 scales alone (32 bytes), offset = scale * (-c)
+// rebuilt in fp32, bitwise the stored offset's value (woq.py checks that before it picks the form).
 // Codes (woq.py's pack): blocks of 16 output rows; per k-pair p a 32-word vector, word w =
 // code[n0 + w / 2, 2p + w % 2]. 4-bit: 64-byte chunks of 4 vectors (k-pairs 4c .. 4c+3), byte
 // 16L + 8s + i holds word 8L + i of vector s (low nibble) and of vector 2 + s (high nibble). So
@@ -87,6 +90,22 @@ constexpr int STREAMS8 = SGRT_WOQ8_STREAMS;
 #endif
 constexpr int64_t QBLOCK = 32;  // inputs per activation quantization block
 constexpr int64_t HEADER_BYTES = 64;  // a group's 16 float16 scales, then its 16 float16 offsets
+
+// The operators' `bits` argument: the code width (4 or 8) plus 256 * c. c = 0: each group header
+// holds the 16 scales and the 16 offsets (HEADER_BYTES). c in 1..255 (8-bit codes): the compact
+// header, the 16 scales alone (32 bytes), for a tensor whose every offset is exactly -c * scale
+// (woq.py's symmetric_constant checks it in float32, bit for bit): the kernel rebuilds offset =
+// scale * (-c) in float32, the same value the stored float16 offset widens to, so the epilogue
+// computes the same bits. (Llama.cpp's Q8_0 read as codes q + 128: c = 128; Q5_0 as codes q: 16.)
+struct Header {
+  int64_t bytes;  // a group header's bytes in the stream
+  float negc;     // -c (compact header), or 0 (offsets stored)
+};
+inline int64_t width_of(int64_t bits) { return bits & 255; }
+inline Header header_of(int64_t bits) {
+  const int64_t c = bits >> 8;
+  return {c ? HEADER_BYTES / 2 : HEADER_BYTES, c ? -static_cast<float>(c) : 0.0f};
+}
 
 // fp32 -> bf16, round to nearest even (NaN stays NaN: its quiet bit survives the add)
 inline __m128i to_bf16(__m256 v) {
@@ -223,6 +242,17 @@ inline void load_header(const uint8_t* h, __m256* so) {
   for (int i = 0; i < 4; ++i) so[i] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 16 * i)));
 }
 
+// The same for a header of format hd: stored offsets, or (compact) offset = scale * (-c), exact in
+// float32 where the stream was built (see Header)
+inline void load_header(const uint8_t* h, __m256* so, const Header& hd) {
+  if (hd.negc == 0.0f) return load_header(h, so);
+  so[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+  so[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 16)));
+  const __m256 negc = _mm256_set1_ps(hd.negc);
+  so[2] = _mm256_mul_ps(so[0], negc);
+  so[3] = _mm256_mul_ps(so[1], negc);
+}
+
 // R rows (1 or 2) against one 16-row block of 4-bit codes. ACT8: int8 activations (expand4 without
 // q2: isum = the sum against q1 alone, half the vpmaddubsw).
 template <int R, bool ACT8 = false>
@@ -293,7 +323,7 @@ inline void block4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_
 
 // R rows (1 or 2) against one 16-row block of 8-bit codes.
 template <int R>
-inline void block8(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
+inline void block8(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift, const Header& hd) {
   __m256 y0[R], y1[R];
   for (int r = 0; r < R; ++r) y0[r] = y1[r] = _mm256_setzero_ps();
   const int64_t per_group = int64_t(1) << group_shift;
@@ -301,8 +331,8 @@ inline void block8(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_
   const uint8_t* p = w;
   for (int64_t b = 0; b < KB; ++b, p += 512) {  // 16 k-pairs x 32 bytes a block of 32 inputs
     if ((b & (per_group - 1)) == 0) {
-      load_header(p, so);
-      p += HEADER_BYTES;
+      load_header(p, so, hd);
+      p += hd.bytes;
     }
     __m256i a0[R], a1[R];
     for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
@@ -334,7 +364,7 @@ inline void block8(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_
 // broadcast of x serving all S.
 template <int S>
 inline void block8_streams(const uint8_t* const* w, const RowArgs& row, uint16_t* const* y, int64_t KB,
-                           int group_shift) {
+                           int group_shift, const Header& hd) {
   __m256 y0[S], y1[S];
   for (int s = 0; s < S; ++s) y0[s] = y1[s] = _mm256_setzero_ps();
   const int64_t per_group = int64_t(1) << group_shift;
@@ -346,7 +376,7 @@ inline void block8_streams(const uint8_t* const* w, const RowArgs& row, uint16_t
     if ((b & (per_group - 1)) == 0)
       for (int s = 0; s < S; ++s) {
         h[s] = p[s];
-        p[s] += HEADER_BYTES;
+        p[s] += hd.bytes;
       }
     __m256i a0[S], a1[S];
     for (int s = 0; s < S; ++s) a0[s] = a1[s] = _mm256_setzero_si256();
@@ -364,7 +394,7 @@ inline void block8_streams(const uint8_t* const* w, const RowArgs& row, uint16_t
     }
     for (int s = 0; s < S; ++s) {
       __m256 so[4];
-      load_header(h[s], so);
+      load_header(h[s], so, hd);
       epilogue(a0[s], a1[s], so, row.dx[b], row.qs[b], y0[s], y1[s]);
       p[s] += 512;
     }
@@ -379,7 +409,7 @@ inline void block8_streams(const uint8_t* const* w, const RowArgs& row, uint16_t
 // STREAMS8 equal contiguous parts walked side by side (block i of each part together), the blocks
 // left over one at a time.
 void row8_streams(const uint8_t* wp, int64_t block_bytes, int64_t b0, int64_t b1, const RowArgs& row,
-                  uint16_t* yp, int64_t KB, int group_shift) {
+                  uint16_t* yp, int64_t KB, int group_shift, const Header& hd) {
   const int64_t part = (b1 - b0) / STREAMS8;
   for (int64_t i = 0; i < part; ++i) {
     const uint8_t* w[STREAMS8];
@@ -388,11 +418,11 @@ void row8_streams(const uint8_t* wp, int64_t block_bytes, int64_t b0, int64_t b1
       w[s] = wp + (b0 + s * part + i) * block_bytes;
       y[s] = yp + (b0 + s * part + i) * BLOCK_N;
     }
-    block8_streams<STREAMS8>(w, row, y, KB, group_shift);
+    block8_streams<STREAMS8>(w, row, y, KB, group_shift, hd);
   }
   for (int64_t b = b0 + STREAMS8 * part; b < b1; ++b) {
     const RowArgs rows[1] = {{row.X, row.dx, row.qs, yp + b * BLOCK_N}};
-    block8<1>(wp + b * block_bytes, rows, KB, group_shift);
+    block8<1>(wp + b * block_bytes, rows, KB, group_shift, hd);
   }
 }
 
@@ -402,7 +432,7 @@ void row8_streams(const uint8_t* wp, int64_t block_bytes, int64_t b0, int64_t b1
 // vectors and one broadcast pair; the float sums (y) and the group's scales stay in memory
 // between blocks (with them in registers gcc spilled an integer sum inside the k loop: a
 // store-to-load chain every k-pair, 1.4x block8<2>'s time).
-inline void block8x4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
+inline void block8x4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift, const Header& hd) {
   alignas(32) float yacc[4][16];
   for (int r = 0; r < 4; ++r)
     for (int i = 0; i < 16; ++i) yacc[r][i] = 0.0f;
@@ -414,7 +444,7 @@ inline void block8x4(const uint8_t* w, const RowArgs* rows, int64_t KB, int grou
   for (int64_t b = 0; b < KB; ++b, p += 512) {
     if ((b & (per_group - 1)) == 0) {
       header = p;
-      p += HEADER_BYTES;
+      p += hd.bytes;
     }
     // (named sums, not arrays: gcc kept arrays of them on the stack)
     __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
@@ -461,7 +491,7 @@ inline void block8x4(const uint8_t* w, const RowArgs* rows, int64_t KB, int grou
     }
     const __m256i a0[4] = {a00, a10, a20, a30}, a1[4] = {a01, a11, a21, a31};
     __m256 so[4];
-    load_header(header, so);
+    load_header(header, so, hd);
     for (int r = 0; r < 4; ++r) {
       __m256 y0 = _mm256_load_ps(yacc[r]), y1 = _mm256_load_ps(yacc[r] + 8);
       epilogue(a0[r], a1[r], so, rows[r].dx[b], rows[r].qs[b], y0, y1);
@@ -544,14 +574,16 @@ void quantize_rows(const uint16_t* xb, int64_t m0, int64_t m1, int64_t k, int64_
 template <bool ACT8>
 __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_t* const q2, const int16_t* const Q,
                                              const float* const dx, const float* const qs, int64_t M,
-                                             const uint8_t* wp, int64_t n, int64_t k, int64_t bits, int64_t group,
+                                             const uint8_t* wp, int64_t n, int64_t k, int64_t format, int64_t group,
                                              uint16_t* yp, int64_t b0, int64_t b1) {
+  const int64_t bits = width_of(format);  // (format: the operators' `bits` argument, see Header)
+  const Header hd = header_of(format);
   const int64_t G = k / group;
-  const int64_t block_bytes = G * (HEADER_BYTES + BLOCK_N * group * bits / 8);
+  const int64_t block_bytes = G * (hd.bytes + BLOCK_N * group * bits / 8);
   const int64_t KB = k / QBLOCK;
   const int group_shift = group == 32 ? 0 : group == 64 ? 1 : 2;  // log2(group / 32)
   if (bits == 8 && M == 1 && STREAMS8 > 1) {  // decode: several streams (block8_streams)
-    row8_streams(wp, block_bytes, b0, b1, RowArgs{Q, dx, qs, nullptr}, yp, KB, group_shift);
+    row8_streams(wp, block_bytes, b0, b1, RowArgs{Q, dx, qs, nullptr}, yp, KB, group_shift, hd);
     return;
   }
   // bytes of expanded activations per row; a tile of rows keeps them within ~256 KB (L2). 8-bit
@@ -584,19 +616,19 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
               {xrow(m + 1), dx + (m + 1) * KB, qs + (m + 1) * KB, yp + (m + 1) * n + b * BLOCK_N},
               {xrow(m + 2), dx + (m + 2) * KB, qs + (m + 2) * KB, yp + (m + 2) * n + b * BLOCK_N},
               {xrow(m + 3), dx + (m + 3) * KB, qs + (m + 3) * KB, yp + (m + 3) * n + b * BLOCK_N}};
-          block8x4(w, rows, KB, group_shift);
+          block8x4(w, rows, KB, group_shift, hd);
         }
       for (; m + 2 <= t1; m += 2) {
         const RowArgs rows[2] = {
             {xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N},
             {xrow(m + 1), dx + (m + 1) * KB, qs + (m + 1) * KB, yp + (m + 1) * n + b * BLOCK_N}};
         if (bits == 4) block4<2, ACT8>(w, rows, KB, group_shift);
-        else block8<2>(w, rows, KB, group_shift);
+        else block8<2>(w, rows, KB, group_shift, hd);
       }
       if (m < t1) {
         const RowArgs rows[1] = {{xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N}};
         if (bits == 4) block4<1, ACT8>(w, rows, KB, group_shift);
-        else block8<1>(w, rows, KB, group_shift);
+        else block8<1>(w, rows, KB, group_shift, hd);
       }
     }
   }
@@ -611,9 +643,10 @@ template <bool ACT8>
 void linear_raw(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, int64_t k, int64_t bits, int64_t group,
                 uint16_t* yp) {
   if (M == 0) return;
-  const QuantizedX q = quantized_scratch<ACT8>(M, k, bits);  // (the calling thread's, shared with the team)
+  // (the calling thread's, shared with the team)
+  const QuantizedX q = quantized_scratch<ACT8>(M, k, width_of(bits));
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / k),
-                   [&](int64_t m0, int64_t m1) { quantize_rows<ACT8>(xb, m0, m1, k, bits, q); });
+                   [&](int64_t m0, int64_t m1) { quantize_rows<ACT8>(xb, m0, m1, k, width_of(bits), q); });
   at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
     linear_blocks<ACT8>(q.q1, q.q2, q.Q, q.dx, q.qs, M, wp, n, k, bits, group, yp, b0, b1);
   });
@@ -630,8 +663,8 @@ void linear_part(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, in
                  uint16_t* yp, int64_t part, int64_t parts) {
   const int64_t nb = n / BLOCK_N, b0 = nb * part / parts, b1 = nb * (part + 1) / parts;
   if (M == 0 || b0 == b1) return;
-  const QuantizedX q = quantized_scratch<ACT8>(M, k, bits);
-  quantize_rows<ACT8>(xb, 0, M, k, bits, q);
+  const QuantizedX q = quantized_scratch<ACT8>(M, k, width_of(bits));
+  quantize_rows<ACT8>(xb, 0, M, k, width_of(bits), q);
   linear_blocks<ACT8>(q.q1, q.q2, q.Q, q.dx, q.qs, M, wp, n, k, bits, group, yp, b0, b1);
 }
 
@@ -658,7 +691,9 @@ using LinearRaw = void(const uint16_t*, int64_t, const uint8_t*, int64_t, int64_
 // with an x of no rows, before it calls linear_raw directly).
 void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
                 int64_t n, int64_t k, int64_t bits, int64_t group) {
-  TORCH_CHECK(bits == 4 || bits == 8, "sgrt_woq_avx2.linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 8 || (bits > 256 && bits < 65536 && width_of(bits) == 8),
+              "sgrt_woq_avx2.linear: bits must be 4 or 8, or 8 + 256 * c with c in 1..255 (8-bit codes, "
+              "offsets -c * scale, compact group headers), got ", bits);
   TORCH_CHECK(group == 32 || group == 64 || group == 128,
               "sgrt_woq_avx2.linear: group must be 32, 64 or 128, got ", group);
   TORCH_CHECK(n > 0 && n % BLOCK_N == 0,
@@ -682,12 +717,14 @@ void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
                 " must be [n=", n, ", k/group=", G, "] (or empty), got ", t->sizes());
     TORCH_CHECK(t->is_contiguous(), "sgrt_woq_avx2.linear: ", name, " must be contiguous");
   }
-  // per block of 16 rows and group: a 64-byte header (scales, offsets), then the group's codes
-  const int64_t block_bytes = G * (HEADER_BYTES + BLOCK_N * group * bits / 8);
+  // per block of 16 rows and group: a 64-byte header (scales, offsets; compact: 32, scales), then
+  // the group's codes
+  const Header hd = header_of(bits);
+  const int64_t block_bytes = G * (hd.bytes + BLOCK_N * group * width_of(bits) / 8);
   TORCH_CHECK(packed.is_contiguous() && packed.numel() == n / BLOCK_N * block_bytes,
-              "sgrt_woq_avx2.linear: packed must be contiguous with n*k*bits/8 + 4*n*k/group=",
-              n / BLOCK_N * block_bytes, " bytes (woq.fuse: codes, scales and offsets in one stream), got ",
-              packed.numel());
+              "sgrt_woq_avx2.linear: packed must be contiguous with n*k*bits/8 + ", hd.bytes / 16, "*n*k/group=",
+              n / BLOCK_N * block_bytes, " bytes (woq.fuse: codes, scales", hd.negc == 0.0f ? " and offsets" : "",
+              " in one stream), got ", packed.numel());
 }
 
 // The operators linear, linear_q8, linear_q8_prefill: check_args, then the raw computation F.

@@ -126,12 +126,92 @@ def unpack_q4_k(blocks: np.ndarray, rows: int, cols: int) -> Q4_1Weight:
 _Q4_READERS = {"Q4_1": unpack_q4_1, "Q4_K": unpack_q4_k}
 
 
+@dataclass
+class SymmetricWeight:
+    """One weight matrix ``[rows, cols]`` of symmetric blocks of 32 (llama.cpp's ``Q8_0``, ``Q5_0``)
+    in the int8 group form ``w = d * code + m`` with ``m = -c * d``: ``Q8_0``'s int8 ``q`` as codes
+    ``q + 128`` (``c = 128``), ``Q5_0``'s 5-bit ``q`` as they are (0..31, ``c = 16``). Exact: the
+    file's weights, and an offset the AVX2 kernel need not store (``sgrt.kernels.woq.fuse``'s
+    compact stream).
+
+    Attributes:
+        codes: ``[rows, cols]`` uint8. d: ``[rows, cols // 32]`` float16. c: the codes' zero.
+    """
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    c: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)  # type: ignore[return-value]
+
+    @property
+    def m(self) -> torch.Tensor:
+        """``-c * d`` as float16 (exact for ``c`` a power of two, unless it overflows: callers check
+        it is finite)."""
+        return (self.d.float() * -float(self.c)).half()
+
+    def dequantize(self) -> torch.Tensor:
+        """``d * (code - c)`` in float32, ``[rows, cols]``: the file's weights, bit for bit."""
+        rows, cols = self.codes.shape
+        q = self.codes.view(rows, cols // Q4_1_GROUP, Q4_1_GROUP).float() - self.c
+        return (self.d.float().unsqueeze(-1) * q).view(rows, cols)
+
+    @staticmethod
+    def cat(parts: list["SymmetricWeight"]) -> "SymmetricWeight":
+        """Concatenate along rows. Parts with different ``c`` (a fused qkv of ``Q5_0`` q / k and a
+        ``Q8_0`` v) are shifted to ``c = 128`` first (codes ``q + 112`` for ``Q5_0``: the same
+        weights)."""
+        c = parts[0].c if all(p.c == parts[0].c for p in parts) else 128
+        codes = [p.codes if p.c == c else (p.codes.to(torch.int16) + (c - p.c)).to(torch.uint8) for p in parts]
+        return SymmetricWeight(torch.cat(codes), torch.cat([p.d for p in parts]), c)
+
+
+_Q8_0_BLOCK_BYTES = 34  # 2 (d) + 32 (int8 q)
+_Q5_0_BLOCK_BYTES = 22  # 2 (d) + 4 (fifth bits) + 16 (low nibbles)
+
+
+def unpack_q8_0(blocks: np.ndarray, rows: int, cols: int) -> SymmetricWeight:
+    """Raw bytes ``[rows, cols // 32 * 34]`` of one ``Q8_0`` tensor (ggml's ``block_q8_0``: float16
+    ``d``, 32 int8 ``q``; ``w = d * q``) -> :class:`SymmetricWeight` (codes ``q + 128``)."""
+    if cols % Q4_1_GROUP:
+        raise ValueError(f"Q8_0 row length {cols} is not a multiple of {Q4_1_GROUP}")
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows, cols // Q4_1_GROUP, _Q8_0_BLOCK_BYTES)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]
+    codes = (b[..., 2:] ^ 0x80).reshape(rows, cols)  # (int8 q + 128, as a byte: the sign bit flipped)
+    return SymmetricWeight(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(d.copy()), 128)
+
+
+def unpack_q5_0(blocks: np.ndarray, rows: int, cols: int) -> SymmetricWeight:
+    """Raw bytes ``[rows, cols // 32 * 22]`` of one ``Q5_0`` tensor -> :class:`SymmetricWeight`
+    (codes ``q`` in 0..31, ``c = 16``). ggml's ``block_q5_0``: float16 ``d``, a 32-bit word ``qh``
+    of fifth bits and 16 bytes of nibbles; weight ``j < 16`` is ``(qs[j] & 15) | bit j of qh << 4``,
+    weight ``16 + j`` is ``(qs[j] >> 4) | bit 16 + j of qh << 4``; ``w = d * (q - 16)``."""
+    if cols % Q4_1_GROUP:
+        raise ValueError(f"Q5_0 row length {cols} is not a multiple of {Q4_1_GROUP}")
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows, cols // Q4_1_GROUP, _Q5_0_BLOCK_BYTES)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]
+    qh = b[..., 2:6].copy().view("<u4")[..., 0]  # [rows, blocks]
+    high = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [rows, blocks, 32]
+    qs = b[..., 6:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | high
+    return SymmetricWeight(torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, cols))),
+                           torch.from_numpy(d.copy()), 16)
+
+
+# The symmetric GGML types read as int8 groups of 32 (SymmetricWeight), by type name.
+_Q8_READERS = {"Q8_0": unpack_q8_0, "Q5_0": unpack_q5_0}
+Q8_CACHE_FILE = "q8_groups.safetensors"
+
+
 def read_q4_1(gguf_path: str | Path, spec: str = "", reader: Any = None,
-              names: set[str] | None = None) -> dict[str, Q4_1Weight]:
+              names: set[str] | None = None, readers: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every Q4_1 and Q4_K tensor of a GGUF (Q4_K in Q4_1's form, :func:`unpack_q4_k`), keyed by
     HF parameter name (``model.layers.0.self_attn.q_proj.weight``), q/k rows unpermuted.
 
     Tensors of other types are left out (the caller quantizes those from float weights).
+    ``readers``: other types instead (``_Q8_READERS``: :func:`read_q8_groups`).
 
     Args:
         reader: an open ``gguf.GGUFReader`` of the file (parsing one takes seconds).
@@ -151,7 +231,7 @@ def read_q4_1(gguf_path: str | Path, spec: str = "", reader: Any = None,
     parts = {p for ps in FUSED_PROJECTIONS.values() for p in ps} | {"lm_head.weight", "embed_tokens.weight"}
     out: dict[str, Q4_1Weight] = {}
     for t in reader.tensors:
-        unpack = _Q4_READERS.get(t.tensor_type.name)
+        unpack = (_Q4_READERS if readers is None else readers).get(t.tensor_type.name)
         if unpack is None:
             continue
         name = family.gguf_hf_name(t.name)
@@ -165,7 +245,9 @@ def read_q4_1(gguf_path: str | Path, spec: str = "", reader: Any = None,
         cols, rows = (int(x) for x in t.shape)  # GGUF lists dims innermost first
         w = unpack(t.data, rows, cols)
         n_heads = _rotary_heads(t.name, config) if family.gguf_unpermute_qk else None
-        if n_heads is not None:
+        if n_heads is not None and isinstance(w, SymmetricWeight):
+            w = SymmetricWeight(*(unpermute_rotary(x, n_heads).contiguous() for x in (w.codes, w.d)), w.c)
+        elif n_heads is not None:
             w = Q4_1Weight(*(unpermute_rotary(x, n_heads).contiguous() for x in (w.codes, w.d, w.m)))
         out[name] = w
     return out
@@ -228,6 +310,44 @@ def load_q4_groups(gguf_path: str | Path, cache_folder: str | Path | None, spec:
         except OSError:
             tmp.unlink(missing_ok=True)
     return blocks, types
+
+
+def read_q8_groups(gguf_path: str | Path, spec: str = "", reader: Any = None) -> dict[str, SymmetricWeight]:
+    """Every ``Q8_0`` and ``Q5_0`` tensor of a GGUF as :class:`SymmetricWeight`, keyed by HF name,
+    q/k rows unpermuted (:func:`read_q4_1`'s rules)."""
+    return read_q4_1(gguf_path, spec, reader, readers=_Q8_READERS)
+
+
+def load_q8_groups(gguf_path: str | Path, cache_folder: str | Path | None, spec: str = ""
+                   ) -> dict[str, SymmetricWeight]:
+    """:func:`read_q8_groups` through ``cache_folder / q8_groups.safetensors`` (codes, ``d``; each
+    tensor's ``c`` in the metadata), as :func:`load_q4_groups` caches the 4-bit blocks."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    cached = Path(cache_folder) / Q8_CACHE_FILE if cache_folder is not None else None
+    if cached is not None and cached.is_file():
+        with safe_open(str(cached), "pt") as f:
+            meta = f.metadata() or {}
+        if "c" in meta:
+            flat, cs = load_file(str(cached)), json.loads(meta["c"])
+            return {n: SymmetricWeight(flat[n + ".codes"], flat[n + ".d"], int(c)) for n, c in sorted(cs.items())}
+    blocks = read_q8_groups(gguf_path, spec, _open(gguf_path, spec))
+    if cached is not None:
+        flat = {}
+        for n, w in blocks.items():
+            flat[n + ".codes"], flat[n + ".d"] = w.codes, w.d
+        tmp = cached.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{cached.name}")
+        try:
+            save_file(flat, str(tmp), metadata={"format": "sgrt-q8-groups", "source": str(gguf_path),
+                                                "c": json.dumps({n: w.c for n, w in blocks.items()}, sort_keys=True)})
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+            os.replace(tmp, cached)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    return blocks
 
 
 def wider_than_4_bits(types: dict[str, str]) -> frozenset[str]:

@@ -111,7 +111,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
     """
     from sgrt.models.layers import FUSED_PROJECTIONS, CausalLM
     from sgrt.models.packed import pack_lm_head, pack_linear_layers
-    from sgrt.models.quant import check_int4_activations, parse_quantization, quantize_model
+    from sgrt.models.quant import check_int4_activations, native_kernel_available, parse_quantization, quantize_model
 
     start = time.perf_counter()
     torch_dtype = parse_dtype(dtype)
@@ -133,18 +133,22 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
     except (KeyError, RuntimeError, ValueError) as e:  # missing weight / shape mismatch
         raise ModelLoadError(f"model {spec!r}: weights in {folder} do not fit the config: {e}") from e
     if quantization != "none":
-        q4_1, wide = None, frozenset()
-        if quantization == "int4" and kind == "gguf":
-            from sgrt.models.gguf_raw import load_q4_groups, wider_than_4_bits
+        q4_1, wide, q8 = None, frozenset(), None
+        if kind == "gguf":
+            from sgrt.models.gguf_raw import load_q4_groups, load_q8_groups, wider_than_4_bits
 
-            q4_1, types = load_q4_groups(src, folder, spec)
-            wide = wider_than_4_bits(types)
-        counts = quantize_model(model, quantization, state, q4_1, wide, int4_activations)
+            if quantization == "int4":
+                q4_1, types = load_q4_groups(src, folder, spec)
+                wide = wider_than_4_bits(types)
+            if torch.device(device).type == "cpu" and native_kernel_available():  # (Q8_0 / Q5_0: int8 blocks)
+                q8 = load_q8_groups(src, folder, spec)
+        counts = quantize_model(model, quantization, state, q4_1, wide, int4_activations, q8)
         if kind == "gguf" and counts["quantized"]:
             logger.info("%s: %d projections re-quantized at load to %s groups of 32 (the file's blocks "
                         "are not Q4_1 / Q4_K, the forms sgrt's kernel takes; %d of them in int8, the file "
-                        "holding a part in more than 4 bits); %d taken as they are",
-                        spec, counts["quantized"], quantization, counts["int8_wide"], counts["q4_1"])
+                        "holding a part in more than 4 bits); %d taken as they are (and %d int8 ones from "
+                        "Q8_0 / Q5_0 blocks)",
+                        spec, counts["quantized"], quantization, counts["int8_wide"], counts["q4_1"], counts["q8"])
     del state
     if prepack:
         pack_linear_layers(model, tuple(FUSED_PROJECTIONS))

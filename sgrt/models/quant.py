@@ -107,7 +107,7 @@ def check_int4_activations(activations: str, method: str, device: torch.device) 
 
 def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
                    q4_1: dict[str, Any] | None = None, wide: frozenset[str] = frozenset(),
-                   int4_activations: str = "int16") -> dict[str, int]:
+                   int4_activations: str = "int16", q8: dict[str, Any] | None = None) -> dict[str, int]:
     """Replace every fused projection of ``model`` (a :class:`sgrt.models.llama.LlamaForCausalLM`)
     and its LM head by quantized layers, in place.
 
@@ -126,9 +126,14 @@ def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
             (:func:`sgrt.kernels.woq.check_activations`; ``"int8"`` is llama.cpp's Q8 blocks:
             faster, less accurate, docs/DESIGN.md; ``"int8-prefill"`` only for calls of many
             rows). The LM head and int8 projections keep ``"int16"``.
+        q8: ``Q8_0`` / ``Q5_0`` blocks by HF name (:func:`sgrt.models.gguf_raw.read_q8_groups`); an
+            int8 projection (int8 mode, a ``wide`` one in int4 mode, the LM head) whose parts are all
+            there is built from them as they are (codes, ``d``, offset ``-c * d``: the file's weights
+            exactly, and the native kernel's compact stream), not re-quantized from float.
 
     Returns:
-        Counts: ``{"q4_1": layers loaded from Q4_1 / Q4_K blocks, "quantized": layers quantized at load,
+        Counts: ``{"q4_1": layers loaded from Q4_1 / Q4_K blocks, "q8": int8 layers loaded from Q8_0 /
+        Q5_0 blocks, "quantized": layers quantized at load,
         "int8_wide": of those, int4-mode layers built in int8 for a ``wide`` part, "float": layers
         left in float because the kernel cannot take their shape}``. The LM head
         is int8 in int4 mode too, unless the file holds it in Q4_1.
@@ -141,12 +146,13 @@ def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
 
     method = parse_quantization(method)
     check_int4_activations(int4_activations, method, model.device)
-    counts = {"q4_1": 0, "quantized": 0, "int8_wide": 0, "float": 0}
+    counts = {"q4_1": 0, "q8": 0, "quantized": 0, "int8_wide": 0, "float": 0}
     if method == "none":
         return counts
     sd = {k.removeprefix("model."): v for k, v in weights.items()}
     blocks = {k.removeprefix("model."): v for k, v in (q4_1 or {}).items()} if method == "int4" else {}
     wide_parts = {k.removeprefix("model.") for k in wide} if method == "int4" else set()
+    q8_blocks = {k.removeprefix("model."): v for k, v in (q8 or {}).items()}
     device = model.device
 
     native = device.type == "cpu" and native_kernel_available()
@@ -167,6 +173,15 @@ def quantize_model(model: Any, method: str, weights: dict[str, torch.Tensor],
             if Int4Linear.supports(*b.shape, device):
                 counts["q4_1"] += 1
                 return Int4Linear.from_q4_1(b.codes, b.d, b.m, device)
+        if kind == "int8" and native and names and all(n in q8_blocks for n in names):
+            from sgrt.models.gguf_raw import SymmetricWeight
+
+            b = SymmetricWeight.cat([q8_blocks[n] for n in names])
+            m = b.m
+            if GroupLinear.supports(*b.shape, device) and bool(torch.isfinite(m).all()):
+                counts["q8"] += 1
+                counts["int8_wide"] += widened
+                return GroupLinear(b.codes, b.d, m, 8, INT4_GROUP_SIZE)
         w = torch.cat([sd[n] for n in names]) if len(names) > 1 else sd[names[0]]
         cls = GroupLinear if native else (Int8Linear if kind == "int8" else Int4Linear)
         if cls.supports(*w.shape, device):

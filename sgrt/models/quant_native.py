@@ -73,8 +73,11 @@ class GroupLinear(QuantizedLinear):
         packed = woq.pack(codes, bits)
         # The AVX2 build reads codes, scales and offsets as one stream (woq.fuse), and only that is
         # kept (a second copy of the scales would cost 1/5 of the int4 weight bytes); the kernel
-        # then takes empty scale / offset arguments.
-        self.register_buffer("packed", woq.prepare(packed, scales, offsets, n, k, bits, group_size))
+        # then takes empty scale / offset arguments. 8-bit codes whose offsets are all -c * scale
+        # (a GGUF's Q8_0 / Q5_0 blocks) get the compact stream, without the offsets: the kernel's
+        # `bits` argument (stream_bits) says which.
+        stream, self.stream_bits = woq.prepare(packed, scales, offsets, n, k, bits, group_size)
+        self.register_buffer("packed", stream)
         self.fused = self.packed.numel() != packed.numel()
         if self.fused:
             self._no_scales = torch.empty(0, dtype=torch.float16)
@@ -88,7 +91,7 @@ class GroupLinear(QuantizedLinear):
         # NOTE: the kernel's arguments as a plain tuple: reading buffers goes through
         # nn.Module.__getattr__ (~0.4 us each, 3 a call, 120 calls a decode step).
         s, o = (self._no_scales, self._no_scales) if self.fused else (self.scales, self.offsets)
-        self._args = (self.packed, s, o, self.out_features, self.in_features, self.bits, self.group_size)
+        self._args = (self.packed, s, o, self.out_features, self.in_features, self.stream_bits, self.group_size)
 
     def group_params(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(scales, offsets), each ``[N, K // group_size]`` float16, as given (read back from the
@@ -100,7 +103,7 @@ class GroupLinear(QuantizedLinear):
         from sgrt.kernels import woq
 
         if self.fused:
-            return woq.unfuse(self.packed, self.out_features, self.in_features, self.bits, self.group_size)
+            return woq.unfuse(self.packed, self.out_features, self.in_features, self.stream_bits, self.group_size)
         return self.packed, self.scales, self.offsets
 
     def _apply(self, fn, recurse=True):  # .to() / .cpu() replace the buffers: refresh the tuple

@@ -125,3 +125,38 @@ def test_int4_keeps_wider_tensors_in_int8_and_stays_near_the_file(gemma, gemma_g
     lp_ref, lp_got = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
     kl = (lp_ref.exp() * (lp_ref - lp_got)).sum(-1).mean().item()
     assert top1 >= 0.85 and kl <= 0.03, (top1, kl)
+
+
+def test_q8_0_and_q5_0_blocks_read_exactly_and_load_as_compact_int8(gemma_gguf):
+    """Q8_0 (codes q + 128) and Q5_0 (codes q, 0..31) read as int8 groups with offset -c * d: the
+    file's weights bit for bit (gguf's own dequantization). int4 loads them as they are: each such
+    projection's offsets are -c * scale, so the AVX2 kernel takes its compact stream (no offsets
+    in the group headers: the LM head 262144 x 640 in 178 MB instead of 189)."""
+    import gguf
+
+    from sgrt.kernels import woq
+    from sgrt.models import gguf_raw, load_model
+
+    reader = gguf.GGUFReader(str(gemma_gguf))
+    for kind in ("Q5_0", "Q8_0"):
+        t = next(t for t in reader.tensors if t.tensor_type.name == kind and "blk" in t.name)
+        cols, rows = (int(x) for x in t.shape)
+        w = (gguf_raw.unpack_q5_0 if kind == "Q5_0" else gguf_raw.unpack_q8_0)(t.data, rows, cols)
+        ref = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(rows, cols).float()
+        assert torch.equal(w.dequantize(), ref), t.name
+        assert int(w.codes.max()) <= (31 if kind == "Q5_0" else 255) and w.c == (16 if kind == "Q5_0" else 128)
+        assert torch.equal(w.m.float(), w.d.float() * -w.c)
+
+    lm = load_model(str(gemma_gguf), dtype="bfloat16", quantization="int4")
+    types = gguf_raw.read_tensor_types(gemma_gguf)
+    head = lm.model.logits_head
+    assert head.bits == 8 and head.out_features == 262144
+    if woq.isa() == "avx2":
+        assert head.stream_bits == woq.stream_bits(8, 128) and head.packed.numel() == 262144 * 640 * 17 // 16
+    for i, layer in enumerate(lm.model.layers):
+        parts = [types[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"]
+        if woq.isa() == "avx2":
+            assert layer.gate_up_proj.stream_bits == woq.stream_bits(8, 16)  # Q5_0 gate and up
+            assert layer.qkv_proj.stream_bits == woq.stream_bits(8, 16 if set(parts) == {"Q5_0"} else 128), parts
+        scales, offsets = layer.qkv_proj.group_params()
+        assert torch.equal(offsets.float(), scales.float() * -(16 if set(parts) == {"Q5_0"} else 128))

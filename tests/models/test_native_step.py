@@ -244,7 +244,8 @@ def tiny_model(family: str, kind: str, acts: str = "int16", **changes) -> Causal
     """A random-weight model with ``family``'s switches: ``kind`` float32 / bfloat16 (DenseLinear
     projections) or int8 / int4 (GroupLinear, bfloat16; ``int4+int8``: int4 with each layer's
     o_proj in int8, as Gemma 3's mixed files load); ``acts``: the int4 projections' activations
-    (the AVX2 kernel's ``linear_q8`` / ``linear_q8_prefill``); norms and biases far from their init."""
+    (the AVX2 kernel's ``linear_q8`` / ``linear_q8_prefill``); norms and biases far from their init;
+    ``int8-symmetric``: int8 as a GGUF's Q8_0 blocks load (codes q + 128, offsets -128 d)."""
     from sgrt.models import config as config_mod
     from sgrt.models.packed import pack_linear_layers
     from sgrt.models.quant_native import GroupLinear
@@ -257,16 +258,53 @@ def tiny_model(family: str, kind: str, acts: str = "int16", **changes) -> Causal
         for name, p in model.named_parameters():
             norm = "norm" in name
             p.copy_(torch.randn(p.shape, generator=g) * (0.5 if norm else 0.3) + (1.0 if norm else 0.0))
-    if kind in ("int8", "int4", "int4+int8"):
+    if kind in ("int8", "int4", "int4+int8", "int8-symmetric"):
         for layer in model.layers:
             for name in FUSED_PROJECTIONS:
                 weight = getattr(layer, name).weight
+                if kind == "int8-symmetric":
+                    setattr(layer, name, GroupLinear(*_symmetric_int8(weight.float()), 8))
+                    continue
                 bits = 8 if kind == "int8" or (kind == "int4+int8" and name == "o_proj") else 4
                 setattr(layer, name, GroupLinear.from_float(weight.float(), bits, activations=acts if bits == 4 else "int16"))
     else:
         assert pack_linear_layers(model, tuple(FUSED_PROJECTIONS)) == 4 * cfg.num_hidden_layers
     model.use_native_ops(True)
     return model
+
+
+def _symmetric_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q8_0-style groups of 32: ``d = max|w| / 127`` (float16), codes ``round(w / d) + 128``,
+    offsets ``-128 d``."""
+    n, k = weight.shape
+    w = weight.reshape(n, k // 32, 32)
+    d = (w.abs().amax(-1) / 127).half()
+    step = torch.where(d == 0, torch.ones_like(d), d).float().unsqueeze(-1)
+    codes = (torch.round(w / step).clamp(-127, 127) + 128).to(torch.uint8).reshape(n, k)
+    return codes, d, (d.float() * -128).half()
+
+
+@pytest.mark.skipif(woq.isa() != "avx2", reason="the compact stream is the AVX2 kernel's")
+def test_compact_int8_streams_take_the_step(monkeypatch):
+    """int8 projections with every offset -128 * scale go as the compact stream (no offsets in the
+    group headers): the plan's raw and team entries give the layers' bits, and the same bits as
+    the same weights in the full stream (1 and 2 threads, one row and several)."""
+    compact = tiny_model("gemma3", "int8-symmetric")
+    mods = [getattr(layer, name) for layer in compact.layers for name in FUSED_PROJECTIONS]
+    assert all(m.stream_bits == woq.stream_bits(8, 128) for m in mods)
+    monkeypatch.setattr(woq, "symmetric_constant", lambda scales, offsets: 0)
+    full = tiny_model("gemma3", "int8-symmetric")
+    assert all(getattr(layer, name).stream_bits == 8 for layer in full.layers for name in FUSED_PROJECTIONS)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert compact.native_step.plan.use_thread_team(True) == (t == 2)
+            for lens in ([30], [40, 9, 23]):
+                assert_step_matches_layers(compact, lens)
+                assert torch.equal(_step(compact, lens), _step(full, lens)), (t, lens)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int4", "int8"])

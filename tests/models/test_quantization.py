@@ -307,6 +307,33 @@ def test_q4_1_cache_file_round_trips(tmp_path):
         assert torch.equal(a.codes, b.codes) and torch.equal(a.d, b.d) and torch.equal(a.m, b.m), name
 
 
+def test_q8_0_blocks_cache_file_round_trips_and_load_exactly(tmp_path, gguf_reader, quantized):
+    """The default model's Q8_0 tensor (the tied embedding) read as int8 groups (codes q + 128,
+    offset -128 d): the file's weights bit for bit, the same through the cache file, and the int4
+    model's LM head is built from them as they are (the AVX2 kernel: its compact stream)."""
+    import gguf
+
+    from sgrt.kernels import woq
+
+    path = loader.default_gguf_path()
+    first = gguf_raw.load_q8_groups(path, tmp_path, MODEL)  # reads the GGUF, writes the cache file
+    assert (tmp_path / gguf_raw.Q8_CACHE_FILE).is_file()
+    second = gguf_raw.load_q8_groups(path, tmp_path, MODEL)  # reads the cache file
+    assert first.keys() == second.keys() == {"model.embed_tokens.weight"}
+    a, b = first["model.embed_tokens.weight"], second["model.embed_tokens.weight"]
+    assert a.c == b.c == 128 and torch.equal(a.codes, b.codes) and torch.equal(a.d, b.d)
+    t = next(t for t in gguf_reader.tensors if t.name == "token_embd.weight")
+    ref = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(a.shape).float()
+    assert torch.equal(a.dequantize(), ref)
+    if NATIVE:
+        head = quantized["int4"].model.logits_head
+        assert isinstance(head, quant.GroupLinear) and head.bits == 8
+        assert torch.equal(head.dequantize(), ref)
+        if woq.isa() == "avx2":
+            assert head.stream_bits == woq.stream_bits(8, 128)
+            assert head.packed.numel() == ref.numel() * 17 // 16  # 1 + 2/32 bytes a weight
+
+
 # ---- int8 and int4 at load --------------------------------------------------------------------------
 
 def test_int8_round_trip_error_is_at_most_half_a_step(loaded_model):
@@ -387,7 +414,7 @@ def test_tiny_model_quantizes_at_load_and_keeps_unsupported_shapes_in_float():
         counts = quant.quantize_model(model, method, state)
         assert model.quantization == method
         # down_proj (in_features 104) fits no kernel (torch's int8: in % 16, int4 and the native one: in % 32).
-        assert counts == {"q4_1": 0, "quantized": 2 * 3 + 1, "int8_wide": 0, "float": 2}, counts
+        assert counts == {"q4_1": 0, "q8": 0, "quantized": 2 * 3 + 1, "int8_wide": 0, "float": 2}, counts
         assert type(model.layers[0].down_proj) is torch.nn.Linear
         if NATIVE:
             assert isinstance(model.layers[0].gate_up_proj, quant.GroupLinear)

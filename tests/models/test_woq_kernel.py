@@ -513,3 +513,116 @@ def test_fused_stream_layout_and_round_trip(bits, group):
         x = _x(3, k)
         assert torch.equal(woq.linear(x, fused, scales, offsets, n, k, bits, group),
                            woq.linear(x, packed, scales, offsets, n, k, bits, group))
+
+
+def _symmetric_layer(n: int, k: int, group: int, c: int, seed: int = 0):
+    """8-bit codes with every offset exactly ``-c * scale`` (llama.cpp's Q8_0 read as codes q + 128:
+    c = 128; Q5_0 as codes q in 0..31: c = 16, codes then below 32; other c: scales whose product
+    by c is a float16): codes, scales, offsets."""
+    g = torch.Generator().manual_seed(seed * 1000 + n + k + group + c)
+    top = 32 if c == 16 else 256
+    codes = torch.randint(0, top, (n, k), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(n, k // group, generator=g) * 9e-3 + 1e-3).half()
+    if c & (c - 1):  # (c not a power of 2: scales of 7 significant bits, so that -c * scale is a float16)
+        scales = (torch.randint(16, 128, (n, k // group), generator=g) * 2.0 ** -14).half()
+    scales[0, 0] = 0.0  # (an all-zero group: offset -0.0)
+    offsets = (scales.float() * -c).half()
+    return codes, scales, offsets
+
+
+@avx2_only
+@pytest.mark.parametrize("activations", ["int16", "int8", "int8-prefill"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("c", [128, 16, 3])
+def test_compact_stream_matches_the_full_one_bitwise(c, group, activations):
+    """8-bit codes whose offsets are all ``-c * scale`` go as the compact stream (headers without
+    offsets; the kernel rebuilds them): prepare() picks it, and every path (one row: the 4 streams
+    and the blocks left over; 2-4 rows at a time; tiles; 1 and 2 threads; each activation
+    precision) gives the full stream's bits, which are :func:`_avx2_reference`'s."""
+    threads = torch.get_num_threads()
+    try:
+        for n, k in [(16, 128), (48, 384), (16 * 37, 256), (960, 576)]:
+            if k % group:
+                continue
+            codes, scales, offsets = _symmetric_layer(n, k, group, c)
+            packed = woq.pack(codes, 8)
+            stream, bits = woq.prepare(packed, scales, offsets, n, k, 8, group)
+            assert bits == woq.stream_bits(8, c) == 8 + 256 * c
+            assert stream.numel() == n * k + 2 * n * (k // group)
+            full = woq.fuse(packed, scales, offsets, n, k, 8, group)
+            op = woq.kernel(activations)
+            empty = torch.empty(0, dtype=torch.float16)
+            for m in (1, 2, 3, 4, 5, 7, 33):
+                x = _x(m, k).float()
+                x[:, 32:64] *= 1e-3
+                x[0, 64:96] = 0.0
+                x = x.bfloat16()
+                acts = "int8" if activations == "int8" or (activations == "int8-prefill" and m >= woq.PREFILL_ROWS) \
+                    else "int16"
+                want = _avx2_reference(x, codes, scales, offsets, 8, group, acts)
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    y = op(x, stream, empty, empty, n, k, bits, group)
+                    assert torch.equal(y, want), (n, k, m, t)
+                    assert torch.equal(op(x, full, empty, empty, n, k, 8, group), y), (n, k, m, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@avx2_only
+def test_compact_stream_falls_back_where_one_offset_differs():
+    """symmetric_constant() compares every group bit for bit: one offset off by one float16 ulp, a
+    different constant in one row, or 4-bit codes keep the full stream (offsets stored)."""
+    n, k = 48, 96
+    codes, scales, offsets = _symmetric_layer(n, k, 32, 128)
+    assert woq.symmetric_constant(scales, offsets) == 128
+    for bad in ("ulp", "c"):
+        o = offsets.clone()
+        if bad == "ulp":
+            o[37, 2] = (o[37, 2:3].view(torch.int16) + 1).view(torch.float16)[0]
+        else:
+            o[5] = (scales[5].float() * -127).half()
+        assert woq.symmetric_constant(scales, o) == 0
+        stream, bits = woq.prepare(woq.pack(codes, 8), scales, o, n, k, 8, 32)
+        assert bits == 8 and stream.numel() == n * k + 4 * n * (k // 32)
+        x = _x(1, k)
+        assert torch.equal(woq.linear(x, stream, scales, o, n, k, bits, 32),
+                           _avx2_reference(x, codes, scales, o, 8, 32))
+        with pytest.raises(ValueError, match="compact"):
+            woq.fuse(woq.pack(codes, 8), scales, o, n, k, 8, 32, c=128)
+    assert woq.symmetric_constant(torch.zeros(2, 3, dtype=torch.float16), torch.zeros(2, 3, dtype=torch.float16)) == 0
+    c4, s4, o4 = _symmetric_layer(n, k, 32, 16)
+    assert woq.prepare(woq.pack(c4 & 15, 4), s4, (s4.float() * -8).half(), n, k, 4, 32)[1] == 4
+
+
+def test_compact_stream_layout_and_round_trip():
+    """fuse(c=...): per 16-row block and group, the 16 float16 scales, then the group's codes;
+    unfuse() with the kernel's bits rebuilds the same offsets, bit for bit."""
+    n, k, group, c = 48, 256, 64, 128
+    codes, scales, offsets = _symmetric_layer(n, k, group, c)
+    packed = woq.pack(codes, 8)
+    fused = woq.fuse(packed, scales, offsets, n, k, 8, group, c=c)
+    g_n, run = k // group, 16 * group
+    v = fused.reshape(n // 16, g_n, 32 + run)
+    for b, g in [(0, 0), (1, g_n - 1), (2, 1)]:
+        assert torch.equal(v[b, g, :32].contiguous().view(torch.float16), scales[16 * b:16 * b + 16, g])
+        assert torch.equal(v[b, g, 32:], packed.reshape(n // 16, -1)[b][g * run:(g + 1) * run])
+    p2, s2, o2 = woq.unfuse(fused, n, k, woq.stream_bits(8, c), group)
+    assert torch.equal(p2, packed) and torch.equal(s2, scales)
+    assert torch.equal(o2.view(torch.int16), offsets.view(torch.int16))
+
+
+@avx2_only
+def test_compact_stream_argument_errors():
+    """The kernel checks the compact stream's size against its bits argument, and takes the compact
+    form for 8-bit codes only."""
+    n, k = 32, 64
+    codes, scales, offsets = _symmetric_layer(n, k, 32, 128)
+    stream, bits = woq.prepare(woq.pack(codes, 8), scales, offsets, n, k, 8, 32)
+    x, empty = _x(1, k), torch.empty(0, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="packed must be contiguous"):
+        woq.kernel()(x, stream, empty, empty, n, k, 8, 32)  # (the full stream's size expected)
+    with pytest.raises(RuntimeError, match="bits must be"):
+        woq.kernel()(x, stream, empty, empty, n, k, 4 + 256 * 128, 32)
+    with pytest.raises(RuntimeError, match="multiple of group"):
+        woq.kernel()(_x(1, 96), stream, empty, empty, n, 96, bits, 64)
