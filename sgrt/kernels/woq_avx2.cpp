@@ -322,7 +322,7 @@ inline void block4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_
 // (decode: see STREAMS4): per block b of 32 inputs, sums4<1> on each block's codes in turn, so the
 // S blocks' streams advance together; each block's outputs are bitwise block4<1>'s (the same
 // instructions on the same values; a group's scales are widened again from its header, in L1,
-// rather than held in 4 S registers).
+// rather than held in 4 x S registers).
 template <int S, bool ACT8>
 inline void block4_streams(const uint8_t* const* w, const RowArgs& row, uint16_t* const* y, int64_t KB,
                            int group_shift) {
