@@ -85,9 +85,11 @@ constexpr int STREAMS8 = SGRT_WOQ8_STREAMS;
 // 16-row blocks as this many contiguous parts side by side (block4_streams), prefetching each
 // part's stream SGRT_WOQ4_STREAM_PREFETCH bytes ahead (0: not at all). (1: the single prefetched
 // stream, block4.) The 4-bit kernel does twice the int8 one's work a byte (two vpmaddubsw per
-// code against q1 and q2), so one prefetched stream already read at 0.75-0.85x torch.sum's rate
-// from DRAM (1 thread): 3 streams without prefetch 1.03-1.15x its speed there (bench/woq_kernel.py
-// --ab REV --rows 1 --copies 120); 2 no gain, 4 and a prefetch per stream no better than 3.
+// code against q1 and q2), so one prefetched stream already read at 0.6-0.85x torch.sum's rate
+// from DRAM (1 thread): 3 streams without prefetch 0.95-1.16x its speed there, median ~1.05 on a
+// loaded machine (bench/woq_kernel.py --ab REV --rows 1 --copies 120), a decode step 0.99-1.07x
+// the speed (bench/native_step.py --base REV --threads 1); 2 and 4 streams, or a prefetch per
+// stream, no better than 3 within the noise (--ab HEAD --base-define SGRT_WOQ4_STREAMS=4).
 #ifndef SGRT_WOQ4_STREAMS
 #define SGRT_WOQ4_STREAMS 3
 #endif
