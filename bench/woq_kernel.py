@@ -35,12 +35,15 @@ flags, as library ``sgrt_woq_avx2_base``; its weights in the layout it takes, so
 with the fused stream, ``e0b4e97`` on), on the four projection shapes at ``--rows`` rows
 (default 1 and 256), in the calling thread's CPU time (``time.thread_time``: other processes on a
 shared machine do not count), ABBA rounds (``--passes``), a sample the best of ``--best-of``
-timings; prints G weights / s per side, the median ratio new / base with its range, and whether
-the outputs are bitwise equal. 1 row: ``--copies`` layers (30: from memory; 1: in cache; at most
-~400 MB, so one copy of an LM head such as Gemma 3's 262144x640), and ``torch.sum`` over the same
-weight bytes in the same rounds: the read rate, and each kernel's share of it; from 64 rows on 2
-copies (compute-bound). ``--bits 8``: the int8 kernel instead (e.g. ``--shapes
-1536x640,640x2048,262144x640``, Gemma 3's int8 projections and head).
+timings (``--base-define NAME=VALUE``: REV's kernel built with that macro, e.g. ``--ab HEAD
+--base-define SGRT_WOQ4_STREAMS=4``: a variant of this tree's); prints G weights / s per side,
+the median ratio new / base with its range, and whether the outputs are bitwise equal. 1 row:
+``--copies`` layers (30: mostly from memory, though 30 of the smaller shapes fit a 32 MB L3:
+120 for those; 1: in cache; at most ~400 MB, so one copy of an LM head such as Gemma 3's
+262144x640), and ``torch.sum`` over the same weight bytes in the same rounds: the read rate, and
+each kernel's share of it; from 64 rows on 2 copies (compute-bound). ``--bits 8``: the int8
+kernel instead (e.g. ``--shapes 1536x640,640x2048,262144x640``, Gemma 3's int8 projections and
+head).
 
 Run: ``python bench/woq_kernel.py [--rows 1,16,256] [--passes 5] [--threads 2] [--copies 30]
 [--base 632e14a] [--methods ...]``; ``python bench/woq_kernel.py --ab 3c0d442 --threads 1
@@ -76,11 +79,12 @@ BASE_REV = "632e14a"
 _BASE_FUSED = {"fused": False}
 
 
-def load_base(rev: str, exact: bool = False) -> bool:
+def load_base(rev: str, exact: bool = False, defines: tuple[str, ...] = ()) -> bool:
     """Compile commit ``rev``'s ``woq_avx2.cpp`` as library ``sgrt_woq_avx2_base`` and load it
     (``exact``: with the kernel's own flags, ``-ffp-contract=off`` included, so that a kernel with
     the same arithmetic gives bitwise the same outputs; else without it, as the commits before
-    that flag were built). False (with the reason printed) where that fails."""
+    that flag were built; ``defines``: ``NAME=VALUE`` macros, e.g. ``SGRT_WOQ4_STREAMS=4``, to
+    build a variant). False (with the reason printed) where that fails."""
     from sgrt.kernels import woq
     from sgrt.kernels.build import load_library
 
@@ -95,6 +99,7 @@ def load_base(rev: str, exact: bool = False) -> bool:
     path = Path(tempfile.gettempdir()) / f"sgrt_woq_avx2_base_{rev}.cpp"
     path.write_text(src)
     flags = list(woq.CFLAGS_AVX2) if exact else [f for f in woq.CFLAGS_AVX2 if f != "-ffp-contract=off"]
+    flags += [f"-D{d}" for d in defines]
     reason = load_library("sgrt_woq_avx2_base", path, flags, woq.REQUIRED_CPU_FLAGS_AVX2)
     if reason is not None:
         print(f"base kernel unavailable: {reason}")
@@ -191,6 +196,9 @@ def main() -> None:
     ap.add_argument("--best-of", type=int, default=3, help="--ab: a sample is the best of this many timings")
     ap.add_argument("--bits", type=int, default=4, choices=(4, 5, 8),
                     help="--ab: the codes' width (5: codes 0..31 as 8-bit codes, offsets -16 scale)")
+    ap.add_argument("--base-define", action="append", default=[], metavar="NAME=VALUE",
+                    help="--ab: build the base with this macro (repeatable), e.g. SGRT_WOQ4_STREAMS=4 "
+                         "with --ab HEAD: a variant of this tree's kernel")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.ab:
@@ -276,7 +284,8 @@ def ab(args) -> None:
 
     from sgrt.kernels import woq
 
-    if not woq.available() or woq.isa() != "avx2" or not load_base(args.ab, exact=True):
+    if not woq.available() or woq.isa() != "avx2" or not load_base(args.ab, exact=True,
+                                                                            defines=tuple(args.base_define)):
         sys.exit("--ab needs the AVX2 build and a compilable base kernel")
     if not _BASE_FUSED["fused"]:
         sys.exit(f"--ab: {args.ab}'s kernel predates the fused weight stream")
@@ -286,7 +295,7 @@ def ab(args) -> None:
     gen = torch.Generator().manual_seed(1)
     bits = args.bits
     table, figures = [], {"base": args.ab, "threads": args.threads, "copies": args.copies,
-                          "best_of": args.best_of, "bits": bits}
+                          "best_of": args.best_of, "bits": bits, "base_defines": args.base_define}
     print(f"load average before: {os.getloadavg()}")
     with torch.inference_mode():
         for n, k in shapes:

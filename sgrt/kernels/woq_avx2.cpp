@@ -84,6 +84,24 @@ constexpr int64_t PREFETCH_BYTES = SGRT_PREFETCH_BYTES;
 #endif
 constexpr int STREAMS8 = SGRT_WOQ8_STREAMS;
 
+// One row of x against 4-bit codes (decode's int4 projections): each thread reads its range of
+// 16-row blocks as this many contiguous parts side by side (block4_streams), prefetching each
+// part's stream SGRT_WOQ4_STREAM_PREFETCH bytes ahead (0: not at all). (1: the single prefetched
+// stream, block4.) The 4-bit kernel does twice the int8 one's work a byte (two vpmaddubsw per
+// code against q1 and q2), so one prefetched stream already read at 0.6-0.85x torch.sum's rate
+// from DRAM (1 thread): 3 streams without prefetch 0.95-1.16x its speed there, median ~1.05 on a
+// loaded machine (bench/woq_kernel.py --ab REV --rows 1 --copies 120), a decode step 0.99-1.07x
+// the speed (bench/native_step.py --base REV --threads 1); 2 and 4 streams, or a prefetch per
+// stream, no better than 3 within the noise (--ab HEAD --base-define SGRT_WOQ4_STREAMS=4).
+#ifndef SGRT_WOQ4_STREAMS
+#define SGRT_WOQ4_STREAMS 3
+#endif
+#ifndef SGRT_WOQ4_STREAM_PREFETCH
+#define SGRT_WOQ4_STREAM_PREFETCH 0
+#endif
+constexpr int STREAMS4 = SGRT_WOQ4_STREAMS;
+constexpr int64_t STREAM4_PREFETCH = SGRT_WOQ4_STREAM_PREFETCH;
+
 // Bytes of int16 activations a tile of rows holds for 8-bit codes (see linear_raw).
 #ifndef SGRT_TILE8
 #define SGRT_TILE8 131072
@@ -253,15 +271,66 @@ inline void load_header(const uint8_t* h, __m256* so, const Header& hd) {
   so[3] = _mm256_mul_ps(so[1], negc);
 }
 
-// R rows (1 or 2) against one 16-row block of 4-bit codes. ACT8: int8 activations (expand4 without
-// q2: isum = the sum against q1 alone, half the vpmaddubsw).
-template <int R, bool ACT8 = false>
-inline void block4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
+// R rows (1 or 2), one block b of 32 inputs, against the 4 chunks of 4-bit codes at p (one
+// 16-row weight block's codes for those inputs; so: their group's scales and offsets): y0, y1
+// (rows 0-7, 8-15 of each row's outputs) += the block's terms. The 4-bit kernel's arithmetic,
+// which block4 (one weight block at a time) and block4_streams (several side by side) both run.
+// ACT8: int8 activations (expand4 without q2: isum = the sum against q1 alone, half the
+// vpmaddubsw).
+template <int R, bool ACT8>
+__attribute__((always_inline)) inline void sums4(const uint8_t* p, const RowArgs* rows, int64_t b, const __m256* so,
+                                                 __m256* y0, __m256* y1) {
   const __m256i m0f = _mm256_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1), w254 = _mm256_set1_epi16(254);
   // per 128-bit lane: words 0 4 1 5 2 6 3 7 (a row's k-pair 0 and k-pair 1 lanes side by side)
   const __m256i pairs = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
                                          0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+  __m256i hA[R], hB[R], lA[R], lB[R];  // s16 sums against q1 (h) and q2 (l), rows 0-7 (A), 8-15 (B)
+  for (int r = 0; r < R; ++r) hA[r] = hB[r] = lA[r] = lB[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
+    const __m256i B = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c + 32));
+    const __m256i Alo = _mm256_and_si256(A, m0f), Ahi = _mm256_and_si256(_mm256_srli_epi16(A, 4), m0f);
+    const __m256i Blo = _mm256_and_si256(B, m0f), Bhi = _mm256_and_si256(_mm256_srli_epi16(B, 4), m0f);
+    for (int r = 0; r < R; ++r) {
+      const __m256i* X = reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(rows[r].X) + (b * 4 + c) * (ACT8 ? 64 : 128));
+      const __m256i X01 = _mm256_loadu_si256(X), X23 = _mm256_loadu_si256(X + 1);
+      // (R = 1: the first chunk starts the sums; each sum right after its two products, an order
+      // that keeps gcc from spilling at R = 2)
+      const auto acc = [c](__m256i s, __m256i t) { return R == 1 && c == 0 ? t : _mm256_add_epi16(s, t); };
+      hA[r] = acc(hA[r], _mm256_add_epi16(_mm256_maddubs_epi16(Alo, X01), _mm256_maddubs_epi16(Ahi, X23)));
+      hB[r] = acc(hB[r], _mm256_add_epi16(_mm256_maddubs_epi16(Blo, X01), _mm256_maddubs_epi16(Bhi, X23)));
+      if (ACT8) continue;
+      const __m256i Y01 = _mm256_loadu_si256(X + 2), Y23 = _mm256_loadu_si256(X + 3);
+      lA[r] = acc(lA[r], _mm256_add_epi16(_mm256_maddubs_epi16(Alo, Y01), _mm256_maddubs_epi16(Ahi, Y23)));
+      lB[r] = acc(lB[r], _mm256_add_epi16(_mm256_maddubs_epi16(Blo, Y01), _mm256_maddubs_epi16(Bhi, Y23)));
+    }
+    // a compiler barrier per chunk: without it gcc reassociates the four chunks' integer adds into
+    // one tree after all 32 (R = 1) or 64 (R = 2) vpmaddubsw, which spills ~20 vectors to the
+    // stack a block (the same sums: integer adds are exact in any order)
+    for (int r = 0; r < R; ++r) {
+      asm("" : "+x"(hA[r]), "+x"(hB[r]));
+      if (!ACT8) asm("" : "+x"(lA[r]), "+x"(lB[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // isum = 254 * (sum against q1) + (sum against q2), exact in s32
+    if (ACT8) {
+      epilogue(_mm256_madd_epi16(_mm256_shuffle_epi8(hA[r], pairs), ones),
+               _mm256_madd_epi16(_mm256_shuffle_epi8(hB[r], pairs), ones), so, rows[r].dx[b], rows[r].qs[b], y0[r], y1[r]);
+      continue;
+    }
+    const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(hA[r], pairs), w254),
+                                        _mm256_madd_epi16(_mm256_shuffle_epi8(lA[r], pairs), ones));
+    const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(hB[r], pairs), w254),
+                                        _mm256_madd_epi16(_mm256_shuffle_epi8(lB[r], pairs), ones));
+    epilogue(s0, s1, so, rows[r].dx[b], rows[r].qs[b], y0[r], y1[r]);
+  }
+}
+
+// R rows (1 or 2) against one 16-row block of 4-bit codes (sums4 per block of 32 inputs).
+template <int R, bool ACT8 = false>
+inline void block4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
   __m256 y0[R], y1[R];
   for (int r = 0; r < R; ++r) y0[r] = y1[r] = _mm256_setzero_ps();
   const int64_t per_group = int64_t(1) << group_shift;  // blocks of 32 inputs a group
@@ -272,52 +341,70 @@ inline void block4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_
       load_header(p, so);
       p += HEADER_BYTES;
     }
-    __m256i hA[R], hB[R], lA[R], lB[R];  // s16 sums against q1 (h) and q2 (l), rows 0-7 (A), 8-15 (B)
-    for (int r = 0; r < R; ++r) hA[r] = hB[r] = lA[r] = lB[r] = _mm256_setzero_si256();
     for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
-      const __m256i B = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c + 32));
-      const __m256i Alo = _mm256_and_si256(A, m0f), Ahi = _mm256_and_si256(_mm256_srli_epi16(A, 4), m0f);
-      const __m256i Blo = _mm256_and_si256(B, m0f), Bhi = _mm256_and_si256(_mm256_srli_epi16(B, 4), m0f);
-      for (int r = 0; r < R; ++r) {
-        const __m256i* X = reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(rows[r].X) + (b * 4 + c) * (ACT8 ? 64 : 128));
-        const __m256i X01 = _mm256_loadu_si256(X), X23 = _mm256_loadu_si256(X + 1);
-        // (R = 1: the first chunk starts the sums; each sum right after its two products, an order
-        // that keeps gcc from spilling at R = 2)
-        const auto acc = [c](__m256i s, __m256i t) { return R == 1 && c == 0 ? t : _mm256_add_epi16(s, t); };
-        hA[r] = acc(hA[r], _mm256_add_epi16(_mm256_maddubs_epi16(Alo, X01), _mm256_maddubs_epi16(Ahi, X23)));
-        hB[r] = acc(hB[r], _mm256_add_epi16(_mm256_maddubs_epi16(Blo, X01), _mm256_maddubs_epi16(Bhi, X23)));
-        if (ACT8) continue;
-        const __m256i Y01 = _mm256_loadu_si256(X + 2), Y23 = _mm256_loadu_si256(X + 3);
-        lA[r] = acc(lA[r], _mm256_add_epi16(_mm256_maddubs_epi16(Alo, Y01), _mm256_maddubs_epi16(Ahi, Y23)));
-        lB[r] = acc(lB[r], _mm256_add_epi16(_mm256_maddubs_epi16(Blo, Y01), _mm256_maddubs_epi16(Bhi, Y23)));
-      }
-      // a compiler barrier per chunk: without it gcc reassociates the four chunks' integer adds into
-      // one tree after all 32 (R = 1) or 64 (R = 2) vpmaddubsw, which spills ~20 vectors to the
-      // stack a block (the same sums: integer adds are exact in any order)
-      for (int r = 0; r < R; ++r) {
-        asm("" : "+x"(hA[r]), "+x"(hB[r]));
-        if (!ACT8) asm("" : "+x"(lA[r]), "+x"(lB[r]));
-      }
-    }
-    for (int r = 0; r < R; ++r) {  // isum = 254 * (sum against q1) + (sum against q2), exact in s32
-      if (ACT8) {
-        epilogue(_mm256_madd_epi16(_mm256_shuffle_epi8(hA[r], pairs), ones),
-                 _mm256_madd_epi16(_mm256_shuffle_epi8(hB[r], pairs), ones), so, rows[r].dx[b], rows[r].qs[b], y0[r], y1[r]);
-        continue;
-      }
-      const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(hA[r], pairs), w254),
-                                          _mm256_madd_epi16(_mm256_shuffle_epi8(lA[r], pairs), ones));
-      const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(hB[r], pairs), w254),
-                                          _mm256_madd_epi16(_mm256_shuffle_epi8(lB[r], pairs), ones));
-      epilogue(s0, s1, so, rows[r].dx[b], rows[r].qs[b], y0[r], y1[r]);
-    }
+    sums4<R, ACT8>(p, rows, b, so, y0, y1);
   }
   for (int r = 0; r < R; ++r) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(y0[r]));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(y1[r]));
+  }
+}
+
+// One row of x against S 16-row blocks of 4-bit codes at once, far apart in the weight stream
+// (decode: see STREAMS4): per block b of 32 inputs, sums4<1> on each block's codes in turn, so the
+// S blocks' streams advance together; each block's outputs are bitwise block4<1>'s (the same
+// instructions on the same values; a group's scales are widened again from its header, in L1,
+// rather than held in 4 x S registers).
+template <int S, bool ACT8>
+inline void block4_streams(const uint8_t* const* w, const RowArgs& row, uint16_t* const* y, int64_t KB,
+                           int group_shift) {
+  __m256 y0[S], y1[S];
+  for (int s = 0; s < S; ++s) y0[s] = y1[s] = _mm256_setzero_ps();
+  const int64_t per_group = int64_t(1) << group_shift;
+  const uint8_t* p[S];
+  const uint8_t* h[S];  // each block's current group header
+  for (int s = 0; s < S; ++s) p[s] = h[s] = w[s];
+  for (int64_t b = 0; b < KB; ++b) {
+    if ((b & (per_group - 1)) == 0)
+      for (int s = 0; s < S; ++s) {
+        h[s] = p[s];
+        p[s] += HEADER_BYTES;
+      }
+#pragma GCC unroll 8
+    for (int s = 0; s < S; ++s) {
+      if (STREAM4_PREFETCH)
+        for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p[s] + STREAM4_PREFETCH + 64 * l), SGRT_PREFETCH_HINT);
+      __m256 so[4];
+      load_header(h[s], so);
+      sums4<1, ACT8>(p[s], &row, b, so, &y0[s], &y1[s]);
+      p[s] += 256;
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[s]), to_bf16(y0[s]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[s] + 8), to_bf16(y1[s]));
+  }
+}
+
+// One row of x (row.X: its expand4 vectors) against the 16-row blocks [b0, b1) of a 4-bit weight
+// stream: the range cut into STREAMS4 equal contiguous parts walked side by side (block i of each
+// part together), the blocks left over one at a time (block4<1>).
+template <bool ACT8>
+void row4_streams(const uint8_t* wp, int64_t block_bytes, int64_t b0, int64_t b1, const RowArgs& row,
+                  uint16_t* yp, int64_t KB, int group_shift) {
+  const int64_t part = (b1 - b0) / STREAMS4;
+  for (int64_t i = 0; i < part; ++i) {
+    const uint8_t* w[STREAMS4];
+    uint16_t* y[STREAMS4];
+    for (int s = 0; s < STREAMS4; ++s) {
+      w[s] = wp + (b0 + s * part + i) * block_bytes;
+      y[s] = yp + (b0 + s * part + i) * BLOCK_N;
+    }
+    block4_streams<STREAMS4, ACT8>(w, row, y, KB, group_shift);
+  }
+  for (int64_t b = b0 + STREAMS4 * part; b < b1; ++b) {
+    const RowArgs rows[1] = {{row.X, row.dx, row.qs, yp + b * BLOCK_N}};
+    block4<1, ACT8>(wp + b * block_bytes, rows, KB, group_shift);
   }
 }
 
@@ -602,6 +689,10 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
     const int64_t t1 = std::min(M, t0 + tile);
     if (bits == 4)
       for (int64_t m = t0; m < t1; ++m) expand4(q1 + m * k, ACT8 ? nullptr : q2 + m * k, k, X + (m - t0) * row_bytes);
+    if (bits == 4 && M == 1 && STREAMS4 > 1) {  // decode: several streams (block4_streams)
+      row4_streams<ACT8>(wp, block_bytes, b0, b1, RowArgs{X, dx, qs, nullptr}, yp, KB, group_shift);
+      return;
+    }
     // the row's activations: expanded (4-bit, this tile), or the int16 q themselves (8-bit)
     auto xrow = [&](int64_t m) -> const void* {
       return bits == 4 ? static_cast<const void*>(X + (m - t0) * row_bytes) : static_cast<const void*>(Q + m * k);

@@ -137,6 +137,56 @@ def test_thread_team_and_per_operator_regions_give_the_same_bits(which, request)
         torch.set_num_threads(threads)
 
 
+def _same_row_steps(model: CausalLM, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's hidden states for one decode row, and for a batch of two copies of that row (the
+    same token and position over the same context slots, each writing its new K/V to a slot of its
+    own), each over a fresh pool with the same random K/V."""
+    ctx = list(range(1, length))
+    ids = torch.tensor([977 % model.config.vocab_size])
+    outs = []
+    for copies in (1, 2):
+        pool = _pool(model, length + 3, seed=length)
+        rows = [RowSpec(ctx + [length + r], 1) for r in range(copies)]
+        with torch.inference_mode():
+            out = model.native_step.forward(ids.repeat(copies), torch.full((copies,), length - 1),
+                                            PagedAttention(pool, rows, native=True))
+        assert out is not None
+        outs.append(out)
+    return outs[0], outs[1]
+
+
+def _assert_team_one_row_matches_two(model: CausalLM) -> None:
+    """In the plan's thread team (2 threads), a lone decode row, whose int4 projections take the
+    kernel's one-row path (several weight streams a thread: block4_streams, through the team entry
+    linear_part), gives bitwise the hidden states of the same row in a batch of two (two rows per
+    weight load: block4<2>); and so does one thread."""
+    plan, threads = model.native_step.plan, torch.get_num_threads()
+    try:
+        for t in (2, 1):
+            torch.set_num_threads(t)
+            assert plan.use_thread_team(True) == (t == 2)
+            one, two = _same_row_steps(model, 80)
+            assert torch.equal(two[0], two[1])
+            assert torch.equal(one[0], two[0]), (t, (one[0].float() - two[0].float()).abs().max().item())
+    finally:
+        plan.use_thread_team(True)
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(woq.isa() != "avx2", reason="the AVX2 kernel's one-row int4 path")
+def test_team_one_row_int4_matches_a_batch_of_two(smollm_int4):
+    """SmolLM2 int4 (the team's int4 projections at one row: 960, 576, 3,072 and 576 outputs)."""
+    _assert_team_one_row_matches_two(smollm_int4.model)
+
+
+@pytest.mark.skipif(woq.isa() != "avx2", reason="the AVX2 kernel's one-row int4 path")
+@pytest.mark.parametrize("acts", ["int16", "int8"])
+def test_team_one_row_int4_matches_a_batch_of_two_tiny(acts):
+    """A tiny int4 model (2 to 6 row blocks a thread: blocks left over beside the streams), with
+    int16 and int8 activations (linear_q8's team entry)."""
+    _assert_team_one_row_matches_two(tiny_model("llama", "int4", acts))
+
+
 def test_errors_inside_the_thread_team_are_raised_after_it(smollm_int4):
     """A slot outside the pool in a context (met by the attention's items, on any thread of the team)
     and a new slot outside it (met by the K/V store, on the team's first thread) raise a RuntimeError

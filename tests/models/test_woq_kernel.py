@@ -373,6 +373,82 @@ def test_avx2_one_row_streams_match_the_formula(group):
         torch.set_num_threads(threads)
 
 
+# 16-row blocks of one-row int4 calls: 0-3 blocks a stream at 2-4 streams, every remainder, on
+# 1 thread and on each half of 2 (odd counts: halves of unequal size)
+INT4_ROW_BLOCKS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 16, 19, 24, 37)
+
+
+def _check_int4_one_row(linear, activations: str, group: int) -> None:
+    """One row of x against 4-bit codes through ``linear`` (an operator with woq.linear's
+    positional signature, fed woq.prepare's stream) equals :func:`_avx2_reference` bitwise at
+    every INT4_ROW_BLOCKS count, k = 256 and 576, on 1 and 2 threads."""
+    threads = torch.get_num_threads()
+    try:
+        for k in (256, 576):
+            if k % group:
+                continue
+            for blocks in INT4_ROW_BLOCKS:
+                n = 16 * blocks
+                codes, packed, scales, offsets, _ = _layer(n, k, 4, group)
+                stream = woq.prepare(packed, scales, offsets, n, k, 4, group)
+                x = _x(1, k).float()
+                x[:, 32:64] *= 1e-3
+                x[0, 64:96] = 0.0
+                x = x.bfloat16()
+                want = _avx2_reference(x, codes, scales, offsets, 4, group, activations)
+                empty = torch.empty(0, dtype=torch.half)
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    y = linear(x, stream, empty, empty, n, k, 4, group)
+                    assert torch.equal(y, want), (activations, k, blocks, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@avx2_only
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_avx2_int4_one_row_streams_match_the_formula(activations, group):
+    """One row of x against 4-bit codes (decode) reads a thread's row blocks as several streams
+    side by side (block4_streams): every split of the blocks into streams and left-over blocks
+    gives :func:`_avx2_reference`'s bits, with int16 and int8 activations."""
+    _check_int4_one_row(woq.kernel(activations), activations, group)
+
+
+@functools.lru_cache(maxsize=None)
+def _avx2_variant(streams: int, prefetch: int):
+    """woq_avx2.cpp built with ``SGRT_WOQ4_STREAMS=streams`` and ``SGRT_WOQ4_STREAM_PREFETCH=
+    prefetch`` as a library of its own (the bench's variants); its (linear, linear_q8), or None
+    where it cannot be built."""
+    import tempfile
+    from pathlib import Path
+
+    from sgrt.kernels.build import load_library
+
+    lib = f"sgrt_woq_avx2_s{streams}p{prefetch}"
+    src = woq.SOURCE_AVX2.read_text().replace("TORCH_LIBRARY(sgrt_woq_avx2,", f"TORCH_LIBRARY({lib},")
+    path = Path(tempfile.gettempdir()) / f"{lib}.cpp"
+    path.write_text(src)
+    flags = [*woq.CFLAGS_AVX2, f"-DSGRT_WOQ4_STREAMS={streams}", f"-DSGRT_WOQ4_STREAM_PREFETCH={prefetch}"]
+    if load_library(lib, path, flags, woq.REQUIRED_CPU_FLAGS_AVX2) is not None:
+        return None
+    ops = getattr(torch.ops, lib)
+    return ops.linear.default, ops.linear_q8.default
+
+
+@avx2_only
+@pytest.mark.parametrize("streams,prefetch", [(2, 4096), (4, 0)])
+def test_avx2_int4_stream_counts_give_the_same_bits(streams, prefetch):
+    """The stream count and per-stream prefetch (build-time macros, for bench variants) change no
+    output: the kernel built with 2 streams (each prefetched) and 4 gives the formula's bits
+    for one row, both activations."""
+    ops = _avx2_variant(streams, prefetch)
+    if ops is None:
+        pytest.skip("the variant build failed (see the log)")
+    for linear, activations in zip(ops, ("int16", "int8")):
+        _check_int4_one_row(linear, activations, 32)
+
+
 def test_int8_row_tiles_do_not_change_rows():
     """8-bit codes at a long k go in tiles of rows (32 rows of k = 2,048): a batch that spans
     several tiles, each ending in a group of fewer than 4 rows, equals its rows computed alone."""
