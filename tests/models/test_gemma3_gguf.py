@@ -32,6 +32,21 @@ def gemma(gemma_gguf):
     return load_model(str(gemma_gguf), dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def gemma_reader(gemma_gguf):
+    """One parsed ``gguf.GGUFReader`` of the file for the module (a parse takes ~10-20 s here)."""
+    import gguf
+
+    return gguf.GGUFReader(str(gemma_gguf))
+
+
+@pytest.fixture(scope="module")
+def gemma_int4(gemma_gguf):
+    from sgrt.models import load_model
+
+    return load_model(str(gemma_gguf), dtype="bfloat16", quantization="int4")
+
+
 def test_gguf_reads_as_gemma3(gemma):
     cfg = gemma.config
     assert cfg.architecture == "Gemma3ForCausalLM"
@@ -77,7 +92,7 @@ ACCURACY_TEXT = ("The lighthouse keeper had lived alone on the island for eleven
                  "twelve seconds. In winter the storms came from the north, and waves broke over the rocks.")
 
 
-def test_q4_k_blocks_read_as_groups_of_32(gemma_gguf):
+def test_q4_k_blocks_read_as_groups_of_32(gemma_gguf, gemma_reader):
     """A Q4_K tensor's codes are kept and each group's scale / minimum is the product the file
     defines, rounded once to float16: within 2**-11 of a group's scale and minimum of gguf's own
     dequantization (a min / max re-quantization errs by up to half a step)."""
@@ -85,7 +100,7 @@ def test_q4_k_blocks_read_as_groups_of_32(gemma_gguf):
 
     from sgrt.models import gguf_raw
 
-    reader = gguf.GGUFReader(str(gemma_gguf))
+    reader = gemma_reader
     t = next(t for t in reader.tensors if t.tensor_type.name == "Q4_K")
     cols, rows = (int(x) for x in t.shape)
     w = gguf_raw.unpack_q4_k(t.data, rows, cols)
@@ -97,21 +112,21 @@ def test_q4_k_blocks_read_as_groups_of_32(gemma_gguf):
     assert bool((err <= bound).all()), float((err - bound).max())
 
 
-def test_int4_keeps_wider_tensors_in_int8_and_stays_near_the_file(gemma, gemma_gguf):
+def test_int4_keeps_wider_tensors_in_int8_and_stays_near_the_file(gemma, gemma_gguf, gemma_reader, gemma_int4):
     """quantization="int4" on a K-quant GGUF: the file's 4-bit tensors (Q4_K) as int4 with their own
     codes, the wider ones (Q5_0, Q6_K, Q8_0) in int8. Re-quantizing everything to int4 had put
     Gemma 3 at top-1 60% / mean KL 0.50 against the file's float32 weights (teacher-forced);
     keeping the file's precision measures 93.5% / 0.009 (bfloat16: 97% / 0.0045)."""
     from sgrt.models import gguf_raw, load_model
 
-    types = gguf_raw.read_tensor_types(gemma_gguf)
+    types = gguf_raw.read_tensor_types(gemma_gguf, reader=gemma_reader)
     wide = gguf_raw.wider_than_4_bits(types)
     q5 = "model.layers.2.self_attn.q_proj.weight"
     assert types[q5] == "Q5_0" and q5 in wide
     assert types["model.layers.2.self_attn.o_proj.weight"] == "Q4_K"
     assert "model.layers.2.self_attn.o_proj.weight" not in wide
 
-    lm = load_model(str(gemma_gguf), dtype="bfloat16", quantization="int4")
+    lm = gemma_int4
     layer = lm.model.layers[2]
     assert layer.qkv_proj.bits == 8 and layer.gate_up_proj.bits == 8  # Q5_0 parts
     assert layer.o_proj.bits == 4  # Q4_K
@@ -127,7 +142,7 @@ def test_int4_keeps_wider_tensors_in_int8_and_stays_near_the_file(gemma, gemma_g
     assert top1 >= 0.85 and kl <= 0.03, (top1, kl)
 
 
-def test_q8_0_and_q5_0_blocks_read_exactly_and_load_as_compact_int8(gemma_gguf):
+def test_q8_0_and_q5_0_blocks_read_exactly_and_load_as_compact_int8(gemma_gguf, gemma_reader, gemma_int4):
     """Q8_0 (codes q + 128) and Q5_0 (codes q, 0..31) read as int8 groups with offset -c * d: the
     file's weights bit for bit (gguf's own dequantization). int4 loads them as they are: each such
     projection's offsets are -c * scale, so the AVX2 kernel takes its compact stream (no offsets
@@ -137,7 +152,7 @@ def test_q8_0_and_q5_0_blocks_read_exactly_and_load_as_compact_int8(gemma_gguf):
     from sgrt.kernels import woq
     from sgrt.models import gguf_raw, load_model
 
-    reader = gguf.GGUFReader(str(gemma_gguf))
+    reader = gemma_reader
     for kind in ("Q5_0", "Q8_0"):
         t = next(t for t in reader.tensors if t.tensor_type.name == kind and "blk" in t.name)
         cols, rows = (int(x) for x in t.shape)
@@ -147,8 +162,8 @@ def test_q8_0_and_q5_0_blocks_read_exactly_and_load_as_compact_int8(gemma_gguf):
         assert int(w.codes.max()) <= (31 if kind == "Q5_0" else 255) and w.c == (16 if kind == "Q5_0" else 128)
         assert torch.equal(w.m.float(), w.d.float() * -w.c)
 
-    lm = load_model(str(gemma_gguf), dtype="bfloat16", quantization="int4")
-    types = gguf_raw.read_tensor_types(gemma_gguf)
+    lm = gemma_int4
+    types = gguf_raw.read_tensor_types(gemma_gguf, reader=gemma_reader)
     head = lm.model.logits_head
     assert head.bits == 8 and head.out_features == 262144
     if woq.isa() == "avx2":
