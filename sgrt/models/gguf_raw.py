@@ -280,7 +280,7 @@ def load_q4_groups(gguf_path: str | Path, cache_folder: str | Path | None, spec:
     digests the file's contents; the types in its metadata): read from it when present, else read
     the GGUF and write it there (atomically; skipped if the folder is read-only)."""
     from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     cached = Path(cache_folder) / Q4_1_CACHE_FILE if cache_folder is not None else None
     if cached is not None and cached.is_file():
@@ -299,16 +299,8 @@ def load_q4_groups(gguf_path: str | Path, cache_folder: str | Path | None, spec:
         for n, w in blocks.items():
             flat[n + ".codes"] = (w.codes[:, 0::2] | (w.codes[:, 1::2] << 4)).contiguous()
             flat[n + ".d"], flat[n + ".m"] = w.d, w.m
-        tmp = cached.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{cached.name}")
-        try:
-            save_file(flat, str(tmp), metadata={"format": "sgrt-q4-groups", "source": str(gguf_path),
-                                                "tensor_types": json.dumps(types, sort_keys=True)})
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, cached)
-        except OSError:
-            tmp.unlink(missing_ok=True)
+        _save_cache(flat, cached, {"format": "sgrt-q4-groups", "source": str(gguf_path),
+                                   "tensor_types": json.dumps(types, sort_keys=True)})
     return blocks, types
 
 
@@ -323,7 +315,7 @@ def load_q8_groups(gguf_path: str | Path, cache_folder: str | Path | None, spec:
     """:func:`read_q8_groups` through ``cache_folder / q8_groups.safetensors`` (codes, ``d``; each
     tensor's ``c`` in the metadata), as :func:`load_q4_groups` caches the 4-bit blocks."""
     from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     cached = Path(cache_folder) / Q8_CACHE_FILE if cache_folder is not None else None
     if cached is not None and cached.is_file():
@@ -337,17 +329,25 @@ def load_q8_groups(gguf_path: str | Path, cache_folder: str | Path | None, spec:
         flat = {}
         for n, w in blocks.items():
             flat[n + ".codes"], flat[n + ".d"] = w.codes, w.d
-        tmp = cached.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{cached.name}")
-        try:
-            save_file(flat, str(tmp), metadata={"format": "sgrt-q8-groups", "source": str(gguf_path),
-                                                "c": json.dumps({n: w.c for n, w in blocks.items()}, sort_keys=True)})
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, cached)
-        except OSError:
-            tmp.unlink(missing_ok=True)
+        _save_cache(flat, cached, {"format": "sgrt-q8-groups", "source": str(gguf_path),
+                                   "c": json.dumps({n: w.c for n, w in blocks.items()}, sort_keys=True)})
     return blocks
+
+
+def _save_cache(flat: dict[str, torch.Tensor], cached: Path, metadata: dict[str, str]) -> None:
+    """Write ``flat`` to the safetensors file ``cached`` atomically (a temporary file renamed over
+    it, readable as the umask allows); skipped where the folder is read-only (OSError)."""
+    from safetensors.torch import save_file
+
+    tmp = cached.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{cached.name}")
+    try:
+        save_file(flat, str(tmp), metadata=metadata)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, cached)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def wider_than_4_bits(types: dict[str, str]) -> frozenset[str]:
