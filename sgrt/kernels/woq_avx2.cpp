@@ -386,26 +386,38 @@ inline void block4_streams(const uint8_t* const* w, const RowArgs& row, uint16_t
   }
 }
 
-// One row of x (row.X: its expand4 vectors) against the 16-row blocks [b0, b1) of a 4-bit weight
-// stream: the range cut into STREAMS4 equal contiguous parts walked side by side (block i of each
-// part together), the blocks left over one at a time (block4<1>).
-template <bool ACT8>
-void row4_streams(const uint8_t* wp, int64_t block_bytes, int64_t b0, int64_t b1, const RowArgs& row,
-                  uint16_t* yp, int64_t KB, int group_shift) {
-  const int64_t part = (b1 - b0) / STREAMS4;
+// The 16-row blocks [b0, b1) of a weight stream (block_bytes each; outputs at yp, BLOCK_N a block)
+// cut into S equal contiguous parts walked side by side: streams(w, y) takes block i of every part
+// together (w[s], y[s]: part s's block and its outputs), one(w, y) each block left over alone.
+// The one-row split of both code widths (row4_streams, row8_streams).
+template <int S, typename Streams, typename One>
+inline void walk_streams(const uint8_t* wp, int64_t block_bytes, int64_t b0, int64_t b1, uint16_t* yp,
+                         Streams&& streams, One&& one) {
+  const int64_t part = (b1 - b0) / S;
   for (int64_t i = 0; i < part; ++i) {
-    const uint8_t* w[STREAMS4];
-    uint16_t* y[STREAMS4];
-    for (int s = 0; s < STREAMS4; ++s) {
+    const uint8_t* w[S];
+    uint16_t* y[S];
+    for (int s = 0; s < S; ++s) {
       w[s] = wp + (b0 + s * part + i) * block_bytes;
       y[s] = yp + (b0 + s * part + i) * BLOCK_N;
     }
-    block4_streams<STREAMS4, ACT8>(w, row, y, KB, group_shift);
+    streams(w, y);
   }
-  for (int64_t b = b0 + STREAMS4 * part; b < b1; ++b) {
-    const RowArgs rows[1] = {{row.X, row.dx, row.qs, yp + b * BLOCK_N}};
-    block4<1, ACT8>(wp + b * block_bytes, rows, KB, group_shift);
-  }
+  for (int64_t b = b0 + S * part; b < b1; ++b) one(wp + b * block_bytes, yp + b * BLOCK_N);
+}
+
+// One row of x (row.X: its expand4 vectors) against the 16-row blocks [b0, b1) of a 4-bit weight
+// stream: STREAMS4 parts side by side (block4_streams), the blocks left over by block4<1>.
+template <bool ACT8>
+void row4_streams(const uint8_t* wp, int64_t block_bytes, int64_t b0, int64_t b1, const RowArgs& row,
+                  uint16_t* yp, int64_t KB, int group_shift) {
+  walk_streams<STREAMS4>(
+      wp, block_bytes, b0, b1, yp,
+      [&](const uint8_t* const* w, uint16_t* const* y) { block4_streams<STREAMS4, ACT8>(w, row, y, KB, group_shift); },
+      [&](const uint8_t* w, uint16_t* y) {
+        const RowArgs rows[1] = {{row.X, row.dx, row.qs, y}};
+        block4<1, ACT8>(w, rows, KB, group_shift);
+      });
 }
 
 // R rows (1 or 2) against one 16-row block of 8-bit codes.
@@ -492,25 +504,17 @@ inline void block8_streams(const uint8_t* const* w, const RowArgs& row, uint16_t
   }
 }
 
-// One row of x against the 16-row blocks [b0, b1) of an 8-bit weight stream: the range cut into
-// STREAMS8 equal contiguous parts walked side by side (block i of each part together), the blocks
-// left over one at a time.
+// One row of x against the 16-row blocks [b0, b1) of an 8-bit weight stream: STREAMS8 parts side by
+// side (block8_streams), the blocks left over by block8<1>.
 void row8_streams(const uint8_t* wp, int64_t block_bytes, int64_t b0, int64_t b1, const RowArgs& row,
                   uint16_t* yp, int64_t KB, int group_shift, const Header& hd) {
-  const int64_t part = (b1 - b0) / STREAMS8;
-  for (int64_t i = 0; i < part; ++i) {
-    const uint8_t* w[STREAMS8];
-    uint16_t* y[STREAMS8];
-    for (int s = 0; s < STREAMS8; ++s) {
-      w[s] = wp + (b0 + s * part + i) * block_bytes;
-      y[s] = yp + (b0 + s * part + i) * BLOCK_N;
-    }
-    block8_streams<STREAMS8>(w, row, y, KB, group_shift, hd);
-  }
-  for (int64_t b = b0 + STREAMS8 * part; b < b1; ++b) {
-    const RowArgs rows[1] = {{row.X, row.dx, row.qs, yp + b * BLOCK_N}};
-    block8<1>(wp + b * block_bytes, rows, KB, group_shift, hd);
-  }
+  walk_streams<STREAMS8>(
+      wp, block_bytes, b0, b1, yp,
+      [&](const uint8_t* const* w, uint16_t* const* y) { block8_streams<STREAMS8>(w, row, y, KB, group_shift, hd); },
+      [&](const uint8_t* w, uint16_t* y) {
+        const RowArgs rows[1] = {{row.X, row.dx, row.qs, y}};
+        block8<1>(w, rows, KB, group_shift, hd);
+      });
 }
 
 // 4 rows against one 16-row block of 8-bit codes: block8's integer sums, epilogue and rounding
