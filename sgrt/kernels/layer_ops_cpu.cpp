@@ -455,11 +455,12 @@ inline __m256 lane_sums8(const __m256* a) {
 
 // score_keys' contract for G query heads (qf: G rows of d floats), DC: head_dim if known at
 // compile time (else 0: d). Two keys per pass over head_dim (2 G accumulators); the last block
-// of fewer than 8 keys repeats its last key (its extra scores are not stored). vbase: the values
-// of the same slots, prefetched into L2 meanwhile for accumulate_values_grouped.
+// of fewer than 8 keys repeats its last key (its extra scores are not stored). kpf / vpf / npf:
+// the rows kPrefetchAhead keys ahead to prefetch (npf values from each), the values into L2 for
+// accumulate_values_grouped.
 template <typename R, int G, int DC>
-void score_keys_grouped(const float* qf, int64_t d_, const R* kbase, const R* vbase, const int64_t* rs, int64_t len,
-                        int64_t row, float* scores, int64_t stride, const R* kpf, const R* vpf, int64_t npf) {
+void score_keys_grouped(const float* qf, int64_t d_, const R* kbase, const int64_t* rs, int64_t len, int64_t row,
+                        float* scores, int64_t stride, const R* kpf, const R* vpf, int64_t npf) {
   const int64_t d = DC > 0 ? DC : d_;
   for (int64_t j0 = 0; j0 < len; j0 += 8) {
     const int64_t last = std::min<int64_t>(8, len - j0) - 1;
@@ -537,17 +538,16 @@ void accumulate_values_grouped(const float* p, int64_t d_, const R* vbase, const
 // The grouped kernels over gi query heads (any count; groups of at most 4 heads, each group
 // reading the keys and values again, from cache). d: a multiple of 8.
 template <typename R, int DC>
-void score_keys_blocked(const float* qf, int64_t gi, int64_t d, const R* kbase, const R* vbase, const int64_t* rs,
-                        int64_t len, int64_t row, float* scores, int64_t stride, const R* kpf, const R* vpf,
-                        int64_t npf) {
+void score_keys_blocked(const float* qf, int64_t gi, int64_t d, const R* kbase, const int64_t* rs, int64_t len,
+                        int64_t row, float* scores, int64_t stride, const R* kpf, const R* vpf, int64_t npf) {
   for (int64_t i = 0; i < gi; i += 4) {
     const float* q = qf + i * d;
     float* s = scores + i * stride;
     switch (std::min<int64_t>(4, gi - i)) {
-      case 4: score_keys_grouped<R, 4, DC>(q, d, kbase, vbase, rs, len, row, s, stride, kpf, vpf, npf); break;
-      case 3: score_keys_grouped<R, 3, DC>(q, d, kbase, vbase, rs, len, row, s, stride, kpf, vpf, npf); break;
-      case 2: score_keys_grouped<R, 2, DC>(q, d, kbase, vbase, rs, len, row, s, stride, kpf, vpf, npf); break;
-      default: score_keys_grouped<R, 1, DC>(q, d, kbase, vbase, rs, len, row, s, stride, kpf, vpf, npf); break;
+      case 4: score_keys_grouped<R, 4, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
+      case 3: score_keys_grouped<R, 3, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
+      case 2: score_keys_grouped<R, 2, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
+      default: score_keys_grouped<R, 1, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
     }
   }
 }
@@ -749,7 +749,7 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
       // the first kv head's item prefetches the whole rows (its chunk's other kv heads, next in
       // this thread's items, then find theirs in cache)
       const bool whole = kh == 0;
-      score_keys_blocked<R, DC>(qf, gi, d, kp + kh * d, vp + kh * d, rs, len, row, scores, span, whole ? kp : kp + kh * d,
+      score_keys_blocked<R, DC>(qf, gi, d, kp + kh * d, rs, len, row, scores, span, whole ? kp : kp + kh * d,
                                 whole ? vp : vp + kh * d, whole ? row : d);
 #endif
     } else {
