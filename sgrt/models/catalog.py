@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgrt.errors import ModelLoadError
-from sgrt.models.checkpoint import _field, gguf_config, gguf_family, read_hf_config
+from sgrt.models.checkpoint import GGUFFile, _field, gguf_config, gguf_family, read_hf_config
 from sgrt.models.registry import family_for_hf
 from sgrt.models.specs import DEFAULT_MODEL, GEMMA3_270M, default_gguf_path, packaged_gguf, resolve_spec
 from sgrt.paths import cache_root
@@ -42,9 +42,7 @@ def describe(path: Path) -> tuple[str | None, str]:
             config = read_hf_config(src, str(path))
             fam = family_for_hf({"architectures": [config.architecture]})
             return fam.name, _shape(config, "hf")
-        import gguf
-
-        reader = gguf.GGUFReader(str(src))
+        reader = GGUFFile(src, str(path)).reader()
         config, _ = gguf_config(reader, str(path))
         ftype = _field(reader, "general.file_type")
         return gguf_family(reader, str(path)).name, _shape(config, f"gguf file_type {ftype}")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from sgrt.errors import ModelLoadError
-from sgrt.models.checkpoint import family_config, gguf_hf_config, unpermute_rotary
+from sgrt.models.checkpoint import GGUFFile, family_config, gguf_hf_config, unpermute_rotary
 from sgrt.paths import cache_root
 
 # Bump when the conversion below changes, so stale cache entries are not reused.
@@ -57,8 +57,10 @@ def gguf_cache_key(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def ensure_converted(gguf_path: Path, spec: str, cache_dir: str | Path | None = None) -> tuple[Path, bool]:
-    """The cached HF folder for ``gguf_path``, converting it first if absent.
+def ensure_converted(gguf_path: Path, spec: str, cache_dir: str | Path | None = None,
+                     source: GGUFFile | None = None) -> tuple[Path, bool]:
+    """The cached HF folder for ``gguf_path``, converting it first if absent (``source``: the
+    load's :class:`GGUFFile` of it, so that the conversion shares the load's one parse).
 
     Returns ``(folder, converted_now)``.
 
@@ -79,7 +81,7 @@ def ensure_converted(gguf_path: Path, spec: str, cache_dir: str | Path | None = 
         from sgrt.progress import progress
 
         with progress(f"converting {gguf_path.name} (once; cached)"):
-            convert_gguf(gguf_path, tmp, spec)
+            convert_gguf(gguf_path, tmp, spec, source)
         _relax_permissions(tmp)
         (tmp / "sgrt_source.json").write_text(json.dumps({
             "source": str(gguf_path), "size": gguf_path.stat().st_size,
@@ -126,7 +128,7 @@ def publish_folder(tmp: Path, final: Path) -> bool:
         raise
 
 
-def convert_gguf(gguf_path: Path, out: Path, spec: str) -> None:
+def convert_gguf(gguf_path: Path, out: Path, spec: str, source: GGUFFile | None = None) -> None:
     """Write ``config.json``, ``model.safetensors`` (float32) and tokenizer files into ``out``.
 
     Every tensor type ``gguf`` dequantizes is read (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
@@ -138,10 +140,7 @@ def convert_gguf(gguf_path: Path, out: Path, spec: str) -> None:
     import gguf
     from safetensors.torch import save_file
 
-    try:
-        reader = gguf.GGUFReader(str(gguf_path))
-    except Exception as e:  # gguf raises ValueError / struct.error on a corrupt file
-        raise ModelLoadError(f"model {spec!r}: cannot read GGUF {gguf_path}: {e}") from e
+    reader = (source or GGUFFile(gguf_path, spec)).reader()
     hf_cfg, family, facts = gguf_hf_config(reader, spec)
     config = family_config(family, hf_cfg, spec, "the GGUF metadata")
     state: dict[str, torch.Tensor] = {}

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from sgrt.errors import ModelLoadError
+from sgrt.models.checkpoint import GGUFFile
 
 Q4_1_GROUP = 32  # weights per block
 _Q4_1_BLOCK_BYTES = 20  # 2 (d) + 2 (m) + 16 (codes)
@@ -273,12 +274,13 @@ def read_tensor_types(gguf_path: str | Path, spec: str = "", reader: Any = None)
     return out
 
 
-def load_q4_groups(gguf_path: str | Path, cache_folder: str | Path | None, spec: str = ""
-                   ) -> tuple[dict[str, Q4_1Weight], dict[str, str]]:
+def load_q4_groups(gguf_path: str | Path, cache_folder: str | Path | None, spec: str = "",
+                   source: GGUFFile | None = None) -> tuple[dict[str, Q4_1Weight], dict[str, str]]:
     """:func:`read_q4_1` and :func:`read_tensor_types` of one GGUF (one reader), through
     ``cache_folder / q4_groups.safetensors`` (the GGUF's conversion cache entry, whose name already
     digests the file's contents; the types in its metadata): read from it when present, else read
-    the GGUF and write it there (atomically; skipped if the folder is read-only)."""
+    the GGUF and write it there (atomically; skipped if the folder is read-only). ``source``: the
+    load's :class:`GGUFFile` of ``gguf_path``, so that a cache miss shares its one parse."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -292,7 +294,7 @@ def load_q4_groups(gguf_path: str | Path, cache_folder: str | Path | None, spec:
             blocks = {n: Q4_1Weight(_unpack_nibbles(flat[n + ".codes"]), flat[n + ".d"], flat[n + ".m"])
                       for n in sorted(names)}
             return blocks, json.loads(meta["tensor_types"])
-    reader = _open(gguf_path, spec)
+    reader = (source or GGUFFile(gguf_path, spec)).reader()
     blocks, types = read_q4_1(gguf_path, spec, reader), read_tensor_types(gguf_path, spec, reader)
     if cached is not None:
         flat = {}
@@ -310,10 +312,11 @@ def read_q8_groups(gguf_path: str | Path, spec: str = "", reader: Any = None) ->
     return read_q4_1(gguf_path, spec, reader, readers=_Q8_READERS)
 
 
-def load_q8_groups(gguf_path: str | Path, cache_folder: str | Path | None, spec: str = ""
-                   ) -> dict[str, SymmetricWeight]:
+def load_q8_groups(gguf_path: str | Path, cache_folder: str | Path | None, spec: str = "",
+                   source: GGUFFile | None = None) -> dict[str, SymmetricWeight]:
     """:func:`read_q8_groups` through ``cache_folder / q8_groups.safetensors`` (codes, ``d``; each
-    tensor's ``c`` in the metadata), as :func:`load_q4_groups` caches the 4-bit blocks."""
+    tensor's ``c`` in the metadata), as :func:`load_q4_groups` caches the 4-bit blocks (``source``
+    likewise)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -324,7 +327,7 @@ def load_q8_groups(gguf_path: str | Path, cache_folder: str | Path | None, spec:
         if "c" in meta:
             flat, cs = load_file(str(cached)), json.loads(meta["c"])
             return {n: SymmetricWeight(flat[n + ".codes"], flat[n + ".d"], int(c)) for n, c in sorted(cs.items())}
-    blocks = read_q8_groups(gguf_path, spec, _open(gguf_path, spec))
+    blocks = read_q8_groups(gguf_path, spec, (source or GGUFFile(gguf_path, spec)).reader())
     if cached is not None:
         flat = {}
         for n, w in blocks.items():
@@ -358,12 +361,7 @@ def wider_than_4_bits(types: dict[str, str]) -> frozenset[str]:
 
 def _open(gguf_path: str | Path, spec: str) -> Any:
     """A ``gguf.GGUFReader`` of the file; ModelLoadError naming it if it cannot be read."""
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(gguf_path))
-    except Exception as e:  # gguf raises ValueError / struct.error on a corrupt file
-        raise ModelLoadError(f"model {spec!r}: cannot read GGUF {gguf_path}: {e}") from e
+    return GGUFFile(gguf_path, spec).reader()
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 
 from sgrt.errors import ModelLoadError
 from sgrt.models.checkpoint import (  # noqa: F401 - re-exported
-    family_of, gguf_config, gguf_family, gguf_hf_config, hf_name, read_hf_config, read_safetensors,
+    GGUFFile, family_of, gguf_config, gguf_family, gguf_hf_config, hf_name, read_hf_config, read_safetensors,
     unpermute_rotary,
 )
 from sgrt.models.config import ModelConfig
@@ -119,8 +119,9 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
     check_int4_activations(int4_activations, quantization, torch.device(device))
     kind, src = resolve_spec(spec)
     converted = False
+    source = GGUFFile(src, spec) if kind == "gguf" else None  # parsed only on a cache miss, once
     if kind == "gguf":
-        folder, converted = ensure_converted(src, spec, cache_dir)
+        folder, converted = ensure_converted(src, spec, cache_dir, source)
     else:
         folder = src
     config = read_hf_config(folder, spec)
@@ -138,10 +139,10 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
             from sgrt.models.gguf_raw import load_q4_groups, load_q8_groups, wider_than_4_bits
 
             if quantization == "int4":
-                q4_1, types = load_q4_groups(src, folder, spec)
+                q4_1, types = load_q4_groups(src, folder, spec, source)
                 wide = wider_than_4_bits(types)
             if torch.device(device).type == "cpu" and native_kernel_available():  # (Q8_0 / Q5_0: int8 blocks)
-                q8 = load_q8_groups(src, folder, spec)
+                q8 = load_q8_groups(src, folder, spec, source)
         counts = quantize_model(model, quantization, state, q4_1, wide, int4_activations, q8)
         if kind == "gguf" and counts["quantized"]:
             logger.info("%s: %d projections re-quantized at load to %s groups of 32 (the file's blocks "
@@ -149,7 +150,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
                         "holding a part in more than 4 bits); %d taken as they are (and %d int8 ones from "
                         "Q8_0 / Q5_0 blocks)",
                         spec, counts["quantized"], quantization, counts["int8_wide"], counts["q4_1"], counts["q8"])
-    del state
+    del state, source
     if prepack:
         pack_linear_layers(model, tuple(FUSED_PROJECTIONS))
         pack_lm_head(model)
