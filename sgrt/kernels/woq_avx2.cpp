@@ -495,111 +495,35 @@ inline void block4x4w(const uint8_t* w, const RowArgs* rows, int64_t KB, int gro
       const int16_t* q2 = X[2] + 32 * b + 8 * c;
       const int16_t* q3 = X[3] + 32 * b + 8 * c;
       __m256i ra, rb, lo, hi, xp, t, z;
+      // one row's k-pair: broadcast its int16 pair (at byte offset off), add the two vpmaddwd
+      // products (rows 0-7: lo, 8-15: hi) to its sums
+#define SGRT_ROW(off, q, s0, s1)                    \
+  "vpbroadcastd " off "(%[" q "]), %[xp]\n\t"       \
+  "vpmaddwd %[xp], %[lo], %[t]\n\t"                 \
+  "vpaddd %[t], %[" s0 "], %[" s0 "]\n\t"           \
+  "vpmaddwd %[xp], %[hi], %[t]\n\t"                 \
+  "vpaddd %[t], %[" s1 "], %[" s1 "]\n\t"
+      // k-pair j of the chunk: widen (unpack: vpunpcklbw / vpunpckhbw; nibble: vpand with 0x0f or
+      // vpsrlw by 4), then the 4 rows
+#define SGRT_KPAIR(unpack, nibble, off)                                                              \
+  unpack " %[z], %[ra], %[lo]\n\t" unpack " %[z], %[rb], %[hi]\n\t" nibble ", %[lo], %[lo]\n\t" nibble \
+  ", %[hi], %[hi]\n\t" SGRT_ROW(off, "q0", "a00", "a01") SGRT_ROW(off, "q1", "a10", "a11")              \
+      SGRT_ROW(off, "q2", "a20", "a21") SGRT_ROW(off, "q3", "a30", "a31")
       asm("vpxor %[z], %[z], %[z]\n\t"
           "vmovdqu (%[p]), %[ra]\n\t"
           "vmovdqu 32(%[p]), %[rb]\n\t"
-          "vpunpcklbw %[z], %[ra], %[lo]\n\t"
-          "vpunpcklbw %[z], %[rb], %[hi]\n\t"
-          "vpand %[m0f], %[lo], %[lo]\n\t"
-          "vpand %[m0f], %[hi], %[hi]\n\t"
-          "vpbroadcastd 0(%[q0]), %[xp]\n\t"
-          "vpmaddwd %[xp], %[lo], %[t]\n\t"
-          "vpaddd %[t], %[a00], %[a00]\n\t"
-          "vpmaddwd %[xp], %[hi], %[t]\n\t"
-          "vpaddd %[t], %[a01], %[a01]\n\t"
-          "vpbroadcastd 0(%[q1]), %[xp]\n\t"
-          "vpmaddwd %[xp], %[lo], %[t]\n\t"
-          "vpaddd %[t], %[a10], %[a10]\n\t"
-          "vpmaddwd %[xp], %[hi], %[t]\n\t"
-          "vpaddd %[t], %[a11], %[a11]\n\t"
-          "vpbroadcastd 0(%[q2]), %[xp]\n\t"
-          "vpmaddwd %[xp], %[lo], %[t]\n\t"
-          "vpaddd %[t], %[a20], %[a20]\n\t"
-          "vpmaddwd %[xp], %[hi], %[t]\n\t"
-          "vpaddd %[t], %[a21], %[a21]\n\t"
-          "vpbroadcastd 0(%[q3]), %[xp]\n\t"
-          "vpmaddwd %[xp], %[lo], %[t]\n\t"
-          "vpaddd %[t], %[a30], %[a30]\n\t"
-          "vpmaddwd %[xp], %[hi], %[t]\n\t"
-          "vpaddd %[t], %[a31], %[a31]\n\t"
-          "vpunpckhbw %[z], %[ra], %[lo]\n\t"
-          "vpunpckhbw %[z], %[rb], %[hi]\n\t"
-          "vpand %[m0f], %[lo], %[lo]\n\t"
-          "vpand %[m0f], %[hi], %[hi]\n\t"
-          "vpbroadcastd 4(%[q0]), %[xp]\n\t"
-          "vpmaddwd %[xp], %[lo], %[t]\n\t"
-          "vpaddd %[t], %[a00], %[a00]\n\t"
-          "vpmaddwd %[xp], %[hi], %[t]\n\t"
-          "vpaddd %[t], %[a01], %[a01]\n\t"
-          "vpbroadcastd 4(%[q1]), %[xp]\n\t"
-          "vpmaddwd %[xp], %[lo], %[t]\n\t"
-          "vpaddd %[t], %[a10], %[a10]\n\t"
-          "vpmaddwd %[xp], %[hi], %[t]\n\t"
-          "vpaddd %[t], %[a11], %[a11]\n\t"
-          "vpbroadcastd 4(%[q2]), %[xp]\n\t"
-          "vpmaddwd %[xp], %[lo], %[t]\n\t"
-          "vpaddd %[t], %[a20], %[a20]\n\t"
-          "vpmaddwd %[xp], %[hi], %[t]\n\t"
-          "vpaddd %[t], %[a21], %[a21]\n\t"
-          "vpbroadcastd 4(%[q3]), %[xp]\n\t"
-          "vpmaddwd %[xp], %[lo], %[t]\n\t"
-          "vpaddd %[t], %[a30], %[a30]\n\t"
-          "vpmaddwd %[xp], %[hi], %[t]\n\t"
-          "vpaddd %[t], %[a31], %[a31]\n\t"
-          "vpunpcklbw %[z], %[ra], %[lo]\n\t"
-          "vpunpcklbw %[z], %[rb], %[hi]\n\t"
-          "vpsrlw $4, %[lo], %[lo]\n\t"
-          "vpsrlw $4, %[hi], %[hi]\n\t"
-          "vpbroadcastd 8(%[q0]), %[xp]\n\t"
-          "vpmaddwd %[xp], %[lo], %[t]\n\t"
-          "vpaddd %[t], %[a00], %[a00]\n\t"
-          "vpmaddwd %[xp], %[hi], %[t]\n\t"
-          "vpaddd %[t], %[a01], %[a01]\n\t"
-          "vpbroadcastd 8(%[q1]), %[xp]\n\t"
-          "vpmaddwd %[xp], %[lo], %[t]\n\t"
-          "vpaddd %[t], %[a10], %[a10]\n\t"
-          "vpmaddwd %[xp], %[hi], %[t]\n\t"
-          "vpaddd %[t], %[a11], %[a11]\n\t"
-          "vpbroadcastd 8(%[q2]), %[xp]\n\t"
-          "vpmaddwd %[xp], %[lo], %[t]\n\t"
-          "vpaddd %[t], %[a20], %[a20]\n\t"
-          "vpmaddwd %[xp], %[hi], %[t]\n\t"
-          "vpaddd %[t], %[a21], %[a21]\n\t"
-          "vpbroadcastd 8(%[q3]), %[xp]\n\t"
-          "vpmaddwd %[xp], %[lo], %[t]\n\t"
-          "vpaddd %[t], %[a30], %[a30]\n\t"
-          "vpmaddwd %[xp], %[hi], %[t]\n\t"
-          "vpaddd %[t], %[a31], %[a31]\n\t"
-          "vpunpckhbw %[z], %[ra], %[lo]\n\t"
-          "vpunpckhbw %[z], %[rb], %[hi]\n\t"
-          "vpsrlw $4, %[lo], %[lo]\n\t"
-          "vpsrlw $4, %[hi], %[hi]\n\t"
-          "vpbroadcastd 12(%[q0]), %[xp]\n\t"
-          "vpmaddwd %[xp], %[lo], %[t]\n\t"
-          "vpaddd %[t], %[a00], %[a00]\n\t"
-          "vpmaddwd %[xp], %[hi], %[t]\n\t"
-          "vpaddd %[t], %[a01], %[a01]\n\t"
-          "vpbroadcastd 12(%[q1]), %[xp]\n\t"
-          "vpmaddwd %[xp], %[lo], %[t]\n\t"
-          "vpaddd %[t], %[a10], %[a10]\n\t"
-          "vpmaddwd %[xp], %[hi], %[t]\n\t"
-          "vpaddd %[t], %[a11], %[a11]\n\t"
-          "vpbroadcastd 12(%[q2]), %[xp]\n\t"
-          "vpmaddwd %[xp], %[lo], %[t]\n\t"
-          "vpaddd %[t], %[a20], %[a20]\n\t"
-          "vpmaddwd %[xp], %[hi], %[t]\n\t"
-          "vpaddd %[t], %[a21], %[a21]\n\t"
-          "vpbroadcastd 12(%[q3]), %[xp]\n\t"
-          "vpmaddwd %[xp], %[lo], %[t]\n\t"
-          "vpaddd %[t], %[a30], %[a30]\n\t"
-          "vpmaddwd %[xp], %[hi], %[t]\n\t"
-          "vpaddd %[t], %[a31], %[a31]\n\t"
+          SGRT_KPAIR("vpunpcklbw", "vpand %[m0f]", "0")  // k-pair 0: low nibbles of bytes 0-7 / 16-23
+          SGRT_KPAIR("vpunpckhbw", "vpand %[m0f]", "4")  // 1: low nibbles of bytes 8-15 / 24-31
+          SGRT_KPAIR("vpunpcklbw", "vpsrlw $4", "8")     // 2: high nibbles of bytes 0-7 / 16-23
+          SGRT_KPAIR("vpunpckhbw", "vpsrlw $4", "12")    // 3: high nibbles of bytes 8-15 / 24-31
           : [a00] "+x"(a00), [a01] "+x"(a01), [a10] "+x"(a10), [a11] "+x"(a11), [a20] "+x"(a20), [a21] "+x"(a21),
             [a30] "+x"(a30), [a31] "+x"(a31), [ra] "=&x"(ra), [rb] "=&x"(rb), [lo] "=&x"(lo), [hi] "=&x"(hi),
             [xp] "=&x"(xp), [t] "=&x"(t), [z] "=&x"(z)
           : [m0f] "m"(*reinterpret_cast<const __m256i*>(k0f)), [p] "r"(pc), [q0] "r"(q0), [q1] "r"(q1), [q2] "r"(q2),
             [q3] "r"(q3)
           : "memory");  // (reads the chunk's 64 bytes at pc and 4 k-pairs of each row's Q)
+#undef SGRT_KPAIR
+#undef SGRT_ROW
     }
     const __m256i a0[4] = {a00, a10, a20, a30}, a1[4] = {a01, a11, a21, a31};
     __m256 so[4];
