@@ -99,10 +99,12 @@ weights, 56-78% of the measured read bandwidth: memory-bound, where the old kern
 
 Build: compiled on first use (~10 s on 2 cores, mostly torch's headers) and cached by
 :func:`sgrt.kernels.build.load_library`, which a later process loads from (~0.05 s).
-``SGRT_NATIVE_KERNELS=0`` disables it (:func:`available` is then False).
+``SGRT_NATIVE_KERNELS=0`` disables it (:func:`available` is then False); ``SGRT_WOQ_ISA=avx2``
+picks the AVX2 build on an AVX-512 BF16 CPU too (to test or time the AVX2 kernel there).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -143,7 +145,7 @@ def available() -> bool:
     _state.pop("isa", None)
     from sgrt.kernels.build import cpu_flags
 
-    if all(f in cpu_flags() for f in REQUIRED_CPU_FLAGS):
+    if all(f in cpu_flags() for f in REQUIRED_CPU_FLAGS) and os.environ.get("SGRT_WOQ_ISA", "") != "avx2":
         if load_library("sgrt_woq", SOURCE, CFLAGS, REQUIRED_CPU_FLAGS) is None:
             _state["op"] = operator_entry(torch.ops.sgrt_woq.linear.default)  # 120 calls a decode step
             _state["isa"] = "avx512_bf16"

@@ -41,10 +41,12 @@
 // bytes 16-31), exact (|Q| <= 32385: 16 pairs of 2 * 255 * 32385 stay below 2^31).
 //
 // The X vectors depend only on x: x is quantized once per call, expanded per tile of rows, and
-// reused by every 16-row weight block. Rows of x are processed in tiles, two at a time
-// per weight load (8-bit codes: four, block8x4); a row's integer sums are exact whatever the pairing and its fp32 operations
-// are the same instructions in the same order, so a row's result does not depend on the other
-// rows of the batch or on the thread split (bitwise).
+// reused by every 16-row weight block. Rows of x are processed in tiles, four at a time per weight
+// load where there are four (8-bit codes: block8x4; 4-bit codes with int16 activations:
+// block4x4w, the nibbles widened to words against the int16 Q, the same integer isum), then two,
+// then one (4-bit: expand4's X); a row's integer sums are exact whatever the grouping and its fp32
+// operations are the same instructions in the same order, so a row's result does not depend on
+// the other rows of the batch or on the thread split (bitwise).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/EmptyTensor.h>
@@ -105,6 +107,13 @@ constexpr int64_t STREAM4_PREFETCH = SGRT_WOQ4_STREAM_PREFETCH;
 // Bytes of int16 activations a tile of rows holds for 8-bit codes (see linear_raw).
 #ifndef SGRT_TILE8
 #define SGRT_TILE8 131072
+#endif
+// Bytes of expanded activations a tile of rows holds for 4-bit codes (see linear_blocks).
+#ifndef SGRT_TILE4
+#define SGRT_TILE4 262144
+#endif
+#ifndef SGRT_BLOCK4W
+#define SGRT_BLOCK4W 1
 #endif
 constexpr int64_t QBLOCK = 32;  // inputs per activation quantization block
 constexpr int64_t HEADER_BYTES = 64;  // a group's 16 float16 scales, then its 16 float16 offsets
@@ -347,6 +356,189 @@ inline void block4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_
   for (int r = 0; r < R; ++r) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(y0[r]));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(y1[r]));
+  }
+}
+
+// 2 rows against one 16-row block of 4-bit codes (int16 activations; prefill tiles): sums4<2>'s
+// integer sums, epilogue and rounding for each row, in the same order of float operations (a row's
+// result is bitwise block4's; the s16 sums only add the same products in another order, exact).
+// A chunk's work is written as asm with its 15 registers named: the 8 s16 sums, the 4 unpacked
+// nibble vectors, one X vector (each loaded once for rows 0-7 and 8-15) and two products; gcc's
+// own allocation of sums4<2> kept 3-4 of the sums on the stack (a store / load pair each a chunk).
+// The float sums stay in memory between blocks, as in block8x4.
+inline void block4x2(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
+  alignas(32) static const uint8_t k0f[32] = {
+      15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15,
+      15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
+  alignas(32) float yacc[2][16];
+  for (int r = 0; r < 2; ++r)
+    for (int i = 0; i < 16; ++i) yacc[r][i] = 0.0f;
+  const __m256i ones = _mm256_set1_epi16(1), w254 = _mm256_set1_epi16(254);
+  const __m256i pairs = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                         0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+  const int64_t per_group = int64_t(1) << group_shift;
+  const uint8_t* header = w;
+  const uint8_t* p = w;
+  const int8_t* X0 = static_cast<const int8_t*>(rows[0].X);
+  const int8_t* X1 = static_cast<const int8_t*>(rows[1].X);
+  for (int64_t b = 0; b < KB; ++b, p += 256) {
+    if ((b & (per_group - 1)) == 0) {
+      header = p;
+      p += HEADER_BYTES;
+    }
+    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
+    __m256i ha0 = _mm256_setzero_si256(), hb0 = ha0, la0 = ha0, lb0 = ha0, ha1 = ha0, hb1 = ha0, la1 = ha0, lb1 = ha0;
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const int8_t* x0 = X0 + (b * 4 + c) * 128;
+      const int8_t* x1 = X1 + (b * 4 + c) * 128;
+      __m256i alo, ahi, blo, bhi, x, t1, t2;
+      // h += (lo nibbles . X01) + (hi nibbles . X23), l likewise with Y01 / Y23 (q2), per row and
+      // per half (A: output rows 0-7, B: 8-15)
+#define SGRT_ROW4(xa, xb, xc, xd, ha, hb, la, lb)            \
+  "vmovdqu " xa ", %[x]\n\t"                                 \
+  "vpmaddubsw %[x], %[alo], %[t1]\n\t"                       \
+  "vpmaddubsw %[x], %[blo], %[t2]\n\t"                       \
+  "vmovdqu " xb ", %[x]\n\t"                                 \
+  "vpaddw %[t1], " ha ", " ha "\n\t"                         \
+  "vpaddw %[t2], " hb ", " hb "\n\t"                         \
+  "vpmaddubsw %[x], %[ahi], %[t1]\n\t"                       \
+  "vpmaddubsw %[x], %[bhi], %[t2]\n\t"                       \
+  "vmovdqu " xc ", %[x]\n\t"                                 \
+  "vpaddw %[t1], " ha ", " ha "\n\t"                         \
+  "vpaddw %[t2], " hb ", " hb "\n\t"                         \
+  "vpmaddubsw %[x], %[alo], %[t1]\n\t"                       \
+  "vpmaddubsw %[x], %[blo], %[t2]\n\t"                       \
+  "vmovdqu " xd ", %[x]\n\t"                                 \
+  "vpaddw %[t1], " la ", " la "\n\t"                         \
+  "vpaddw %[t2], " lb ", " lb "\n\t"                         \
+  "vpmaddubsw %[x], %[ahi], %[t1]\n\t"                       \
+  "vpmaddubsw %[x], %[bhi], %[t2]\n\t"                       \
+  "vpaddw %[t1], " la ", " la "\n\t"                         \
+  "vpaddw %[t2], " lb ", " lb "\n\t"
+      asm("vmovdqa %[m0f], %[t1]\n\t"
+          "vpand %[A], %[t1], %[alo]\n\t"
+          "vpand %[B], %[t1], %[blo]\n\t"
+          "vmovdqu %[A], %[ahi]\n\t"
+          "vmovdqu %[B], %[bhi]\n\t"
+          "vpsrlw $4, %[ahi], %[ahi]\n\t"
+          "vpsrlw $4, %[bhi], %[bhi]\n\t"
+          "vpand %[t1], %[ahi], %[ahi]\n\t"
+          "vpand %[t1], %[bhi], %[bhi]\n\t"
+          SGRT_ROW4("(%[x0])", "32(%[x0])", "64(%[x0])", "96(%[x0])", "%[ha0]", "%[hb0]", "%[la0]", "%[lb0]")
+          SGRT_ROW4("(%[x1])", "32(%[x1])", "64(%[x1])", "96(%[x1])", "%[ha1]", "%[hb1]", "%[la1]", "%[lb1]")
+          : [ha0] "+x"(ha0), [hb0] "+x"(hb0), [la0] "+x"(la0), [lb0] "+x"(lb0), [ha1] "+x"(ha1), [hb1] "+x"(hb1),
+            [la1] "+x"(la1), [lb1] "+x"(lb1), [alo] "=&x"(alo), [ahi] "=&x"(ahi), [blo] "=&x"(blo), [bhi] "=&x"(bhi),
+            [x] "=&x"(x), [t1] "=&x"(t1), [t2] "=&x"(t2)
+          : [m0f] "m"(*reinterpret_cast<const __m256i*>(k0f)),
+            [A] "m"(*reinterpret_cast<const __m256i*>(p + 64 * c)),
+            [B] "m"(*reinterpret_cast<const __m256i*>(p + 64 * c + 32)), [x0] "r"(x0), [x1] "r"(x1)
+          : "memory");  // (reads the rows' 128 bytes of X at x0, x1)
+#undef SGRT_ROW4
+    }
+    const __m256i hA[2] = {ha0, ha1}, hB[2] = {hb0, hb1}, lA[2] = {la0, la1}, lB[2] = {lb0, lb1};
+    __m256 so[4];
+    load_header(header, so);
+    for (int r = 0; r < 2; ++r) {  // isum = 254 * (sum against q1) + (sum against q2), as in sums4
+      const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(hA[r], pairs), w254),
+                                          _mm256_madd_epi16(_mm256_shuffle_epi8(lA[r], pairs), ones));
+      const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(hB[r], pairs), w254),
+                                          _mm256_madd_epi16(_mm256_shuffle_epi8(lB[r], pairs), ones));
+      __m256 y0 = _mm256_load_ps(yacc[r]), y1 = _mm256_load_ps(yacc[r] + 8);
+      epilogue(s0, s1, so, rows[r].dx[b], rows[r].qs[b], y0, y1);
+      _mm256_store_ps(yacc[r], y0);
+      _mm256_store_ps(yacc[r] + 8, y1);
+    }
+    asm volatile("" : : "r"(&yacc[0][0]) : "memory");
+  }
+  for (int r = 0; r < 2; ++r) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(_mm256_load_ps(yacc[r])));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(_mm256_load_ps(yacc[r] + 8)));
+  }
+}
+
+// 4 rows against one 16-row block of 4-bit codes with int16 activations (prefill tiles): the
+// 8-bit kernel's arithmetic (block8x4) on the nibbles widened to words. Per chunk (4 k-pairs), the
+// 32 bytes A (rows 0-7) unpacked against zero give per 128-bit lane the (parity 0, parity 1) word
+// pairs of rows 0-3 / 4-7: vpunpcklbw k-pair 0 (low nibbles, masked) and 2 (high nibbles,
+// shifted), vpunpckhbw k-pairs 1 and 3; B likewise rows 8-15. vpmaddwd with the broadcast int16
+// pair (Q[2p], Q[2p+1]) then sums code * Q with Q = 254 q1 + q2, i.e. the same integer isum as
+// block4's 254 * s1 + s2 (|isum| <= 32 * 15 * 32385 < 2^24: exact in s32 and in float), so a
+// row's outputs are bitwise block4's (the same epilogue, in the same order). Reads the rows' Q in
+// place (no expand4), and widens each weight vector once for 4 rows. The k loop is asm, as in
+// block8x4 (15 registers named); the float sums stay in memory between blocks.
+inline void block4x4w(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
+  alignas(32) static const uint8_t k0f[32] = {
+      15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15,
+      15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
+  alignas(32) float yacc[4][16];
+  for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < 16; ++i) yacc[r][i] = 0.0f;
+  const int64_t per_group = int64_t(1) << group_shift;
+  const uint8_t* header = w;
+  const uint8_t* p = w;
+  const int16_t* X[4];
+  for (int r = 0; r < 4; ++r) X[r] = static_cast<const int16_t*>(rows[r].X);
+  for (int64_t b = 0; b < KB; ++b, p += 256) {
+    if ((b & (per_group - 1)) == 0) {
+      header = p;
+      p += HEADER_BYTES;
+    }
+    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
+    __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+            a31 = a00;
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* pc = p + 64 * c;
+      const int16_t* q0 = X[0] + 32 * b + 8 * c;
+      const int16_t* q1 = X[1] + 32 * b + 8 * c;
+      const int16_t* q2 = X[2] + 32 * b + 8 * c;
+      const int16_t* q3 = X[3] + 32 * b + 8 * c;
+      __m256i ra, rb, lo, hi, xp, t, z;
+      // one row's k-pair: broadcast its int16 pair (at byte offset off), add the two vpmaddwd
+      // products (rows 0-7: lo, 8-15: hi) to its sums
+#define SGRT_ROW(off, q, s0, s1)                    \
+  "vpbroadcastd " off "(%[" q "]), %[xp]\n\t"       \
+  "vpmaddwd %[xp], %[lo], %[t]\n\t"                 \
+  "vpaddd %[t], %[" s0 "], %[" s0 "]\n\t"           \
+  "vpmaddwd %[xp], %[hi], %[t]\n\t"                 \
+  "vpaddd %[t], %[" s1 "], %[" s1 "]\n\t"
+      // k-pair j of the chunk: widen (unpack: vpunpcklbw / vpunpckhbw; nibble: vpand with 0x0f or
+      // vpsrlw by 4), then the 4 rows
+#define SGRT_KPAIR(unpack, nibble, off)                                                              \
+  unpack " %[z], %[ra], %[lo]\n\t" unpack " %[z], %[rb], %[hi]\n\t" nibble ", %[lo], %[lo]\n\t" nibble \
+  ", %[hi], %[hi]\n\t" SGRT_ROW(off, "q0", "a00", "a01") SGRT_ROW(off, "q1", "a10", "a11")              \
+      SGRT_ROW(off, "q2", "a20", "a21") SGRT_ROW(off, "q3", "a30", "a31")
+      asm("vpxor %[z], %[z], %[z]\n\t"
+          "vmovdqu (%[p]), %[ra]\n\t"
+          "vmovdqu 32(%[p]), %[rb]\n\t"
+          SGRT_KPAIR("vpunpcklbw", "vpand %[m0f]", "0")  // k-pair 0: low nibbles of bytes 0-7 / 16-23
+          SGRT_KPAIR("vpunpckhbw", "vpand %[m0f]", "4")  // 1: low nibbles of bytes 8-15 / 24-31
+          SGRT_KPAIR("vpunpcklbw", "vpsrlw $4", "8")     // 2: high nibbles of bytes 0-7 / 16-23
+          SGRT_KPAIR("vpunpckhbw", "vpsrlw $4", "12")    // 3: high nibbles of bytes 8-15 / 24-31
+          : [a00] "+x"(a00), [a01] "+x"(a01), [a10] "+x"(a10), [a11] "+x"(a11), [a20] "+x"(a20), [a21] "+x"(a21),
+            [a30] "+x"(a30), [a31] "+x"(a31), [ra] "=&x"(ra), [rb] "=&x"(rb), [lo] "=&x"(lo), [hi] "=&x"(hi),
+            [xp] "=&x"(xp), [t] "=&x"(t), [z] "=&x"(z)
+          : [m0f] "m"(*reinterpret_cast<const __m256i*>(k0f)), [p] "r"(pc), [q0] "r"(q0), [q1] "r"(q1), [q2] "r"(q2),
+            [q3] "r"(q3)
+          : "memory");  // (reads the chunk's 64 bytes at pc and 4 k-pairs of each row's Q)
+#undef SGRT_KPAIR
+#undef SGRT_ROW
+    }
+    const __m256i a0[4] = {a00, a10, a20, a30}, a1[4] = {a01, a11, a21, a31};
+    __m256 so[4];
+    load_header(header, so);
+    for (int r = 0; r < 4; ++r) {
+      __m256 y0 = _mm256_load_ps(yacc[r]), y1 = _mm256_load_ps(yacc[r] + 8);
+      epilogue(a0[r], a1[r], so, rows[r].dx[b], rows[r].qs[b], y0, y1);
+      _mm256_store_ps(yacc[r], y0);
+      _mm256_store_ps(yacc[r] + 8, y1);
+    }
+    asm volatile("" : : "r"(&yacc[0][0]) : "memory");
+  }
+  for (int r = 0; r < 4; ++r) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(_mm256_load_ps(yacc[r])));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(_mm256_load_ps(yacc[r] + 8)));
   }
 }
 
@@ -639,7 +831,7 @@ QuantizedX quantized_scratch(int64_t M, int64_t k, int64_t bits) {
   Scratch& s = scratch();
   const int64_t KB = k / QBLOCK;
   return {at_least(s.q1, bits == 4 ? M * k : 0), ACT8 ? nullptr : at_least(s.q2, bits == 4 ? M * k : 0),
-          at_least(s.Q, bits == 8 ? M * k : 0), at_least(s.dx, M * KB), at_least(s.qs, M * KB)};
+          bits == 8 || (!ACT8 && M >= 4) ? at_least(s.Q, M * k) : nullptr, at_least(s.dx, M * KB), at_least(s.qs, M * KB)};
 }
 
 // Rows m0..m1 of x quantized into q.
@@ -648,8 +840,8 @@ void quantize_rows(const uint16_t* xb, int64_t m0, int64_t m1, int64_t k, int64_
   const int64_t KB = k / QBLOCK;
   for (int64_t m = m0; m < m1; ++m) {
     if (bits == 4)
-      quantize_row(xb + m * k, k, q.q1 + m * k, ACT8 ? nullptr : q.q2 + m * k, nullptr, q.dx + m * KB,
-                   q.qs + m * KB, ACT8);
+      quantize_row(xb + m * k, k, q.q1 + m * k, ACT8 ? nullptr : q.q2 + m * k, q.Q ? q.Q + m * k : nullptr,
+                   q.dx + m * KB, q.qs + m * KB, ACT8);
     else
       quantize_row(xb + m * k, k, nullptr, nullptr, q.Q + m * k, q.dx + m * KB, q.qs + m * KB, ACT8);
   }
@@ -682,24 +874,30 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
   // beside a thread's weight blocks (all rows at once: 1,024 rows of k = 2,048 are 4 MB, read
   // from L3 for every weight block)
   const int64_t row_bytes = bits == 4 ? (ACT8 ? 8 : 16) * k : 0;
-  const int64_t tile = bits == 4 ? std::min<int64_t>(M, std::max<int64_t>(2, (262144 / row_bytes) & ~int64_t(1)))
-                                 : std::min<int64_t>(M, std::max<int64_t>(4, (SGRT_TILE8 / (2 * k)) & ~int64_t(3)));
+  // 4-bit codes with int16 activations from 4 rows on: rows four at a time from their int16 Q
+  // (block4x4w), in tiles as the 8-bit codes' Q; the (< 4) rows left over in a tile from expand4's
+  // vectors
+  const bool wide4 = bits == 4 && !ACT8 && Q != nullptr && SGRT_BLOCK4W;
+  const int64_t tile = bits == 4 && !wide4
+                           ? std::min<int64_t>(M, std::max<int64_t>(2, (SGRT_TILE4 / row_bytes) & ~int64_t(1)))
+                           : std::min<int64_t>(M, std::max<int64_t>(4, (SGRT_TILE8 / (2 * k)) & ~int64_t(3)));
   // (this thread's; not zeroed: expand4 writes every byte read)
   // 64-byte aligned: block4's 32-byte loads of X otherwise straddle cache lines every other load
   // (a vector's data is only 16-byte aligned), 1.15x the time at 256 rows
-  int8_t* const Xbuf = at_least(scratch().X, tile * row_bytes + 128);
+  int8_t* const Xbuf = at_least(scratch().X, (wide4 ? 3 : tile) * row_bytes + 128);
   int8_t* const X = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(Xbuf) + 63) & ~uintptr_t(63));
   for (int64_t t0 = 0; t0 < M; t0 += tile) {
     const int64_t t1 = std::min(M, t0 + tile);
+    const int64_t x0 = wide4 ? t0 + ((t1 - t0) & ~int64_t(3)) : t0;  // the first row read through X
     if (bits == 4)
-      for (int64_t m = t0; m < t1; ++m) expand4(q1 + m * k, ACT8 ? nullptr : q2 + m * k, k, X + (m - t0) * row_bytes);
+      for (int64_t m = x0; m < t1; ++m) expand4(q1 + m * k, ACT8 ? nullptr : q2 + m * k, k, X + (m - x0) * row_bytes);
     if (bits == 4 && M == 1 && STREAMS4 > 1) {  // decode: several streams (block4_streams)
       row4_streams<ACT8>(wp, block_bytes, b0, b1, RowArgs{X, dx, qs, nullptr}, yp, KB, group_shift);
       return;
     }
     // the row's activations: expanded (4-bit, this tile), or the int16 q themselves (8-bit)
     auto xrow = [&](int64_t m) -> const void* {
-      return bits == 4 ? static_cast<const void*>(X + (m - t0) * row_bytes) : static_cast<const void*>(Q + m * k);
+      return bits == 4 ? static_cast<const void*>(X + (m - x0) * row_bytes) : static_cast<const void*>(Q + m * k);
     };
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* w = wp + b * block_bytes;
@@ -713,11 +911,21 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
               {xrow(m + 3), dx + (m + 3) * KB, qs + (m + 3) * KB, yp + (m + 3) * n + b * BLOCK_N}};
           block8x4(w, rows, KB, group_shift, hd);
         }
+      if (wide4)
+        for (; m + 4 <= t1; m += 4) {
+          const RowArgs rows[4] = {
+              {Q + m * k, dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N},
+              {Q + (m + 1) * k, dx + (m + 1) * KB, qs + (m + 1) * KB, yp + (m + 1) * n + b * BLOCK_N},
+              {Q + (m + 2) * k, dx + (m + 2) * KB, qs + (m + 2) * KB, yp + (m + 2) * n + b * BLOCK_N},
+              {Q + (m + 3) * k, dx + (m + 3) * KB, qs + (m + 3) * KB, yp + (m + 3) * n + b * BLOCK_N}};
+          block4x4w(w, rows, KB, group_shift);
+        }
       for (; m + 2 <= t1; m += 2) {
         const RowArgs rows[2] = {
             {xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N},
             {xrow(m + 1), dx + (m + 1) * KB, qs + (m + 1) * KB, yp + (m + 1) * n + b * BLOCK_N}};
-        if (bits == 4) block4<2, ACT8>(w, rows, KB, group_shift);
+        if (bits == 4 && !ACT8) block4x2(w, rows, KB, group_shift);
+        else if (bits == 4) block4<2, ACT8>(w, rows, KB, group_shift);
         else block8<2>(w, rows, KB, group_shift, hd);
       }
       if (m < t1) {
