@@ -150,6 +150,8 @@ def available() -> bool:
             _state["op"] = operator_entry(torch.ops.sgrt_woq.linear.default)  # 120 calls a decode step
             _state["isa"] = "avx512_bf16"
             return True
+        if disabled():  # its one warning said so; the AVX2 build is off too
+            return False
     if load_library("sgrt_woq_avx2", SOURCE_AVX2, CFLAGS_AVX2, REQUIRED_CPU_FLAGS_AVX2) is not None:
         return False
     _state["op"] = operator_entry(torch.ops.sgrt_woq_avx2.linear.default)

@@ -12,9 +12,19 @@ import torch
 from sgrt.engine.attention import PagedAttention, RowSpec
 from sgrt.engine.kv_pool import KVPool
 from sgrt.kernels import layer_ops, woq
+from sgrt.models import packed
 from sgrt.models.layers import FUSED_PROJECTIONS, CausalAttention, CausalLM
 
 pytestmark = pytest.mark.skipif(not layer_ops.available(), reason="sgrt_layer operators could not be built here")
+
+# What this host's builds give the step. bfloat16 projections take sgrt's dense kernel, and so the
+# one-call step, only where oneDNN cannot prepack bfloat16 (no AVX-512 BW / AVX-NE-CONVERT: there
+# they stay oneDNN's, per layer; test_bfloat16_on_onednn_keeps_the_per_layer_path). The int4 thread
+# team and raw entries are the AVX2 build's; the AVX-512 BF16 build (woq_cpu.cpp) has neither.
+BF16_STEP = packed.dense_kernel_for(torch.zeros(16, 32, dtype=torch.bfloat16))
+INT4_TEAM = woq.isa() == "avx2"
+NO_BF16_STEP = "bfloat16 projections are oneDNN's on this CPU (no one-call step)"
+NO_INT4_TEAM = "the int4 thread team is the AVX2 build's; this CPU runs the AVX-512 BF16 one"
 
 # Decode batches: one row, and rows of different context lengths (past a tiny model's window,
 # past a 256-key chunk of the split attention, and a row of one token).
@@ -76,6 +86,8 @@ def smollm_bf16():
 @pytest.mark.parametrize("lens", BATCHES)
 @pytest.mark.parametrize("which", ["int4", "bfloat16", "float32"])
 def test_default_model_step_is_bit_identical(which, lens, request):
+    if which == "bfloat16" and not BF16_STEP:
+        pytest.skip(NO_BF16_STEP)
     fixture = {"int4": "smollm_int4", "bfloat16": "smollm_bf16", "float32": "loaded_model"}[which]
     assert_step_matches_layers(request.getfixturevalue(fixture).model, lens)
 
@@ -95,7 +107,7 @@ def test_step_outputs_are_not_the_plans_reused_buffers(smollm_int4):
 def test_dispatcher_and_raw_entries_give_the_same_bits(smollm_int4, smollm_bf16):
     """The projections' two ways into the kernels (the raw entries the AVX2 builds export, the
     dispatcher that a library without one takes): hidden states bit for bit equal."""
-    for loaded in (smollm_int4, smollm_bf16):
+    for loaded in (smollm_int4, smollm_bf16) if BF16_STEP else (smollm_int4,):
         plan = loaded.model.native_step.plan
         n_raw = plan.use_raw_entries(True)
         layers = loaded.model.config.num_hidden_layers
@@ -115,6 +127,10 @@ def test_thread_team_and_per_operator_regions_give_the_same_bits(which, request)
     thread, barriers between them) against every operator opening its own parallel region, and
     against one thread: the hidden states bit for bit equal (batches of short rows, where the
     attention splits query heads, of long ragged rows, and one row of 5 chunks)."""
+    if which == "bfloat16" and not BF16_STEP:
+        pytest.skip(NO_BF16_STEP)
+    if which == "int4" and not INT4_TEAM:
+        pytest.skip(NO_INT4_TEAM)
     fixture = {"int4": "smollm_int4", "bfloat16": "smollm_bf16", "float32": "loaded_model"}[which]
     model = request.getfixturevalue(fixture).model
     plan = model.native_step.plan
@@ -187,6 +203,7 @@ def test_team_one_row_int4_matches_a_batch_of_two_tiny(acts):
     _assert_team_one_row_matches_two(tiny_model("llama", "int4", acts))
 
 
+@pytest.mark.skipif(not INT4_TEAM, reason=NO_INT4_TEAM)
 def test_errors_inside_the_thread_team_are_raised_after_it(smollm_int4):
     """A slot outside the pool in a context (met by the attention's items, on any thread of the team)
     and a new slot outside it (met by the K/V store, on the team's first thread) raise a RuntimeError
@@ -256,6 +273,8 @@ def test_gemma3_int4_takes_the_step_and_is_bit_identical():
     model = load_model(str(pkg.assemble()), dtype="bfloat16", quantization="int4").model
     assert [w for _, w in model.native_step.tables] == [512, None]
     assert_step_matches_layers(model, [700, 45])
+    if not INT4_TEAM:
+        return
     # one kv head: at one row the attention splits its 4 query heads over the team's threads
     plan, threads = model.native_step.plan, torch.get_num_threads()
     try:
@@ -360,6 +379,8 @@ def test_compact_int8_streams_take_the_step(monkeypatch):
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int4", "int8"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
 def test_tiny_family_step_is_bit_identical(family, kind):
+    if kind == "bfloat16" and not BF16_STEP:
+        pytest.skip(NO_BF16_STEP)
     model = tiny_model(family, kind)
     for lens in ([30], [40, 9, 23]):  # windows of 12 / 16 tokens: the longer rows are cut
         assert_step_matches_layers(model, lens)
@@ -394,12 +415,27 @@ def test_int8_activations_take_the_step_with_their_operator(acts):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(not BF16_STEP, reason=NO_BF16_STEP)
 def test_gemma3_switches_mixed_otherwise():
     """Switches mixed other ways than the real families: Gemma 3 with SiLU gating and no q/k norm."""
     assert_step_matches_layers(tiny_model("gemma3", "bfloat16", hidden_act="silu", qk_norm=False), [25, 3])
 
 
 # ---- where the per-layer path stays ------------------------------------------------------------------
+
+@pytest.mark.skipif(BF16_STEP, reason="bfloat16 takes the dense kernel and the step on this CPU")
+def test_bfloat16_on_onednn_keeps_the_per_layer_path():
+    """Where oneDNN prepacks bfloat16, its projections stay oneDNN's: no one-call step is built, and
+    the default forward (per layer) gives the same hidden states as the per-layer native ops."""
+    model = tiny_model("llama", "bfloat16")
+    assert model.native_step is None
+    ids, positions, rows = _decode_batch([30, 9], model.config.vocab_size)
+    pools = [_pool(model, 1 + 2 * 30, seed=5) for _ in range(2)]
+    with torch.inference_mode():
+        default = model(ids, positions, PagedAttention(pools[0], rows, native=True))
+        per_layer = model(ids, positions, PagedAttention(pools[1], rows, native=True), ops=model.layer_ops)
+    assert torch.equal(default, per_layer) and torch.isfinite(default.float()).all()
+
 
 def test_partial_rotary_keeps_the_per_layer_path():
     model = tiny_model("phi3", "float32")
