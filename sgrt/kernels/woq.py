@@ -1,5 +1,5 @@
-"""Weight-only quantized linear layers with group-wise scales: native CPU kernels (AVX-512 BF16,
-and AVX2 + FMA).
+"""Weight-only quantized linear layers with group-wise scales: native CPU kernels (AVX2 + FMA, the
+default on every CPU that has it, and an opt-in AVX-512 BF16 one: "Which build runs" below).
 
 ``y = x @ W.T`` with ``W[n, k] = scale[n, g] * code[n, k] + offset[n, g]`` (``g = k // group``):
 the asymmetric blocks of llama.cpp's Q4_1 (``block_q4_1`` in ggml's ``ggml-common.h``: ``code``
@@ -10,7 +10,7 @@ with ``offset = -128 d`` after shifting the codes by 128). Activations ``x`` and
 bfloat16; sums are fp32 (a group's partial sum, then ``scale * partial + offset * sum(x over
 the group)`` with fp32 FMAs), rounded to bfloat16 once (round to nearest even).
 
-The kernel (``woq_cpu.cpp``) widens codes to bfloat16 exactly and multiplies with ``vdpbf16ps``
+The AVX-512 BF16 kernel (``woq_cpu.cpp``) widens codes to bfloat16 exactly and multiplies with ``vdpbf16ps``
 (Intel's AVX512_BF16 instruction ``_mm512_dpbf16_ps``: 16 fp32 lanes, each adding the products
 of one pair of bf16), 16 output features a vector and one x pair broadcast per instruction; each
 widened weight vector serves a tile of up to 16 rows of ``x``. torch's thread pool
@@ -57,8 +57,8 @@ kernel is bound by widening its codes again for each 4 rows; this one widens eac
 once per 16 rows, is memory-bound up to ~4 rows and then bound by ``vdpbf16ps`` throughput
 (~82% of its peak on one core at 16 rows; the per-group scale and offset FMAs take 1/9).
 
-**AVX2 build** (``woq_avx2.cpp``, library ``sgrt_woq_avx2``; loaded where the AVX-512 flags are
-missing, :func:`isa` says which runs): the same operator signature and code layout, with
+**AVX2 build** (``woq_avx2.cpp``, library ``sgrt_woq_avx2``; the default, see "Which build
+runs" below; :func:`isa` says which runs): the same operator signature and code layout, with
 integer dot products on quantized activations instead of float products. Each row of ``x`` is
 quantized once per call, per block of 32 inputs (symmetric, in float32): ``a = max |x|``,
 ``t = x * (127 / a)``, ``q1 = round(t)`` (int8: llama.cpp's Q8 activation blocks,
@@ -99,8 +99,14 @@ weights, 56-78% of the measured read bandwidth: memory-bound, where the old kern
 
 Build: compiled on first use (~10 s on 2 cores, mostly torch's headers) and cached by
 :func:`sgrt.kernels.build.load_library`, which a later process loads from (~0.05 s).
-``SGRT_NATIVE_KERNELS=0`` disables it (:func:`available` is then False); ``SGRT_WOQ_ISA=avx2``
-picks the AVX2 build on an AVX-512 BF16 CPU too (to test or time the AVX2 kernel there).
+``SGRT_NATIVE_KERNELS=0`` disables it (:func:`available` is then False).
+
+Which build runs: the AVX2 one on every CPU with AVX2 + FMA + F16C, AVX-512 ones included; the
+AVX-512 BF16 build only where ``SGRT_WOQ_ISA=avx512_bf16`` asks for it (to test or time it). On
+an AVX-512 BF16 Xeon the AVX2 build decoded faster against the same llama.cpp runs (SmolLM2 int4
+1.76x llama.cpp against 1.32x, Gemma 3 int4 1.48x against 0.99x: ``bench/vs_llamacpp.py``,
+docs/DESIGN.md), prefilled as fast or faster (351.8 against 322.5 tok/s, 507.2 against 372.6), and
+quantizes activations to ~16 bits instead of bfloat16's 8.
 """
 from __future__ import annotations
 
@@ -134,8 +140,9 @@ _state: dict[str, object] = {}
 
 
 def available() -> bool:
-    """Whether a native kernel can run here: the AVX-512 BF16 one (``REQUIRED_CPU_FLAGS`` in
-    ``/proc/cpuinfo``), else the AVX2 one (``REQUIRED_CPU_FLAGS_AVX2``; see :func:`isa`), with
+    """Whether a native kernel can run here: the AVX2 one (``REQUIRED_CPU_FLAGS_AVX2`` in
+    ``/proc/cpuinfo``; the AVX-512 BF16 one instead where ``SGRT_WOQ_ISA=avx512_bf16`` asks for
+    it and ``REQUIRED_CPU_FLAGS`` are there; see :func:`isa`), with
     ``SGRT_NATIVE_KERNELS`` not ``0`` and the library compiled and loaded
     (:func:`sgrt.kernels.build.load_library`: ~10 s on the first call, cached on disk after).
     Never raises: a warning says why not. Cached per process."""
@@ -145,7 +152,7 @@ def available() -> bool:
     _state.pop("isa", None)
     from sgrt.kernels.build import cpu_flags
 
-    if all(f in cpu_flags() for f in REQUIRED_CPU_FLAGS) and os.environ.get("SGRT_WOQ_ISA", "") != "avx2":
+    if all(f in cpu_flags() for f in REQUIRED_CPU_FLAGS) and os.environ.get("SGRT_WOQ_ISA", "") == "avx512_bf16":
         if load_library("sgrt_woq", SOURCE, CFLAGS, REQUIRED_CPU_FLAGS) is None:
             _state["op"] = operator_entry(torch.ops.sgrt_woq.linear.default)  # 120 calls a decode step
             _state["isa"] = "avx512_bf16"

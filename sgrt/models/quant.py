@@ -101,7 +101,7 @@ def check_int4_activations(activations: str, method: str, device: torch.device) 
                                  field="int4_activations")
         if device.type != "cpu" or not native_kernel_available() or woq.isa() != "avx2":
             raise InvalidRequest(f"int4_activations={activations!r} needs sgrt's AVX2 int4 kernel (a CPU with AVX2 + FMA "
-                                 f"and without AVX-512 BF16; this one runs {woq.isa() or 'no native kernel'})",
+                                 f"and SGRT_WOQ_ISA not avx512_bf16; this one runs {woq.isa() or 'no native kernel'})",
                                  field="int4_activations")
 
 
