@@ -56,6 +56,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -790,6 +791,123 @@ inline void block8x4(const uint8_t* w, const RowArgs* rows, int64_t KB, int grou
   }
 }
 
+// ---- AVX-512 VNNI prefill tiles -------------------------------------------------------------------
+// Where the CPU has AVX-512 VNNI (BW, VL), the multi-row tiles (block4x4w, block8x4) run as 512-bit
+// kernels: a 16-row weight block's k-pair widened to words fills one zmm (rows 0-15 in order), and
+// one vpdpwssd per row of x (its int16 pair (Q[2p], Q[2p+1]) broadcast from memory) adds the 16
+// row sums: the same exact integer isum as the AVX2 kernels (pair products summed in s32, bounded
+// as there), then epilogue's float operations lane for lane in the same order (epilogue16), so a
+// row's outputs are bitwise the AVX2 path's. Rows R at a time (8, then 4) per weight load. The
+// functions carry their own target attribute (the file is built with -mavx2) and run only where
+// has_avx512_vnni() says so; SGRT_WOQ_AVX512=0 turns them off (A/B in one process tree).
+#define SGRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+// Whether this CPU runs the AVX-512 VNNI kernels, and SGRT_WOQ_AVX512 is not "0" (read once).
+bool has_avx512_vnni() {
+  static const bool ok = [] {
+    const char* e = std::getenv("SGRT_WOQ_AVX512");
+    if (e && std::strcmp(e, "0") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }();
+  return ok;
+}
+
+// A group header -> its 16 scales and 16 offsets as fp32 (load_header's values: stored offsets,
+// or scale * (-c) for the compact header)
+SGRT_AVX512 inline void load_header16(const uint8_t* h, const Header& hd, __m512& sc, __m512& of) {
+  sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  of = hd.negc == 0.0f ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)))
+                       : _mm512_mul_ps(sc, _mm512_set1_ps(hd.negc));
+}
+
+// epilogue on the 16 rows at once: y += dx * (scale * isum + offset * qsum), the same operations in
+// the same order per lane
+SGRT_AVX512 inline void epilogue16(__m512i s, __m512 sc, __m512 of, float dx, float qs, __m512& y) {
+  __m512 t = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(s));
+  t = _mm512_add_ps(t, _mm512_mul_ps(of, _mm512_set1_ps(qs)));
+  y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_set1_ps(dx), t));
+}
+
+// The s16 pair (Q[2p], Q[2p+1]) at q, in every s32 lane (gcc folds it into vpdpwssd's {1to16})
+SGRT_AVX512 inline __m512i pair16(const int16_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// The 16 float sums of each of R rows -> their bf16 outputs (to_bf16 on each half)
+template <int R>
+SGRT_AVX512 inline void store16(const __m512* y, const RowArgs* rows) {
+  for (int r = 0; r < R; ++r) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(_mm512_castps512_ps256(y[r])));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(_mm512_extractf32x8_ps(y[r], 1)));
+  }
+}
+
+// R rows against one 16-row block of 4-bit codes, int16 activations (block4x4w's computation).
+// A chunk's 64 bytes in one zmm: vpunpcklbw against zero gives, per 128-bit lane, the word pairs
+// of rows 0-3, 4-7, 8-11, 12-15 of k-pairs 0 (low nibbles: vpand 0x0f) and 2 (high: vpsrlw 4),
+// vpunpckhbw those of k-pairs 1 and 3.
+template <int R>
+SGRT_AVX512 void block4w_512(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
+  const __m512i m0f = _mm512_set1_epi8(0x0f), z = _mm512_setzero_si512();
+  const Header hd{HEADER_BYTES, 0.0f};
+  __m512 y[R], sc, of;
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  const int64_t per_group = int64_t(1) << group_shift;
+  const uint8_t* p = w;
+  for (int64_t b = 0; b < KB; ++b, p += 256) {
+    if ((b & (per_group - 1)) == 0) {
+      load_header16(p, hd, sc, of);
+      p += HEADER_BYTES;
+    }
+    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
+    __m512i a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(p + 64 * c);
+      const __m512i lo = _mm512_unpacklo_epi8(v, z), hi = _mm512_unpackhi_epi8(v, z);
+      const __m512i kp[4] = {_mm512_and_si512(lo, m0f), _mm512_and_si512(hi, m0f), _mm512_srli_epi16(lo, 4),
+                             _mm512_srli_epi16(hi, 4)};
+      for (int j = 0; j < 4; ++j)
+        for (int r = 0; r < R; ++r)
+          a[r] = _mm512_dpwssd_epi32(a[r], kp[j], pair16(static_cast<const int16_t*>(rows[r].X) + 32 * b + 8 * c + 2 * j));
+    }
+    for (int r = 0; r < R; ++r) epilogue16(a[r], sc, of, rows[r].dx[b], rows[r].qs[b], y[r]);
+  }
+  store16<R>(y, rows);
+}
+
+// R rows against one 16-row block of 8-bit codes (block8x4's computation): a k-pair's 32 bytes
+// widened (vpmovzxbw) are the word pairs of rows 0-15.
+template <int R>
+SGRT_AVX512 void block8_512(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift, const Header& hd) {
+  __m512 y[R], sc, of;
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  const int64_t per_group = int64_t(1) << group_shift;
+  const uint8_t* p = w;
+  for (int64_t b = 0; b < KB; ++b, p += 512) {
+    if ((b & (per_group - 1)) == 0) {
+      load_header16(p, hd, sc, of);
+      p += hd.bytes;
+    }
+    for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
+    __m512i a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j)));
+      for (int r = 0; r < R; ++r)
+        a[r] = _mm512_dpwssd_epi32(a[r], v, pair16(static_cast<const int16_t*>(rows[r].X) + 32 * b + 2 * j));
+    }
+    for (int r = 0; r < R; ++r) epilogue16(a[r], sc, of, rows[r].dx[b], rows[r].qs[b], y[r]);
+  }
+  store16<R>(y, rows);
+}
+
 // ---- setup, scratch and threading -----------------------------------------------------------------
 // A batch-1 decode step makes ~120 calls of a few to a few hundred us each, so a call's fixed cost
 // counts: nothing here allocates once its thread has served a call of that size (the scratch
@@ -878,6 +996,7 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
   // (block4x4w), in tiles as the 8-bit codes' Q; the (< 4) rows left over in a tile from expand4's
   // vectors
   const bool wide4 = bits == 4 && !ACT8 && Q != nullptr && SGRT_BLOCK4W;
+  const bool avx512 = has_avx512_vnni();  // the multi-row tiles as AVX-512 VNNI kernels
   const int64_t tile = bits == 4 && !wide4
                            ? std::min<int64_t>(M, std::max<int64_t>(2, (SGRT_TILE4 / row_bytes) & ~int64_t(1)))
                            : std::min<int64_t>(M, std::max<int64_t>(4, (SGRT_TILE8 / (2 * k)) & ~int64_t(3)));
@@ -899,9 +1018,27 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
     auto xrow = [&](int64_t m) -> const void* {
       return bits == 4 ? static_cast<const void*>(X + (m - x0) * row_bytes) : static_cast<const void*>(Q + m * k);
     };
+    // row m's arguments for block b, its activations at act
+    auto args = [&](int64_t m, int64_t b, const void* act) {
+      return RowArgs{act, dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N};
+    };
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* w = wp + b * block_bytes;
       int64_t m = t0;
+      if (avx512 && (bits == 8 || wide4)) {  // 8 rows, then 4, a weight load (AVX-512 VNNI)
+        for (; m + 8 <= t1; m += 8) {
+          RowArgs rows[8];
+          for (int r = 0; r < 8; ++r) rows[r] = args(m + r, b, Q + (m + r) * k);
+          if (bits == 8) block8_512<8>(w, rows, KB, group_shift, hd);
+          else block4w_512<8>(w, rows, KB, group_shift);
+        }
+        for (; m + 4 <= t1; m += 4) {
+          RowArgs rows[4];
+          for (int r = 0; r < 4; ++r) rows[r] = args(m + r, b, Q + (m + r) * k);
+          if (bits == 8) block8_512<4>(w, rows, KB, group_shift, hd);
+          else block4w_512<4>(w, rows, KB, group_shift);
+        }
+      }
       if (bits == 8)
         for (; m + 4 <= t1; m += 4) {
           const RowArgs rows[4] = {
