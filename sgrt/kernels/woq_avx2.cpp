@@ -800,6 +800,9 @@ inline void block8x4(const uint8_t* w, const RowArgs* rows, int64_t KB, int grou
 // row's outputs are bitwise the AVX2 path's. Rows R at a time (8, then 4) per weight load. The
 // functions carry their own target attribute (the file is built with -mavx2) and run only where
 // has_avx512_vnni() says so; SGRT_WOQ_AVX512=0 turns them off (A/B in one process tree).
+#ifndef SGRT_WOQ512_ROWS
+#define SGRT_WOQ512_ROWS 8  // the most rows a weight load (8 or 4)
+#endif
 #define SGRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
 // Whether this CPU runs the AVX-512 VNNI kernels, and SGRT_WOQ_AVX512 is not "0" (read once).
@@ -1026,7 +1029,7 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
       const uint8_t* w = wp + b * block_bytes;
       int64_t m = t0;
       if (avx512 && (bits == 8 || wide4)) {  // 8 rows, then 4, a weight load (AVX-512 VNNI)
-        for (; m + 8 <= t1; m += 8) {
+        for (; SGRT_WOQ512_ROWS >= 8 && m + 8 <= t1; m += 8) {
           RowArgs rows[8];
           for (int r = 0; r < 8; ++r) rows[r] = args(m + r, b, Q + (m + r) * k);
           if (bits == 8) block8_512<8>(w, rows, KB, group_shift, hd);
