@@ -59,6 +59,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -801,7 +802,7 @@ inline void block8x4(const uint8_t* w, const RowArgs* rows, int64_t KB, int grou
 // functions carry their own target attribute (the file is built with -mavx2) and run only where
 // has_avx512_vnni() says so; SGRT_WOQ_AVX512=0 turns them off (A/B in one process tree).
 #ifndef SGRT_WOQ512_ROWS
-#define SGRT_WOQ512_ROWS 8  // the most rows a weight load (8 or 4)
+#define SGRT_WOQ512_ROWS 8  // the most rows a weight load (4, 8, 12 or 16)
 #endif
 #define SGRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
@@ -1028,19 +1029,19 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* w = wp + b * block_bytes;
       int64_t m = t0;
-      if (avx512 && (bits == 8 || wide4)) {  // 8 rows, then 4, a weight load (AVX-512 VNNI)
-        for (; SGRT_WOQ512_ROWS >= 8 && m + 8 <= t1; m += 8) {
-          RowArgs rows[8];
-          for (int r = 0; r < 8; ++r) rows[r] = args(m + r, b, Q + (m + r) * k);
-          if (bits == 8) block8_512<8>(w, rows, KB, group_shift, hd);
-          else block4w_512<8>(w, rows, KB, group_shift);
-        }
-        for (; m + 4 <= t1; m += 4) {
-          RowArgs rows[4];
-          for (int r = 0; r < 4; ++r) rows[r] = args(m + r, b, Q + (m + r) * k);
-          if (bits == 8) block8_512<4>(w, rows, KB, group_shift, hd);
-          else block4w_512<4>(w, rows, KB, group_shift);
-        }
+      if (avx512 && (bits == 8 || wide4)) {  // SGRT_WOQ512_ROWS rows, then 8, then 4, a weight load
+        const auto tiles = [&](auto rows_c) {
+          constexpr int R = decltype(rows_c)::value;
+          for (; m + R <= t1; m += R) {
+            RowArgs rows[R];
+            for (int r = 0; r < R; ++r) rows[r] = args(m + r, b, Q + (m + r) * k);
+            if (bits == 8) block8_512<R>(w, rows, KB, group_shift, hd);
+            else block4w_512<R>(w, rows, KB, group_shift);
+          }
+        };
+        tiles(std::integral_constant<int, SGRT_WOQ512_ROWS>());
+        if (SGRT_WOQ512_ROWS > 8) tiles(std::integral_constant<int, 8>());
+        if (SGRT_WOQ512_ROWS > 4) tiles(std::integral_constant<int, 4>());
       }
       if (bits == 8)
         for (; m + 4 <= t1; m += 4) {
