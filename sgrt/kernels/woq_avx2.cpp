@@ -46,7 +46,9 @@
 // block4x4w, the nibbles widened to words against the int16 Q, the same integer isum), then two,
 // then one (4-bit: expand4's X); a row's integer sums are exact whatever the grouping and its fp32
 // operations are the same instructions in the same order, so a row's result does not depend on
-// the other rows of the batch or on the thread split (bitwise).
+// the other rows of the batch or on the thread split (bitwise). On AVX-512 VNNI CPUs the multi-row
+// tiles run as 512-bit kernels instead (block4w_512 / block8_512, 8 then 4 rows: see "AVX-512 VNNI
+// prefill tiles" below), with the same integer sums and float operations: the same bits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/EmptyTensor.h>
