@@ -914,6 +914,70 @@ SGRT_AVX512 void block8_512(const uint8_t* w, const RowArgs* rows, int64_t KB, i
   store16<R>(y, rows);
 }
 
+// 16 rows of int16 activations (row r at Q + r * k) with their pairs interleaved: pair p of row r
+// at Qi[16 p + r], so that block8_512i reads all 16 rows through one pointer
+inline void interleave16(const int16_t* Q, int64_t k, int32_t* Qi) {
+  for (int64_t p = 0; p < k / 2; ++p)
+    for (int r = 0; r < 16; ++r) std::memcpy(Qi + 16 * p + r, Q + r * k + 2 * p, 4);
+}
+
+// 16 rows a weight load on interleave16's activations (qi): block8_512<16> (BITS 8) or
+// block4w_512<16> (BITS 4), one pointer for the 16 rows' pairs where 16 row pointers do not fit the
+// 16 general registers (gcc reloaded them from the stack before each broadcast); the float sums in
+// memory between blocks (16 integer sums take half the 32 vector registers)
+template <int BITS>
+SGRT_AVX512 void block_512i(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift, const Header& hd,
+                            const int32_t* qi) {
+  constexpr int R = 16;
+  const __m512i m0f = _mm512_set1_epi8(0x0f), z = _mm512_setzero_si512();
+  alignas(64) float yacc[R][16];
+  for (int r = 0; r < R; ++r) _mm512_store_ps(yacc[r], _mm512_setzero_ps());
+  __m512 sc, of;
+  const int64_t per_group = int64_t(1) << group_shift;
+  const uint8_t* p = w;
+  for (int64_t b = 0; b < KB; ++b, p += 64 * BITS) {
+    if ((b & (per_group - 1)) == 0) {
+      load_header16(p, hd, sc, of);
+      p += hd.bytes;
+    }
+    for (int l = 0; l < BITS; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
+    __m512i a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
+#define SGRT_KPAIR16(v, pair)  /* one k-pair of the 16 weight rows (v), all 16 rows of x */ \
+  for (int r = 0; r < R; ++r) a[r] = _mm512_dpwssd_epi32(a[r], v, _mm512_set1_epi32(qi[(pair) * R + r]));
+    if (BITS == 8) {
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j)
+      {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j)));
+        SGRT_KPAIR16(v, 16 * b + j)
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(p + 64 * c);
+        const __m512i lo = _mm512_unpacklo_epi8(v, z), hi = _mm512_unpackhi_epi8(v, z);
+        const __m512i k0 = _mm512_and_si512(lo, m0f), k1 = _mm512_and_si512(hi, m0f);
+        SGRT_KPAIR16(k0, 16 * b + 4 * c)
+        SGRT_KPAIR16(k1, 16 * b + 4 * c + 1)
+        const __m512i k2 = _mm512_srli_epi16(lo, 4), k3 = _mm512_srli_epi16(hi, 4);
+        SGRT_KPAIR16(k2, 16 * b + 4 * c + 2)
+        SGRT_KPAIR16(k3, 16 * b + 4 * c + 3)
+      }
+    }
+#undef SGRT_KPAIR16
+    for (int r = 0; r < R; ++r) {
+      __m512 y = _mm512_load_ps(yacc[r]);
+      epilogue16(a[r], sc, of, rows[r].dx[b], rows[r].qs[b], y);
+      _mm512_store_ps(yacc[r], y);
+    }
+    asm volatile("" : : "r"(&yacc[0][0]) : "memory");
+  }
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_load_ps(yacc[r]);
+  store16<R>(y, rows);
+}
+
 // ---- setup, scratch and threading -----------------------------------------------------------------
 // A batch-1 decode step makes ~120 calls of a few to a few hundred us each, so a call's fixed cost
 // counts: nothing here allocates once its thread has served a call of that size (the scratch
@@ -924,6 +988,7 @@ SGRT_AVX512 void block8_512(const uint8_t* w, const RowArgs* rows, int64_t KB, i
 struct Scratch {
   std::vector<int8_t> q1, q2, X;
   std::vector<int16_t> Q;
+  std::vector<int32_t> Qi;  // interleave16's activations of a tile
   std::vector<float> dx, qs;
 };
 
@@ -1020,6 +1085,10 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
       row4_streams<ACT8>(wp, block_bytes, b0, b1, RowArgs{X, dx, qs, nullptr}, yp, KB, group_shift);
       return;
     }
+    // AVX-512: the tile's groups of 16 rows interleaved (block_512i)
+    const int64_t g16 = avx512 && (bits == 8 || wide4) ? (t1 - t0) / 16 : 0;
+    int32_t* const Qi = g16 ? at_least(scratch().Qi, g16 * 8 * k) : nullptr;
+    for (int64_t g = 0; g < g16; ++g) interleave16(Q + (t0 + 16 * g) * k, k, Qi + g * 8 * k);
     // the row's activations: expanded (4-bit, this tile), or the int16 q themselves (8-bit)
     auto xrow = [&](int64_t m) -> const void* {
       return bits == 4 ? static_cast<const void*>(X + (m - x0) * row_bytes) : static_cast<const void*>(Q + m * k);
@@ -1031,6 +1100,12 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* w = wp + b * block_bytes;
       int64_t m = t0;
+      for (int64_t g = 0; g < g16; ++g, m += 16) {
+        RowArgs rows[16];
+        for (int r = 0; r < 16; ++r) rows[r] = args(m + r, b, nullptr);
+        if (bits == 8) block_512i<8>(w, rows, KB, group_shift, hd, Qi + g * 8 * k);
+        else block_512i<4>(w, rows, KB, group_shift, Header{HEADER_BYTES, 0.0f}, Qi + g * 8 * k);
+      }
       if (avx512 && (bits == 8 || wide4)) {  // SGRT_WOQ512_ROWS rows, then 8, then 4, a weight load
         const auto tiles = [&](auto rows_c) {
           constexpr int R = decltype(rows_c)::value;

@@ -463,9 +463,9 @@ def _cpu_flags() -> set[str]:
 @pytest.mark.skipif(not {"avx512_vnni", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags(),
                     reason="the AVX-512 VNNI tiles run only on a CPU with AVX-512 VNNI / BW / VL / DQ")
 def test_avx512_tiles_match_the_avx2_path_bitwise(tmp_path):
-    """On an AVX-512 VNNI CPU the multi-row tiles (8 and 4 rows a weight load, 4- and 8-bit codes)
+    """On an AVX-512 VNNI CPU the multi-row tiles (16, 8 and 4 rows a weight load, 4- and 8-bit codes)
     run as 512-bit kernels: their outputs equal the AVX2 kernels' (SGRT_WOQ_AVX512=0, in a
-    subprocess) bit for bit, for row counts of 8 + 4 + leftovers, a tile boundary (43 rows at k =
+    subprocess) bit for bit, for row counts of 16 + 8 + 4 + leftovers, a tile boundary (43 rows at k =
     1,536), the three group sizes and the compact 8-bit stream. (The formula tests above check
     the same path against :func:`_avx2_reference` on such a host.)"""
     import subprocess
@@ -479,7 +479,7 @@ def test_avx512_tiles_match_the_avx2_path_bitwise(tmp_path):
         else:
             _, packed, scales, offsets, _ = _layer(n, k, bits, group)
         stream, b = woq.prepare(packed, scales, offsets, n, k, bits, group)
-        for m in (4, 12, 43) if k == 1536 else (4, 13):
+        for m in (4, 12, 43) if k == 1536 else (4, 13, 19):
             x = _x(m, k).float()
             x[:, 32:64] *= 1e-3
             x[0, 64:96] = 0.0
