@@ -47,7 +47,7 @@
 // then one (4-bit: expand4's X); a row's integer sums are exact whatever the grouping and its fp32
 // operations are the same instructions in the same order, so a row's result does not depend on
 // the other rows of the batch or on the thread split (bitwise). On AVX-512 VNNI CPUs the multi-row
-// tiles run as 512-bit kernels instead (block4w_512 / block8_512, 8 then 4 rows: see "AVX-512 VNNI
+// tiles run as 512-bit kernels instead (block_512i, block4w_512, block8_512: 16, 8, 4 rows; "AVX-512 VNNI
 // prefill tiles" below), with the same integer sums and float operations: the same bits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -800,12 +800,10 @@ inline void block8x4(const uint8_t* w, const RowArgs* rows, int64_t KB, int grou
 // one vpdpwssd per row of x (its int16 pair (Q[2p], Q[2p+1]) broadcast from memory) adds the 16
 // row sums: the same exact integer isum as the AVX2 kernels (pair products summed in s32, bounded
 // as there), then epilogue's float operations lane for lane in the same order (epilogue16), so a
-// row's outputs are bitwise the AVX2 path's. Rows R at a time (8, then 4) per weight load. The
+// row's outputs are bitwise the AVX2 path's. Rows 16 at a time per weight load (block_512i, on
+// interleaved activations), then 8, then 4 (block4w_512 / block8_512). The
 // functions carry their own target attribute (the file is built with -mavx2) and run only where
 // has_avx512_vnni() says so; SGRT_WOQ_AVX512=0 turns them off (A/B in one process tree).
-#ifndef SGRT_WOQ512_ROWS
-#define SGRT_WOQ512_ROWS 8  // the most rows a weight load (4, 8, 12 or 16)
-#endif
 #define SGRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
 // Whether this CPU runs the AVX-512 VNNI kernels, and SGRT_WOQ_AVX512 is not "0" (read once).
@@ -1106,7 +1104,7 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
         if (bits == 8) block_512i<8>(w, rows, KB, group_shift, hd, Qi + g * 8 * k);
         else block_512i<4>(w, rows, KB, group_shift, Header{HEADER_BYTES, 0.0f}, Qi + g * 8 * k);
       }
-      if (avx512 && (bits == 8 || wide4)) {  // SGRT_WOQ512_ROWS rows, then 8, then 4, a weight load
+      if (avx512 && (bits == 8 || wide4)) {  // the rest 8, then 4, a weight load
         const auto tiles = [&](auto rows_c) {
           constexpr int R = decltype(rows_c)::value;
           for (; m + R <= t1; m += R) {
@@ -1116,9 +1114,8 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
             else block4w_512<R>(w, rows, KB, group_shift);
           }
         };
-        tiles(std::integral_constant<int, SGRT_WOQ512_ROWS>());
-        if (SGRT_WOQ512_ROWS > 8) tiles(std::integral_constant<int, 8>());
-        if (SGRT_WOQ512_ROWS > 4) tiles(std::integral_constant<int, 4>());
+        tiles(std::integral_constant<int, 8>());
+        tiles(std::integral_constant<int, 4>());
       }
       if (bits == 8)
         for (; m + 4 <= t1; m += 4) {
