@@ -106,7 +106,9 @@ AVX-512 BF16 build only where ``SGRT_WOQ_ISA=avx512_bf16`` asks for it (to test 
 an AVX-512 BF16 Xeon the AVX2 build decoded faster against the same llama.cpp runs (SmolLM2 int4
 1.76x llama.cpp against 1.32x, Gemma 3 int4 1.48x against 0.99x: ``bench/vs_llamacpp.py``,
 docs/DESIGN.md), prefilled as fast or faster (351.8 against 322.5 tok/s, 507.2 against 372.6), and
-quantizes activations to ~16 bits instead of bfloat16's 8.
+quantizes activations to ~16 bits instead of bfloat16's 8. Inside the AVX2 build, where the CPU has
+AVX-512 VNNI, its multi-row prefill tiles run as 512-bit ``vpdpwssd`` kernels (bitwise the same
+outputs; ``SGRT_WOQ_AVX512=0`` keeps them off, read once per process; docs/DESIGN.md).
 """
 from __future__ import annotations
 

@@ -46,7 +46,9 @@
 // block4x4w, the nibbles widened to words against the int16 Q, the same integer isum), then two,
 // then one (4-bit: expand4's X); a row's integer sums are exact whatever the grouping and its fp32
 // operations are the same instructions in the same order, so a row's result does not depend on
-// the other rows of the batch or on the thread split (bitwise).
+// the other rows of the batch or on the thread split (bitwise). On AVX-512 VNNI CPUs the multi-row
+// tiles run as 512-bit kernels instead (block_512i, block4w_512, block8_512: 16, 8, 4 rows; "AVX-512 VNNI
+// prefill tiles" below), with the same integer sums and float operations: the same bits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/EmptyTensor.h>
@@ -56,8 +58,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -790,6 +794,188 @@ inline void block8x4(const uint8_t* w, const RowArgs* rows, int64_t KB, int grou
   }
 }
 
+// ---- AVX-512 VNNI prefill tiles -------------------------------------------------------------------
+// Where the CPU has AVX-512 VNNI (BW, VL), the multi-row tiles (block4x4w, block8x4) run as 512-bit
+// kernels: a 16-row weight block's k-pair widened to words fills one zmm (rows 0-15 in order), and
+// one vpdpwssd per row of x (its int16 pair (Q[2p], Q[2p+1]) broadcast from memory) adds the 16
+// row sums: the same exact integer isum as the AVX2 kernels (pair products summed in s32, bounded
+// as there), then epilogue's float operations lane for lane in the same order (epilogue16), so a
+// row's outputs are bitwise the AVX2 path's. Rows 16 at a time per weight load (block_512i, on
+// interleaved activations), then 8, then 4 (block4w_512 / block8_512). The
+// functions carry their own target attribute (the file is built with -mavx2) and run only where
+// has_avx512_vnni() says so; SGRT_WOQ_AVX512=0 turns them off (A/B in one process tree).
+#define SGRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+// Whether this CPU runs the AVX-512 VNNI kernels, and SGRT_WOQ_AVX512 is not "0" (read once).
+bool has_avx512_vnni() {
+  static const bool ok = [] {
+    const char* e = std::getenv("SGRT_WOQ_AVX512");
+    if (e && std::strcmp(e, "0") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }();
+  return ok;
+}
+
+// A group header -> its 16 scales and 16 offsets as fp32 (load_header's values: stored offsets,
+// or scale * (-c) for the compact header)
+SGRT_AVX512 inline void load_header16(const uint8_t* h, const Header& hd, __m512& sc, __m512& of) {
+  sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  of = hd.negc == 0.0f ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)))
+                       : _mm512_mul_ps(sc, _mm512_set1_ps(hd.negc));
+}
+
+// epilogue on the 16 rows at once: y += dx * (scale * isum + offset * qsum), the same operations in
+// the same order per lane
+SGRT_AVX512 inline void epilogue16(__m512i s, __m512 sc, __m512 of, float dx, float qs, __m512& y) {
+  __m512 t = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(s));
+  t = _mm512_add_ps(t, _mm512_mul_ps(of, _mm512_set1_ps(qs)));
+  y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_set1_ps(dx), t));
+}
+
+// The s16 pair (Q[2p], Q[2p+1]) at q, in every s32 lane (gcc folds it into vpdpwssd's {1to16})
+SGRT_AVX512 inline __m512i pair16(const int16_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// The 16 float sums of each of R rows -> their bf16 outputs (to_bf16 on each half)
+template <int R>
+SGRT_AVX512 inline void store16(const __m512* y, const RowArgs* rows) {
+  for (int r = 0; r < R; ++r) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(_mm512_castps512_ps256(y[r])));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(_mm512_extractf32x8_ps(y[r], 1)));
+  }
+}
+
+// R rows against one 16-row block of 4-bit codes, int16 activations (block4x4w's computation).
+// A chunk's 64 bytes in one zmm: vpunpcklbw against zero gives, per 128-bit lane, the word pairs
+// of rows 0-3, 4-7, 8-11, 12-15 of k-pairs 0 (low nibbles: vpand 0x0f) and 2 (high: vpsrlw 4),
+// vpunpckhbw those of k-pairs 1 and 3.
+template <int R>
+SGRT_AVX512 void block4w_512(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
+  const __m512i m0f = _mm512_set1_epi8(0x0f), z = _mm512_setzero_si512();
+  const Header hd{HEADER_BYTES, 0.0f};
+  __m512 y[R], sc, of;
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  const int64_t per_group = int64_t(1) << group_shift;
+  const uint8_t* p = w;
+  for (int64_t b = 0; b < KB; ++b, p += 256) {
+    if ((b & (per_group - 1)) == 0) {
+      load_header16(p, hd, sc, of);
+      p += HEADER_BYTES;
+    }
+    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
+    __m512i a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(p + 64 * c);
+      const __m512i lo = _mm512_unpacklo_epi8(v, z), hi = _mm512_unpackhi_epi8(v, z);
+      const __m512i kp[4] = {_mm512_and_si512(lo, m0f), _mm512_and_si512(hi, m0f), _mm512_srli_epi16(lo, 4),
+                             _mm512_srli_epi16(hi, 4)};
+      for (int j = 0; j < 4; ++j)
+        for (int r = 0; r < R; ++r)
+          a[r] = _mm512_dpwssd_epi32(a[r], kp[j], pair16(static_cast<const int16_t*>(rows[r].X) + 32 * b + 8 * c + 2 * j));
+    }
+    for (int r = 0; r < R; ++r) epilogue16(a[r], sc, of, rows[r].dx[b], rows[r].qs[b], y[r]);
+  }
+  store16<R>(y, rows);
+}
+
+// R rows against one 16-row block of 8-bit codes (block8x4's computation): a k-pair's 32 bytes
+// widened (vpmovzxbw) are the word pairs of rows 0-15.
+template <int R>
+SGRT_AVX512 void block8_512(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift, const Header& hd) {
+  __m512 y[R], sc, of;
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  const int64_t per_group = int64_t(1) << group_shift;
+  const uint8_t* p = w;
+  for (int64_t b = 0; b < KB; ++b, p += 512) {
+    if ((b & (per_group - 1)) == 0) {
+      load_header16(p, hd, sc, of);
+      p += hd.bytes;
+    }
+    for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
+    __m512i a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j)));
+      for (int r = 0; r < R; ++r)
+        a[r] = _mm512_dpwssd_epi32(a[r], v, pair16(static_cast<const int16_t*>(rows[r].X) + 32 * b + 2 * j));
+    }
+    for (int r = 0; r < R; ++r) epilogue16(a[r], sc, of, rows[r].dx[b], rows[r].qs[b], y[r]);
+  }
+  store16<R>(y, rows);
+}
+
+// 16 rows of int16 activations (row r at Q + r * k) with their pairs interleaved: pair p of row r
+// at Qi[16 p + r], so that block8_512i reads all 16 rows through one pointer
+inline void interleave16(const int16_t* Q, int64_t k, int32_t* Qi) {
+  for (int64_t p = 0; p < k / 2; ++p)
+    for (int r = 0; r < 16; ++r) std::memcpy(Qi + 16 * p + r, Q + r * k + 2 * p, 4);
+}
+
+// 16 rows a weight load on interleave16's activations (qi): block8_512<16> (BITS 8) or
+// block4w_512<16> (BITS 4), one pointer for the 16 rows' pairs where 16 row pointers do not fit the
+// 16 general registers (gcc reloaded them from the stack before each broadcast); the float sums in
+// memory between blocks (16 integer sums take half the 32 vector registers)
+template <int BITS>
+SGRT_AVX512 void block_512i(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift, const Header& hd,
+                            const int32_t* qi) {
+  constexpr int R = 16;
+  const __m512i m0f = _mm512_set1_epi8(0x0f), z = _mm512_setzero_si512();
+  alignas(64) float yacc[R][16];
+  for (int r = 0; r < R; ++r) _mm512_store_ps(yacc[r], _mm512_setzero_ps());
+  __m512 sc, of;
+  const int64_t per_group = int64_t(1) << group_shift;
+  const uint8_t* p = w;
+  for (int64_t b = 0; b < KB; ++b, p += 64 * BITS) {
+    if ((b & (per_group - 1)) == 0) {
+      load_header16(p, hd, sc, of);
+      p += hd.bytes;
+    }
+    for (int l = 0; l < BITS; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
+    __m512i a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
+#define SGRT_KPAIR16(v, pair)  /* one k-pair of the 16 weight rows (v), all 16 rows of x */ \
+  for (int r = 0; r < R; ++r) a[r] = _mm512_dpwssd_epi32(a[r], v, _mm512_set1_epi32(qi[(pair) * R + r]));
+    if (BITS == 8) {
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j)
+      {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j)));
+        SGRT_KPAIR16(v, 16 * b + j)
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(p + 64 * c);
+        const __m512i lo = _mm512_unpacklo_epi8(v, z), hi = _mm512_unpackhi_epi8(v, z);
+        const __m512i k0 = _mm512_and_si512(lo, m0f), k1 = _mm512_and_si512(hi, m0f);
+        SGRT_KPAIR16(k0, 16 * b + 4 * c)
+        SGRT_KPAIR16(k1, 16 * b + 4 * c + 1)
+        const __m512i k2 = _mm512_srli_epi16(lo, 4), k3 = _mm512_srli_epi16(hi, 4);
+        SGRT_KPAIR16(k2, 16 * b + 4 * c + 2)
+        SGRT_KPAIR16(k3, 16 * b + 4 * c + 3)
+      }
+    }
+#undef SGRT_KPAIR16
+    for (int r = 0; r < R; ++r) {
+      __m512 y = _mm512_load_ps(yacc[r]);
+      epilogue16(a[r], sc, of, rows[r].dx[b], rows[r].qs[b], y);
+      _mm512_store_ps(yacc[r], y);
+    }
+    asm volatile("" : : "r"(&yacc[0][0]) : "memory");
+  }
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_load_ps(yacc[r]);
+  store16<R>(y, rows);
+}
+
 // ---- setup, scratch and threading -----------------------------------------------------------------
 // A batch-1 decode step makes ~120 calls of a few to a few hundred us each, so a call's fixed cost
 // counts: nothing here allocates once its thread has served a call of that size (the scratch
@@ -800,6 +986,7 @@ inline void block8x4(const uint8_t* w, const RowArgs* rows, int64_t KB, int grou
 struct Scratch {
   std::vector<int8_t> q1, q2, X;
   std::vector<int16_t> Q;
+  std::vector<int32_t> Qi;  // interleave16's activations of a tile
   std::vector<float> dx, qs;
 };
 
@@ -878,6 +1065,7 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
   // (block4x4w), in tiles as the 8-bit codes' Q; the (< 4) rows left over in a tile from expand4's
   // vectors
   const bool wide4 = bits == 4 && !ACT8 && Q != nullptr && SGRT_BLOCK4W;
+  const bool avx512 = has_avx512_vnni();  // the multi-row tiles as AVX-512 VNNI kernels
   const int64_t tile = bits == 4 && !wide4
                            ? std::min<int64_t>(M, std::max<int64_t>(2, (SGRT_TILE4 / row_bytes) & ~int64_t(1)))
                            : std::min<int64_t>(M, std::max<int64_t>(4, (SGRT_TILE8 / (2 * k)) & ~int64_t(3)));
@@ -895,13 +1083,40 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
       row4_streams<ACT8>(wp, block_bytes, b0, b1, RowArgs{X, dx, qs, nullptr}, yp, KB, group_shift);
       return;
     }
+    // AVX-512: the tile's groups of 16 rows interleaved (block_512i)
+    const int64_t g16 = avx512 && (bits == 8 || wide4) ? (t1 - t0) / 16 : 0;
+    int32_t* const Qi = g16 ? at_least(scratch().Qi, g16 * 8 * k) : nullptr;
+    for (int64_t g = 0; g < g16; ++g) interleave16(Q + (t0 + 16 * g) * k, k, Qi + g * 8 * k);
     // the row's activations: expanded (4-bit, this tile), or the int16 q themselves (8-bit)
     auto xrow = [&](int64_t m) -> const void* {
       return bits == 4 ? static_cast<const void*>(X + (m - x0) * row_bytes) : static_cast<const void*>(Q + m * k);
     };
+    // row m's arguments for block b, its activations at act
+    auto args = [&](int64_t m, int64_t b, const void* act) {
+      return RowArgs{act, dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N};
+    };
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* w = wp + b * block_bytes;
       int64_t m = t0;
+      for (int64_t g = 0; g < g16; ++g, m += 16) {
+        RowArgs rows[16];
+        for (int r = 0; r < 16; ++r) rows[r] = args(m + r, b, nullptr);
+        if (bits == 8) block_512i<8>(w, rows, KB, group_shift, hd, Qi + g * 8 * k);
+        else block_512i<4>(w, rows, KB, group_shift, Header{HEADER_BYTES, 0.0f}, Qi + g * 8 * k);
+      }
+      if (avx512 && (bits == 8 || wide4)) {  // the rest 8, then 4, a weight load
+        const auto tiles = [&](auto rows_c) {
+          constexpr int R = decltype(rows_c)::value;
+          for (; m + R <= t1; m += R) {
+            RowArgs rows[R];
+            for (int r = 0; r < R; ++r) rows[r] = args(m + r, b, Q + (m + r) * k);
+            if (bits == 8) block8_512<R>(w, rows, KB, group_shift, hd);
+            else block4w_512<R>(w, rows, KB, group_shift);
+          }
+        };
+        tiles(std::integral_constant<int, 8>());
+        tiles(std::integral_constant<int, 4>());
+      }
       if (bits == 8)
         for (; m + 4 <= t1; m += 4) {
           const RowArgs rows[4] = {

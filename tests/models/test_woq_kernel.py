@@ -451,6 +451,53 @@ def test_avx2_int4_stream_counts_give_the_same_bits():
         _check_int4_one_row(linear, activations, 32)
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@avx2_only
+@pytest.mark.skipif(not {"avx512_vnni", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags(),
+                    reason="the AVX-512 VNNI tiles run only on a CPU with AVX-512 VNNI / BW / VL / DQ")
+def test_avx512_tiles_match_the_avx2_path_bitwise(tmp_path):
+    """On an AVX-512 VNNI CPU the multi-row tiles (16, 8 and 4 rows a weight load, 4- and 8-bit codes)
+    run as 512-bit kernels: their outputs equal the AVX2 kernels' (SGRT_WOQ_AVX512=0, in a
+    subprocess) bit for bit, for row counts of 16 + 8 + 4 + leftovers, a tile boundary (43 rows at k =
+    1,536), the three group sizes and the compact 8-bit stream. (The formula tests above check
+    the same path against :func:`_avx2_reference` on such a host.)"""
+    import subprocess
+    import sys
+
+    cases = []
+    for bits, group, (n, k) in [(4, 32, (960, 576)), (4, 128, (48, 384)), (8, 64, (576, 1536)), (8, 32, (48, 384))]:
+        if bits == 8 and group == 32:  # offsets -128 * scale: the compact stream
+            codes, scales, offsets = _symmetric_layer(n, k, group, 128)
+            packed = woq.pack(codes, 8)
+        else:
+            _, packed, scales, offsets, _ = _layer(n, k, bits, group)
+        stream, b = woq.prepare(packed, scales, offsets, n, k, bits, group)
+        for m in (4, 12, 43) if k == 1536 else (4, 13, 19):
+            x = _x(m, k).float()
+            x[:, 32:64] *= 1e-3
+            x[0, 64:96] = 0.0
+            cases.append((x.bfloat16(), stream, n, k, b, group))
+    code = ("import sys, torch\nfrom sgrt.kernels import woq\ncases = torch.load(sys.argv[1])\n"
+            "e = torch.empty(0, dtype=torch.float16)\n"
+            "torch.save([woq.kernel()(x, s, e, e, n, k, b, g) for x, s, n, k, b, g in cases], sys.argv[2])\n")
+    torch.save(cases, tmp_path / "cases.pt")
+    env = dict(os.environ, SGRT_WOQ_AVX512="0")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "cases.pt"), str(tmp_path / "avx2.pt")], env=env,
+                   check=True, timeout=600)
+    avx2 = torch.load(tmp_path / "avx2.pt")
+    assert b > 256  # (the last case's stream is the compact one)
+    empty = torch.empty(0, dtype=torch.float16)
+    for (x, s, n, k, b, g), want in zip(cases, avx2):
+        assert torch.equal(woq.kernel()(x, s, empty, empty, n, k, b, g), want), (x.shape, n, k, b, g)
+
+
 def test_int8_row_tiles_do_not_change_rows():
     """8-bit codes at a long k go in tiles of rows (32 rows of k = 2,048): a batch that spans
     several tiles, each ending in a group of fewer than 4 rows, equals its rows computed alone."""
