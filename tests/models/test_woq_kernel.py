@@ -451,6 +451,48 @@ def test_avx2_int4_stream_counts_give_the_same_bits():
         _check_int4_one_row(linear, activations, 32)
 
 
+_AVX512_VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+
+
+@avx2_only
+@pytest.mark.skipif(not _AVX512_VNNI <= __import__("sgrt.kernels.build", fromlist=["cpu_flags"]).cpu_flags(),
+                    reason="the CPU lacks AVX-512 VNNI (the one-row streams run on AVX2 alone)")
+def test_avx512_one_row_streams_match_the_avx2_ones_bitwise(tmp_path):
+    """On an AVX-512 VNNI CPU the one-row streams run on 512-bit vectors (row4_streams512,
+    row8_streams512); SGRT_WOQ_AVX512=0 keeps the AVX2 ones. Both give the same bits: one row
+    against 4-bit (int16 and int8 activations) and 8-bit codes (full and compact headers), 1 to
+    37 blocks, here against a subprocess with the switch off."""
+    import subprocess
+    import sys
+
+    cases = []
+    for bits, compact, group in ((4, False, 32), (4, False, 128), (8, False, 32), (8, True, 64)):
+        for blocks in (1, 5, 8, 37):
+            n, k = 16 * blocks, 576 if group != 128 else 512
+            codes, packed, scales, offsets, _ = _layer(n, k, bits, group)
+            if compact:  # offsets -128 * scale: the compact stream (bits 8 + 256 * 128)
+                offsets = (scales.float() * -128).half()
+            stream, fmt = woq.prepare(packed, scales, offsets, n, k, bits, group)
+            assert fmt == (8 + 256 * 128 if compact else bits)
+            cases.append((stream, n, k, fmt, group, _x(1, k, seed=blocks)))
+    torch.save(cases, tmp_path / "cases.pt")
+    script = (
+        "import sys, torch\n"
+        "from sgrt.kernels import woq\n"
+        "cases = torch.load(sys.argv[1])\n"
+        "e = torch.empty(0, dtype=torch.half)\n"
+        "out = [[woq.kernel(a)(x, s, e, e, n, k, f, g) for a in ('int16', 'int8')] for s, n, k, f, g, x in cases]\n"
+        "torch.save(out, sys.argv[2])\n")
+    env = {**os.environ, "SGRT_WOQ_AVX512": "0"}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"), str(tmp_path / "avx2.pt")],
+                   env=env, check=True)
+    avx2 = torch.load(tmp_path / "avx2.pt")
+    e = torch.empty(0, dtype=torch.half)
+    for (s, n, k, f, g, x), want in zip(cases, avx2):
+        for a, w in zip(("int16", "int8"), want):
+            assert torch.equal(woq.kernel(a)(x, s, e, e, n, k, f, g), w), (n, k, f, g, a)
+
+
 def test_int8_row_tiles_do_not_change_rows():
     """8-bit codes at a long k go in tiles of rows (32 rows of k = 2,048): a batch that spans
     several tiles, each ending in a group of fewer than 4 rows, equals its rows computed alone."""
