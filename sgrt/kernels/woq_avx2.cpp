@@ -813,7 +813,7 @@ SGRT_TARGET_AVX512 inline void block4_streams512(const uint8_t* const* w, const 
   for (int s = 0; s < S; ++s) store_bf16_512(y[s], acc[s]);
 }
 
-// row4_streams with block4_streams512 (the blocks left over: block4<1>, the same bits)
+// row4_streams with block4_streams512 (the blocks left over: block4_streams512<1>, the same bits)
 template <bool ACT8>
 SGRT_TARGET_AVX512 __attribute__((noinline)) void row4_streams512(const uint8_t* wp, int64_t block_bytes, int64_t b0,
                                                                   int64_t b1, const RowArgs& row, uint16_t* yp,
@@ -864,7 +864,7 @@ SGRT_TARGET_AVX512 inline void block8_streams512(const uint8_t* const* w, const 
   for (int s = 0; s < S; ++s) store_bf16_512(y[s], acc[s]);
 }
 
-// row8_streams with block8_streams512
+// row8_streams with block8_streams512 (the blocks left over: block8_streams512<1>)
 SGRT_TARGET_AVX512 __attribute__((noinline)) void row8_streams512(const uint8_t* wp, int64_t block_bytes, int64_t b0,
                                                                   int64_t b1, const RowArgs& row, uint16_t* yp,
                                                                   int64_t KB, int group_shift, const Header& hd) {

@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from sgrt.kernels import woq
+from sgrt.kernels.build import cpu_flags
 
 if not woq.available():
     pytest.skip("the native kernel is unavailable here (needs an AVX-512 BF16 or AVX2 + FMA CPU and "
@@ -45,8 +46,6 @@ if not woq.available():
 def test_isa_names_the_build_that_runs():
     """The AVX2 build runs by default, on AVX-512 CPUs too; the AVX-512 BF16 one only where
     SGRT_WOQ_ISA=avx512_bf16 asks for it and the CPU has its flags."""
-    from sgrt.kernels.build import cpu_flags
-
     asked = os.environ.get("SGRT_WOQ_ISA", "") == "avx512_bf16"
     want = "avx512_bf16" if asked and all(f in cpu_flags() for f in woq.REQUIRED_CPU_FLAGS) else "avx2"
     assert woq.isa() == want
@@ -455,7 +454,7 @@ _AVX512_VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 
 
 @avx2_only
-@pytest.mark.skipif(not _AVX512_VNNI <= __import__("sgrt.kernels.build", fromlist=["cpu_flags"]).cpu_flags(),
+@pytest.mark.skipif(not _AVX512_VNNI <= cpu_flags(),
                     reason="the CPU lacks AVX-512 VNNI (the one-row streams run on AVX2 alone)")
 def test_avx512_one_row_streams_match_the_avx2_ones_bitwise(tmp_path):
     """On an AVX-512 VNNI CPU the one-row streams run on 512-bit vectors (row4_streams512,
