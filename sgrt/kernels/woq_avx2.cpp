@@ -713,6 +713,176 @@ void row8_streams(const uint8_t* wp, int64_t block_bytes, int64_t b0, int64_t b1
       });
 }
 
+// ---- AVX-512 VNNI versions of the one-row streams (decode) -------------------------------------
+// On CPUs with AVX-512 BW / VL / VNNI (has_avx512_vnni) the one-row streams run on 512-bit vectors:
+// a 16-row block's 4-bit chunk (64 bytes: rows 0-7 in A, 8-15 in B) is one vector, so a chunk's
+// vpmaddubsw against X01 / X23 (broadcast to both halves) do sums4's A and B work in half the
+// instructions; the 8-bit codes' k-pair (32 bytes, rows 0-15) widens to one vector of 32 words
+// and one vpdpwssd adds its products into the row sums (block8's vpmaddwd + vpaddd twice). The
+// integer sums are the same exact values (only grouped otherwise: every partial sum stays within
+// the bounds the AVX2 kernel's comment proves), the lanes come out in the same row order (the low
+// 256 bits rows 0-7, the high rows 8-15), and the float32 epilogue is the same operations in the
+// same order on 16 lanes instead of 2 x 8: outputs bitwise the AVX2 path's (tests compare both).
+// SGRT_WOQ_AVX512=0 (read once) keeps the AVX2 streams, for A/B in one process tree.
+#ifndef SGRT_WOQ4_STREAM_PREFETCH512
+#define SGRT_WOQ4_STREAM_PREFETCH512 2048
+#endif
+constexpr int64_t STREAM4_PREFETCH512 = SGRT_WOQ4_STREAM_PREFETCH512;
+#define SGRT_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+bool has_avx512_vnni() {
+  static const bool ok = [] {
+    const char* e = std::getenv("SGRT_WOQ_AVX512");
+    if (e && std::strcmp(e, "0") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
+  }();
+  return ok;
+}
+
+// y (16 rows) += dx * (scale * isum + offset * qsum): epilogue's operations, in its order, on the
+// 16 rows at once (sc, of: the group's 16 scales and offsets in fp32)
+SGRT_TARGET_AVX512 inline __m512 epilogue512(__m512i s, __m512 sc, __m512 of, float dx, float qs, __m512 y) {
+  __m512 t = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(s));
+  t = _mm512_add_ps(t, _mm512_mul_ps(of, _mm512_set1_ps(qs)));
+  return _mm512_add_ps(y, _mm512_mul_ps(_mm512_set1_ps(dx), t));
+}
+
+// 16 fp32 outputs -> bf16 (to_bf16's rounding, per half)
+SGRT_TARGET_AVX512 inline void store_bf16_512(uint16_t* y, __m512 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(y), to_bf16(_mm512_castps512_ps256(v)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(y + 8), to_bf16(_mm512_extractf32x8_ps(v, 1)));
+}
+
+// A group header -> its 16 scales and 16 offsets as fp32 (load_header's values: stored offsets,
+// or scale * (-c) for the compact header)
+SGRT_TARGET_AVX512 inline void load_header16(const uint8_t* h, const Header& hd, __m512& sc, __m512& of) {
+  sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  of = hd.negc == 0.0f ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)))
+                       : _mm512_mul_ps(sc, _mm512_set1_ps(hd.negc));
+}
+
+// block4_streams on 512-bit vectors: S 16-row blocks of 4-bit codes, one row (row.X: expand4's
+// vectors), per block of 32 inputs each block's 4 chunks in turn.
+template <int S, bool ACT8>
+SGRT_TARGET_AVX512 inline void block4_streams512(const uint8_t* const* w, const RowArgs& row, uint16_t* const* y,
+                                                 int64_t KB, int group_shift) {
+  const __m512i m0f = _mm512_set1_epi8(0x0f);
+  const __m512i ones = _mm512_set1_epi16(1), w254 = _mm512_set1_epi16(254);
+  // per 128-bit lane: words 0 4 1 5 2 6 3 7 (sums4's `pairs`)
+  const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
+  __m512 acc[S];
+  for (int s = 0; s < S; ++s) acc[s] = _mm512_setzero_ps();
+  const int64_t per_group = int64_t(1) << group_shift;
+  const uint8_t* p[S];
+  const uint8_t* h[S];
+  for (int s = 0; s < S; ++s) p[s] = h[s] = w[s];
+  const int8_t* const X0 = static_cast<const int8_t*>(row.X);
+  for (int64_t b = 0; b < KB; ++b) {
+    if ((b & (per_group - 1)) == 0)
+      for (int s = 0; s < S; ++s) {
+        h[s] = p[s];
+        p[s] += HEADER_BYTES;
+      }
+    __m512i hs[S], ls[S];  // s16 sums against q1 (h) and q2 (l), rows 0-7 low half, 8-15 high
+    for (int s = 0; s < S; ++s) hs[s] = ls[s] = _mm512_setzero_si512();
+    if (STREAM4_PREFETCH512)
+      for (int s = 0; s < S; ++s)
+        for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p[s] + STREAM4_PREFETCH512 + 64 * l), SGRT_PREFETCH_HINT);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i* X = reinterpret_cast<const __m256i*>(X0 + (b * 4 + c) * (ACT8 ? 64 : 128));
+      const __m512i X01 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X));
+      const __m512i X23 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X + 1));
+      __m512i Y01, Y23;
+      if (!ACT8) {
+        Y01 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X + 2));
+        Y23 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X + 3));
+      }
+#pragma GCC unroll 8
+      for (int s = 0; s < S; ++s) {
+        const __m512i W = _mm512_loadu_si512(p[s] + 64 * c);
+        const __m512i lo = _mm512_and_si512(W, m0f), hi = _mm512_and_si512(_mm512_srli_epi16(W, 4), m0f);
+        hs[s] = _mm512_add_epi16(hs[s], _mm512_add_epi16(_mm512_maddubs_epi16(lo, X01), _mm512_maddubs_epi16(hi, X23)));
+        if (!ACT8)
+          ls[s] = _mm512_add_epi16(ls[s], _mm512_add_epi16(_mm512_maddubs_epi16(lo, Y01), _mm512_maddubs_epi16(hi, Y23)));
+      }
+    }
+    for (int s = 0; s < S; ++s) {
+      // isum = 254 * (sum against q1) + (sum against q2), exact in s32
+      const __m512i hsum = _mm512_shuffle_epi8(hs[s], pairs);
+      const __m512i isum = ACT8 ? _mm512_madd_epi16(hsum, ones)
+                                : _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_shuffle_epi8(ls[s], pairs), ones), hsum, w254);
+      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h[s])));
+      const __m512 of = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h[s] + 32)));
+      acc[s] = epilogue512(isum, sc, of, row.dx[b], row.qs[b], acc[s]);
+      p[s] += 256;
+    }
+  }
+  for (int s = 0; s < S; ++s) store_bf16_512(y[s], acc[s]);
+}
+
+// row4_streams with block4_streams512 (the blocks left over: block4_streams512<1>, the same bits)
+template <bool ACT8>
+SGRT_TARGET_AVX512 __attribute__((noinline)) void row4_streams512(const uint8_t* wp, int64_t block_bytes, int64_t b0,
+                                                                  int64_t b1, const RowArgs& row, uint16_t* yp,
+                                                                  int64_t KB, int group_shift) {
+  walk_streams<STREAMS4>(
+      wp, block_bytes, b0, b1, yp,
+      [&](const uint8_t* const* w, uint16_t* const* y) { block4_streams512<STREAMS4, ACT8>(w, row, y, KB, group_shift); },
+      [&](const uint8_t* w, uint16_t* y) { block4_streams512<1, ACT8>(&w, row, &y, KB, group_shift); });
+}
+
+// block8_streams on 512-bit vectors: per k-pair one vpmovzxbw of the block's 32 bytes (rows 0-15 as
+// (parity 0, parity 1) word pairs) and one vpdpwssd with the broadcast pair (Q[2p], Q[2p+1]).
+template <int S>
+SGRT_TARGET_AVX512 inline void block8_streams512(const uint8_t* const* w, const RowArgs& row, uint16_t* const* y,
+                                                 int64_t KB, int group_shift, const Header& hd) {
+  __m512 acc[S];
+  for (int s = 0; s < S; ++s) acc[s] = _mm512_setzero_ps();
+  const int64_t per_group = int64_t(1) << group_shift;
+  const uint8_t* p[S];
+  const uint8_t* h[S];
+  for (int s = 0; s < S; ++s) p[s] = h[s] = w[s];
+  const int16_t* const X = static_cast<const int16_t*>(row.X);
+  for (int64_t b = 0; b < KB; ++b) {
+    if ((b & (per_group - 1)) == 0)
+      for (int s = 0; s < S; ++s) {
+        h[s] = p[s];
+        p[s] += hd.bytes;
+      }
+    __m512i a[S];
+    for (int s = 0; s < S; ++s) a[s] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 16; ++j) {
+      int32_t pair;  // (q[2p], q[2p + 1]) as int16
+      std::memcpy(&pair, X + 2 * (b * 16 + j), 4);
+      const __m512i xp = _mm512_set1_epi32(pair);
+      for (int s = 0; s < S; ++s)
+        a[s] = _mm512_dpwssd_epi32(a[s], _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[s] + 32 * j))), xp);
+    }
+    for (int s = 0; s < S; ++s) {
+      __m512 sc, of;
+      load_header16(h[s], hd, sc, of);
+      acc[s] = epilogue512(a[s], sc, of, row.dx[b], row.qs[b], acc[s]);
+      p[s] += 512;
+    }
+  }
+  for (int s = 0; s < S; ++s) store_bf16_512(y[s], acc[s]);
+}
+
+// row8_streams with block8_streams512 (the blocks left over: block8_streams512<1>)
+SGRT_TARGET_AVX512 __attribute__((noinline)) void row8_streams512(const uint8_t* wp, int64_t block_bytes, int64_t b0,
+                                                                  int64_t b1, const RowArgs& row, uint16_t* yp,
+                                                                  int64_t KB, int group_shift, const Header& hd) {
+  walk_streams<STREAMS8>(
+      wp, block_bytes, b0, b1, yp,
+      [&](const uint8_t* const* w, uint16_t* const* y) { block8_streams512<STREAMS8>(w, row, y, KB, group_shift, hd); },
+      [&](const uint8_t* w, uint16_t* y) { block8_streams512<1>(&w, row, &y, KB, group_shift, hd); });
+}
+
 // 4 rows against one 16-row block of 8-bit codes: block8's integer sums, epilogue and rounding
 // for each row, in the same order (a row's result is bitwise block8's), with each weight vector
 // widened once for 4 rows instead of 2. Register budget: the 8 integer sums, the two widened
@@ -799,43 +969,14 @@ inline void block8x4(const uint8_t* w, const RowArgs* rows, int64_t KB, int grou
 // kernels: a 16-row weight block's k-pair widened to words fills one zmm (rows 0-15 in order), and
 // one vpdpwssd per row of x (its int16 pair (Q[2p], Q[2p+1]) broadcast from memory) adds the 16
 // row sums: the same exact integer isum as the AVX2 kernels (pair products summed in s32, bounded
-// as there), then epilogue's float operations lane for lane in the same order (epilogue16), so a
+// as there), then epilogue's float operations lane for lane in the same order (epilogue512), so a
 // row's outputs are bitwise the AVX2 path's. Rows 16 at a time per weight load (block_512i, on
 // interleaved activations), then 8, then 4 (block4w_512 / block8_512). The
 // functions carry their own target attribute (the file is built with -mavx2) and run only where
 // has_avx512_vnni() says so; SGRT_WOQ_AVX512=0 turns them off (A/B in one process tree).
-#define SGRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
-
-// Whether this CPU runs the AVX-512 VNNI kernels, and SGRT_WOQ_AVX512 is not "0" (read once).
-bool has_avx512_vnni() {
-  static const bool ok = [] {
-    const char* e = std::getenv("SGRT_WOQ_AVX512");
-    if (e && std::strcmp(e, "0") == 0) return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  }();
-  return ok;
-}
-
-// A group header -> its 16 scales and 16 offsets as fp32 (load_header's values: stored offsets,
-// or scale * (-c) for the compact header)
-SGRT_AVX512 inline void load_header16(const uint8_t* h, const Header& hd, __m512& sc, __m512& of) {
-  sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
-  of = hd.negc == 0.0f ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)))
-                       : _mm512_mul_ps(sc, _mm512_set1_ps(hd.negc));
-}
-
-// epilogue on the 16 rows at once: y += dx * (scale * isum + offset * qsum), the same operations in
-// the same order per lane
-SGRT_AVX512 inline void epilogue16(__m512i s, __m512 sc, __m512 of, float dx, float qs, __m512& y) {
-  __m512 t = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(s));
-  t = _mm512_add_ps(t, _mm512_mul_ps(of, _mm512_set1_ps(qs)));
-  y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_set1_ps(dx), t));
-}
 
 // The s16 pair (Q[2p], Q[2p+1]) at q, in every s32 lane (gcc folds it into vpdpwssd's {1to16})
-SGRT_AVX512 inline __m512i pair16(const int16_t* q) {
+SGRT_TARGET_AVX512 inline __m512i pair16(const int16_t* q) {
   int32_t v;
   std::memcpy(&v, q, 4);
   return _mm512_set1_epi32(v);
@@ -843,7 +984,7 @@ SGRT_AVX512 inline __m512i pair16(const int16_t* q) {
 
 // The 16 float sums of each of R rows -> their bf16 outputs (to_bf16 on each half)
 template <int R>
-SGRT_AVX512 inline void store16(const __m512* y, const RowArgs* rows) {
+SGRT_TARGET_AVX512 inline void store16(const __m512* y, const RowArgs* rows) {
   for (int r = 0; r < R; ++r) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(_mm512_castps512_ps256(y[r])));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(_mm512_extractf32x8_ps(y[r], 1)));
@@ -855,7 +996,7 @@ SGRT_AVX512 inline void store16(const __m512* y, const RowArgs* rows) {
 // of rows 0-3, 4-7, 8-11, 12-15 of k-pairs 0 (low nibbles: vpand 0x0f) and 2 (high: vpsrlw 4),
 // vpunpckhbw those of k-pairs 1 and 3.
 template <int R>
-SGRT_AVX512 void block4w_512(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
+SGRT_TARGET_AVX512 void block4w_512(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
   const __m512i m0f = _mm512_set1_epi8(0x0f), z = _mm512_setzero_si512();
   const Header hd{HEADER_BYTES, 0.0f};
   __m512 y[R], sc, of;
@@ -880,7 +1021,7 @@ SGRT_AVX512 void block4w_512(const uint8_t* w, const RowArgs* rows, int64_t KB, 
         for (int r = 0; r < R; ++r)
           a[r] = _mm512_dpwssd_epi32(a[r], kp[j], pair16(static_cast<const int16_t*>(rows[r].X) + 32 * b + 8 * c + 2 * j));
     }
-    for (int r = 0; r < R; ++r) epilogue16(a[r], sc, of, rows[r].dx[b], rows[r].qs[b], y[r]);
+    for (int r = 0; r < R; ++r) y[r] = epilogue512(a[r], sc, of, rows[r].dx[b], rows[r].qs[b], y[r]);
   }
   store16<R>(y, rows);
 }
@@ -888,7 +1029,7 @@ SGRT_AVX512 void block4w_512(const uint8_t* w, const RowArgs* rows, int64_t KB, 
 // R rows against one 16-row block of 8-bit codes (block8x4's computation): a k-pair's 32 bytes
 // widened (vpmovzxbw) are the word pairs of rows 0-15.
 template <int R>
-SGRT_AVX512 void block8_512(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift, const Header& hd) {
+SGRT_TARGET_AVX512 void block8_512(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift, const Header& hd) {
   __m512 y[R], sc, of;
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   const int64_t per_group = int64_t(1) << group_shift;
@@ -907,7 +1048,7 @@ SGRT_AVX512 void block8_512(const uint8_t* w, const RowArgs* rows, int64_t KB, i
       for (int r = 0; r < R; ++r)
         a[r] = _mm512_dpwssd_epi32(a[r], v, pair16(static_cast<const int16_t*>(rows[r].X) + 32 * b + 2 * j));
     }
-    for (int r = 0; r < R; ++r) epilogue16(a[r], sc, of, rows[r].dx[b], rows[r].qs[b], y[r]);
+    for (int r = 0; r < R; ++r) y[r] = epilogue512(a[r], sc, of, rows[r].dx[b], rows[r].qs[b], y[r]);
   }
   store16<R>(y, rows);
 }
@@ -924,7 +1065,7 @@ inline void interleave16(const int16_t* Q, int64_t k, int32_t* Qi) {
 // 16 general registers (gcc reloaded them from the stack before each broadcast); the float sums in
 // memory between blocks (16 integer sums take half the 32 vector registers)
 template <int BITS>
-SGRT_AVX512 void block_512i(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift, const Header& hd,
+SGRT_TARGET_AVX512 void block_512i(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift, const Header& hd,
                             const int32_t* qi) {
   constexpr int R = 16;
   const __m512i m0f = _mm512_set1_epi8(0x0f), z = _mm512_setzero_si512();
@@ -966,7 +1107,7 @@ SGRT_AVX512 void block_512i(const uint8_t* w, const RowArgs* rows, int64_t KB, i
 #undef SGRT_KPAIR16
     for (int r = 0; r < R; ++r) {
       __m512 y = _mm512_load_ps(yacc[r]);
-      epilogue16(a[r], sc, of, rows[r].dx[b], rows[r].qs[b], y);
+      y = epilogue512(a[r], sc, of, rows[r].dx[b], rows[r].qs[b], y);
       _mm512_store_ps(yacc[r], y);
     }
     asm volatile("" : : "r"(&yacc[0][0]) : "memory");
@@ -1053,6 +1194,7 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
   const int64_t KB = k / QBLOCK;
   const int group_shift = group == 32 ? 0 : group == 64 ? 1 : 2;  // log2(group / 32)
   if (bits == 8 && M == 1 && STREAMS8 > 1) {  // decode: several streams (block8_streams)
+    if (has_avx512_vnni()) return row8_streams512(wp, block_bytes, b0, b1, RowArgs{Q, dx, qs, nullptr}, yp, KB, group_shift, hd);
     row8_streams(wp, block_bytes, b0, b1, RowArgs{Q, dx, qs, nullptr}, yp, KB, group_shift, hd);
     return;
   }
@@ -1080,6 +1222,7 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
     if (bits == 4)
       for (int64_t m = x0; m < t1; ++m) expand4(q1 + m * k, ACT8 ? nullptr : q2 + m * k, k, X + (m - x0) * row_bytes);
     if (bits == 4 && M == 1 && STREAMS4 > 1) {  // decode: several streams (block4_streams)
+      if (has_avx512_vnni()) return row4_streams512<ACT8>(wp, block_bytes, b0, b1, RowArgs{X, dx, qs, nullptr}, yp, KB, group_shift);
       row4_streams<ACT8>(wp, block_bytes, b0, b1, RowArgs{X, dx, qs, nullptr}, yp, KB, group_shift);
       return;
     }

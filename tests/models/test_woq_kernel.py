@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from sgrt.kernels import woq
+from sgrt.kernels.build import cpu_flags
 
 if not woq.available():
     pytest.skip("the native kernel is unavailable here (needs an AVX-512 BF16 or AVX2 + FMA CPU and "
@@ -45,8 +46,6 @@ if not woq.available():
 def test_isa_names_the_build_that_runs():
     """The AVX2 build runs by default, on AVX-512 CPUs too; the AVX-512 BF16 one only where
     SGRT_WOQ_ISA=avx512_bf16 asks for it and the CPU has its flags."""
-    from sgrt.kernels.build import cpu_flags
-
     asked = os.environ.get("SGRT_WOQ_ISA", "") == "avx512_bf16"
     want = "avx512_bf16" if asked and all(f in cpu_flags() for f in woq.REQUIRED_CPU_FLAGS) else "avx2"
     assert woq.isa() == want
@@ -451,26 +450,43 @@ def test_avx2_int4_stream_counts_give_the_same_bits():
         _check_int4_one_row(linear, activations, 32)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
+_AVX512_VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+avx512_vnni_only = pytest.mark.skipif(
+    not _AVX512_VNNI <= cpu_flags(), reason="the CPU lacks AVX-512 VNNI (the kernels run on AVX2 alone)")
+
+# Runs woq.kernel(act)(x, stream, e, e, n, k, fmt, group) for each case in a subprocess with
+# SGRT_WOQ_AVX512=0 (the switch is read once per process): the AVX2 kernels' outputs.
+_AVX2_SCRIPT = (
+    "import sys, torch\n"
+    "from sgrt.kernels import woq\n"
+    "cases = torch.load(sys.argv[1])\n"
+    "e = torch.empty(0, dtype=torch.half)\n"
+    "torch.save([woq.kernel(a)(x, s, e, e, n, k, f, g) for a, x, s, n, k, f, g in cases], sys.argv[2])\n")
+
+
+def _assert_same_bits_as_avx2(cases: list, tmp_path) -> None:
+    """Each case ``(act, x, stream, n, k, fmt, group)`` gives the same bits here (AVX-512 VNNI
+    kernels) as in a subprocess with ``SGRT_WOQ_AVX512=0`` (the AVX2 kernels)."""
+    import subprocess
+    import sys
+
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {**os.environ, "SGRT_WOQ_AVX512": "0"}
+    subprocess.run([sys.executable, "-c", _AVX2_SCRIPT, str(tmp_path / "cases.pt"), str(tmp_path / "avx2.pt")],
+                   env=env, check=True, timeout=600)
+    e = torch.empty(0, dtype=torch.half)
+    for (a, x, s, n, k, f, g), want in zip(cases, torch.load(tmp_path / "avx2.pt")):
+        assert torch.equal(woq.kernel(a)(x, s, e, e, n, k, f, g), want), (a, x.shape, n, k, f, g)
 
 
 @avx2_only
-@pytest.mark.skipif(not {"avx512_vnni", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags(),
-                    reason="the AVX-512 VNNI tiles run only on a CPU with AVX-512 VNNI / BW / VL / DQ")
+@avx512_vnni_only
 def test_avx512_tiles_match_the_avx2_path_bitwise(tmp_path):
     """On an AVX-512 VNNI CPU the multi-row tiles (16, 8 and 4 rows a weight load, 4- and 8-bit codes)
     run as 512-bit kernels: their outputs equal the AVX2 kernels' (SGRT_WOQ_AVX512=0, in a
     subprocess) bit for bit, for row counts of 16 + 8 + 4 + leftovers, a tile boundary (43 rows at k =
     1,536), the three group sizes and the compact 8-bit stream. (The formula tests above check
     the same path against :func:`_avx2_reference` on such a host.)"""
-    import subprocess
-    import sys
-
     cases = []
     for bits, group, (n, k) in [(4, 32, (960, 576)), (4, 128, (48, 384)), (8, 64, (576, 1536)), (8, 32, (48, 384))]:
         if bits == 8 and group == 32:  # offsets -128 * scale: the compact stream
@@ -478,24 +494,35 @@ def test_avx512_tiles_match_the_avx2_path_bitwise(tmp_path):
             packed = woq.pack(codes, 8)
         else:
             _, packed, scales, offsets, _ = _layer(n, k, bits, group)
-        stream, b = woq.prepare(packed, scales, offsets, n, k, bits, group)
+        stream, fmt = woq.prepare(packed, scales, offsets, n, k, bits, group)
         for m in (4, 12, 43) if k == 1536 else (4, 13, 19):
             x = _x(m, k).float()
             x[:, 32:64] *= 1e-3
             x[0, 64:96] = 0.0
-            cases.append((x.bfloat16(), stream, n, k, b, group))
-    code = ("import sys, torch\nfrom sgrt.kernels import woq\ncases = torch.load(sys.argv[1])\n"
-            "e = torch.empty(0, dtype=torch.float16)\n"
-            "torch.save([woq.kernel()(x, s, e, e, n, k, b, g) for x, s, n, k, b, g in cases], sys.argv[2])\n")
-    torch.save(cases, tmp_path / "cases.pt")
-    env = dict(os.environ, SGRT_WOQ_AVX512="0")
-    subprocess.run([sys.executable, "-c", code, str(tmp_path / "cases.pt"), str(tmp_path / "avx2.pt")], env=env,
-                   check=True, timeout=600)
-    avx2 = torch.load(tmp_path / "avx2.pt")
-    assert b > 256  # (the last case's stream is the compact one)
-    empty = torch.empty(0, dtype=torch.float16)
-    for (x, s, n, k, b, g), want in zip(cases, avx2):
-        assert torch.equal(woq.kernel()(x, s, empty, empty, n, k, b, g), want), (x.shape, n, k, b, g)
+            cases.append(("int16", x.bfloat16(), stream, n, k, fmt, group))
+    assert cases[-1][5] > 256  # (the last case's stream is the compact one)
+    _assert_same_bits_as_avx2(cases, tmp_path)
+
+
+@avx2_only
+@avx512_vnni_only
+def test_avx512_one_row_streams_match_the_avx2_ones_bitwise(tmp_path):
+    """On an AVX-512 VNNI CPU the one-row streams run on 512-bit vectors (row4_streams512,
+    row8_streams512); SGRT_WOQ_AVX512=0 keeps the AVX2 ones. Both give the same bits: one row
+    against 4-bit (int16 and int8 activations) and 8-bit codes (full and compact headers), 1 to
+    37 blocks, here against a subprocess with the switch off."""
+    cases = []
+    for bits, compact, group in ((4, False, 32), (4, False, 128), (8, False, 32), (8, True, 64)):
+        for blocks in (1, 5, 8, 37):
+            n, k = 16 * blocks, 576 if group != 128 else 512
+            codes, packed, scales, offsets, _ = _layer(n, k, bits, group)
+            if compact:  # offsets -128 * scale: the compact stream (bits 8 + 256 * 128)
+                offsets = (scales.float() * -128).half()
+            stream, fmt = woq.prepare(packed, scales, offsets, n, k, bits, group)
+            assert fmt == (8 + 256 * 128 if compact else bits)
+            x = _x(1, k, seed=blocks)
+            cases += [(a, x, stream, n, k, fmt, group) for a in ("int16", "int8")]
+    _assert_same_bits_as_avx2(cases, tmp_path)
 
 
 def test_int8_row_tiles_do_not_change_rows():
