@@ -88,9 +88,11 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
             quantizes anything else at load (groups of 32, min/max); int8 quantizes at load, per
             group of 32 on sgrt's native CPU kernel (AVX-512 BF16 CPUs), per channel on torch's
             kernels elsewhere. Pair it with ``dtype="bfloat16"``, the kernels' activation dtype.
-        prepack: on CPU, hold the float projections in oneDNN's prepacked layout
-            (:mod:`sgrt.models.packed`: 1.2-3x faster matmuls; float32 results differ from
-            ``F.linear`` in the last bits). ``False`` keeps plain ``nn.Linear`` layers.
+        prepack: on CPU, run the float projections and the LM head on sgrt's dense kernel for
+            decode rows and / or oneDNN's prepacked layout (:mod:`sgrt.models.packed`: 1.2-3x
+            faster matmuls; float32 results differ from ``F.linear`` in the last bits; where
+            oneDNN prepacks bfloat16, a bfloat16 model holds both, i.e. those weights twice).
+            ``False`` keeps plain ``nn.Linear`` layers.
         native_ops: on CPU, run the layers' non-matmul steps and decode attention through sgrt's
             fused C++ operators (:mod:`sgrt.kernels.layer_ops`, compiled on first use and cached;
             same rounding as the PyTorch ops). ``False``, or a build failure, keeps PyTorch ops.

@@ -37,6 +37,15 @@ one row oneDNN's float32 matmul measured 1.4-2.3x slower than the kernel on the 
 (``bench/dense_kernel.py``), and greedy outputs stayed token-identical (``bench/ab_commits.py
 --what tokens``, the float32 model tests against transformers). float32 prefill then runs
 ``F.linear`` (MKL) instead of oneDNN, and the LM head no longer needs a 113 MB copy.
+
+Where oneDNN does prepack bfloat16 (AVX-512 BF16 / AMX CPUs), its matmul at one row is the slow
+part of bfloat16 decode (the 2-core AVX-512 BF16 Xeon: 2-9 GB/s of weights at one row against the
+kernel's 15-18; the kernel 1.0-1.4x oneDNN's speed at 4 rows, 0.45-0.8x at 8, 0.25-0.4x at 16,
+``bench/dense_kernel.py --rows R``), while oneDNN is what prefill wants there (the kernel's
+fallback ``linear_bf16_via_f32`` 3-7x oneDNN's time at 16-512 rows). So bfloat16 projections and
+LM head there are a :class:`DenseLinear` *beside* a prepacked copy (``above``): the kernel up to
+:data:`DENSE_ROWS_BESIDE_ONEDNN` rows, the copy for more. The price is the plain weights' memory
+a second time (SmolLM2-135M: +212 MB; the tied LM head already had its prepacked copy).
 """
 from __future__ import annotations
 
@@ -60,6 +69,10 @@ DENSE_MAX_ROWS = 16
 # and where they do not (DENSE_DTYPES).
 DENSE_DTYPES = (torch.float32, torch.bfloat16)
 DENSE_DTYPES_OVER_ONEDNN: tuple[torch.dtype, ...] = (torch.float32,)
+# Where oneDNN prepacks a dtype of DENSE_DTYPES that is not over it (bfloat16 on AVX-512 BF16 /
+# AMX CPUs): the rows DenseLinear's kernel takes, beside a prepacked copy for more (the kernel's
+# speed against oneDNN's crosses at ~4 rows there; module docstring).
+DENSE_ROWS_BESIDE_ONEDNN = 4
 
 
 class PackedLinear(nn.Module):
@@ -120,21 +133,23 @@ def linear_bf16_via_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class DenseLinear(nn.Module):
     """``y = x @ W.T`` on the plain row-major weight ``W`` ``[N, K]`` (no bias): sgrt's AVX2 kernel
     (:mod:`sgrt.kernels.dense`) for 2-D inputs of up to ``max_rows`` rows; above that (prefill
-    chunks) :func:`linear_bf16_via_f32` for bfloat16 and ``F.linear`` for float32 (and other
-    devices or dtypes).
+    chunks) ``above`` if given (a :class:`PackedLinear` of the same weight, where oneDNN prepacks
+    its dtype), else :func:`linear_bf16_via_f32` for bfloat16 and ``F.linear`` for float32 (and
+    other devices or dtypes).
 
     Input ``[..., K]``; output ``[..., N]`` in the input's dtype (the weight's, for the kernel).
     The weight is the given tensor itself (a parameter is kept as it is, so a tied LM head shares
     the embedding table). Call after :func:`sgrt.kernels.dense.available` returned True.
     """
 
-    def __init__(self, weight: torch.Tensor, max_rows: int = DENSE_MAX_ROWS):
+    def __init__(self, weight: torch.Tensor, max_rows: int = DENSE_MAX_ROWS, above: "PackedLinear | None" = None):
         super().__init__()
         from sgrt.kernels import dense
 
         self.out_features, self.in_features = weight.shape
         self.max_rows = max_rows
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.register_module("above", above)  # (registered when None too: forward reads _modules)
         self._linear = dense.kernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,13 +157,17 @@ class DenseLinear(nn.Module):
         if (x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == w.dtype and x.is_cpu and w.is_cpu
                 and x.stride(-1) == 1):
             return self._linear(x, w)
+        above = self._modules["above"]
+        if above is not None and x.dtype == w.dtype:
+            return above(x)
         if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.is_cpu and w.is_cpu:
             return linear_bf16_via_f32(x, w)
         return F.linear(x, w)
 
     def extra_repr(self) -> str:
+        more = ", oneDNN prepacked copy above" if self._modules["above"] is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"native dense kernel up to {self.max_rows} rows")
+                f"native dense kernel up to {self.max_rows} rows{more}")
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -198,16 +217,38 @@ _onednn_ok: dict[tuple[torch.dtype, str], bool] = {}
 
 
 def dense_kernel_for(weight: torch.Tensor) -> bool:
-    """Whether :class:`DenseLinear` serves ``weight`` (a CPU float32 / bfloat16 matrix): its
-    dtype is in ``DENSE_DTYPES_OVER_ONEDNN``, or in ``DENSE_DTYPES`` and oneDNN cannot prepack it
-    here; and the native kernel loads (not with ``SGRT_NATIVE_KERNELS=0``)."""
+    """Whether :class:`DenseLinear` serves ``weight``'s decode rows (a CPU float32 / bfloat16
+    matrix, its dtype in ``DENSE_DTYPES``) and the native kernel loads (not with
+    ``SGRT_NATIVE_KERNELS=0``). Where :func:`beside_onednn` is also true it takes up to
+    :data:`DENSE_ROWS_BESIDE_ONEDNN` rows, beside a prepacked copy."""
     if weight.device.type != "cpu" or weight.dtype not in DENSE_DTYPES or weight.dim() != 2:
-        return False
-    if weight.dtype not in DENSE_DTYPES_OVER_ONEDNN and _onednn_packs(weight):
         return False
     from sgrt.kernels import dense
 
     return dense.available()
+
+
+def beside_onednn(weight: torch.Tensor) -> bool:
+    """Whether oneDNN prepacks ``weight``'s dtype here and that dtype is not one the kernel takes
+    over from it (``DENSE_DTYPES_OVER_ONEDNN``): then a :class:`DenseLinear` of it keeps a
+    :class:`PackedLinear` copy for more than :data:`DENSE_ROWS_BESIDE_ONEDNN` rows."""
+    return weight.dtype not in DENSE_DTYPES_OVER_ONEDNN and _onednn_packs(weight)
+
+
+def _dense_or_none(weight: torch.Tensor, what: str, check: bool) -> DenseLinear | None:
+    """A :class:`DenseLinear` of ``weight`` (where :func:`dense_kernel_for` is true), with a
+    prepacked copy above its rows where :func:`beside_onednn` says so; None if that copy cannot
+    be made or (with ``check``) the layer disagrees with ``F.linear`` (logged)."""
+    above = None
+    if beside_onednn(weight):
+        above = _packed_or_none(weight, what, check)
+        if above is None:
+            return None
+    layer = DenseLinear(weight, DENSE_ROWS_BESIDE_ONEDNN if above is not None else DENSE_MAX_ROWS, above)
+    if check and not _dense_agrees(layer, weight):
+        logger.warning("the dense kernel disagrees with F.linear on %s; keeping torch's layers", what)
+        return None
+    return layer
 
 
 def _dense_agrees(layer: DenseLinear, weight: torch.Tensor) -> bool:
@@ -230,10 +271,8 @@ def pack_linear_layers(model: nn.Module, names: tuple[str, ...]) -> int:
             if type(current) is not nn.Linear or current.bias is not None:
                 continue
             if dense_kernel_for(current.weight):
-                replacement = DenseLinear(current.weight)
-                if count == 0 and not _dense_agrees(replacement, current.weight):
-                    logger.warning("the dense kernel disagrees with F.linear on %s; keeping torch's layers",
-                                   f"layers.{i}.{name}")
+                replacement = _dense_or_none(current.weight, f"layers.{i}.{name}", check=count == 0)
+                if replacement is None and count == 0:
                     return 0
             else:
                 replacement = _packed_or_none(current.weight, f"layers.{i}.{name}", check=count == 0)
@@ -246,23 +285,23 @@ def pack_linear_layers(model: nn.Module, names: tuple[str, ...]) -> int:
 
 def pack_lm_head(model: nn.Module) -> bool:
     """Give an unquantized model (``model.logits_head`` None) a :class:`DenseLinear` over its LM
-    head's own weight for up to :data:`DENSE_MAX_ROWS` rows where :func:`dense_kernel_for` says
-    so, else a :class:`PackedLinear` copy of it for every batch size (an untied model's plain
-    head is then freed); True if done."""
+    head's own weight where :func:`dense_kernel_for` says so (with a prepacked copy above its rows
+    where :func:`beside_onednn` does), else a :class:`PackedLinear` copy of it for every batch
+    size (an untied model's plain head is then freed); True if done."""
     if model.logits_head is not None:
         return False
     weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     if dense_kernel_for(weight):
         # NOTE: the plain weight itself (a tied one is the embedding table: no copy); more rows
-        # than the kernel takes go to linear_bf16_via_f32 (bfloat16, inside the layer) or to
-        # compute_logits' F.linear on the same tensor (float32).
-        head = DenseLinear(weight)
-        if not _dense_agrees(head, weight):
-            logger.warning("the dense kernel disagrees with F.linear on the LM head; keeping F.linear")
+        # than the kernel takes go to the prepacked copy (beside oneDNN), linear_bf16_via_f32
+        # (bfloat16, inside the layer) or compute_logits' F.linear on the same tensor (float32).
+        head = _dense_or_none(weight, "the LM head", check=True)
+        if head is None:
             return False
         model.logits_head = head
-        # bfloat16: more rows than the kernel takes run linear_bf16_via_f32 inside the layer
-        model.logits_head_max_rows = 1 << 62 if weight.dtype == torch.bfloat16 else head.max_rows
+        # bfloat16 or a prepacked copy: every row count goes to the layer
+        inside = weight.dtype == torch.bfloat16 or head.above is not None
+        model.logits_head_max_rows = 1 << 62 if inside else head.max_rows
         return True
     head = _packed_or_none(weight, "the LM head", check=True)
     if head is None:

@@ -258,22 +258,46 @@ def bf16_pair():
             load_model("smollm2-135m-instruct", dtype="bfloat16", prepack=False))
 
 
-def test_loader_puts_the_kernel_where_onednn_cannot_pack(bf16_pair):
-    from sgrt.models.packed import DenseLinear, PackedLinear, _onednn_packs
+def test_loader_puts_the_kernel_on_bfloat16_layers(bf16_pair):
+    """bfloat16 projections and the tied LM head run the kernel for decode rows on every CPU where
+    it loads; where oneDNN prepacks bfloat16 each also holds a prepacked copy for more than
+    DENSE_ROWS_BESIDE_ONEDNN rows (oneDNN's matmul is the faster one there from ~4 rows)."""
+    from sgrt.models.packed import (DENSE_MAX_ROWS, DENSE_ROWS_BESIDE_ONEDNN, DenseLinear, PackedLinear,
+                                    _onednn_packs)
 
     lm, _ = bf16_pair
     model = lm.model
-    layer = model.layers[0]
-    if _onednn_packs(model.embed_tokens.weight):
-        assert isinstance(layer.qkv_proj, PackedLinear)
-        return
+    beside = _onednn_packs(model.embed_tokens.weight)
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-        assert all(isinstance(getattr(l, name), DenseLinear) for l in model.layers), name
-    # the tied LM head reads the embedding table itself: no copy
+        layers = [getattr(l, name) for l in model.layers]
+        assert all(isinstance(m, DenseLinear) for m in layers), name
+        assert all(isinstance(m.above, PackedLinear) == beside for m in layers), name
+        assert {m.max_rows for m in layers} == {DENSE_ROWS_BESIDE_ONEDNN if beside else DENSE_MAX_ROWS}
+    # the tied LM head reads the embedding table itself (no plain copy)
     assert isinstance(model.logits_head, DenseLinear)
     assert model.logits_head.weight is model.embed_tokens.weight
-    # every row count goes to the layer: past its kernel's rows, linear_bf16_via_f32 (not F.linear)
+    # every row count goes to the layer: past its kernel's rows the prepacked copy or
+    # linear_bf16_via_f32 (not F.linear)
     assert model.logits_head_max_rows > 1 << 40
+    # the one-call decode step is built over the kernel's rows
+    assert model.native_step is not None and model.native_step.max_rows == layers[0].max_rows
+
+
+def test_rows_above_the_kernel_go_to_the_prepacked_copy():
+    """A DenseLinear beside a prepacked copy: up to max_rows rows are the kernel's bits, more rows
+    the copy's (oneDNN's) bits; both near F.linear in float32."""
+    from sgrt.models.packed import DenseLinear, PackedLinear, _onednn_packs
+
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    if not _onednn_packs(w):
+        pytest.skip("oneDNN does not prepack bfloat16 on this CPU")
+    packed = PackedLinear(w)
+    layer = DenseLinear(w, 4, packed)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    assert torch.equal(layer(x[:4]), dense.linear(x[:4], w))
+    assert torch.equal(layer(x), packed(x))
+    want = F.linear(x.float(), w.float())
+    assert ((layer(x).float() - want).abs().max() <= 2 ** -7 * want.abs().max())
 
 
 def test_float32_model_uses_the_kernel(loaded_model):

@@ -17,13 +17,13 @@ from sgrt.models.layers import FUSED_PROJECTIONS, CausalAttention, CausalLM
 
 pytestmark = pytest.mark.skipif(not layer_ops.available(), reason="sgrt_layer operators could not be built here")
 
-# What this host's builds give the step. bfloat16 projections take sgrt's dense kernel, and so the
-# one-call step, only where oneDNN cannot prepack bfloat16 (no AVX-512 BW / AVX-NE-CONVERT: there
-# they stay oneDNN's, per layer; test_bfloat16_on_onednn_keeps_the_per_layer_path). The int4 thread
-# team and raw entries are the AVX2 build's; the AVX-512 BF16 build (woq_cpu.cpp) has neither.
+# What this host's builds give the step. bfloat16 projections take sgrt's dense kernel for decode
+# rows, and so the one-call step, wherever that kernel loads (where oneDNN prepacks bfloat16, up to
+# 4 rows, beside a prepacked copy). The int4 thread team and raw entries are the AVX2 build's; the
+# AVX-512 BF16 build (woq_cpu.cpp, only with SGRT_WOQ_ISA=avx512_bf16) has neither.
 BF16_STEP = packed.dense_kernel_for(torch.zeros(16, 32, dtype=torch.bfloat16))
 INT4_TEAM = woq.isa() == "avx2"
-NO_BF16_STEP = "bfloat16 projections are oneDNN's on this CPU (no one-call step)"
+NO_BF16_STEP = "sgrt's dense kernel does not load here (no one-call step for bfloat16)"
 NO_INT4_TEAM = "the int4 thread team is the AVX2 build's; this CPU runs the AVX-512 BF16 one"
 
 # Decode batches: one row, and rows of different context lengths (past a tiny model's window,
@@ -422,20 +422,6 @@ def test_gemma3_switches_mixed_otherwise():
 
 
 # ---- where the per-layer path stays ------------------------------------------------------------------
-
-@pytest.mark.skipif(BF16_STEP, reason="bfloat16 takes the dense kernel and the step on this CPU")
-def test_bfloat16_on_onednn_keeps_the_per_layer_path():
-    """Where oneDNN prepacks bfloat16, its projections stay oneDNN's: no one-call step is built, and
-    the default forward (per layer) gives the same hidden states as the per-layer native ops."""
-    model = tiny_model("llama", "bfloat16")
-    assert model.native_step is None
-    ids, positions, rows = _decode_batch([30, 9], model.config.vocab_size)
-    pools = [_pool(model, 1 + 2 * 30, seed=5) for _ in range(2)]
-    with torch.inference_mode():
-        default = model(ids, positions, PagedAttention(pools[0], rows, native=True))
-        per_layer = model(ids, positions, PagedAttention(pools[1], rows, native=True), ops=model.layer_ops)
-    assert torch.equal(default, per_layer) and torch.isfinite(default.float()).all()
-
 
 def test_partial_rotary_keeps_the_per_layer_path():
     model = tiny_model("phi3", "float32")
