@@ -70,11 +70,17 @@ def read_bandwidth_gbs(threads: int, mib: int = 1024) -> float:
 
 def bytes_per_token(loaded, context: int) -> int:
     """Bytes a batch-1 decode step reads: every weight once (the input embedding one row only,
-    unless the output layer is that very tensor), plus K and V of ``context`` tokens in every layer."""
+    unless the output layer is that very tensor; not the prepacked copies that serve larger
+    batches beside the dense kernel), plus K and V of ``context`` tokens in every layer."""
     from sgrt.models.quant import weight_bytes
+
+    from sgrt.models.packed import DenseLinear
 
     model = loaded.model
     total = weight_bytes(model)
+    for mod in model.modules():  # a prepacked copy beside the dense kernel serves more rows only
+        if isinstance(mod, DenseLinear) and mod.above is not None:
+            total -= sum(p.numel() * p.element_size() for p in mod.above.parameters())
     embed = model.embed_tokens.weight
     head = getattr(model, "logits_head", None)
     if getattr(model, "lm_head", None) is not None or (
