@@ -356,3 +356,15 @@ def test_bf16_via_f32_tiles_match_one_piece(monkeypatch):
     # a float32 sum differs between the tilings at most by summation order: one bfloat16 step
     assert ((tiled.float() - whole.float()).abs() <= whole.float().abs() * 2.0**-7 + 1e-6).all()
     assert torch.equal(packed.linear_bf16_via_f32(x.reshape(2, 20, 64), w), tiled.reshape(2, 20, 100))
+
+
+def test_bandwidth_bytes_leave_out_the_prepacked_copies(bf16_pair):
+    """bench/vs_llamacpp.py's bytes a batch-1 step reads: the same for the loaded bfloat16 model
+    (kernel layers, beside prepacked copies where oneDNN packs bfloat16) as for its plain-layer
+    twin (every parameter once, the tied head being the embedding table): the copies serve larger
+    batches only. 134.5M bfloat16 parameters: ~269 MB."""
+    from bench.vs_llamacpp import bytes_per_token
+
+    packed_lm, plain_lm = bf16_pair
+    assert bytes_per_token(packed_lm, 0) == bytes_per_token(plain_lm, 0)
+    assert 265e6 < bytes_per_token(plain_lm, 0) < 275e6
