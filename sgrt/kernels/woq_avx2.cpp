@@ -546,6 +546,26 @@ inline void block4x4w(const uint8_t* w, const RowArgs* rows, int64_t KB, int gro
   }
 }
 
+// The read positions of S 16-row blocks streamed side by side (the one-row streams): p at each
+// block's codes, h at its current group's header; enter(b, ...) at block b of 32 inputs steps over
+// a new group's header (header_bytes) where one starts.
+template <int S>
+struct StreamPos {
+  const uint8_t* p[S];
+  const uint8_t* h[S];
+  int64_t per_group;
+  StreamPos(const uint8_t* const* w, int group_shift) : per_group(int64_t(1) << group_shift) {
+    for (int s = 0; s < S; ++s) p[s] = h[s] = w[s];
+  }
+  void enter(int64_t b, int64_t header_bytes) {
+    if ((b & (per_group - 1)) == 0)
+      for (int s = 0; s < S; ++s) {
+        h[s] = p[s];
+        p[s] += header_bytes;
+      }
+  }
+};
+
 // One row of x against S 16-row blocks of 4-bit codes at once, far apart in the weight stream
 // (decode: see STREAMS4): per block b of 32 inputs, sums4<1> on each block's codes in turn, so the
 // S blocks' streams advance together; each block's outputs are bitwise block4<1>'s (the same
@@ -556,16 +576,11 @@ inline void block4_streams(const uint8_t* const* w, const RowArgs& row, uint16_t
                            int group_shift) {
   __m256 y0[S], y1[S];
   for (int s = 0; s < S; ++s) y0[s] = y1[s] = _mm256_setzero_ps();
-  const int64_t per_group = int64_t(1) << group_shift;
-  const uint8_t* p[S];
-  const uint8_t* h[S];  // each block's current group header
-  for (int s = 0; s < S; ++s) p[s] = h[s] = w[s];
+  StreamPos<S> at(w, group_shift);
+  const uint8_t* const* const h = at.h;
+  const uint8_t** const p = at.p;
   for (int64_t b = 0; b < KB; ++b) {
-    if ((b & (per_group - 1)) == 0)
-      for (int s = 0; s < S; ++s) {
-        h[s] = p[s];
-        p[s] += HEADER_BYTES;
-      }
+    at.enter(b, HEADER_BYTES);
 #pragma GCC unroll 8
     for (int s = 0; s < S; ++s) {
       if (STREAM4_PREFETCH)
@@ -662,17 +677,12 @@ inline void block8_streams(const uint8_t* const* w, const RowArgs& row, uint16_t
                            int group_shift, const Header& hd) {
   __m256 y0[S], y1[S];
   for (int s = 0; s < S; ++s) y0[s] = y1[s] = _mm256_setzero_ps();
-  const int64_t per_group = int64_t(1) << group_shift;
-  const uint8_t* p[S];
-  const uint8_t* h[S];  // each block's current group header (read again per block of 32: in L1)
-  for (int s = 0; s < S; ++s) p[s] = h[s] = w[s];
+  StreamPos<S> at(w, group_shift);  // (a group's header is read again per block of 32: in L1)
+  const uint8_t* const* const h = at.h;
+  const uint8_t** const p = at.p;
   const int16_t* const X = static_cast<const int16_t*>(row.X);
   for (int64_t b = 0; b < KB; ++b) {
-    if ((b & (per_group - 1)) == 0)
-      for (int s = 0; s < S; ++s) {
-        h[s] = p[s];
-        p[s] += hd.bytes;
-      }
+    at.enter(b, hd.bytes);
     __m256i a0[S], a1[S];
     for (int s = 0; s < S; ++s) a0[s] = a1[s] = _mm256_setzero_si256();
 #pragma GCC unroll 2
@@ -775,17 +785,12 @@ SGRT_TARGET_AVX512 inline void block4_streams512(const uint8_t* const* w, const 
   const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
   __m512 acc[S];
   for (int s = 0; s < S; ++s) acc[s] = _mm512_setzero_ps();
-  const int64_t per_group = int64_t(1) << group_shift;
-  const uint8_t* p[S];
-  const uint8_t* h[S];
-  for (int s = 0; s < S; ++s) p[s] = h[s] = w[s];
+  StreamPos<S> at(w, group_shift);
+  const uint8_t* const* const h = at.h;
+  const uint8_t** const p = at.p;
   const int8_t* const X0 = static_cast<const int8_t*>(row.X);
   for (int64_t b = 0; b < KB; ++b) {
-    if ((b & (per_group - 1)) == 0)
-      for (int s = 0; s < S; ++s) {
-        h[s] = p[s];
-        p[s] += HEADER_BYTES;
-      }
+    at.enter(b, HEADER_BYTES);
     __m512i hs[S], ls[S];  // s16 sums against q1 (h) and q2 (l), rows 0-7 low half, 8-15 high
     for (int s = 0; s < S; ++s) hs[s] = ls[s] = _mm512_setzero_si512();
     if (STREAM4_PREFETCH512)
@@ -842,17 +847,12 @@ SGRT_TARGET_AVX512 inline void block8_streams512(const uint8_t* const* w, const 
                                                  int64_t KB, int group_shift, const Header& hd) {
   __m512 acc[S];
   for (int s = 0; s < S; ++s) acc[s] = _mm512_setzero_ps();
-  const int64_t per_group = int64_t(1) << group_shift;
-  const uint8_t* p[S];
-  const uint8_t* h[S];
-  for (int s = 0; s < S; ++s) p[s] = h[s] = w[s];
+  StreamPos<S> at(w, group_shift);
+  const uint8_t* const* const h = at.h;
+  const uint8_t** const p = at.p;
   const int16_t* const X = static_cast<const int16_t*>(row.X);
   for (int64_t b = 0; b < KB; ++b) {
-    if ((b & (per_group - 1)) == 0)
-      for (int s = 0; s < S; ++s) {
-        h[s] = p[s];
-        p[s] += hd.bytes;
-      }
+    at.enter(b, hd.bytes);
     __m512i a[S];
     for (int s = 0; s < S; ++s) a[s] = _mm512_setzero_si512();
 #pragma GCC unroll 4
