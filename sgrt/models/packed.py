@@ -139,7 +139,8 @@ class DenseLinear(nn.Module):
 
     Input ``[..., K]``; output ``[..., N]`` in the input's dtype (the weight's, for the kernel).
     The weight is the given tensor itself (a parameter is kept as it is, so a tied LM head shares
-    the embedding table). Call after :func:`sgrt.kernels.dense.available` returned True.
+    the embedding table); ``above`` is re-packed from it when the weight was changed in place since
+    (its version counter). Call after :func:`sgrt.kernels.dense.available` returned True.
     """
 
     def __init__(self, weight: torch.Tensor, max_rows: int = DENSE_MAX_ROWS, above: "PackedLinear | None" = None):
@@ -150,7 +151,18 @@ class DenseLinear(nn.Module):
         self.max_rows = max_rows
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.register_module("above", above)  # (registered when None too: forward reads _modules)
+        # The weight's version counter when `above` was packed: a later in-place change of the
+        # weight (load_state_dict, a merged delta) re-packs it before its next use, so that every
+        # row count computes with the same weight.
+        self._packed_version = self._version_of(self.weight) if above is not None else None
         self._linear = dense.kernel()
+
+    @staticmethod
+    def _version_of(w: torch.Tensor) -> int | None:
+        try:
+            return w._version
+        except RuntimeError:  # an inference tensor has no version counter (and cannot change)
+            return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self._parameters["weight"]  # (self.weight: nn.Module.__getattr__, ~1.5 us, 4 calls a layer)
@@ -159,6 +171,10 @@ class DenseLinear(nn.Module):
             return self._linear(x, w)
         above = self._modules["above"]
         if above is not None and x.dtype == w.dtype:
+            if self._version_of(w) != self._packed_version:
+                with torch.no_grad():
+                    above = self.above = PackedLinear(w.detach())
+                self._packed_version = self._version_of(w)
             return above(x)
         if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.is_cpu and w.is_cpu:
             return linear_bf16_via_f32(x, w)

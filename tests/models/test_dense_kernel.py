@@ -368,3 +368,24 @@ def test_bandwidth_bytes_leave_out_the_prepacked_copies(bf16_pair):
     packed_lm, plain_lm = bf16_pair
     assert bytes_per_token(packed_lm, 0) == bytes_per_token(plain_lm, 0)
     assert 265e6 < bytes_per_token(plain_lm, 0) < 275e6
+
+
+def test_the_prepacked_copy_follows_the_weight():
+    """A weight changed in place after load (load_state_dict, a merged delta) reaches the copy
+    above the kernel's rows too: 4 and 5 rows compute with the same, new weight."""
+    from sgrt.models.packed import DenseLinear, PackedLinear, _onednn_packs
+
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    if not _onednn_packs(w):
+        pytest.skip("oneDNN does not prepack bfloat16 on this CPU")
+    layer = DenseLinear(w.clone(), 4, PackedLinear(w))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
+    with torch.no_grad():
+        layer.weight.mul_(0.5)
+    want = F.linear(x.float(), layer.weight.float())
+    for rows in (4, 5):
+        got = layer(x[:rows]).float()
+        assert (got - want[:rows]).abs().max() <= 2 ** -7 * want.abs().max(), rows
+    with torch.no_grad():
+        layer.load_state_dict({"weight": w, "above.packed": layer.above.packed}, strict=True)
+    assert torch.equal(layer(x), PackedLinear(w)(x))
