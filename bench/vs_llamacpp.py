@@ -72,9 +72,8 @@ def bytes_per_token(loaded, context: int) -> int:
     """Bytes a batch-1 decode step reads: every weight once (the input embedding one row only,
     unless the output layer is that very tensor; not the prepacked copies that serve larger
     batches beside the dense kernel), plus K and V of ``context`` tokens in every layer."""
-    from sgrt.models.quant import weight_bytes
-
     from sgrt.models.packed import DenseLinear
+    from sgrt.models.quant import weight_bytes
 
     model = loaded.model
     total = weight_bytes(model)

@@ -783,6 +783,7 @@ SGRT_TARGET_AVX512 inline void block4_streams512(const uint8_t* const* w, const 
   const __m512i ones = _mm512_set1_epi16(1), w254 = _mm512_set1_epi16(254);
   // per 128-bit lane: words 0 4 1 5 2 6 3 7 (sums4's `pairs`)
   const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
+  const Header hd{HEADER_BYTES, 0.0f};  // 4-bit groups store their offsets
   __m512 acc[S];
   for (int s = 0; s < S; ++s) acc[s] = _mm512_setzero_ps();
   StreamPos<S> at(w, group_shift);
@@ -820,8 +821,8 @@ SGRT_TARGET_AVX512 inline void block4_streams512(const uint8_t* const* w, const 
       const __m512i hsum = _mm512_shuffle_epi8(hs[s], pairs);
       const __m512i isum = ACT8 ? _mm512_madd_epi16(hsum, ones)
                                 : _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_shuffle_epi8(ls[s], pairs), ones), hsum, w254);
-      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h[s])));
-      const __m512 of = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h[s] + 32)));
+      __m512 sc, of;
+      load_header16(h[s], hd, sc, of);
       acc[s] = epilogue512(isum, sc, of, row.dx[b], row.qs[b], acc[s]);
       p[s] += 256;
     }

@@ -286,12 +286,8 @@ def pack_linear_layers(model: nn.Module, names: tuple[str, ...]) -> int:
             current = getattr(layer, name)
             if type(current) is not nn.Linear or current.bias is not None:
                 continue
-            if dense_kernel_for(current.weight):
-                replacement = _dense_or_none(current.weight, f"layers.{i}.{name}", check=count == 0)
-                if replacement is None and count == 0:
-                    return 0
-            else:
-                replacement = _packed_or_none(current.weight, f"layers.{i}.{name}", check=count == 0)
+            make = _dense_or_none if dense_kernel_for(current.weight) else _packed_or_none
+            replacement = make(current.weight, f"layers.{i}.{name}", check=count == 0)
             if replacement is None:
                 return count
             setattr(layer, name, replacement)
