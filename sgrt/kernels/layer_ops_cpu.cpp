@@ -129,10 +129,19 @@ void rms_norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
     ss += v * v;
   }
   float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+#pragma omp simd
   for (int64_t i = 0; i < h; ++i) {
     float normed = round_as<T>(to_f(x[i]) * inv);
     out[i] = from_f<T>(to_f(w[i]) * normed);
   }
+}
+
+// x += delta (each sum rounded to T, as the eager residual add), then out = rms_norm_row(x).
+template <typename T>
+void add_rms_norm_row(T* x, const T* delta, const T* w, T* out, int64_t h, float eps) {
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) x[i] = from_f<T>(to_f(x[i]) + to_f(delta[i]));
+  rms_norm_row(x, w, out, h, eps);
 }
 
 // out: a [T, hidden] buffer of x's dtype to write into (the decode step reuses one), or undefined.
@@ -177,12 +186,7 @@ Tensor add_rms_norm_into(Tensor x, const Tensor& delta, const Tensor& weight, do
     const R* wp = raw_ptr<scalar_t>(weight);
     R* op = raw_ptr<scalar_t>(out);
     at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        R* row = xp + r * h;
-        const R* d = dp + r * h;
-        for (int64_t i = 0; i < h; ++i) row[i] = from_f<R>(to_f(row[i]) + to_f(d[i]));
-        rms_norm_row(row, wp, op + r * h, h, static_cast<float>(eps));
-      }
+      for (int64_t r = b; r < e; ++r) add_rms_norm_row(xp + r * h, dp + r * h, wp, op + r * h, h, static_cast<float>(eps));
     });
   });
   return out;
@@ -236,10 +240,31 @@ Tensor qk_norm_(Tensor qkv, const Tensor& q_weight, const Tensor& k_weight, int6
 // In place on qk [T, heads, D] (any strides with a contiguous last dim); cos / sin [T, D] in
 // qk's dtype: x' = x * cos + rotate_half(x) * sin, each product rounded, then the sum.
 
+// One head in place: p [d] (d even), c / s [d] its row's cos / sin; x: d floats of scratch.
+// Two loops over the halves (rotate_half's sign differs) so that each vectorizes.
+template <typename R>
+inline void rotate_head(R* p, const R* c, const R* s, int64_t d, float* x) {
+  const int64_t half = d / 2;
+#pragma omp simd
+  for (int64_t j = 0; j < d; ++j) x[j] = to_f(p[j]);
+#pragma omp simd
+  for (int64_t j = 0; j < half; ++j) {
+    float a = round_as<R>(x[j] * to_f(c[j]));
+    float bb = round_as<R>(-x[j + half] * to_f(s[j]));
+    p[j] = from_f<R>(a + bb);
+  }
+#pragma omp simd
+  for (int64_t j = half; j < d; ++j) {
+    float a = round_as<R>(x[j] * to_f(c[j]));
+    float bb = round_as<R>(x[j - half] * to_f(s[j]));
+    p[j] = from_f<R>(a + bb);
+  }
+}
+
 Tensor rotary_(Tensor qk, const Tensor& cos, const Tensor& sin) {
   check_cpu_float(qk, "qk");
   TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1, "qk must be [T, heads, head_dim] with a contiguous last dim");
-  int64_t t = qk.size(0), heads = qk.size(1), d = qk.size(2), half = d / 2;
+  int64_t t = qk.size(0), heads = qk.size(1), d = qk.size(2);
   TORCH_CHECK(d % 2 == 0, "head_dim must be even");
   TORCH_CHECK(cos.sizes() == at::IntArrayRef({t, d}) && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.scalar_type() == qk.scalar_type() &&
@@ -255,16 +280,7 @@ Tensor rotary_(Tensor qk, const Tensor& cos, const Tensor& sin) {
       std::vector<float> x(d);
       for (int64_t i = b; i < e; ++i) {
         int64_t r = i / heads, hd = i % heads;
-        R* p = base + r * st + hd * sh;
-        const R* c = cp + r * d;
-        const R* s = sp + r * d;
-        for (int64_t j = 0; j < d; ++j) x[j] = to_f(p[j]);
-        for (int64_t j = 0; j < d; ++j) {
-          float rot = j < half ? -x[j + half] : x[j - half];
-          float a = round_as<R>(x[j] * to_f(c[j]));
-          float bb = round_as<R>(rot * to_f(s[j]));
-          p[j] = from_f<R>(a + bb);
-        }
+        rotate_head(base + r * st + hd * sh, cp + r * d, sp + r * d, d, x.data());
       }
     });
   });
@@ -908,6 +924,17 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
 // k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] for every new token t (both caches in place);
 // k / v [T, Hkv, D] may be strided views (the QKV projection's output) with a contiguous last dim.
 
+// new_slots: int64 [B], each in [0, num_slots) (where a step's new K / V go).
+void check_new_slots(const Tensor& new_slots, int64_t b, int64_t num_slots) {
+  TORCH_CHECK(new_slots.scalar_type() == at::kLong && new_slots.dim() == 1 && new_slots.size(0) == b &&
+                  new_slots.is_contiguous(),
+              "new_slots must be a contiguous int64 [B], one slot a row");
+  const int64_t* sl = new_slots.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < num_slots, "slot ", sl[i], " outside the pool's ", num_slots, " slots");
+  }
+}
+
 void store_kv_(Tensor k_cache, Tensor v_cache, const Tensor& slots, const Tensor& k, const Tensor& v) {
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
@@ -959,40 +986,102 @@ Tensor rotary_heads_(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t h
 // store_kv_ does, then decode_attention of q over each row's slots. What rotary_heads_, a split,
 // store_kv_ and decode_attention do, in one dispatch instead of four.
 
-// The first part of decode_attention_qkv_: rotary, q's pre-scale, the K/V store; returns q
-// [B, n_heads, D] (a view of qkv) for the attention.
+// The per-head work between a decode layer's QKV projection and its attention, on raw storage:
+// for rows [B] of qkv (row r, head hd at qkv + r * st + hd * sh; heads = n_heads q, hkv k, hkv v,
+// d values each), in this order: the projection's bias added (each sum rounded, as the eager
+// add), q and k heads RMS-normed (qk_norm_: q_norm / k_norm), rotated (rotary_, this row's cos /
+// sin [d]), q heads multiplied by q_scale (rounded; skipped when 1), k and v heads copied to the
+// caches [num_slots, hkv, d] at slots[r] (store_kv_). Each (row, head) is independent of the
+// others, so the decode plan's thread team splits them (prepare_heads' begin / end) and the bits
+// do not depend on the split. Slots must have been checked (0 <= slots[r] < num_slots).
+template <typename R>
+struct HeadPrep {
+  R* qkv;
+  int64_t st, sh;
+  int64_t b, n_heads, hkv, d;
+  const R* bias = nullptr;  // [(n_heads + 2 hkv) * d] or null
+  const R* q_norm = nullptr;
+  const R* k_norm = nullptr;  // [d] each, or null (both or neither)
+  float eps = 0.f;
+  const R* cos;
+  const R* sin;  // [B, d]
+  float q_scale = 1.f;
+  R* k_cache;
+  R* v_cache;
+  const int64_t* slots;  // [B]
+};
+
+// Items [begin, end) of the prep's B * (n_heads + 2 hkv) (row, head) items, row-major.
+template <typename R>
+void prepare_heads(const HeadPrep<R>& a, int64_t begin, int64_t end) {
+  const int64_t heads = a.n_heads + 2 * a.hkv, d = a.d, rotated = a.n_heads + a.hkv;
+  float stack[512];
+  std::vector<float> big;
+  float* x = d <= 512 ? stack : (big.resize(d), big.data());
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t r = i / heads, hd = i % heads;
+    R* p = a.qkv + r * a.st + hd * a.sh;
+    if (a.bias) {
+      const R* bp = a.bias + hd * d;
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) p[j] = from_f<R>(to_f(p[j]) + to_f(bp[j]));
+    }
+    if (hd < rotated) {
+      if (a.q_norm) rms_norm_row<R>(p, hd < a.n_heads ? a.q_norm : a.k_norm, p, d, a.eps);  // (in place)
+      rotate_head(p, a.cos + r * d, a.sin + r * d, d, x);
+    }
+    if (hd < a.n_heads) {
+      if (a.q_scale != 1.f) {
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) p[j] = from_f<R>(to_f(p[j]) * a.q_scale);
+      }
+    } else {
+      const bool is_k = hd < rotated;
+      const int64_t kh = is_k ? hd - a.n_heads : hd - rotated;
+      std::memcpy((is_k ? a.k_cache : a.v_cache) + (a.slots[r] * a.hkv + kh) * d, p, d * sizeof(R));
+    }
+  }
+}
+
+// The first part of decode_attention_qkv_: rotary, q's pre-scale, the K/V store (prepare_heads
+// without bias or q / k norm); returns q [B, n_heads, D] (a view of qkv) for the attention.
 Tensor prepare_qkv_(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t n_heads, double q_scale,
                     Tensor k_cache, Tensor v_cache, const Tensor& new_slots) {
   check_cpu_float(qkv, "qkv");
   TORCH_CHECK((qkv.dim() == 2 || qkv.dim() == 3) && k_cache.dim() == 3,
               "qkv must be [B, heads * head_dim] or [B, heads, head_dim] and k_cache [slots, kv_heads, head_dim]");
-  int64_t hkv = k_cache.size(1);
+  const int64_t hkv = k_cache.size(1), d = k_cache.size(2);
   if (qkv.dim() == 2) {
-    TORCH_CHECK(qkv.stride(1) == 1 && qkv.size(1) % std::max<int64_t>(k_cache.size(2), 1) == 0,
+    TORCH_CHECK(qkv.stride(1) == 1 && qkv.size(1) % std::max<int64_t>(d, 1) == 0,
                 "a 2-D qkv must be [B, heads * head_dim] with a contiguous last dim");
-    qkv = qkv.view({qkv.size(0), -1, k_cache.size(2)});
+    qkv = qkv.view({qkv.size(0), -1, d});
   }
   TORCH_CHECK(n_heads > 0 && hkv > 0 && qkv.size(1) == n_heads + 2 * hkv, "qkv must have n_heads + 2 * kv_heads = ",
               n_heads + 2 * hkv, " heads, got ", qkv.size(1));
-  TORCH_CHECK(new_slots.dim() == 1 && new_slots.size(0) == qkv.size(0), "new_slots must be [B], one slot a row");
-  rotary_(qkv.narrow(1, 0, n_heads + hkv), cos, sin);
-  Tensor q = qkv.narrow(1, 0, n_heads);
-  if (q_scale != 1.0) {
-    dispatch_float(qkv.scalar_type(), [&]<typename scalar_t>() {
-      using R = raw<scalar_t>;
-      R* base = raw_ptr<scalar_t>(qkv);
-      const float s = static_cast<float>(q_scale);
-      const int64_t d = qkv.size(2), st = qkv.stride(0), sh = qkv.stride(1);
-      for (int64_t r = 0; r < qkv.size(0); ++r) {
-        for (int64_t hd = 0; hd < n_heads; ++hd) {
-          R* p = base + r * st + hd * sh;
-          for (int64_t j = 0; j < d; ++j) p[j] = from_f<R>(to_f(p[j]) * s);
-        }
-      }
-    });
-  }
-  store_kv_(k_cache, v_cache, new_slots, qkv.narrow(1, n_heads, hkv), qkv.narrow(1, n_heads + hkv, hkv));
-  return q;
+  TORCH_CHECK(qkv.size(2) == d && qkv.stride(2) == 1, "qkv's head_dim must be the cache's ", d,
+              ", with a contiguous last dim");
+  TORCH_CHECK(d % 2 == 0, "head_dim must be even");
+  const int64_t b = qkv.size(0);
+  TORCH_CHECK(cos.sizes() == at::IntArrayRef({b, d}) && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(),
+              "cos and sin must be contiguous [B, head_dim] in qkv's dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
+              "k_cache and v_cache must be contiguous [slots, kv_heads, head_dim] in qkv's dtype");
+  check_new_slots(new_slots, b, k_cache.size(0));
+  dispatch_float(qkv.scalar_type(), [&]<typename scalar_t>() {
+    using R = raw<scalar_t>;
+    HeadPrep<R> a{raw_ptr<scalar_t>(qkv), qkv.stride(0), qkv.stride(1), b, n_heads, hkv, d};
+    a.cos = raw_ptr<scalar_t>(cos);
+    a.sin = raw_ptr<scalar_t>(sin);
+    a.q_scale = static_cast<float>(q_scale);
+    a.k_cache = raw_ptr<scalar_t>(k_cache);
+    a.v_cache = raw_ptr<scalar_t>(v_cache);
+    a.slots = new_slots.const_data_ptr<int64_t>();
+    prepare_heads(a, 0, b * (n_heads + 2 * hkv));
+  });
+  return qkv.narrow(1, 0, n_heads);
 }
 
 // out: a [B, n_heads * head_dim] buffer to write the attention into, or undefined.
@@ -1319,6 +1408,32 @@ struct DecodePlan : torch::CustomClassHolder {
     }
   }
 
+  // Layer l's prepare_heads on this thread's share of the step's (row, head) items (all of them
+  // outside a team). qkv: the QKV projection's output, contiguous [B, (heads + 2 kv heads) *
+  // head_dim]; its bias, norms, the rotary rows and the slots were checked by run().
+  void prepare_share(const PlanLayer& l, const Tensor& qkv, const Workspace& ws, const Tensor& k_cache,
+                     const Tensor& v_cache, const Tensor& new_slots, const Team& t) const {
+    TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "a QKV projection's output must be contiguous [B, features]");
+    const int64_t b = qkv.size(0), hkv = k_cache.size(1), n = b * (n_heads + 2 * hkv);
+    dispatch_float(qkv.scalar_type(), [&]<typename scalar_t>() {
+      using R = raw<scalar_t>;
+      HeadPrep<R> a{raw_ptr<scalar_t>(qkv), qkv.size(1), head_dim, b, n_heads, hkv, head_dim};
+      if (l.qkv_bias) a.bias = raw_ptr<scalar_t>(*l.qkv_bias);
+      if (l.q_norm) {
+        a.q_norm = raw_ptr<scalar_t>(*l.q_norm);
+        a.k_norm = raw_ptr<scalar_t>(*l.k_norm);
+        a.eps = static_cast<float>(eps);
+      }
+      a.cos = raw_ptr<scalar_t>(ws.cos[l.rope_id]);
+      a.sin = raw_ptr<scalar_t>(ws.sin[l.rope_id]);
+      a.q_scale = static_cast<float>(l.q_scale);
+      a.k_cache = raw_ptr<scalar_t>(k_cache);
+      a.v_cache = raw_ptr<scalar_t>(v_cache);
+      a.slots = new_slots.const_data_ptr<int64_t>();
+      prepare_heads(a, n * t.part / t.parts, n * (t.part + 1) / t.parts);
+    });
+  }
+
   // Whether this step runs in a thread team (one OpenMP region): more than one thread, not already
   // inside a parallel region, every projection with an in-team entry (and the raw entries on),
   // and every layer's projections of one width (the team's shared buffers are sized once).
@@ -1368,6 +1483,33 @@ struct DecodePlan : torch::CustomClassHolder {
     }
     Workspace::get(ws.attn, b, n_heads * head_dim, options);
     std::vector<Tensor> lens(kv_lens.size());
+    // the checks of the attention's and the head prep's inputs (prepare_share's on raw storage),
+    // and in a team the attention's work items once per slot table, before any layer runs
+    for (size_t w = 0; w < kv_lens.size(); ++w) lens[w] = kv_lens[w].contiguous();
+    ws.attend.resize(slots.size());
+    std::vector<int64_t> planned(slots.size(), -1);  // kv heads each table's work was made for
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const PlanLayer& l = layers[i];
+      const int64_t w = l.window_id;
+      check_cache_and_tables(k_layers[i], v_layers[i], dtype, b, n_heads, head_dim, slots[w], lens[w]);
+      check_new_slots(new_slots, b, k_layers[i].size(0));
+      const int64_t hkv = k_layers[i].size(1), width = (n_heads + 2 * hkv) * head_dim;
+      TORCH_CHECK(l.qkv.out_features() == width, "layer ", i, "'s qkv_proj gives ", l.qkv.out_features(),
+                  " features, not (heads + 2 kv heads) * head_dim = ", width);
+      TORCH_CHECK(ws.cos[l.rope_id].size(1) == head_dim, "rotary table ", l.rope_id, " is not head_dim wide");
+      for (const auto* v : {&l.qkv_bias, &l.q_norm, &l.k_norm}) {
+        TORCH_CHECK(!*v || ((*v)->scalar_type() == dtype && (*v)->is_contiguous() &&
+                            (*v)->numel() == (v == &l.qkv_bias ? width : head_dim)),
+                    "layer ", i, "'s qkv bias / q / k norm must be contiguous, in the model's dtype, of ",
+                    "(heads + 2 kv heads) * head_dim / head_dim values");
+      }
+      if (in_team && planned[w] < 0) {
+        plan_attention(ws.attend[w], b, n_heads, hkv, head_dim, lens[w].const_data_ptr<int64_t>(), slots[w].size(1),
+                       copies);
+        planned[w] = hkv;
+      }
+      TORCH_CHECK(!in_team || planned[w] == hkv, "layers of one slot table must have one number of kv heads");
+    }
     if (in_team) {
       const PlanLayer& l = layers.front();
       Workspace::get(ws.qkv, b, l.qkv.out_features(), options);
@@ -1375,24 +1517,8 @@ struct DecodePlan : torch::CustomClassHolder {
       Workspace::get(ws.gate_up, b, l.gate_up.out_features(), options);
       Workspace::get(ws.down, b, l.down.out_features(), options);
       for (int64_t t = 0; t < copies; ++t) Workspace::get(ws.act[t], b, l.gate_up.out_features() / 2, options);
-      // the attention's checks, and its work items once per slot table, before the team starts
-      for (size_t w = 0; w < kv_lens.size(); ++w) lens[w] = kv_lens[w].contiguous();
-      ws.attend.resize(slots.size());
-      std::vector<int64_t> planned(slots.size(), -1);  // kv heads each table's work was made for
-      for (size_t i = 0; i < layers.size(); ++i) {
-        const int64_t w = layers[i].window_id;
-        check_cache_and_tables(k_layers[i], v_layers[i], dtype, b, n_heads, head_dim, slots[w], lens[w]);
-        const int64_t hkv = k_layers[i].size(1);
-        if (planned[w] < 0) {
-          plan_attention(ws.attend[w], b, n_heads, hkv, head_dim, lens[w].const_data_ptr<int64_t>(), slots[w].size(1),
-                         copies);
-          planned[w] = hkv;
-        }
-        TORCH_CHECK(planned[w] == hkv, "layers of one slot table must have one number of kv heads");
-      }
     }
     TeamState state;
-    Tensor q_shared;    // a team's q of the current layer (rotated, pre-scaled), from its first thread
     Tensor out_delta;   // the last layer's output, not yet added to the residual (first thread's)
     auto body = [&](const Team t) {
       Tensor& x = ws.x[t.part];
@@ -1412,28 +1538,24 @@ struct DecodePlan : torch::CustomClassHolder {
         Tensor qkv;
         t.run([&] { qkv = project(l.qkv, h, ws.qkv, t); });
         t.barrier();
-        // q / k norm, bias (ATen ops), rotary, q's pre-scale and the K/V store: one thread
-        if (t.lead()) {
+        // bias, q / k norm, rotary, q's pre-scale and the K/V store: this thread's share of the heads
+        t.run([&] { prepare_share(l, qkv, ws, k_layers[i], v_layers[i], new_slots, t); });
+        if (!t.team) {
           t.run([&] {
-            if (l.qkv_bias) qkv = at::add(qkv, *l.qkv_bias);
-            if (l.q_norm) qkv = qk_norm_(qkv.view({b, -1, head_dim}), *l.q_norm, *l.k_norm, n_heads, eps);
-            Tensor q = prepare_qkv_(qkv, ws.cos[l.rope_id], ws.sin[l.rope_id], n_heads, l.q_scale, k_layers[i],
-                                    v_layers[i], new_slots);
-            if (t.team) {
-              q_shared = q;
-            } else {
-              decode_attention_into(q, k_layers[i], v_layers[i], slots[l.window_id], kv_lens[l.window_id], ws.attn);
-            }
+            decode_attention_into(qkv.view({b, -1, head_dim}).narrow(1, 0, n_heads), k_layers[i], v_layers[i],
+                                  slots[l.window_id], kv_lens[l.window_id], ws.attn);
           });
-        }
-        if (t.team) {  // the attention's items, then the merges of split rows' chunks, split by part
+        } else {  // the attention's items, then the merges of split rows' chunks, split by part
           AttendWork& work = ws.attend[l.window_id];
           t.barrier();
           for (bool merges : {false, true}) {
             if (merges && work.merges.empty()) break;
             t.run([&] {
-              const AttendArgs a = attend_args(q_shared, k_layers[i], v_layers[i], slots[l.window_id],
-                                               lens[l.window_id], ws.attn);
+              const Tensor& k = k_layers[i];
+              const Tensor& sl = slots[l.window_id];
+              const AttendArgs a{qkv.const_data_ptr(), qkv.size(1), head_dim, k.const_data_ptr(),
+                                 v_layers[i].const_data_ptr(), k.size(0), sl.const_data_ptr<int64_t>(),
+                                 lens[l.window_id].const_data_ptr<int64_t>(), sl.size(1), ws.attn.data_ptr()};
               int64_t bad = 0;
               if (!attend_share(dtype, a, work, merges, t.part, t.parts, &bad)) {
                 state.bad_slot.store(bad);
