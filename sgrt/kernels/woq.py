@@ -383,6 +383,17 @@ def kernel(activations: str = "int16"):
     return operator_entry(getattr(torch.ops.sgrt_woq_avx2, _OPS[activations]).default)
 
 
+def float_kernel(activations: str = "int16"):
+    """The operator that computes :func:`kernel`'s output widened to float32 in the same pass
+    (``sgrt_woq_avx2::linear_float``: ``kernel(activations)(...).float()``'s values, each thread
+    widening the outputs it computed; for the LM head's logits), with :func:`linear`'s
+    positional arguments; None where there is none (the AVX-512 BF16 build, int8 activations,
+    no build loaded)."""
+    if activations != "int16" or isa() != "avx2":
+        return None
+    return operator_entry(torch.ops.sgrt_woq_avx2.linear_float.default)
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
            n: int, k: int, bits: int, group: int = 32, activations: str = "int16") -> torch.Tensor:
     """``y[m, n] = sum_k x[m, k] * (scales[n, k // group] * code[n, k] + offsets[n, k // group])``.

@@ -1301,9 +1301,12 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
 // without a tensor in sight: x quantized once (rows split across threads), then the output blocks
 // split across threads (at::parallel_for, one OpenMP region each). The decode plan
 // (sgrt/kernels/layer_ops_cpu.cpp) calls it directly outside its thread team (raw entries below).
+// yf: where given, y widened to float32 as well (exactly: y.float()'s values), each thread its own
+// output blocks right after computing them, while they are in its cache (the LM head's logits:
+// a second parallel pass over them cost ~100 us a step for SmolLM2's 49k, ~200 for Gemma 3's 262k).
 template <bool ACT8>
-void linear_raw(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, int64_t k, int64_t bits, int64_t group,
-                uint16_t* yp) {
+void linear_into(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, int64_t k, int64_t bits, int64_t group,
+                 uint16_t* yp, float* yf) {
   if (M == 0) return;
   // (the calling thread's, shared with the team)
   const QuantizedX q = quantized_scratch<ACT8>(M, k, width_of(bits));
@@ -1311,7 +1314,23 @@ void linear_raw(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, int
                    [&](int64_t m0, int64_t m1) { quantize_rows<ACT8>(xb, m0, m1, k, width_of(bits), q); });
   at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
     linear_blocks<ACT8>(q.q1, q.q2, q.Q, q.dx, q.qs, M, wp, n, k, bits, group, yp, b0, b1);
+    if (yf == nullptr) return;
+    for (int64_t m = 0; m < M; ++m) {
+      const uint16_t* src = yp + m * n + b0 * BLOCK_N;
+      float* dst = yf + m * n + b0 * BLOCK_N;
+#pragma omp simd
+      for (int64_t j = 0; j < (b1 - b0) * BLOCK_N; ++j) {
+        const uint32_t u = static_cast<uint32_t>(src[j]) << 16;
+        std::memcpy(dst + j, &u, 4);
+      }
+    }
   });
+}
+
+template <bool ACT8>
+void linear_raw(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, int64_t k, int64_t bits, int64_t group,
+                uint16_t* yp) {
+  linear_into<ACT8>(xb, M, wp, n, k, bits, group, yp, nullptr);
 }
 
 // linear_raw's part `part` of `parts` (0 <= part < parts), for a thread of a team that the caller
@@ -1401,6 +1420,18 @@ at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   return y;
 }
 
+// linear_float: linear's output widened to float32 (linear(...).float(), in one pass: linear_into).
+at::Tensor woq_linear_float(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                            const at::Tensor& offsets, int64_t n, int64_t k, int64_t bits, int64_t group) {
+  check_args(x, packed, scales, offsets, n, k, bits, group);
+  const int64_t M = x.size(0);
+  at::Tensor y(at::detail::empty_cpu({M, n}, at::kBFloat16));
+  at::Tensor yf(at::detail::empty_cpu({M, n}, at::kFloat));
+  linear_into<false>(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, packed.data_ptr<uint8_t>(), n, k, bits, group,
+                     reinterpret_cast<uint16_t*>(y.data_ptr()), yf.data_ptr<float>());
+  return yf;
+}
+
 // The addresses of the operators' raw computations, for the decode plan's direct calls (no
 // dispatcher, no tensors a call): `raw_entry` / `team_entry` are linear's per-call entry
 // (linear_raw) and in-team entry (linear_part), `<op>_raw_entry` / `<op>_team_entry` another
@@ -1414,6 +1445,9 @@ int64_t entry_of() { return static_cast<int64_t>(reinterpret_cast<intptr_t>(F));
 TORCH_LIBRARY(sgrt_woq_avx2, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int n, int k, int bits, int group) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(woq_linear<&linear_raw<false>>));
+  // linear's output as float32 (the LM head: logits for the sampler without a second pass)
+  m.def("linear_float(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int n, int k, int bits, int group) -> Tensor");
+  m.impl("linear_float", c10::DispatchKey::CPU, TORCH_FN(woq_linear_float));
   // the same with int8 activations (opt-in: half the int4 kernel's vpmaddubsw, less accurate;
   // docs/DESIGN.md), always or for calls of >= Q8_PREFILL_ROWS rows only
   m.def("linear_q8(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int n, int k, int bits, int group) -> Tensor");

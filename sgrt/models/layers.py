@@ -441,7 +441,9 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, hidden]`` -> logits ``[N, vocab]`` float32."""
         if self.logits_head is not None and hidden.shape[0] <= self.logits_head_max_rows:
-            logits = self.logits_head(hidden).float()
+            # (a head that widens its output as it writes it saves a pass over the logits)
+            widened = getattr(self.logits_head, "forward_float", None)
+            logits = widened(hidden) if widened is not None else self.logits_head(hidden).float()
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(hidden, weight).float()

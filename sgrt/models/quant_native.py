@@ -85,6 +85,7 @@ class GroupLinear(QuantizedLinear):
             self.register_buffer("scales", scales)
             self.register_buffer("offsets", offsets)
         self._linear = woq.kernel(activations)
+        self._linear_float = woq.float_kernel(activations)
         self._refresh_args()
 
     def _refresh_args(self) -> None:
@@ -135,6 +136,14 @@ class GroupLinear(QuantizedLinear):
         if x.dim() == 2 and x.dtype == KERNEL_DTYPE:  # the model's own calls: straight to the kernel
             return self._linear(x, *self._args)
         return super().forward(x)
+
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x).float()``'s values (x ``[M, K]`` bfloat16 -> ``[M, N]`` float32) in one pass
+        where the kernel has a float32 output (:func:`sgrt.kernels.woq.float_kernel`): the LM
+        head's logits, which the sampler reads in float32."""
+        if self._linear_float is not None and x.dim() == 2 and x.dtype == KERNEL_DTYPE:
+            return self._linear_float(x, *self._args)
+        return self(x).float()
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         return self._linear(x2, *self._args)

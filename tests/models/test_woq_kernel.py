@@ -778,3 +778,28 @@ def test_compact_stream_argument_errors():
         woq.kernel()(x, stream, empty, empty, n, k, 4 + 256 * 128, 32)
     with pytest.raises(RuntimeError, match="multiple of group"):
         woq.kernel()(_x(1, 96), stream, empty, empty, n, 96, bits, 64)
+
+
+@avx2_only
+@pytest.mark.parametrize("bits", [4, 8])
+def test_float_output_is_the_widened_bfloat16_output(bits):
+    """GroupLinear.forward_float (the LM head's logits: ``linear_float``, each thread widening the
+    outputs it computed) gives exactly ``layer(x).float()``, at any row count and thread count."""
+    from sgrt.models.quant_native import GroupLinear
+
+    n, k = 4096, 576
+    layer = GroupLinear.from_float(torch.randn(n, k, generator=torch.Generator().manual_seed(bits)), bits)
+    assert layer._linear_float is not None  # (the fused operator runs, not the fallback)
+    x = _x(40, k)
+    threads = torch.get_num_threads()
+    try:
+        for t in sorted({1, threads}):
+            torch.set_num_threads(t)
+            for m in (0, 1, 3, 17, 40):
+                got = layer.forward_float(x[:m])
+                assert got.dtype == torch.float32 and got.shape == (m, n)
+                assert torch.equal(got, layer(x[:m]).float()), (t, m)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="x must be contiguous"):
+        layer._linear_float(_x(k, 2).T, *layer._args)
