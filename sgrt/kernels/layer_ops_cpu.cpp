@@ -367,19 +367,25 @@ inline __m512 load16(const uint16_t* p) {
 }
 #endif
 
-// scores[i * stride + j] = q_i . k_j for the g query rows qf (g x d floats, already scaled) and
-// the keys of one kv head at slots rs[0..len) (key j starts at kbase + rs[j] * row).
+// scores[i * stride + j] = q_i . k_j for the g query rows qf (g x d floats, already scaled), row i
+// against kv head kv_of[i] (non-decreasing: the rows of one kv head next to each other) of the
+// keys at slots rs[0..len) (key j's head h at kbase + rs[j] * row + h * d). Key-outer: each key's
+// row is read once for all g query rows, its kv heads in order, so one item that spans kv heads
+// reads whole rows in slot order (what the hardware prefetcher follows); a query row's
+// instructions are the same whichever rows share the call, so its bits do not depend on that.
 template <typename R, int DC>
-void score_keys(const float* qf, int64_t g, int64_t d, const R* kbase, const int64_t* rs, int64_t len,
-                int64_t row, float* scores, int64_t stride) {
+void score_keys(const float* qf, int64_t g, int64_t d_, const R* kbase, const int64_t* kv_of, const int64_t* rs,
+                int64_t len, int64_t row, float* scores, int64_t stride) {
+  const int64_t d = DC > 0 ? DC : d_;
 #if defined(__AVX512F__)
   if constexpr (DC > 0 && DC % 16 == 0) {
     constexpr int NV = DC / 16;
     for (int64_t j = 0; j < len; ++j) {
       const R* kr = kbase + rs[j] * row;
       __m512 kv[NV];
-      for (int v = 0; v < NV; ++v) kv[v] = load16(kr + 16 * v);
       for (int64_t i = 0; i < g; ++i) {
+        if (i == 0 || kv_of[i] != kv_of[i - 1])
+          for (int v = 0; v < NV; ++v) kv[v] = load16(kr + kv_of[i] * DC + 16 * v);
         const float* qi = qf + i * DC;
         __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qi), kv[0]);
         for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * v), kv[v], a);
@@ -391,8 +397,8 @@ void score_keys(const float* qf, int64_t g, int64_t d, const R* kbase, const int
 #endif
   std::vector<float> kf(d);
   for (int64_t j = 0; j < len; ++j) {
-    load_row(kbase + rs[j] * row, kf.data(), d);
     for (int64_t i = 0; i < g; ++i) {
+      if (i == 0 || kv_of[i] != kv_of[i - 1]) load_row(kbase + rs[j] * row + kv_of[i] * d, kf.data(), d);
       const float* qi = qf + i * d;
       const float* kk = kf.data();
       float s = 0.f;
@@ -403,18 +409,21 @@ void score_keys(const float* qf, int64_t g, int64_t d, const R* kbase, const int
   }
 }
 
-// acc[i * d + c] += sum_j p[i * stride + j] * v_j[c], values of one kv head at slots rs[0..len).
+// acc[i * d + c] += sum_j p[i * stride + j] * v_j[c], row i against kv head kv_of[i] of the values
+// at slots rs[0..len) (as score_keys: key-outer, each value row read once a key).
 template <typename R, int DC>
-void accumulate_values(const float* p, int64_t g, int64_t d, const R* vbase, const int64_t* rs, int64_t len,
-                       int64_t row, int64_t stride, float* acc) {
+void accumulate_values(const float* p, int64_t g, int64_t d_, const R* vbase, const int64_t* kv_of,
+                       const int64_t* rs, int64_t len, int64_t row, int64_t stride, float* acc) {
+  const int64_t d = DC > 0 ? DC : d_;
 #if defined(__AVX512F__)
   if constexpr (DC > 0 && DC % 16 == 0) {
     constexpr int NV = DC / 16;
     for (int64_t j = 0; j < len; ++j) {
       const R* vr = vbase + rs[j] * row;
       __m512 vv[NV];
-      for (int v = 0; v < NV; ++v) vv[v] = load16(vr + 16 * v);
       for (int64_t i = 0; i < g; ++i) {
+        if (i == 0 || kv_of[i] != kv_of[i - 1])
+          for (int v = 0; v < NV; ++v) vv[v] = load16(vr + kv_of[i] * DC + 16 * v);
         __m512 w = _mm512_set1_ps(p[i * stride + j]);
         float* ai = acc + i * DC;
         for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ai + 16 * v, _mm512_fmadd_ps(w, vv[v], _mm512_loadu_ps(ai + 16 * v)));
@@ -425,9 +434,9 @@ void accumulate_values(const float* p, int64_t g, int64_t d, const R* vbase, con
 #endif
   std::vector<float> vf(d);
   for (int64_t j = 0; j < len; ++j) {
-    load_row(vbase + rs[j] * row, vf.data(), d);
-    const float* vv = vf.data();
     for (int64_t i = 0; i < g; ++i) {
+      if (i == 0 || kv_of[i] != kv_of[i - 1]) load_row(vbase + rs[j] * row + kv_of[i] * d, vf.data(), d);
+      const float* vv = vf.data();
       float w = p[i * stride + j];
       float* ai = acc + i * d;
 #pragma omp simd
@@ -603,14 +612,15 @@ void accumulate_values_blocked(const float* p, int64_t gi, int64_t d, const R* v
 // directly, as the kernel did before it split long contexts.
 constexpr int64_t kDecodeChunk = 256;
 
-// One work item: keys [c0, c0 + n) of row r's context, kv head kh, its query heads [i0, i1) of
-// the kv head's g. Each query head's scores, softmax and output are computed on their own (the
-// same instructions whichever heads share an item), so splitting a kv head's query heads over
-// items changes which thread computes a head, not its bits.
+// One work item: keys [c0, c0 + n) of row r's context for its query heads [q0, q1) (each against
+// its own kv head q / g; an item may span kv heads). Each query head's scores, softmax and output
+// are computed on their own (the same instructions whichever heads share an item), so how the
+// heads are grouped into items changes which thread computes a head, not its bits.
 struct AttendItem {
-  int64_t r, kh, c0, n;
-  int64_t part;  // index of its partial result (-1: the row's only chunk, written to out directly)
-  int64_t i0, i1;
+  int64_t r, c0, n;
+  int64_t part0;  // the partial of this chunk's kv head 0 (head q's: part0 + q / g); -1: the row's
+                  // only chunk, written to out directly
+  int64_t q0, q1;
 };
 
 // The work of one decode attention call, which depends only on the rows' context lengths, the
@@ -627,13 +637,14 @@ struct AttendWork {
   std::vector<float> partials;      // [partials, part_size]
 };
 
-// Items ordered row, chunk, kv head, query heads (a chunk's kv heads share the cache lines of its
-// slots' rows, so one thread takes them in a row); partials of split rows laid out in the same
-// order: row r's chunk c, kv head kh at first_part[r] + c * hkv + kh. Where the (row, chunk, kv
-// head) items are fewer than 4 a thread and do not divide evenly among `threads` (SmolLM2's 3 kv
-// heads on 2 threads: 2 : 1; Gemma 3's one: 1 : 0), each query head is an item of its own (9: 5 : 4,
-// 4: 2 : 2); the keys of a kv head are then read once per query head instead of once (from cache
-// at those lengths).
+// Items ordered row, chunk, query heads; partials of split rows laid out row, chunk, kv head: row
+// r's chunk c, kv head kh at first_part[r] + c * hkv + kh. An item is a (row, chunk, kv head) with
+// its g query heads; where those items are fewer than 4 a thread and do not divide evenly among
+// `threads` (SmolLM2's 3 kv heads on 2 threads: 2 : 1; Gemma 3's one: 1 : 0), a (row, chunk)'s
+// query heads are cut into `threads` contiguous ranges instead (9: 5 + 4 heads, 4: 2 + 2), which
+// may span kv heads: an item reads the key / value rows of its kv heads key by key, so a thread
+// reads the slots' rows in order (the hardware prefetcher follows; per query head, as before,
+// each thread re-read a kv head's keys once a head, ~3.5 GB/s from memory at 128 keys).
 void plan_attention(AttendWork& w, int64_t b, int64_t h, int64_t hkv, int64_t d, const int64_t* ln, int64_t max_kv,
                     int64_t threads) {
   const int64_t g = h / hkv;
@@ -647,19 +658,18 @@ void plan_attention(AttendWork& w, int64_t b, int64_t h, int64_t hkv, int64_t d,
   w.first_part.assign(b, -1);
   int64_t base = 0;
   for (int64_t r = 0; r < b; ++r) base += (ln[r] + kDecodeChunk - 1) / kDecodeChunk * hkv;
-  const bool per_head = threads > 1 && base % threads != 0 && base < 4 * threads;
-  const int64_t heads_per_item = per_head ? 1 : g;
+  const bool ranges = threads > 1 && base % threads != 0 && base < 4 * threads;
+  const int64_t cuts = ranges ? std::min(threads, h) : hkv;  // items a (row, chunk)
   int64_t parts = 0;
   for (int64_t r = 0; r < b; ++r) {
     const int64_t len = ln[r], chunks = (len + kDecodeChunk - 1) / kDecodeChunk;
     if (chunks > 1) w.first_part[r] = parts;
     for (int64_t c = 0; c < chunks; ++c) {
-      for (int64_t kh = 0; kh < hkv; ++kh) {
-        const int64_t part = chunks > 1 ? parts++ : -1;
-        for (int64_t i0 = 0; i0 < g; i0 += heads_per_item) {
-          w.items.push_back({r, kh, c * kDecodeChunk, std::min(kDecodeChunk, len - c * kDecodeChunk), part, i0,
-                             std::min(g, i0 + heads_per_item)});
-        }
+      const int64_t part0 = chunks > 1 ? parts : -1;
+      if (chunks > 1) parts += hkv;
+      for (int64_t t = 0; t < cuts; ++t) {
+        w.items.push_back({r, c * kDecodeChunk, std::min(kDecodeChunk, len - c * kDecodeChunk), part0, h * t / cuts,
+                           h * (t + 1) / cuts});
       }
     }
     if (chunks > 1)
@@ -685,6 +695,7 @@ struct AttendArgs {
 // Per-thread scratch of the attention items, grown and never shrunk.
 struct AttendScratch {
   std::vector<float> qf, scores, acc, sums, maxes;
+  std::vector<int64_t> kv_of;
 };
 
 AttendScratch& attend_scratch() {
@@ -728,15 +739,16 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
   const R* vp = static_cast<const R*>(a.v);
   R* op = static_cast<R*>(a.out);
   AttendScratch& sc = attend_scratch();
-  float* const qf = at_least(sc.qf, g * d);
-  float* const scores = at_least(sc.scores, g * span);
-  float* const acc = at_least(sc.acc, g * d);
-  float* const sums = at_least(sc.sums, g);
-  float* const maxes = at_least(sc.maxes, g);
+  float* const qf = at_least(sc.qf, h * d);
+  float* const scores = at_least(sc.scores, h * span);
+  float* const acc = at_least(sc.acc, h * d);
+  float* const sums = at_least(sc.sums, h);
+  float* const maxes = at_least(sc.maxes, h);
+  int64_t* const kv_of = at_least(sc.kv_of, h);
   bool ok = true;
   for (int64_t it = begin; it < end; ++it) {
     const AttendItem& item = w.items[it];
-    const int64_t r = item.r, kh = item.kh, len = item.n, i0 = item.i0, gi = item.i1 - item.i0;
+    const int64_t r = item.r, len = item.n, q0 = item.q0, gi = item.q1 - item.q0;
     const int64_t* rs = a.sl + r * a.max_kv + item.c0;
     // The slots are checked here, in parallel, rather than in a serial pass over every slot of
     // every row before the call (that pass grows with the context, once a layer).
@@ -752,25 +764,35 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
     }
     for (int64_t i = 0; i < gi; ++i) {
       float* qi = qf + i * d;
-      load_row(qp + r * a.qs0 + (kh * g + i0 + i) * a.qs1, qi, d);
+      load_row(qp + r * a.qs0 + (q0 + i) * a.qs1, qi, d);
       for (int64_t c = 0; c < d; ++c) qi[c] *= scale;
+      kv_of[i] = (q0 + i) / g;
     }
 #ifdef SGRT_BLOCKED_ATTENTION
-    const bool blocked = item.part >= 0 && d % 8 == 0;
+    const bool blocked = item.part0 >= 0 && d % 8 == 0;
     constexpr int BDC = DC <= 128 ? DC : 0;  // (the blocked loops unrolled over 256 values ran 0.88x)
 #else
     const bool blocked = false;
 #endif
+    // the item's query heads as runs of one kv head each: [i, e) against kv head kh
+    auto runs = [&](auto&& f) {
+      for (int64_t i = 0, e; i < gi; i = e) {
+        for (e = i + 1; e < gi && kv_of[e] == kv_of[i];) ++e;
+        f(i, e, kv_of[i]);
+      }
+    };
     if (blocked) {
 #ifdef SGRT_BLOCKED_ATTENTION
-      // the first kv head's item prefetches the whole rows (its chunk's other kv heads, next in
-      // this thread's items, then find theirs in cache)
-      const bool whole = kh == 0;
-      score_keys_blocked<R, BDC>(qf, gi, d, kp + kh * d, rs, len, row, scores, span, whole ? kp : kp + kh * d,
-                                whole ? vp : vp + kh * d, whole ? row : d);
+      runs([&](int64_t i, int64_t e, int64_t kh) {
+        // kv head 0's run prefetches the whole rows (its chunk's other kv heads, next in this
+        // thread's work, then find theirs in cache)
+        const bool whole = kh == 0;
+        score_keys_blocked<R, BDC>(qf + i * d, e - i, d, kp + kh * d, rs, len, row, scores + i * span, span,
+                                   whole ? kp : kp + kh * d, whole ? vp : vp + kh * d, whole ? row : d);
+      });
 #endif
     } else {
-      score_keys<R, DC>(qf, gi, d, kp + kh * d, rs, len, row, scores, span);
+      score_keys<R, DC>(qf, gi, d, kp, kv_of, rs, len, row, scores, span);
     }
     for (int64_t i = 0; i < gi; ++i) {
       float* si = scores + i * span;
@@ -787,22 +809,26 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
     std::fill(acc, acc + gi * d, 0.f);
     if (blocked) {
 #ifdef SGRT_BLOCKED_ATTENTION
-      accumulate_values_blocked<R, BDC>(scores, gi, d, vp + kh * d, rs, len, row, span, acc);
+      runs([&](int64_t i, int64_t e, int64_t kh) {
+        accumulate_values_blocked<R, BDC>(scores + i * span, e - i, d, vp + kh * d, rs, len, row, span, acc + i * d);
+      });
 #endif
     } else {
-      accumulate_values<R, DC>(scores, gi, d, vp + kh * d, rs, len, row, span, acc);
+      accumulate_values<R, DC>(scores, gi, d, vp, kv_of, rs, len, row, span, acc);
     }
-    if (item.part < 0) {
-      for (int64_t i = 0; i < gi; ++i) {
-        R* o = op + r * h * d + (kh * g + i0 + i) * d;
+    for (int64_t i = 0; i < gi; ++i) {
+      const int64_t q = q0 + i;
+      if (item.part0 < 0) {
+        R* o = op + r * h * d + q * d;
         float inv = 1.f / sums[i];
         for (int64_t c = 0; c < d; ++c) o[c] = from_f<R>(acc[i * d + c] * inv);
+      } else {
+        float* pp = w.partials.data() + (item.part0 + q / g) * w.part_size;
+        const int64_t k = q % g;
+        pp[k] = maxes[i];
+        pp[g + k] = sums[i];
+        std::copy(acc + i * d, acc + (i + 1) * d, pp + 2 * g + k * d);
       }
-    } else {
-      float* pp = w.partials.data() + item.part * w.part_size;
-      std::copy(maxes, maxes + gi, pp + i0);
-      std::copy(sums, sums + gi, pp + g + i0);
-      std::copy(acc, acc + gi * d, pp + 2 * g + i0 * d);
     }
   }
   return ok;
