@@ -1487,6 +1487,9 @@ struct DecodePlan : torch::CustomClassHolder {
     for (const PlanLayer& l : layers) {
       TORCH_CHECK(l.window_id >= 0 && l.window_id < static_cast<int64_t>(slots.size()), "no slot table ", l.window_id);
     }
+    TORCH_CHECK(input_ids.dim() == 1 && positions.dim() == 1 && positions.size(0) == input_ids.size(0),
+                "input_ids and positions must be [B] each, one position a row; got ", input_ids.sizes(), " and ",
+                positions.sizes());
     // CausalLM.forward: embedding (scaled), the rotary tables' rows for these positions.
     Tensor x0 = at::embedding(embed, input_ids);
     if (embed_scale) x0 = at::mul(x0, *embed_scale);
@@ -1525,7 +1528,8 @@ struct DecodePlan : torch::CustomClassHolder {
       const int64_t hkv = k_layers[i].size(1), width = (n_heads + 2 * hkv) * head_dim;
       TORCH_CHECK(l.qkv.out_features() == width, "layer ", i, "'s qkv_proj gives ", l.qkv.out_features(),
                   " features, not (heads + 2 kv heads) * head_dim = ", width);
-      TORCH_CHECK(ws.cos[l.rope_id].size(1) == head_dim, "rotary table ", l.rope_id, " is not head_dim wide");
+      TORCH_CHECK(ws.cos[l.rope_id].size(0) == b && ws.cos[l.rope_id].size(1) == head_dim, "rotary table ", l.rope_id,
+                  " is not head_dim wide");
       for (const auto* v : {&l.qkv_bias, &l.q_norm, &l.k_norm}) {
         TORCH_CHECK(!*v || ((*v)->scalar_type() == dtype && (*v)->is_contiguous() &&
                             (*v)->numel() == (v == &l.qkv_bias ? width : head_dim)),

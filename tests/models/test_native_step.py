@@ -231,6 +231,34 @@ def test_errors_inside_the_thread_team_are_raised_after_it(smollm_int4):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_plan_rejects_positions_that_do_not_match_the_rows(smollm_int4, threads):
+    """The plan reads one rotary row per batch row (its head prep on raw storage): fewer or more
+    positions than input ids, or a 2-D batch, raise a RuntimeError naming them, before any layer
+    runs (found by a review helper: one position for 4 ids read past the rotary rows), and the
+    next step is right."""
+    model = smollm_int4.model
+    step = model.native_step
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        good = _step(model, [80, 30, 12, 5])
+        ids, positions, rows = _decode_batch([80, 30, 12, 5], model.config.vocab_size)
+        pool = _pool(model, 1 + 4 * 80, seed=81)
+        args = [PagedAttention(pool, rows, native=True).native_decode(layer, window) for layer, window in step.tables]
+        new_slots, slots, lens = args[0][2], [a[3] for a in args], [a[4] for a in args]
+        k_before = [k.clone() for k in pool.k_layers]
+        with torch.inference_mode():
+            for bad_ids, bad_positions in ((ids, positions[:1]), (ids, positions[:2]), (ids[:3], positions),
+                                           (ids.view(2, 2), positions.view(2, 2))):
+                with pytest.raises(RuntimeError, match="input_ids and positions must be \\[B\\] each"):
+                    step.plan.forward(bad_ids, bad_positions, pool.k_layers, pool.v_layers, new_slots, slots, lens)
+        assert all(torch.equal(k, b) for k, b in zip(pool.k_layers, k_before))  # nothing written
+        assert torch.equal(_step(model, [80, 30, 12, 5]), good)
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_steps_from_two_threads_at_once(smollm_int4):
     """Two threads in the plan's forward at the same time (one of them on a workspace of its own)
     get what each gets alone."""
