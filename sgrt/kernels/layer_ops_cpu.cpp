@@ -1272,6 +1272,8 @@ struct DecodePlan : torch::CustomClassHolder {
       : embed(std::move(embed)), embed_scale(std::move(embed_scale)), final_norm(std::move(final_norm)), eps(eps),
         n_heads(n_heads), head_dim(head_dim), cos(std::move(cos)), sin(std::move(sin)) {
     TORCH_CHECK(this->cos.size() == this->sin.size(), "one sin table per cos table");
+    TORCH_CHECK(n_heads > 0 && head_dim > 0 && head_dim % 2 == 0, "n_heads must be positive and head_dim even and ",
+                "positive (rotary rotates halves), got ", n_heads, " and ", head_dim);
     for (size_t i = 0; i < this->cos.size(); ++i) {
       TORCH_CHECK(this->cos[i].dim() == 2 && this->cos[i].scalar_type() == at::kFloat && this->cos[i].is_contiguous() &&
                       this->sin[i].scalar_type() == at::kFloat && this->sin[i].is_contiguous() &&
@@ -1487,9 +1489,10 @@ struct DecodePlan : torch::CustomClassHolder {
     for (const PlanLayer& l : layers) {
       TORCH_CHECK(l.window_id >= 0 && l.window_id < static_cast<int64_t>(slots.size()), "no slot table ", l.window_id);
     }
-    TORCH_CHECK(input_ids.dim() == 1 && positions.dim() == 1 && positions.size(0) == input_ids.size(0),
-                "input_ids and positions must be [B] each, one position a row; got ", input_ids.sizes(), " and ",
-                positions.sizes());
+    TORCH_CHECK(input_ids.dim() == 1 && positions.dim() == 1 && positions.size(0) == input_ids.size(0) &&
+                    input_ids.size(0) >= 1,
+                "input_ids and positions must be [B] each (B >= 1), one position a row; got ", input_ids.sizes(),
+                " and ", positions.sizes());
     // CausalLM.forward: embedding (scaled), the rotary tables' rows for these positions.
     Tensor x0 = at::embedding(embed, input_ids);
     if (embed_scale) x0 = at::mul(x0, *embed_scale);

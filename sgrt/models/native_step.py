@@ -94,6 +94,8 @@ def build(model) -> tuple[NativeDecodeStep | None, str]:
     rotary = [r.rotary_dim for r in model.rotaries]
     if any(d != config.head_dim for d in rotary):
         return None, f"partial rotary ({rotary} of head_dim {config.head_dim})"
+    if config.head_dim % 2:  # (rotary rotates halves: the plan takes even head_dims only)
+        return None, f"odd head_dim {config.head_dim}"
     # (the norms are read by name, not by type: importing sgrt.models.layers here would make an
     # import cycle with it, which builds the plan)
     eps = {model.norm.eps}

@@ -250,13 +250,23 @@ def test_plan_rejects_positions_that_do_not_match_the_rows(smollm_int4, threads)
         k_before = [k.clone() for k in pool.k_layers]
         with torch.inference_mode():
             for bad_ids, bad_positions in ((ids, positions[:1]), (ids, positions[:2]), (ids[:3], positions),
-                                           (ids.view(2, 2), positions.view(2, 2))):
-                with pytest.raises(RuntimeError, match="input_ids and positions must be \\[B\\] each"):
+                                           (ids.view(2, 2), positions.view(2, 2)), (ids[:0], positions[:0])):
+                with pytest.raises(RuntimeError, match="input_ids and positions must be \\[B\\] each \\(B >= 1\\)"):
                     step.plan.forward(bad_ids, bad_positions, pool.k_layers, pool.v_layers, new_slots, slots, lens)
         assert all(torch.equal(k, b) for k, b in zip(pool.k_layers, k_before))  # nothing written
         assert torch.equal(_step(model, [80, 30, 12, 5]), good)
     finally:
         torch.set_num_threads(saved)
+
+
+def test_odd_head_dim_keeps_the_per_layer_path():
+    """Rotary rotates halves of a head: a model with an odd head_dim gets no plan (the per-layer
+    path's operators raise on it), rather than a plan that rotates it wrongly."""
+    from sgrt.models import native_step
+
+    model = tiny_model("llama", "float32", head_dim=15)
+    step, why = native_step.build(model)
+    assert step is None and why == "odd head_dim 15"
 
 
 def test_steps_from_two_threads_at_once(smollm_int4):
