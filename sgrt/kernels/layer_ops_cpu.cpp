@@ -1117,6 +1117,11 @@ Tensor prepare_qkv_(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t n_
 Tensor decode_attention_qkv_into(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t n_heads, double q_scale,
                                  Tensor k_cache, Tensor v_cache, const Tensor& new_slots, const Tensor& slots,
                                  const Tensor& kv_lens, Tensor out) {
+  // the attention's checks first (prepare_qkv_ makes its own), so that a call that raises on its
+  // tables or caches has written nothing to the caches (its context slots are checked in the items)
+  TORCH_CHECK(qkv.dim() >= 1 && k_cache.dim() == 3, "qkv must be [B, ...] and k_cache [slots, kv_heads, head_dim]");
+  check_cache_and_tables(k_cache, v_cache, qkv.scalar_type(), qkv.size(0), n_heads, k_cache.size(2), slots,
+                         kv_lens.contiguous());
   Tensor q = prepare_qkv_(std::move(qkv), cos, sin, n_heads, q_scale, k_cache, v_cache, new_slots);
   return decode_attention_into(q, k_cache, v_cache, slots, kv_lens, out);
 }

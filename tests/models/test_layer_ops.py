@@ -448,3 +448,25 @@ def test_fused_decode_attention_rejects_a_wrong_head_count():
         torch.ops.sgrt_layer.decode_attention_qkv_(
             torch.randn(1, 14, 64), torch.ones(1, 64), torch.zeros(1, 64), 9, 1.0, k_cache, k_cache.clone(),
             torch.tensor([1]), torch.tensor([[1]]), torch.tensor([1]))
+
+
+def test_decode_attention_qkv_checks_its_tables_before_writing_the_caches():
+    """A bad table (kv_lens outside the slot table, a slot table of the wrong batch, heads that
+    are not a multiple of the kv heads) raises before the K/V store: the caches keep their bits
+    (found by a review helper: the new K/V were stored first)."""
+    g = torch.Generator().manual_seed(5)
+    k_cache, v_cache = torch.randn(16, 3, 64, generator=g), torch.randn(16, 3, 64, generator=g)
+    cos, sin = torch.ones(2, 64), torch.zeros(2, 64)
+    slots, lens = torch.tensor([[3, 4, 9], [1, 0, 0]]), torch.tensor([3, 1])
+    before = (k_cache.clone(), v_cache.clone())
+    cases = [
+        (9, slots, torch.tensor([3, 4]), "kv_lens\\[1\\] = 4 outside 1..3"),
+        (9, slots[:1], lens, "slots must be contiguous int64 \\[B, max_kv\\]"),
+        (8, slots, lens, "heads must be a multiple of kv_heads"),
+    ]
+    for n_heads, sl, ln, message in cases:
+        qkv = torch.randn(2, (n_heads + 6) * 64, generator=g)
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.sgrt_layer.decode_attention_qkv_(qkv, cos, sin, n_heads, 1.0, k_cache, v_cache,
+                                                       torch.tensor([5, 6]), sl, ln)
+        assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]), message
