@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <vector>
 
@@ -909,11 +910,12 @@ void check_cache_and_tables(const Tensor& k_cache, const Tensor& v_cache, at::Sc
   }
 }
 
-AttendArgs attend_args(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
-                       const Tensor& kv_lens, Tensor& out) {
-  return {q.const_data_ptr(), q.stride(0), q.stride(1), k_cache.const_data_ptr(), v_cache.const_data_ptr(),
-          k_cache.size(0), slots.const_data_ptr<int64_t>(), kv_lens.const_data_ptr<int64_t>(), slots.size(1),
-          out.data_ptr()};
+// q: its data and its row / head strides (a [B, H, D] tensor's, or the QKV projection's output
+// read in place by the decode plan).
+AttendArgs attend_args(const void* q, int64_t qs0, int64_t qs1, const Tensor& k_cache, const Tensor& v_cache,
+                       const Tensor& slots, const Tensor& kv_lens, Tensor& out) {
+  return {q, qs0, qs1, k_cache.const_data_ptr(), v_cache.const_data_ptr(), k_cache.size(0),
+          slots.const_data_ptr<int64_t>(), kv_lens.const_data_ptr<int64_t>(), slots.size(1), out.data_ptr()};
 }
 
 // out: a [B, H * D] buffer of q's dtype to write into, or undefined.
@@ -925,7 +927,7 @@ Tensor decode_attention_into(const Tensor& q, const Tensor& k_cache, const Tenso
   Tensor lens = kv_lens.contiguous();
   check_cache_and_tables(k_cache, v_cache, q.scalar_type(), b, h, d, slots, lens);
   out = out.defined() ? out : at::empty({b, h * d}, q.options());
-  const AttendArgs a = attend_args(q, k_cache, v_cache, slots, lens, out);
+  const AttendArgs a = attend_args(q.const_data_ptr(), q.stride(0), q.stride(1), k_cache, v_cache, slots, lens, out);
   thread_local AttendWork own;  // (its vectors reused call to call)
   AttendWork& w = own;  // (a lambda naming a thread_local would read the running thread's own one)
   const int64_t threads = at::get_num_threads();
@@ -976,10 +978,8 @@ void store_kv_(Tensor k_cache, Tensor v_cache, const Tensor& slots, const Tensor
                     x->scalar_type() == k_cache.scalar_type(),
                 "k and v must be [T, kv_heads, head_dim] in the cache's dtype with a contiguous last dim");
   }
+  check_new_slots(slots, t, num_slots);
   const int64_t* sl = slots.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < t; ++i) {
-    TORCH_CHECK(sl[i] >= 0 && sl[i] < num_slots, "slot ", sl[i], " outside the pool's ", num_slots, " slots");
-  }
   size_t bytes = static_cast<size_t>(d) * k_cache.element_size();
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
@@ -1294,6 +1294,13 @@ struct DecodePlan : torch::CustomClassHolder {
     TORCH_CHECK(rope_id >= 0 && rope_id < static_cast<int64_t>(cos.size()), "rope_id ", rope_id, " out of range");
     TORCH_CHECK(pre_feedforward_norm.has_value() == post_feedforward_norm.has_value() && q_norm.has_value() == k_norm.has_value(),
                 "sandwich norms and q/k norms come in pairs");
+    // (the head prep reads these on raw storage: checked here, once; the bias's size against the
+    // qkv projection in set_projection)
+    for (const auto* v : {&qkv_bias, &q_norm, &k_norm}) {
+      TORCH_CHECK(!*v || ((*v)->scalar_type() == embed.scalar_type() && (*v)->is_contiguous() &&
+                          (v == &qkv_bias || (*v)->numel() == head_dim)),
+                  "a layer's qkv bias / q / k norm must be contiguous, in the model's dtype, the norms of head_dim values");
+    }
     PlanLayer l;
     l.input_norm = std::move(input_norm);
     l.post_attention_norm = std::move(post_attention_norm);
@@ -1346,6 +1353,8 @@ struct DecodePlan : torch::CustomClassHolder {
       proj.dense_part = reinterpret_cast<DensePart*>(static_cast<intptr_t>(team_address));
     }
     *p = std::move(proj);
+    TORCH_CHECK(p != &l.qkv || !l.qkv_bias || l.qkv_bias->numel() == p->out_features(), "the qkv bias has ",
+                l.qkv_bias ? l.qkv_bias->numel() : 0, " values, the qkv projection ", p->out_features(), " features");
   }
 
   // p's output for x [B, in] (contiguous, the model's dtype): written into `out` (resized to
@@ -1528,29 +1537,25 @@ struct DecodePlan : torch::CustomClassHolder {
     for (size_t w = 0; w < kv_lens.size(); ++w) lens[w] = kv_lens[w].contiguous();
     ws.attend.resize(slots.size());
     std::vector<int64_t> planned(slots.size(), -1);  // kv heads each table's work was made for
+    int64_t num_slots = std::numeric_limits<int64_t>::max();  // the smallest layer's pool
     for (size_t i = 0; i < layers.size(); ++i) {
       const PlanLayer& l = layers[i];
       const int64_t w = l.window_id;
       check_cache_and_tables(k_layers[i], v_layers[i], dtype, b, n_heads, head_dim, slots[w], lens[w]);
-      check_new_slots(new_slots, b, k_layers[i].size(0));
       const int64_t hkv = k_layers[i].size(1), width = (n_heads + 2 * hkv) * head_dim;
       TORCH_CHECK(l.qkv.out_features() == width, "layer ", i, "'s qkv_proj gives ", l.qkv.out_features(),
                   " features, not (heads + 2 kv heads) * head_dim = ", width);
       TORCH_CHECK(ws.cos[l.rope_id].size(0) == b && ws.cos[l.rope_id].size(1) == head_dim, "rotary table ", l.rope_id,
-                  " is not head_dim wide");
-      for (const auto* v : {&l.qkv_bias, &l.q_norm, &l.k_norm}) {
-        TORCH_CHECK(!*v || ((*v)->scalar_type() == dtype && (*v)->is_contiguous() &&
-                            (*v)->numel() == (v == &l.qkv_bias ? width : head_dim)),
-                    "layer ", i, "'s qkv bias / q / k norm must be contiguous, in the model's dtype, of ",
-                    "(heads + 2 kv heads) * head_dim / head_dim values");
-      }
+                  "'s rows must be [B, head_dim]");
       if (in_team && planned[w] < 0) {
         plan_attention(ws.attend[w], b, n_heads, hkv, head_dim, lens[w].const_data_ptr<int64_t>(), slots[w].size(1),
                        copies);
         planned[w] = hkv;
       }
       TORCH_CHECK(!in_team || planned[w] == hkv, "layers of one slot table must have one number of kv heads");
+      num_slots = std::min(num_slots, k_layers[i].size(0));
     }
+    check_new_slots(new_slots, b, num_slots);
     if (in_team) {
       const PlanLayer& l = layers.front();
       Workspace::get(ws.qkv, b, l.qkv.out_features(), options);
@@ -1592,11 +1597,8 @@ struct DecodePlan : torch::CustomClassHolder {
           for (bool merges : {false, true}) {
             if (merges && work.merges.empty()) break;
             t.run([&] {
-              const Tensor& k = k_layers[i];
-              const Tensor& sl = slots[l.window_id];
-              const AttendArgs a{qkv.const_data_ptr(), qkv.size(1), head_dim, k.const_data_ptr(),
-                                 v_layers[i].const_data_ptr(), k.size(0), sl.const_data_ptr<int64_t>(),
-                                 lens[l.window_id].const_data_ptr<int64_t>(), sl.size(1), ws.attn.data_ptr()};
+              const AttendArgs a = attend_args(qkv.const_data_ptr(), qkv.size(1), head_dim, k_layers[i], v_layers[i],
+                                               slots[l.window_id], lens[l.window_id], ws.attn);
               int64_t bad = 0;
               if (!attend_share(dtype, a, work, merges, t.part, t.parts, &bad)) {
                 state.bad_slot.store(bad);

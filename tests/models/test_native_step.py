@@ -510,3 +510,33 @@ def test_moving_the_model_rebuilds_the_plan():
 def test_step_plan_tables_one_per_window():
     model = tiny_model("gemma3", "float32")
     assert model.native_step.tables == [(0, 12), (1, None)]
+
+
+def test_plan_checks_the_layers_raw_tensors_when_built():
+    """The head prep reads a layer's qkv bias and q / k norms on raw storage: a wrong dtype, a
+    non-contiguous norm, a norm not head_dim long or a bias not the qkv projection's width raise
+    when the plan is built (add_layer / set_projection), not at a step."""
+    from sgrt.kernels import dense
+
+    if not dense.available():
+        pytest.skip("the dense kernel (the projection set here) is unavailable")
+    hidden, heads, head_dim = 32, 2, 16
+    table = torch.zeros(8, head_dim)
+    norm = torch.ones(hidden, dtype=torch.bfloat16)
+
+    def plan():
+        return torch.classes.sgrt_layer.DecodePlan(torch.zeros(10, hidden, dtype=torch.bfloat16), None, norm, 1e-6,
+                                                   heads, head_dim, [table], [table])
+
+    good = torch.ones(head_dim, dtype=torch.bfloat16)
+    bad_norms = [good.float(), torch.ones(head_dim + 1, dtype=torch.bfloat16),
+                 torch.ones(2 * head_dim, dtype=torch.bfloat16)[::2]]
+    for bad in bad_norms:
+        with pytest.raises(RuntimeError, match="qkv bias / q / k norm must be contiguous, in the model's dtype"):
+            plan().add_layer(norm, norm, None, None, bad, good, None, 0, 0, 1.0, False)
+    p = plan()
+    p.add_layer(norm, norm, None, None, good, good, torch.zeros(5 * head_dim, dtype=torch.bfloat16), 0, 0, 1.0, False)
+    weight = torch.zeros(4 * head_dim, hidden, dtype=torch.bfloat16)  # (2 + 2 * 1) heads: 64 features, bias 80
+    with pytest.raises(RuntimeError, match="the qkv bias has 80 values, the qkv projection 64 features"):
+        p.set_projection("qkv_proj", "sgrt_dense_avx2::linear", weight, weight.new_empty(0), weight.new_empty(0),
+                         0, 0, 0, 0)
