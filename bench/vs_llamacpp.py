@@ -71,15 +71,22 @@ def read_bandwidth_gbs(threads: int, mib: int = 1024) -> float:
 def bytes_per_token(loaded, context: int) -> int:
     """Bytes a batch-1 decode step reads: every weight once (the input embedding one row only,
     unless the output layer is that very tensor; not the prepacked copies that serve larger
-    batches beside the dense kernel), plus K and V of ``context`` tokens in every layer."""
+    batches beside the dense kernel, nor the 8-bit parts of 5-bit streams), plus K and V of
+    ``context`` tokens in every layer."""
+    from sgrt.kernels import woq
     from sgrt.models.packed import DenseLinear
     from sgrt.models.quant import weight_bytes
+    from sgrt.models.quant_native import GroupLinear
 
     model = loaded.model
     total = weight_bytes(model)
     for mod in model.modules():  # a prepacked copy beside the dense kernel serves more rows only
         if isinstance(mod, DenseLinear) and mod.above is not None:
             total -= sum(p.numel() * p.element_size() for p in mod.above.parameters())
+        if isinstance(mod, GroupLinear) and woq.stream_format(mod.stream_bits)[0] == 5:
+            # one row reads a 5-bit stream's 5-bit part; its 8-bit part serves more rows only
+            c = woq.stream_format(mod.stream_bits)[1]
+            total -= woq.split5(mod.packed, mod.out_features, mod.in_features, mod.group_size, c)[1].numel()
     embed = model.embed_tokens.weight
     head = getattr(model, "logits_head", None)
     if getattr(model, "lm_head", None) is not None or (

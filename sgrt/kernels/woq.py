@@ -82,6 +82,10 @@ group]`` or empty: :class:`~sgrt.models.quant_native.GroupLinear` keeps only the
 codes whose offsets are all ``-c * scale`` (:func:`symmetric_constant`: a GGUF's Q8_0 / Q5_0
 blocks) get headers without the offsets (:func:`fuse` with ``c``; the kernel's ``bits`` argument is
 then :func:`stream_bits` ``(8, c)``), rebuilt by the kernel in float32 with the same bits.
+8-bit codes all below 32 (a GGUF's Q5_0 blocks) get, on a CPU with AVX-512 VNNI
+(:func:`five_bit_streams`), :func:`fuse5`'s stream: the codes at 5 bits (the 4-bit layout's
+nibbles plus masks of the fifth bits) and then the 8-bit stream of the same codes; one row (decode,
+memory-bound) reads the 5-bit part, 0.65x the bytes, more rows the 8-bit part, with the same bits.
 Rows of ``x`` go two at a time per weight load (four for 8-bit codes), in tiles whose expanded activations stay in L2;
 integer sums are exact and every row's float32 steps are the same instructions in the same order,
 so a row's result does not depend on the batch or the thread split (bitwise). NaN or infinity in
@@ -261,7 +265,8 @@ def symmetric_constant(scales: torch.Tensor, offsets: torch.Tensor) -> int:
 def stream_bits(bits: int, c: int = 0) -> int:
     """The AVX2 kernel's ``bits`` argument for a stream of ``bits``-bit codes: ``bits`` itself
     (group headers with offsets), or ``bits + 256 * c`` for :func:`fuse`'s compact headers
-    (8-bit codes, every offset ``-c * scale``: :func:`symmetric_constant`)."""
+    (8-bit codes, every offset ``-c * scale``: :func:`symmetric_constant`); ``bits`` 5 for
+    :func:`fuse5`'s streams of 8-bit codes below 32."""
     return bits + 256 * c
 
 
@@ -307,12 +312,15 @@ def fuse(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: i
 
 def unfuse(fused: torch.Tensor, n: int, k: int, bits: int, group: int = 32
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`fuse`: (packed codes, scales ``[n, k / group]`` float16, offsets).
-    ``bits``: the kernel's argument (:func:`stream_bits`; a compact stream's offsets are rebuilt,
-    ``-c * scale``, exactly the ones it was fused from)."""
+    """The inverse of :func:`fuse` and :func:`fuse5`: (packed codes, scales ``[n, k / group]``
+    float16, offsets). ``bits``: the kernel's argument (:func:`stream_bits`; a compact stream's
+    offsets are rebuilt, ``-c * scale``, exactly the ones it was fused from; a 5-bit stream gives
+    its 8-bit part's, :func:`pack`'s 8-bit codes)."""
     bits, c = stream_format(bits)
     nb, g = n // BLOCK_N, k // group
     hb = 32 if c else 64
+    if bits == 5:  # (the 8-bit stream that follows the 5-bit one: fuse5)
+        bits, fused = 8, split5(fused, n, k, group, c)[1]
     v = fused.reshape(nb, g, hb + BLOCK_N * group * bits // 8)
     head = v[:, :, :hb].contiguous().view(torch.float16)  # [nb, g, 16 or 32]
     scales = head[:, :, :BLOCK_N].transpose(1, 2).reshape(n, g).contiguous()
@@ -323,16 +331,80 @@ def unfuse(fused: torch.Tensor, n: int, k: int, bits: int, group: int = 32
     return v[:, :, hb:].reshape(-1).contiguous(), scales, offsets
 
 
+# A 5-bit stream's bytes per 16 rows x 32 inputs: the low 4 bits as pack()'s 4-bit chunks, then
+# per chunk two 64-bit masks of the fifth bits (of the codes in the chunk bytes' low, then high nibbles).
+_FIVE_BYTES = 320
+_BIT_WEIGHTS = 1 << torch.arange(8, dtype=torch.int32)
+
+
+def fuse5(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int = 32, c: int = 0
+          ) -> torch.Tensor:
+    """8-bit group codes below 32 (a GGUF's ``Q5_0`` blocks: :mod:`sgrt.models.gguf_raw`) with their
+    scales and offsets -> the AVX2 kernel's 5-bit stream (1-D uint8), taken with ``bits =
+    stream_bits(5, c)``: per block of 16 output features and group, :func:`fuse`'s header (the
+    compact one for ``c > 0``), then per 32 inputs the codes' low 4 bits exactly as :func:`pack`
+    lays out 4-bit codes (256 bytes) and their fifth bits as two little-endian 64-bit masks per
+    64-byte chunk (bit ``j``: the code in the low, then the high nibble of the chunk's byte ``j``;
+    64 bytes); then :func:`fuse`'s 8-bit stream of the same codes. One row on an AVX-512 VNNI CPU
+    reads the 5-bit part (0.65x the 8-bit stream's bytes), everything else the 8-bit part; the
+    outputs are bitwise those of the 8-bit stream either way.
+
+    Args:
+        codes: ``[n, k]`` uint8, each below 32. scales, offsets: ``[n, k / group]`` float16.
+        c: 0 (headers with offsets) or :func:`symmetric_constant` of scales and offsets.
+
+    Raises:
+        ValueError: a code above 31, or what :func:`fuse` raises for these sizes and ``c``.
+    """
+    n, k = _check_codes(codes, 8)
+    if int(codes.max()) > 31:
+        raise ValueError(f"codes: a 5-bit stream needs codes in 0..31, got a maximum of {int(codes.max())}")
+    # (fuse checks sizes, group and c, and gives the headers: those of an 8-bit stream of these codes)
+    full = fuse(pack(codes, 8), scales, offsets, n, k, 8, group, c)
+    nb, g, hb = n // BLOCK_N, k // group, 32 if c else 64
+    head = full.reshape(nb, g, hb + BLOCK_N * group)[:, :, :hb]
+    nibbles = pack(codes & 15, 4).reshape(nb, k // 32, 256)  # [blocks, 32-input blocks, 4 chunks of 64]
+    fifth = pack(codes >> 4, 4).reshape(nb, k // 32, 4, 64)  # (each nibble 0 or 1)
+    masks = torch.stack([fifth & 1, fifth >> 4], dim=3).reshape(nb, k // 32, 4, 2, 8, 8).to(torch.int32)
+    mask_bytes = (masks * _BIT_WEIGHTS).sum(-1).to(torch.uint8).reshape(nb, k // 32, 64)
+    five = torch.cat([nibbles, mask_bytes], dim=2).reshape(nb, g, group // 32 * _FIVE_BYTES)
+    return torch.cat([torch.cat([head, five], dim=2).reshape(-1), full])
+
+
+def split5(stream: torch.Tensor, n: int, k: int, group: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fuse5`'s stream as (its 5-bit part, what one row reads on an AVX-512 VNNI CPU; its
+    8-bit part, :func:`fuse`'s stream of the same codes), views of ``stream``."""
+    five = n // BLOCK_N * (k // group) * (32 if c else 64) + n * k * 5 // 8
+    return stream[:five], stream[five:]
+
+
+def five_bit_streams() -> bool:
+    """Whether :func:`prepare` gives 8-bit codes below 32 the 5-bit stream (:func:`fuse5`): on the
+    AVX2 build where the CPU has AVX-512 VNNI (whose one-row kernel reads it; elsewhere the kernel
+    reads only its 8-bit part), unless ``SGRT_WOQ5=0`` or ``SGRT_WOQ_AVX512=0``. It costs the 5-bit
+    codes' bytes beside the 8-bit ones (Gemma 3 270M Q4_K_M: +38 MB)."""
+    from sgrt.kernels.build import cpu_flags
+
+    if isa() != "avx2" or os.environ.get("SGRT_WOQ5", "") == "0" or os.environ.get("SGRT_WOQ_AVX512", "") == "0":
+        return False
+    return all(f in cpu_flags() for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"))
+
+
 def prepare(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: int, k: int, bits: int,
             group: int = 32) -> tuple[torch.Tensor, int]:
     """(the weight argument the loaded kernel takes, its ``bits`` argument): :func:`fuse`'s stream
     for the AVX2 build (codes, scales and offsets in one sequential run; the compact one, with
     ``bits = stream_bits(8, c)``, for 8-bit codes whose offsets are all ``-c * scale``:
-    :func:`symmetric_constant`), :func:`pack`'s codes and ``bits`` for the AVX-512 one. Done once
-    at load (:class:`sgrt.models.quant_native.GroupLinear`)."""
+    :func:`symmetric_constant`; the 5-bit one, :func:`fuse5`, for 8-bit codes that are all below 32
+    where :func:`five_bit_streams`), :func:`pack`'s codes and ``bits`` for the AVX-512 one. Done
+    once at load (:class:`sgrt.models.quant_native.GroupLinear`)."""
     if isa() != "avx2":
         return packed, bits
     c = symmetric_constant(scales, offsets) if bits == 8 else 0
+    if bits == 8 and five_bit_streams():
+        codes = unpack(packed, n, k, 8)
+        if int(codes.max()) <= 31:  # (a GGUF's Q5_0 blocks: the file's 5 bits, not 8)
+            return fuse5(codes, scales, offsets, group, c), stream_bits(5, c)
     return fuse(packed, scales, offsets, n, k, bits, group, c), stream_bits(bits, c)
 
 

@@ -884,6 +884,110 @@ SGRT_TARGET_AVX512 __attribute__((noinline)) void row8_streams512(const uint8_t*
       [&](const uint8_t* w, uint16_t* y) { block8_streams512<1>(&w, row, &y, KB, group_shift, hd); });
 }
 
+// ---- 5-bit codes (a GGUF's Q5_0 blocks as they are) ----------------------------------------------
+// Stream (the `bits` argument 5 + 256 c; woq.py's fuse5): per 16-row block and group the header of
+// the 8-bit streams (compact where c > 0), then per block of 32 inputs FIVE_BYTES bytes: the codes'
+// low 4 bits as the 4-bit layout's 4 chunks (256 bytes), then their fifth bits as two 64-bit masks
+// per chunk (bit j: the fifth bit of the code in the low nibble of the chunk's byte j, then of the
+// one in its high nibble; 64 bytes); after the last block, the 8-bit stream of the same codes.
+// One row on AVX-512 VNNI CPUs reads the 5-bit part (0.65x the 8-bit stream's bytes: decode is
+// memory-bound) with the same integer sums: a code is (low 4 bits) + 16 * (fifth bit), so the
+// 4-bit kernel's vpmaddubsw on the nibbles with 16 added where the fifth bit is set (a byte-masked
+// add) gives sum code * q exactly, and the float32 epilogue is the 8-bit kernel's: outputs bitwise
+// those of the 8-bit stream. More rows (compute-bound: vpdpwssd on 8-bit codes does more products
+// an instruction than vpmaddubsw on nibbles, and expanding the 5-bit codes per call cost 1.2-1.6x
+// the 8-bit kernel's time at 2-64 rows), or no AVX-512, read the 8-bit part (linear_blocks5).
+constexpr int64_t FIVE_BYTES = 320;  // a 16-row block's 32 inputs: 256 bytes of nibbles, 64 of fifth bits
+
+// The nibbles of a 64-byte chunk W with 16 added in the bytes whose mask bit is set: the 5-bit codes
+// of its low (lo) and high (hi) nibbles, in the 4-bit layout's byte order
+SGRT_TARGET_AVX512 inline void codes5(const uint8_t* chunk, const uint8_t* masks, __m512i& lo, __m512i& hi) {
+  const __m512i m0f = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
+  const __m512i W = _mm512_loadu_si512(chunk);
+  uint64_t mlo, mhi;
+  std::memcpy(&mlo, masks, 8);
+  std::memcpy(&mhi, masks + 8, 8);
+  lo = _mm512_and_si512(W, m0f);
+  hi = _mm512_and_si512(_mm512_srli_epi16(W, 4), m0f);
+  lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(mlo), lo, sixteen);
+  hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(mhi), hi, sixteen);
+}
+
+// One row (row.X: expand4's vectors) against S 16-row blocks of 5-bit codes side by side (decode):
+// block4_streams512's sums on codes5's codes. A 16-bit lane adds two products of at most 31 * 127
+// per vpmaddubsw; two chunks' four such sums stay within 4 * 7874 = 31496 < 2^15, so the lanes are
+// widened to the s32 row sums every two chunks (the 4-bit kernel: every four).
+template <int S, bool ACT8>
+SGRT_TARGET_AVX512 inline void block5_streams512(const uint8_t* const* w, const RowArgs& row, uint16_t* const* y,
+                                                 int64_t KB, int group_shift, const Header& hd) {
+  const __m512i ones = _mm512_set1_epi16(1);
+  const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
+  __m512 acc[S];
+  for (int s = 0; s < S; ++s) acc[s] = _mm512_setzero_ps();
+  StreamPos<S> at(w, group_shift);
+  const uint8_t* const* const h = at.h;
+  const uint8_t** const p = at.p;
+  const int8_t* const X0 = static_cast<const int8_t*>(row.X);
+  for (int64_t b = 0; b < KB; ++b) {
+    at.enter(b, hd.bytes);
+    if (STREAM4_PREFETCH512)
+      for (int s = 0; s < S; ++s)
+        for (int l = 0; l < 5; ++l) _mm_prefetch(reinterpret_cast<const char*>(p[s] + STREAM4_PREFETCH512 + 64 * l), SGRT_PREFETCH_HINT);
+    __m512i s1[S], s2[S];  // s32 row sums against q1 and q2 (rows 0-7 low half, 8-15 high)
+    for (int s = 0; s < S; ++s) s1[s] = s2[s] = _mm512_setzero_si512();
+    for (int half = 0; half < 2; ++half) {
+      __m512i hs[S], ls[S];
+      for (int s = 0; s < S; ++s) hs[s] = ls[s] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+      for (int c = 2 * half; c < 2 * half + 2; ++c) {
+        const __m256i* X = reinterpret_cast<const __m256i*>(X0 + (b * 4 + c) * (ACT8 ? 64 : 128));
+        const __m512i X01 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X));
+        const __m512i X23 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X + 1));
+        __m512i Y01, Y23;
+        if (!ACT8) {
+          Y01 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X + 2));
+          Y23 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X + 3));
+        }
+#pragma GCC unroll 8
+        for (int s = 0; s < S; ++s) {
+          __m512i lo, hi;
+          codes5(p[s] + 64 * c, p[s] + 256 + 16 * c, lo, hi);
+          hs[s] = _mm512_add_epi16(hs[s], _mm512_add_epi16(_mm512_maddubs_epi16(lo, X01), _mm512_maddubs_epi16(hi, X23)));
+          if (!ACT8)
+            ls[s] = _mm512_add_epi16(ls[s], _mm512_add_epi16(_mm512_maddubs_epi16(lo, Y01), _mm512_maddubs_epi16(hi, Y23)));
+        }
+      }
+      for (int s = 0; s < S; ++s) {
+        s1[s] = _mm512_add_epi32(s1[s], _mm512_madd_epi16(_mm512_shuffle_epi8(hs[s], pairs), ones));
+        if (!ACT8) s2[s] = _mm512_add_epi32(s2[s], _mm512_madd_epi16(_mm512_shuffle_epi8(ls[s], pairs), ones));
+      }
+    }
+    for (int s = 0; s < S; ++s) {
+      // isum = 254 * (sum against q1) + (sum against q2), exact in s32 (|s1| <= 32 * 31 * 127)
+      const __m512i isum = ACT8 ? s1[s] : _mm512_add_epi32(_mm512_mullo_epi32(s1[s], _mm512_set1_epi32(254)), s2[s]);
+      __m512 sc, of;
+      load_header16(h[s], hd, sc, of);
+      acc[s] = epilogue512(isum, sc, of, row.dx[b], row.qs[b], acc[s]);
+      p[s] += FIVE_BYTES;
+    }
+  }
+  for (int s = 0; s < S; ++s) store_bf16_512(y[s], acc[s]);
+}
+
+// One row against the 16-row blocks [b0, b1) of a 5-bit stream: STREAMS4 parts side by side
+// (block5_streams512), the blocks left over one by one
+template <bool ACT8>
+SGRT_TARGET_AVX512 __attribute__((noinline)) void row5_streams512(const uint8_t* wp, int64_t block_bytes, int64_t b0,
+                                                                  int64_t b1, const RowArgs& row, uint16_t* yp,
+                                                                  int64_t KB, int group_shift, const Header& hd) {
+  walk_streams<STREAMS4>(
+      wp, block_bytes, b0, b1, yp,
+      [&](const uint8_t* const* w, uint16_t* const* y) {
+        block5_streams512<STREAMS4, ACT8>(w, row, y, KB, group_shift, hd);
+      },
+      [&](const uint8_t* w, uint16_t* y) { block5_streams512<1, ACT8>(&w, row, &y, KB, group_shift, hd); });
+}
+
 // 4 rows against one 16-row block of 8-bit codes: block8's integer sums, epilogue and rounding
 // for each row, in the same order (a row's result is bitwise block8's), with each weight vector
 // widened once for 4 rows instead of 2. Register budget: the 8 integer sums, the two widened
@@ -1159,8 +1263,10 @@ template <bool ACT8>
 QuantizedX quantized_scratch(int64_t M, int64_t k, int64_t bits) {
   Scratch& s = scratch();
   const int64_t KB = k / QBLOCK;
-  return {at_least(s.q1, bits == 4 ? M * k : 0), ACT8 ? nullptr : at_least(s.q2, bits == 4 ? M * k : 0),
-          bits == 8 || (!ACT8 && M >= 4) ? at_least(s.Q, M * k) : nullptr, at_least(s.dx, M * KB), at_least(s.qs, M * KB)};
+  // (5-bit codes: q1 / q2 for one row's nibble streams, Q for the 8-bit kernels on expanded blocks)
+  const bool nibbles = bits == 4 || bits == 5;
+  return {at_least(s.q1, nibbles ? M * k : 0), ACT8 ? nullptr : at_least(s.q2, nibbles ? M * k : 0),
+          bits != 4 || (!ACT8 && M >= 4) ? at_least(s.Q, M * k) : nullptr, at_least(s.dx, M * KB), at_least(s.qs, M * KB)};
 }
 
 // Rows m0..m1 of x quantized into q.
@@ -1168,7 +1274,7 @@ template <bool ACT8>
 void quantize_rows(const uint16_t* xb, int64_t m0, int64_t m1, int64_t k, int64_t bits, const QuantizedX& q) {
   const int64_t KB = k / QBLOCK;
   for (int64_t m = m0; m < m1; ++m) {
-    if (bits == 4)
+    if (bits == 4 || bits == 5)
       quantize_row(xb + m * k, k, q.q1 + m * k, ACT8 ? nullptr : q.q2 + m * k, q.Q ? q.Q + m * k : nullptr,
                    q.dx + m * KB, q.qs + m * KB, ACT8);
     else
@@ -1184,11 +1290,17 @@ void quantize_rows(const uint16_t* xb, int64_t m0, int64_t m1, int64_t k, int64_
 // quantized rows around in a struct (and quantized a small x on every thread) made GCC spill the
 // kernel's accumulators, 1.25-1.35x the time of a decode step's 120 calls; measure after a change.
 template <bool ACT8>
+void linear_blocks5(const int8_t* q1, const int8_t* q2, const int16_t* Q, const float* dx, const float* qs, int64_t M,
+                    const uint8_t* wp, int64_t n, int64_t k, int64_t format, int64_t group, uint16_t* yp, int64_t b0,
+                    int64_t b1);
+
+template <bool ACT8>
 __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_t* const q2, const int16_t* const Q,
                                              const float* const dx, const float* const qs, int64_t M,
                                              const uint8_t* wp, int64_t n, int64_t k, int64_t format, int64_t group,
                                              uint16_t* yp, int64_t b0, int64_t b1) {
   const int64_t bits = width_of(format);  // (format: the operators' `bits` argument, see Header)
+  if (bits == 5) return linear_blocks5<ACT8>(q1, q2, Q, dx, qs, M, wp, n, k, format, group, yp, b0, b1);
   const Header hd = header_of(format);
   const int64_t G = k / group;
   const int64_t block_bytes = G * (hd.bytes + BLOCK_N * group * bits / 8);
@@ -1296,6 +1408,27 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
   }
 }
 
+// linear_blocks for a 5-bit stream (see FIVE_BYTES): one row on AVX-512 VNNI from its 5-bit part
+// (row5_streams512 on expand4's vectors of q1 / q2), anything else from its 8-bit part (Q).
+template <bool ACT8>
+void linear_blocks5(const int8_t* q1, const int8_t* q2, const int16_t* Q, const float* dx, const float* qs, int64_t M,
+                    const uint8_t* wp, int64_t n, int64_t k, int64_t format, int64_t group, uint16_t* yp, int64_t b0,
+                    int64_t b1) {
+  const Header hd = header_of(format);
+  const int64_t G = k / group, KB = k / QBLOCK;
+  const int64_t bytes5 = G * hd.bytes + KB * FIVE_BYTES;
+  if (M == 1 && has_avx512_vnni()) {
+    const int group_shift = group == 32 ? 0 : group == 64 ? 1 : 2;
+    int8_t* const Xbuf = at_least(scratch().X, (ACT8 ? 8 : 16) * k + 128);
+    int8_t* const X = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(Xbuf) + 63) & ~uintptr_t(63));
+    expand4(q1, ACT8 ? nullptr : q2, k, X);
+    row5_streams512<ACT8>(wp, bytes5, b0, b1, RowArgs{X, dx, qs, nullptr}, yp, KB, group_shift, hd);
+    return;
+  }
+  linear_blocks<ACT8>(q1, q2, Q, dx, qs, M, wp + n / BLOCK_N * bytes5, n, k, 8 + (format & ~int64_t(255)), group, yp,
+                      b0, b1);
+}
+
 // y [M, n] (bf16 bits) = x [M, k] (bf16 bits) @ the fused weight stream wp, arguments valid
 // (woq_linear checks them). The computation behind sgrt_woq_avx2.linear (ACT8: linear_q8),
 // without a tensor in sight: x quantized once (rows split across threads), then the output blocks
@@ -1372,9 +1505,9 @@ using LinearRaw = void(const uint16_t*, int64_t, const uint8_t*, int64_t, int64_
 // with an x of no rows, before it calls linear_raw directly).
 void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
                 int64_t n, int64_t k, int64_t bits, int64_t group) {
-  TORCH_CHECK(bits == 4 || bits == 8 || (bits > 256 && bits < 65536 && width_of(bits) == 8),
-              "sgrt_woq_avx2.linear: bits must be 4 or 8, or 8 + 256 * c with c in 1..255 (8-bit codes, "
-              "offsets -c * scale, compact group headers), got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8 || (bits > 256 && bits < 65536 && (width_of(bits) == 8 || width_of(bits) == 5)),
+              "sgrt_woq_avx2.linear: bits must be 4, 5 or 8, or 8 / 5 + 256 * c with c in 1..255 (8-bit or 5-bit "
+              "codes, offsets -c * scale, compact group headers), got ", bits);
   TORCH_CHECK(group == 32 || group == 64 || group == 128,
               "sgrt_woq_avx2.linear: group must be 32, 64 or 128, got ", group);
   TORCH_CHECK(n > 0 && n % BLOCK_N == 0,
@@ -1401,11 +1534,13 @@ void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
   // per block of 16 rows and group: a 64-byte header (scales, offsets; compact: 32, scales), then
   // the group's codes
   const Header hd = header_of(bits);
-  const int64_t block_bytes = G * (hd.bytes + BLOCK_N * group * width_of(bits) / 8);
+  int64_t block_bytes = G * (hd.bytes + BLOCK_N * group * width_of(bits) / 8);
+  if (width_of(bits) == 5) block_bytes += G * (hd.bytes + BLOCK_N * group);  // (then the 8-bit stream)
   TORCH_CHECK(packed.is_contiguous() && packed.numel() == n / BLOCK_N * block_bytes,
-              "sgrt_woq_avx2.linear: packed must be contiguous with n*k*bits/8 + ", hd.bytes / 16, "*n*k/group=",
-              n / BLOCK_N * block_bytes, " bytes (woq.fuse: codes, scales", hd.negc == 0.0f ? " and offsets" : "",
-              " in one stream), got ", packed.numel());
+              "sgrt_woq_avx2.linear: packed must be contiguous with n*k*bits/8 + ", hd.bytes / 16, "*n*k/group",
+              width_of(bits) == 5 ? " (twice: 5 bits, then 8)" : "", "=", n / BLOCK_N * block_bytes,
+              " bytes (woq.fuse / fuse5: codes, scales", hd.negc == 0.0f ? " and offsets" : "", " in one stream), got ",
+              packed.numel());
 }
 
 // The operators linear, linear_q8, linear_q8_prefill: check_args, then the raw computation F.

@@ -54,7 +54,8 @@ class GroupLinear(QuantizedLinear):
         ValueError: ``activations`` (an unknown value, or ``"int8"`` off the AVX2 build).
 
     On the AVX2 build the buffer ``packed`` is the kernel's single stream of codes, scales and
-    offsets (:func:`sgrt.kernels.woq.fuse`) and there are no ``scales`` / ``offsets`` buffers
+    offsets (:func:`sgrt.kernels.woq.fuse`; 8-bit codes below 32 on an AVX-512 VNNI CPU:
+    :func:`~sgrt.kernels.woq.fuse5`'s 5-bit and 8-bit streams) and there are no ``scales`` / ``offsets`` buffers
     (:meth:`group_params` reads them back); on the AVX-512 build it holds the codes alone.
     """
 
@@ -74,8 +75,9 @@ class GroupLinear(QuantizedLinear):
         # The AVX2 build reads codes, scales and offsets as one stream (woq.fuse), and only that is
         # kept (a second copy of the scales would cost 1/5 of the int4 weight bytes); the kernel
         # then takes empty scale / offset arguments. 8-bit codes whose offsets are all -c * scale
-        # (a GGUF's Q8_0 / Q5_0 blocks) get the compact stream, without the offsets: the kernel's
-        # `bits` argument (stream_bits) says which.
+        # (a GGUF's Q8_0 / Q5_0 blocks) get the compact stream, without the offsets; 8-bit codes all
+        # below 32 (Q5_0) also a 5-bit copy for one-row calls, where the CPU has AVX-512 VNNI
+        # (woq.fuse5). The kernel's `bits` argument (stream_bits) says which.
         stream, self.stream_bits = woq.prepare(packed, scales, offsets, n, k, bits, group_size)
         self.register_buffer("packed", stream)
         self.fused = self.packed.numel() != packed.numel()

@@ -146,7 +146,8 @@ def test_q8_0_and_q5_0_blocks_read_exactly_and_load_as_compact_int8(gemma_gguf, 
     """Q8_0 (codes q + 128) and Q5_0 (codes q, 0..31) read as int8 groups with offset -c * d: the
     file's weights bit for bit (gguf's own dequantization). int4 loads them as they are: each such
     projection's offsets are -c * scale, so the AVX2 kernel takes its compact stream (no offsets
-    in the group headers: the LM head 262144 x 640 in 178 MB instead of 189)."""
+    in the group headers: the LM head 262144 x 640 in 178 MB instead of 189), and the Q5_0 ones also
+    as 5-bit codes for one row where the CPU reads them (woq.fuse5)."""
     import gguf
 
     from sgrt.kernels import woq
@@ -171,7 +172,15 @@ def test_q8_0_and_q5_0_blocks_read_exactly_and_load_as_compact_int8(gemma_gguf, 
     for i, layer in enumerate(lm.model.layers):
         parts = [types[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"]
         if woq.isa() == "avx2":
-            assert layer.gate_up_proj.stream_bits == woq.stream_bits(8, 16)  # Q5_0 gate and up
-            assert layer.qkv_proj.stream_bits == woq.stream_bits(8, 16 if set(parts) == {"Q5_0"} else 128), parts
+            # Q5_0 (gate and up; q, k and v in most layers): 5-bit streams where the CPU reads them
+            q5 = woq.stream_bits(5, 16) if woq.five_bit_streams() else woq.stream_bits(8, 16)
+            assert layer.gate_up_proj.stream_bits == q5
+            assert layer.qkv_proj.stream_bits == (q5 if set(parts) == {"Q5_0"} else woq.stream_bits(8, 128)), parts
         scales, offsets = layer.qkv_proj.group_params()
         assert torch.equal(offsets.float(), scales.float() * -(16 if set(parts) == {"Q5_0"} else 128))
+    if woq.isa() == "avx2":
+        from bench.vs_llamacpp import bytes_per_token
+
+        # a decode step's bytes: 254.3 MB with the Q5_0 tensors' 5-bit parts, 275.3 MB as 8-bit codes
+        read = bytes_per_token(lm, 0)
+        assert (250e6 < read < 258e6) if woq.five_bit_streams() else (271e6 < read < 279e6), read

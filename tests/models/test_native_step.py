@@ -352,7 +352,8 @@ def tiny_model(family: str, kind: str, acts: str = "int16", **changes) -> Causal
     projections) or int8 / int4 (GroupLinear, bfloat16; ``int4+int8``: int4 with each layer's
     o_proj in int8, as Gemma 3's mixed files load); ``acts``: the int4 projections' activations
     (the AVX2 kernel's ``linear_q8`` / ``linear_q8_prefill``); norms and biases far from their init;
-    ``int8-symmetric``: int8 as a GGUF's Q8_0 blocks load (codes q + 128, offsets -128 d)."""
+    ``int8-symmetric``: int8 as a GGUF's Q8_0 blocks load (codes q + 128, offsets -128 d);
+    ``int5-symmetric``: as its Q5_0 blocks load (codes q + 16 below 32, offsets -16 d)."""
     from sgrt.models import config as config_mod
     from sgrt.models.packed import pack_linear_layers
     from sgrt.models.quant_native import GroupLinear
@@ -365,12 +366,13 @@ def tiny_model(family: str, kind: str, acts: str = "int16", **changes) -> Causal
         for name, p in model.named_parameters():
             norm = "norm" in name
             p.copy_(torch.randn(p.shape, generator=g) * (0.5 if norm else 0.3) + (1.0 if norm else 0.0))
-    if kind in ("int8", "int4", "int4+int8", "int8-symmetric"):
+    if kind in ("int8", "int4", "int4+int8", "int8-symmetric", "int5-symmetric"):
         for layer in model.layers:
             for name in FUSED_PROJECTIONS:
                 weight = getattr(layer, name).weight
-                if kind == "int8-symmetric":
-                    setattr(layer, name, GroupLinear(*_symmetric_int8(weight.float()), 8))
+                if kind.endswith("-symmetric"):
+                    c = 128 if kind == "int8-symmetric" else 16
+                    setattr(layer, name, GroupLinear(*_symmetric_codes(weight.float(), c), 8))
                     continue
                 bits = 8 if kind == "int8" or (kind == "int4+int8" and name == "o_proj") else 4
                 setattr(layer, name, GroupLinear.from_float(weight.float(), bits, activations=acts if bits == 4 else "int16"))
@@ -380,15 +382,15 @@ def tiny_model(family: str, kind: str, acts: str = "int16", **changes) -> Causal
     return model
 
 
-def _symmetric_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q8_0-style groups of 32: ``d = max|w| / 127`` (float16), codes ``round(w / d) + 128``,
-    offsets ``-128 d``."""
+def _symmetric_codes(weight: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q8_0-style (c = 128) or Q5_0-style (c = 16) groups of 32: ``d = max|w| / (c - 1)``
+    (float16), codes ``round(w / d) + c``, offsets ``-c d``."""
     n, k = weight.shape
     w = weight.reshape(n, k // 32, 32)
-    d = (w.abs().amax(-1) / 127).half()
+    d = (w.abs().amax(-1) / (c - 1)).half()
     step = torch.where(d == 0, torch.ones_like(d), d).float().unsqueeze(-1)
-    codes = (torch.round(w / step).clamp(-127, 127) + 128).to(torch.uint8).reshape(n, k)
-    return codes, d, (d.float() * -128).half()
+    codes = (torch.round(w / step).clamp(1 - c, c - 1) + c).to(torch.uint8).reshape(n, k)
+    return codes, d, (d.float() * -c).half()
 
 
 @pytest.mark.skipif(woq.isa() != "avx2", reason="the compact stream is the AVX2 kernel's")
@@ -410,6 +412,30 @@ def test_compact_int8_streams_take_the_step(monkeypatch):
             for lens in ([30], [40, 9, 23]):
                 assert_step_matches_layers(compact, lens)
                 assert torch.equal(_step(compact, lens), _step(full, lens)), (t, lens)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not woq.five_bit_streams(), reason="5-bit streams need the AVX2 build on an AVX-512 VNNI CPU")
+def test_five_bit_streams_take_the_step(monkeypatch):
+    """int8 projections with codes below 32 (a GGUF's Q5_0 blocks) go as 5-bit streams (woq.fuse5):
+    the plan's raw and team entries give the layers' bits, the same as the 8-bit streams of the same
+    weights (SGRT_WOQ5=0's), on 1 and 2 threads, for one row (the 5-bit part) and several."""
+    five = tiny_model("gemma3", "int5-symmetric")
+    mods = [getattr(layer, name) for layer in five.layers for name in FUSED_PROJECTIONS]
+    assert all(m.stream_bits == woq.stream_bits(5, 16) for m in mods)
+    monkeypatch.setenv("SGRT_WOQ5", "0")
+    eight = tiny_model("gemma3", "int5-symmetric")
+    assert all(getattr(layer, name).stream_bits == woq.stream_bits(8, 16)
+               for layer in eight.layers for name in FUSED_PROJECTIONS)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert five.native_step.plan.use_thread_team(True) == (t == 2)
+            for lens in ([30], [1], [40, 9, 23]):
+                assert_step_matches_layers(five, lens)
+                assert torch.equal(_step(five, lens), _step(eight, lens)), (t, lens)
     finally:
         torch.set_num_threads(threads)
 

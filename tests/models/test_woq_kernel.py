@@ -616,7 +616,7 @@ def test_linear_errors():
         (dict(n=24), "n \\(output features\\) must be a positive multiple of 16"),
         (dict(k=48, x=_x(2, 48)), "k \\(input features\\) must be a positive multiple of group=32"),
         (dict(group=16), "group must be 32, 64 or 128"),
-        (dict(bits=2), "bits must be 4 or 8"),
+        (dict(bits=2), "bits must be 4,? (5 )?or 8"),  # (the AVX2 build also takes fuse5's streams)
     ]
     for kw, message in cases:
         with pytest.raises(RuntimeError, match=message):
@@ -686,11 +686,13 @@ def _symmetric_layer(n: int, k: int, group: int, c: int, seed: int = 0):
 @pytest.mark.parametrize("activations", ["int16", "int8", "int8-prefill"])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("c", [128, 16, 3])
-def test_compact_stream_matches_the_full_one_bitwise(c, group, activations):
+def test_compact_stream_matches_the_full_one_bitwise(c, group, activations, monkeypatch):
     """8-bit codes whose offsets are all ``-c * scale`` go as the compact stream (headers without
     offsets; the kernel rebuilds them): prepare() picks it, and every path (one row: the 4 streams
     and the blocks left over; 2-4 rows at a time; tiles; 1 and 2 threads; each activation
-    precision) gives the full stream's bits, which are :func:`_avx2_reference`'s."""
+    precision) gives the full stream's bits, which are :func:`_avx2_reference`'s. (c = 16's codes
+    are below 32: SGRT_WOQ5=0 keeps them 8-bit; the 5-bit stream has its own test.)"""
+    monkeypatch.setenv("SGRT_WOQ5", "0")
     threads = torch.get_num_threads()
     try:
         for n, k in [(16, 128), (48, 384), (16 * 37, 256), (960, 576)]:
@@ -803,3 +805,129 @@ def test_float_output_is_the_widened_bfloat16_output(bits):
         torch.set_num_threads(threads)
     with pytest.raises(RuntimeError, match="x must be contiguous"):
         layer._linear_float(_x(k, 2).T, *layer._args)
+
+
+def _five_bit_layer(n: int, k: int, group: int, c: int, seed: int = 0):
+    """8-bit codes below 32 (a GGUF's Q5_0 blocks): with offsets ``-16 * scale`` (c = 16, the
+    compact headers) or :func:`_layer`'s free offsets (c = 0): codes, scales, offsets."""
+    if c:
+        return _symmetric_layer(n, k, group, c, seed)
+    codes, _, scales, offsets, _ = _layer(n, k, 8, group, seed)
+    return codes & 31, scales, offsets
+
+
+@avx2_only
+@pytest.mark.parametrize("activations", ["int16", "int8", "int8-prefill"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("c", [16, 0])
+def test_five_bit_stream_matches_the_formula_bitwise(c, group, activations):
+    """fuse5's stream (the 5-bit codes, then the 8-bit stream of the same codes) gives the 8-bit
+    stream's bits, which are :func:`_avx2_reference`'s, on every path: one row (on an AVX-512
+    VNNI CPU from the 5-bit part: several streams side by side and the blocks left over, 1 to 37
+    blocks), 2-33 rows (the 8-bit part), 1 and 2 threads, each activation precision, compact and
+    full headers, every group size."""
+    threads = torch.get_num_threads()
+    empty = torch.empty(0, dtype=torch.float16)
+    op = woq.kernel(activations)
+    try:
+        for n, k in [(16, 128), (48, 384), (16 * 37, 256), (960, 576)]:
+            if k % group:
+                continue
+            codes, scales, offsets = _five_bit_layer(n, k, group, c)
+            stream = woq.fuse5(codes, scales, offsets, group, c)
+            eight = woq.fuse(woq.pack(codes, 8), scales, offsets, n, k, 8, group, c)
+            assert stream.numel() == eight.numel() + n * k * 5 // 8 + (eight.numel() - n * k)
+            for m in (1, 2, 3, 5, 33):
+                x = _x(m, k).float()
+                x[:, 32:64] *= 1e-3
+                x[0, 64:96] = 0.0
+                x = x.bfloat16()
+                acts = "int8" if activations == "int8" or (activations == "int8-prefill" and m >= woq.PREFILL_ROWS) \
+                    else "int16"
+                want = _avx2_reference(x, codes, scales, offsets, 8, group, acts)
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    y = op(x, stream, empty, empty, n, k, woq.stream_bits(5, c), group)
+                    assert torch.equal(y, want), (n, k, m, t)
+                    assert torch.equal(op(x, eight, empty, empty, n, k, woq.stream_bits(8, c), group), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@avx2_only
+@avx512_vnni_only
+def test_five_bit_stream_without_avx512_reads_its_eight_bit_part(tmp_path):
+    """With SGRT_WOQ_AVX512=0 (or on an AVX2-only CPU) a one-row call on fuse5's stream reads its
+    8-bit part: the same bits as the AVX-512 VNNI kernel's read of the 5-bit part (here), for
+    compact and full headers, both activation precisions, 1 to 37 blocks."""
+    cases = []
+    for c, group in ((16, 32), (0, 64), (16, 128)):
+        for blocks in (1, 5, 37):
+            n, k = 16 * blocks, 512
+            codes, scales, offsets = _five_bit_layer(n, k, group, c, seed=blocks)
+            stream = woq.fuse5(codes, scales, offsets, group, c)
+            cases += [(a, _x(1, k, seed=blocks), stream, n, k, woq.stream_bits(5, c), group) for a in ("int16", "int8")]
+    _assert_same_bits_as_avx2(cases, tmp_path)
+
+
+def test_five_bit_stream_layout_and_round_trip():
+    """fuse5(): per 16-row block and group the 8-bit stream's header, then per 32 inputs the codes'
+    low 4 bits in pack()'s 4-bit layout and their fifth bits as 64-bit masks (bit j of a chunk's
+    first mask: the fifth bit of the code in byte j's low nibble, second mask: its high nibble);
+    then fuse()'s 8-bit stream. unfuse() gives the 8-bit codes, scales and offsets back exactly."""
+    n, k, group, c = 48, 256, 64, 16
+    codes, scales, offsets = _symmetric_layer(n, k, group, c)
+    stream = woq.fuse5(codes, scales, offsets, group, c)
+    eight = woq.fuse(woq.pack(codes, 8), scales, offsets, n, k, 8, group, c)
+    head, g_n = 32, k // group
+    five = stream[:stream.numel() - eight.numel()].reshape(n // 16, g_n, head + group // 32 * 320)
+    assert torch.equal(stream[five.numel():], eight)
+    low = woq.pack(codes & 15, 4).reshape(n // 16, k // 32, 4, 64)  # [blocks, 32-input blocks, chunks, bytes]
+    high = woq.pack(codes >> 4, 4).reshape(n // 16, k // 32, 4, 64)
+    for b, g in [(0, 0), (2, g_n - 1), (1, 1)]:
+        assert torch.equal(five[b, g, :head].contiguous().view(torch.float16), scales[16 * b:16 * b + 16, g])
+        for j in range(group // 32):
+            kb = g * group // 32 + j
+            body = five[b, g, head + 320 * j:head + 320 * (j + 1)]
+            assert torch.equal(body[:256], low[b, kb].reshape(-1))
+            masks = body[256:].reshape(4, 2, 8)
+            for chunk in range(4):
+                for half, nibble in enumerate((high[b, kb, chunk] & 1, high[b, kb, chunk] >> 4)):
+                    word = int.from_bytes(bytes(masks[chunk, half].tolist()), "little")
+                    assert [word >> i & 1 for i in range(64)] == nibble.tolist(), (b, g, j, chunk, half)
+    p2, s2, o2 = woq.unfuse(stream, n, k, woq.stream_bits(5, c), group)
+    assert torch.equal(p2, woq.pack(codes, 8)) and torch.equal(s2, scales)
+    assert torch.equal(o2.view(torch.int16), offsets.view(torch.int16))
+    with pytest.raises(ValueError, match="0..31"):
+        woq.fuse5(codes | 32, scales, offsets, group, c)
+
+
+@avx2_only
+def test_prepare_gives_codes_below_32_the_five_bit_stream():
+    """prepare() keeps 8-bit codes below 32 as fuse5's stream where five_bit_streams() (an AVX-512
+    VNNI CPU, SGRT_WOQ5 not 0), else the 8-bit one; one code of 32 keeps the 8-bit stream."""
+    n, k = 48, 128
+    codes, scales, offsets = _symmetric_layer(n, k, 32, 16)
+    stream, bits = woq.prepare(woq.pack(codes, 8), scales, offsets, n, k, 8, 32)
+    if woq.five_bit_streams():
+        assert bits == woq.stream_bits(5, 16) and torch.equal(stream, woq.fuse5(codes, scales, offsets, 32, 16))
+    else:
+        assert bits == woq.stream_bits(8, 16)
+    codes[7, 9] = 32
+    assert woq.prepare(woq.pack(codes, 8), scales, offsets, n, k, 8, 32)[1] == woq.stream_bits(8, 16)
+
+
+@avx2_only
+def test_five_bit_stream_argument_errors():
+    """The kernel checks a 5-bit stream's size (both parts) against its bits argument."""
+    n, k = 32, 64
+    codes, scales, offsets = _symmetric_layer(n, k, 32, 16)
+    stream = woq.fuse5(codes, scales, offsets, 32, 16)
+    eight = woq.fuse(woq.pack(codes, 8), scales, offsets, n, k, 8, 32, 16)
+    x, empty = _x(1, k), torch.empty(0, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="twice: 5 bits, then 8"):
+        woq.kernel()(x, eight, empty, empty, n, k, woq.stream_bits(5, 16), 32)
+    with pytest.raises(RuntimeError, match="packed must be contiguous"):
+        woq.kernel()(x, stream, empty, empty, n, k, woq.stream_bits(8, 16), 32)
+    with pytest.raises(RuntimeError, match="bits must be"):
+        woq.kernel()(x, stream, empty, empty, n, k, 6, 32)
