@@ -212,7 +212,8 @@ LONG_LENS = [3000, 1, 700, 2049, 256]
     (4, 1, 256),   # Gemma 3: one group of 4, head_dim 256
     (3, 3, 64),    # g = 1
     (8, 2, 64),    # g = 4
-    (10, 2, 40),   # g = 5: a group of 4 and one of 1; head_dim not a multiple of 32
+    (6, 2, 48),    # head_dim a multiple of 16, not of 64 (AVX-512: the 16-lane loops, one vector at a time)
+    (10, 2, 40),   # g = 5: a group of 4 and one of 1; head_dim not a multiple of 16 (the 8-lane loops)
     (4, 2, 36),    # head_dim not a multiple of 8: the portable loops
 ])
 def test_long_split_contexts_match_float64_attention(dtype, n_heads, n_kv, head_dim):
