@@ -479,103 +479,49 @@ inline __m256 lane_sums8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
+// The vector width of the grouped loops below: 8 lanes (AVX2), or 16 on AVX-512 CPUs where
+// head_dim is a multiple of 16 (half the instructions a value). `keys`: keys a pass over head_dim
+// in score_keys_grouped (2 G or 4 G independent FMA chains); `w4`: value vectors a head when 4
+// heads share a pass (the accumulators must fit in the 16 / 32 vector registers). `fold` halves
+// a 16-lane score partial into 8 lanes (its halves added lane by lane) for lane_sums8's tree.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int n = 8, keys = 2, w4 = 2;
+  static V zero() { return _mm256_setzero_ps(); }
+  template <typename R>
+  static V load(const R* p) { return load8(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static __m256 fold(V a) { return a; }
+};
+#if defined(__AVX512F__)
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int n = 16, keys = 4, w4 = 4;
+  static V zero() { return _mm512_setzero_ps(); }
+  template <typename R>
+  static V load(const R* p) { return load16(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static __m256 fold(V a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  }
+};
+#endif
+
 // score_keys' contract for G query heads (qf: G rows of d floats), DC: head_dim if known at
-// compile time (else 0: d). Two keys per pass over head_dim (2 G accumulators); the last block
-// of fewer than 8 keys repeats its last key (its extra scores are not stored). kpf / vpf / npf:
-// the rows kPrefetchAhead keys ahead to prefetch (npf values from each), the values into L2 for
-// accumulate_values_grouped.
-template <typename R, int G, int DC>
+// compile time (else 0: d), a multiple of L::n. L::keys keys per pass over head_dim; the last
+// block of fewer than 8 keys repeats its last key (its extra scores are not stored). kpf / vpf /
+// npf: the rows kPrefetchAhead keys ahead to prefetch (npf values from each), the values into L2
+// for accumulate_values_grouped.
+template <typename L, typename R, int G, int DC>
 void score_keys_grouped(const float* qf, int64_t d_, const R* kbase, const int64_t* rs, int64_t len, int64_t row,
                         float* scores, int64_t stride, const R* kpf, const R* vpf, int64_t npf) {
+  using V = typename L::V;
+  constexpr int KP = L::keys;
   const int64_t d = DC > 0 ? DC : d_;
-  for (int64_t j0 = 0; j0 < len; j0 += 8) {
-    const int64_t last = std::min<int64_t>(8, len - j0) - 1;
-    __m256 part[G][8];
-    for (int64_t k = 0; k < 8; k += 2) {
-      const int64_t ja = j0 + std::min(k, last), jb = j0 + std::min(k + 1, last);
-      if (ja + kPrefetchAhead < len) {
-        prefetch_row<_MM_HINT_T0>(kpf + rs[ja + kPrefetchAhead] * row, npf);
-        prefetch_row<_MM_HINT_T1>(vpf + rs[ja + kPrefetchAhead] * row, npf);
-      }
-      if (jb + kPrefetchAhead < len && jb != ja) {
-        prefetch_row<_MM_HINT_T0>(kpf + rs[jb + kPrefetchAhead] * row, npf);
-        prefetch_row<_MM_HINT_T1>(vpf + rs[jb + kPrefetchAhead] * row, npf);
-      }
-      const R* ka = kbase + rs[ja] * row;
-      const R* kb = kbase + rs[jb] * row;
-      __m256 a[G], b[G];
-      for (int i = 0; i < G; ++i) a[i] = b[i] = _mm256_setzero_ps();
-      for (int64_t c = 0; c < d; c += 8) {
-        const __m256 xa = load8(ka + c), xb = load8(kb + c);
-        for (int i = 0; i < G; ++i) {
-          const __m256 qv = _mm256_loadu_ps(qf + i * d + c);
-          a[i] = _mm256_fmadd_ps(qv, xa, a[i]);
-          b[i] = _mm256_fmadd_ps(qv, xb, b[i]);
-        }
-      }
-      for (int i = 0; i < G; ++i) {
-        part[i][k] = a[i];
-        part[i][k + 1] = b[i];
-      }
-    }
-    for (int i = 0; i < G; ++i) {
-      const __m256 sums = lane_sums8(part[i]);
-      float* si = scores + i * stride + j0;
-      if (last == 7) {
-        _mm256_storeu_ps(si, sums);
-      } else {
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, sums);
-        std::copy(tmp, tmp + last + 1, si);
-      }
-    }
-  }
-}
-
-// accumulate_values' contract for G query heads (acc: G rows of d floats), W vectors of 8 output
-// values per head in registers at a time: blocks of kValueBlock keys (their rows stay in L1
-// between the passes over head_dim), each pass W * 8 values of the G heads over the block's keys.
-constexpr int64_t kValueBlock = 32;
-template <typename R, int G, int W, int DC>
-void accumulate_values_grouped(const float* p, int64_t d_, const R* vbase, const int64_t* rs, int64_t len, int64_t row,
-                               int64_t stride, float* acc) {
-  const int64_t d = DC > 0 ? DC : d_;
-  for (int64_t j0 = 0; j0 < len; j0 += kValueBlock) {
-    const int64_t j1 = std::min(len, j0 + kValueBlock);
-    for (int64_t c0 = 0; c0 < d; c0 += 8 * W) {
-      __m256 o[G][W];
-      for (int i = 0; i < G; ++i)
-        for (int w = 0; w < W; ++w) o[i][w] = _mm256_loadu_ps(acc + i * d + c0 + 8 * w);
-      for (int64_t j = j0; j < j1; ++j) {
-        const R* vr = vbase + rs[j] * row + c0;
-        __m256 pj[G];
-        for (int i = 0; i < G; ++i) pj[i] = _mm256_broadcast_ss(p + i * stride + j);
-        for (int w = 0; w < W; ++w) {
-          const __m256 x = load8(vr + 8 * w);
-          for (int i = 0; i < G; ++i) o[i][w] = _mm256_fmadd_ps(pj[i], x, o[i][w]);
-        }
-      }
-      for (int i = 0; i < G; ++i)
-        for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc + i * d + c0 + 8 * w, o[i][w]);
-    }
-  }
-}
-
-#if defined(__AVX512F__)
-// The two loops above in 16 lanes, for head_dim a multiple of 16 on AVX-512 CPUs: half the
-// instructions a value, and four keys a pass over head_dim (4 G independent FMA chains). A score
-// is each of 16 lanes' FMA chain over head_dim in order, the two halves added lane by lane, then
-// lane_sums8's tree; an output value is the FMA chain over the chunk's keys in order, as above.
-// (Sums in another order than the 8-lane loops', so outputs move within float32 rounding.)
-inline __m256 fold16(__m512 a) {
-  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
-
-template <typename R, int G, int DC>
-void score_keys_grouped16(const float* qf, int64_t d_, const R* kbase, const int64_t* rs, int64_t len, int64_t row,
-                          float* scores, int64_t stride, const R* kpf, const R* vpf, int64_t npf) {
-  const int64_t d = DC > 0 ? DC : d_;
-  constexpr int KP = 4;  // keys a pass over head_dim
   for (int64_t j0 = 0; j0 < len; j0 += 8) {
     const int64_t last = std::min<int64_t>(8, len - j0) - 1;
     __m256 part[G][8];
@@ -589,19 +535,19 @@ void score_keys_grouped16(const float* qf, int64_t d_, const R* kbase, const int
           prefetch_row<_MM_HINT_T1>(vpf + rs[j + kPrefetchAhead] * row, npf);
         }
       }
-      __m512 a[G][KP];
+      V a[G][KP];
       for (int i = 0; i < G; ++i)
-        for (int u = 0; u < KP; ++u) a[i][u] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < d; c += 16) {
-        __m512 x[KP];
-        for (int u = 0; u < KP; ++u) x[u] = load16(kr[u] + c);
+        for (int u = 0; u < KP; ++u) a[i][u] = L::zero();
+      for (int64_t c = 0; c < d; c += L::n) {
+        V x[KP];
+        for (int u = 0; u < KP; ++u) x[u] = L::load(kr[u] + c);
         for (int i = 0; i < G; ++i) {
-          const __m512 qv = _mm512_loadu_ps(qf + i * d + c);
-          for (int u = 0; u < KP; ++u) a[i][u] = _mm512_fmadd_ps(qv, x[u], a[i][u]);
+          const V qv = L::load(qf + i * d + c);
+          for (int u = 0; u < KP; ++u) a[i][u] = L::fma(qv, x[u], a[i][u]);
         }
       }
       for (int i = 0; i < G; ++i)
-        for (int u = 0; u < KP; ++u) part[i][k + u] = fold16(a[i][u]);
+        for (int u = 0; u < KP; ++u) part[i][k + u] = L::fold(a[i][u]);
     }
     for (int i = 0; i < G; ++i) {
       const __m256 sums = lane_sums8(part[i]);
@@ -617,103 +563,98 @@ void score_keys_grouped16(const float* qf, int64_t d_, const R* kbase, const int
   }
 }
 
-template <typename R, int G, int W, int DC>
-void accumulate_values_grouped16(const float* p, int64_t d_, const R* vbase, const int64_t* rs, int64_t len,
-                                 int64_t row, int64_t stride, float* acc) {
+// accumulate_values' contract for G query heads (acc: G rows of d floats), W vectors of L::n
+// output values per head in registers at a time: blocks of kValueBlock keys (their rows stay in
+// L1 between the passes over head_dim), each pass W * L::n values of the G heads over the block's
+// keys.
+constexpr int64_t kValueBlock = 32;
+template <typename L, typename R, int G, int W, int DC>
+void accumulate_values_grouped(const float* p, int64_t d_, const R* vbase, const int64_t* rs, int64_t len, int64_t row,
+                               int64_t stride, float* acc) {
+  using V = typename L::V;
   const int64_t d = DC > 0 ? DC : d_;
   for (int64_t j0 = 0; j0 < len; j0 += kValueBlock) {
     const int64_t j1 = std::min(len, j0 + kValueBlock);
-    for (int64_t c0 = 0; c0 < d; c0 += 16 * W) {
-      __m512 o[G][W];
+    for (int64_t c0 = 0; c0 < d; c0 += L::n * W) {
+      V o[G][W];
       for (int i = 0; i < G; ++i)
-        for (int w = 0; w < W; ++w) o[i][w] = _mm512_loadu_ps(acc + i * d + c0 + 16 * w);
+        for (int w = 0; w < W; ++w) o[i][w] = L::load(acc + i * d + c0 + L::n * w);
       for (int64_t j = j0; j < j1; ++j) {
         const R* vr = vbase + rs[j] * row + c0;
-        __m512 pj[G];
-        for (int i = 0; i < G; ++i) pj[i] = _mm512_set1_ps(p[i * stride + j]);
+        V pj[G];
+        for (int i = 0; i < G; ++i) pj[i] = L::set1(p[i * stride + j]);
         for (int w = 0; w < W; ++w) {
-          const __m512 x = load16(vr + 16 * w);
-          for (int i = 0; i < G; ++i) o[i][w] = _mm512_fmadd_ps(pj[i], x, o[i][w]);
+          const V x = L::load(vr + L::n * w);
+          for (int i = 0; i < G; ++i) o[i][w] = L::fma(pj[i], x, o[i][w]);
         }
       }
       for (int i = 0; i < G; ++i)
-        for (int w = 0; w < W; ++w) _mm512_storeu_ps(acc + i * d + c0 + 16 * w, o[i][w]);
+        for (int w = 0; w < W; ++w) L::store(acc + i * d + c0 + L::n * w, o[i][w]);
     }
   }
 }
-#endif
 
-// The grouped kernels over gi query heads (any count; groups of at most 4 heads, each group
-// reading the keys and values again, from cache). d: a multiple of 8.
-template <typename R, int DC>
-void score_keys_blocked(const float* qf, int64_t gi, int64_t d, const R* kbase, const int64_t* rs, int64_t len,
-                        int64_t row, float* scores, int64_t stride, const R* kpf, const R* vpf, int64_t npf) {
+// The grouped loops over gi query heads (any count; groups of at most 4 heads, each group
+// reading the keys and values again, from cache), in L's lanes (d: a multiple of L::n).
+template <typename L, typename R, int DC>
+void score_keys_in(const float* qf, int64_t gi, int64_t d, const R* kbase, const int64_t* rs, int64_t len, int64_t row,
+                   float* scores, int64_t stride, const R* kpf, const R* vpf, int64_t npf) {
   for (int64_t i = 0; i < gi; i += 4) {
     const float* q = qf + i * d;
     float* s = scores + i * stride;
-#if defined(__AVX512F__)
-    if (d % 16 == 0) {
-      switch (std::min<int64_t>(4, gi - i)) {
-        case 4: score_keys_grouped16<R, 4, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
-        case 3: score_keys_grouped16<R, 3, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
-        case 2: score_keys_grouped16<R, 2, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
-        default: score_keys_grouped16<R, 1, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
-      }
-      continue;
-    }
-#endif
     switch (std::min<int64_t>(4, gi - i)) {
-      case 4: score_keys_grouped<R, 4, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
-      case 3: score_keys_grouped<R, 3, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
-      case 2: score_keys_grouped<R, 2, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
-      default: score_keys_grouped<R, 1, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
+      case 4: score_keys_grouped<L, R, 4, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
+      case 3: score_keys_grouped<L, R, 3, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
+      case 2: score_keys_grouped<L, R, 2, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
+      default: score_keys_grouped<L, R, 1, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
     }
   }
+}
+
+template <typename L, typename R, int DC>
+void accumulate_values_in(const float* p, int64_t gi, int64_t d, const R* vbase, const int64_t* rs, int64_t len,
+                          int64_t row, int64_t stride, float* acc) {
+  for (int64_t i = 0; i < gi; i += 4) {
+    const float* pi = p + i * stride;
+    float* a = acc + i * d;
+    const int64_t n = std::min<int64_t>(4, gi - i);
+    if (d % (4 * L::n) == 0) {  // 4 vectors a head, L::w4 for 4 heads
+      switch (n) {
+        case 4: accumulate_values_grouped<L, R, 4, L::w4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        case 3: accumulate_values_grouped<L, R, 3, 4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        case 2: accumulate_values_grouped<L, R, 2, 4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        default: accumulate_values_grouped<L, R, 1, 4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+      }
+    } else {
+      switch (n) {
+        case 4: accumulate_values_grouped<L, R, 4, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        case 3: accumulate_values_grouped<L, R, 3, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        case 2: accumulate_values_grouped<L, R, 2, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        default: accumulate_values_grouped<L, R, 1, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+      }
+    }
+  }
+}
+
+// The grouped loops in 16 lanes where the CPU and head_dim allow, else in 8 (d: a multiple of 8).
+// The 16-lane sums run in another order than the 8-lane ones (each lane's chain over head_dim
+// is half as long, then folded): float32 results an ulp or so apart.
+template <typename R, int DC>
+void score_keys_blocked(const float* qf, int64_t gi, int64_t d, const R* kbase, const int64_t* rs, int64_t len,
+                        int64_t row, float* scores, int64_t stride, const R* kpf, const R* vpf, int64_t npf) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) return score_keys_in<Lanes16, R, DC>(qf, gi, d, kbase, rs, len, row, scores, stride, kpf, vpf, npf);
+#endif
+  score_keys_in<Lanes8, R, DC>(qf, gi, d, kbase, rs, len, row, scores, stride, kpf, vpf, npf);
 }
 
 template <typename R, int DC>
 void accumulate_values_blocked(const float* p, int64_t gi, int64_t d, const R* vbase, const int64_t* rs, int64_t len,
                                int64_t row, int64_t stride, float* acc) {
-  for (int64_t i = 0; i < gi; i += 4) {
-    const float* pi = p + i * stride;
-    float* a = acc + i * d;
-    const int64_t n = std::min<int64_t>(4, gi - i);
 #if defined(__AVX512F__)
-    if (d % 64 == 0) {  // 4 vectors of 16 a head (at most 16 accumulators)
-      switch (n) {
-        case 4: accumulate_values_grouped16<R, 4, 4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
-        case 3: accumulate_values_grouped16<R, 3, 4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
-        case 2: accumulate_values_grouped16<R, 2, 4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
-        default: accumulate_values_grouped16<R, 1, 4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
-      }
-      continue;
-    }
-    if (d % 16 == 0) {
-      switch (n) {
-        case 4: accumulate_values_grouped16<R, 4, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
-        case 3: accumulate_values_grouped16<R, 3, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
-        case 2: accumulate_values_grouped16<R, 2, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
-        default: accumulate_values_grouped16<R, 1, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
-      }
-      continue;
-    }
+  if (d % 16 == 0) return accumulate_values_in<Lanes16, R, DC>(p, gi, d, vbase, rs, len, row, stride, acc);
 #endif
-    if (d % 32 == 0) {  // 4 vectors a head for 1 or 2 heads, 2 for 3 or 4 (at most 12 accumulators)
-      switch (n) {
-        case 4: accumulate_values_grouped<R, 4, 2, DC>(pi, d, vbase, rs, len, row, stride, a); break;
-        case 3: accumulate_values_grouped<R, 3, 4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
-        case 2: accumulate_values_grouped<R, 2, 4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
-        default: accumulate_values_grouped<R, 1, 4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
-      }
-    } else {
-      switch (n) {
-        case 4: accumulate_values_grouped<R, 4, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
-        case 3: accumulate_values_grouped<R, 3, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
-        case 2: accumulate_values_grouped<R, 2, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
-        default: accumulate_values_grouped<R, 1, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
-      }
-    }
-  }
+  accumulate_values_in<Lanes8, R, DC>(p, gi, d, vbase, rs, len, row, stride, acc);
 }
 #endif
 
