@@ -774,6 +774,31 @@ SGRT_TARGET_AVX512 inline void load_header16(const uint8_t* h, const Header& hd,
                        : _mm512_mul_ps(sc, _mm512_set1_ps(hd.negc));
 }
 
+// One chunk's activation vectors (expand4's X01 / X23 of q1, Y01 / Y23 of q2; no q2 for int8
+// activations), each broadcast to both halves so that rows 0-7 and 8-15 share it.
+struct Acts512 {
+  __m512i x01, x23, y01, y23;
+};
+template <bool ACT8>
+SGRT_TARGET_AVX512 inline Acts512 load_acts512(const int8_t* X0, int64_t chunk) {
+  const __m256i* X = reinterpret_cast<const __m256i*>(X0 + chunk * (ACT8 ? 64 : 128));
+  Acts512 a;
+  a.x01 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X));
+  a.x23 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X + 1));
+  if (!ACT8) {
+    a.y01 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X + 2));
+    a.y23 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X + 3));
+  }
+  return a;
+}
+
+// h += (lo . X01) + (hi . X23), l likewise against Y01 / Y23 (vpmaddubsw: s16 pair sums per row)
+template <bool ACT8>
+SGRT_TARGET_AVX512 inline void add_chunk512(__m512i& h, __m512i& l, __m512i lo, __m512i hi, const Acts512& a) {
+  h = _mm512_add_epi16(h, _mm512_add_epi16(_mm512_maddubs_epi16(lo, a.x01), _mm512_maddubs_epi16(hi, a.x23)));
+  if (!ACT8) l = _mm512_add_epi16(l, _mm512_add_epi16(_mm512_maddubs_epi16(lo, a.y01), _mm512_maddubs_epi16(hi, a.y23)));
+}
+
 // block4_streams on 512-bit vectors: S 16-row blocks of 4-bit codes, one row (row.X: expand4's
 // vectors), per block of 32 inputs each block's 4 chunks in turn.
 template <int S, bool ACT8>
@@ -799,21 +824,12 @@ SGRT_TARGET_AVX512 inline void block4_streams512(const uint8_t* const* w, const 
         for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p[s] + STREAM4_PREFETCH512 + 64 * l), SGRT_PREFETCH_HINT);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
-      const __m256i* X = reinterpret_cast<const __m256i*>(X0 + (b * 4 + c) * (ACT8 ? 64 : 128));
-      const __m512i X01 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X));
-      const __m512i X23 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X + 1));
-      __m512i Y01, Y23;
-      if (!ACT8) {
-        Y01 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X + 2));
-        Y23 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X + 3));
-      }
+      const Acts512 a = load_acts512<ACT8>(X0, b * 4 + c);
 #pragma GCC unroll 8
       for (int s = 0; s < S; ++s) {
         const __m512i W = _mm512_loadu_si512(p[s] + 64 * c);
         const __m512i lo = _mm512_and_si512(W, m0f), hi = _mm512_and_si512(_mm512_srli_epi16(W, 4), m0f);
-        hs[s] = _mm512_add_epi16(hs[s], _mm512_add_epi16(_mm512_maddubs_epi16(lo, X01), _mm512_maddubs_epi16(hi, X23)));
-        if (!ACT8)
-          ls[s] = _mm512_add_epi16(ls[s], _mm512_add_epi16(_mm512_maddubs_epi16(lo, Y01), _mm512_maddubs_epi16(hi, Y23)));
+        add_chunk512<ACT8>(hs[s], ls[s], lo, hi, a);
       }
     }
     for (int s = 0; s < S; ++s) {
@@ -940,21 +956,12 @@ SGRT_TARGET_AVX512 inline void block5_streams512(const uint8_t* const* w, const 
       for (int s = 0; s < S; ++s) hs[s] = ls[s] = _mm512_setzero_si512();
 #pragma GCC unroll 2
       for (int c = 2 * half; c < 2 * half + 2; ++c) {
-        const __m256i* X = reinterpret_cast<const __m256i*>(X0 + (b * 4 + c) * (ACT8 ? 64 : 128));
-        const __m512i X01 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X));
-        const __m512i X23 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X + 1));
-        __m512i Y01, Y23;
-        if (!ACT8) {
-          Y01 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X + 2));
-          Y23 = _mm512_broadcast_i64x4(_mm256_loadu_si256(X + 3));
-        }
+        const Acts512 a = load_acts512<ACT8>(X0, b * 4 + c);
 #pragma GCC unroll 8
         for (int s = 0; s < S; ++s) {
           __m512i lo, hi;
           codes5(p[s] + 64 * c, p[s] + 256 + 16 * c, lo, hi);
-          hs[s] = _mm512_add_epi16(hs[s], _mm512_add_epi16(_mm512_maddubs_epi16(lo, X01), _mm512_maddubs_epi16(hi, X23)));
-          if (!ACT8)
-            ls[s] = _mm512_add_epi16(ls[s], _mm512_add_epi16(_mm512_maddubs_epi16(lo, Y01), _mm512_maddubs_epi16(hi, Y23)));
+          add_chunk512<ACT8>(hs[s], ls[s], lo, hi, a);
         }
       }
       for (int s = 0; s < S; ++s) {
