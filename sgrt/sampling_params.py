@@ -126,10 +126,16 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         """Check every field (run when built; ``vocab_size`` adds :meth:`check_vocab`); raise
         ``InvalidRequest`` naming the first bad one."""
-        # NOTE: frozen: the two list normalisations go through object.__setattr__.
+        # NOTE: frozen: the list normalisations go through object.__setattr__.
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        object.__setattr__(self, "stop", list(stop or []))
-        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        object.__setattr__(self, "stop", _as_list(stop, "stop", "a str or a list of str"))
+        object.__setattr__(self, "stop_token_ids", _as_list(self.stop_token_ids, "stop_token_ids", "a list of int"))
+        for name in BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(f"{name} must be a bool, got {getattr(self, name)!r}", field=name)
+        for name in ("grammar_backend",):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidRequest(f"{name} must be a str, got {getattr(self, name)!r}", field=name)
         object.__setattr__(self, "stop_regex", check_stop_regex(self.stop_regex or []))
         _check_int(self.max_tokens, "max_tokens", low=0)
         _check_int(self.min_tokens, "min_tokens", low=0)
@@ -185,8 +191,6 @@ class SamplingParams:
             raise InvalidRequest(
                 f"truncate must be one of {TRUNCATE_MODES}, got {self.truncate!r}", field="truncate"
             )
-        if not isinstance(self.no_stop_trim, bool):
-            raise InvalidRequest(f"no_stop_trim must be a bool, got {self.no_stop_trim!r}", field="no_stop_trim")
         check_sampling_ranges(self)
 
 
@@ -198,6 +202,20 @@ WIRE_CORE_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k",
 
 
 CONSTRAINT_FIELDS = ("regex", "json_schema", "grammar")
+
+#: The flags of :class:`SamplingParams`: each must be a real bool (an int such as 5 would reach
+#: the tokenizer's native code, which raises inside the engine loop).
+BOOL_FIELDS = ("ignore_eos", "return_logprob", "skip_special_tokens", "no_stop_trim")
+
+
+def _as_list(value: Any, name: str, expected: str) -> list:
+    """``value`` (None, a list or a tuple) as a new list; anything else raises ``InvalidRequest``
+    naming ``name``."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequest(f"{name} must be {expected}, got {value!r}", field=name)
+    return list(value)
 
 
 def the_constraint(values: dict[str, Any], error: type[InvalidRequest] = InvalidRequest) -> tuple[str | None, Any]:

@@ -283,6 +283,8 @@ class PrepareMixin:
         if ts is not None and ts & {"number", "integer"} and not any(k in node for k in ("enum", "const")):
             node = dict(node)
             self._bound_number(node, ts)
+            if ts == {"integer"}:
+                _fit_integer_bounds(node, path)
 
         def child(sub: Schema, sub_path: str) -> Schema:
             key = sub_path[len(path):].split("/")[1]
@@ -306,3 +308,40 @@ class PrepareMixin:
         # that uses multipleOf anywhere keeps its own.
         if frac is not None and "number" in ts and not self._uses_multiple_of:
             node["multipleOf"] = float(f"1e-{frac}")
+
+
+#: The largest bound of an integer schema that llguidance reads exactly (2**63 - 1024: it reads
+#: bounds as float64, whose values next to 2**63 are 1,024 apart, and generates int64 values).
+#: Past it, llguidance clamps a bound to the int64 range, which can make it accept values the
+#: schema does not (a minimum of 1e19 gave 9223372036854775807), and near -2**63 it crashes the
+#: process (llguidance 1.9.1, a minimum of -2e19 with a maximum of -1e19).
+INTEGER_BOUND_LIMIT = 2**63 - 1024
+
+
+def _fit_integer_bounds(node: dict, path: str) -> None:
+    """Bring an integer schema's bounds within +-:data:`INTEGER_BOUND_LIMIT`, in place: a bound
+    past the limit on its open side (a minimum below -limit, a maximum above +limit) becomes the
+    limit, which excludes only values the grammar engine cannot generate anyway; one that leaves
+    no value within the limits is refused.
+
+    Raises:
+        GrammarError: (field ``json_schema``, ``path`` the keyword's pointer) a lower bound above
+            the limit or an upper bound below minus the limit.
+    """
+    limit = INTEGER_BOUND_LIMIT
+    for key, sign in (("minimum", 1), ("exclusiveMinimum", 1), ("maximum", -1), ("exclusiveMaximum", -1)):
+        value = node.get(key)
+        if not _is_num(value):
+            continue
+        if sign * value > limit or (sign * value == limit and key.startswith("exclusive")):
+            side = ("at or above" if key.startswith("exclusive") else "above") if sign > 0 else \
+                ("at or below minus" if key.startswith("exclusive") else "below minus")
+            raise GrammarError(
+                f"{key} {value} of an integer schema is {side} {limit} (2**63 - 1024), the largest integer "
+                "bound the grammar engine supports: no value it can generate would be valid",
+                field="json_schema", path=f"{path}/{key}")
+        if -sign * value > limit:
+            del node[key]
+            bound = "minimum" if sign > 0 else "maximum"
+            node[bound] = -sign * limit if bound not in node else (max if sign > 0 else min)(node[bound], -sign * limit)
+

@@ -268,14 +268,24 @@ class OutputProcessor:
         req.finish_reason = reason
         req.matched = matched
         req.error = error
-        if reason != "stop" or not isinstance(matched, str) or matched == "grammar":
-            req.text += req.detokenizer.flush()
-        chunk = self._next_chunk(req, final=True)
+        self._finished.append(req)
+        try:
+            if reason != "stop" or not isinstance(matched, str) or matched == "grammar":
+                req.text += req.detokenizer.flush()
+            chunk = self._next_chunk(req, final=True)
+        except Exception as exc:
+            # NOTE: the error that brought us here may be this same detokenizer's (the loop
+            # finishes every request after a failed step): the request ends failed, without
+            # its last text, rather than the exception escaping and stopping the engine loop.
+            req.finish_reason, req.error = "abort", error or exc
+            result = req.to_result(req.text)
+            self.metrics.record_finish(result)
+            req.channel.fail(req.error, result)
+            return
         result = req.to_result(req.text)
         self.metrics.record_finish(result)
         chunk.finished = True
         chunk.result = result
-        self._finished.append(req)
         if error is not None and req.first_token_time is None and isinstance(error, InvalidRequest):
             req.channel.fail(error, result)
         else:

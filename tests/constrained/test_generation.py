@@ -256,3 +256,41 @@ def test_generation_on_corpus_schemas(engine, compiler):
     assert not invalid
     assert len(completed) >= MIN_COMPLETED, (len(completed), [c.name for c, r in zip(cases, results)
                                                                if r.finish_reason != "stop"])
+
+
+# Integer bounds past the 64-bit range (reported: both bounds below -2**63 crashed the process in
+# llguidance; a minimum of 1e19 gave 9223372036854775807, which the schema rejects).
+OUT_OF_RANGE_INTEGERS = [
+    ({"type": "integer", "minimum": -2e19, "maximum": -1e19}, "/maximum"),
+    ({"type": "integer", "minimum": -9.4e18, "maximum": -9.3e18}, "/maximum"),
+    ({"type": "integer", "minimum": -2**63, "maximum": -2**63}, "/maximum"),
+    ({"type": "integer", "exclusiveMaximum": -1e19}, "/exclusiveMaximum"),
+    ({"type": "integer", "minimum": 1e19, "maximum": 2e19}, "/minimum"),
+    ({"type": "integer", "minimum": 1e308, "maximum": 1.5e308}, "/minimum"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "exclusiveMinimum": 2**63 - 1024}}}, "/properties/n/exclusiveMinimum"),
+]
+
+
+def test_integer_bounds_past_the_64_bit_range_are_refused_and_the_engine_lives(engine):
+    """Every bound that leaves no value the grammar engine can generate fails its request with a
+    GrammarError naming the keyword's pointer; the engine keeps serving."""
+    for schema, path in OUT_OF_RANGE_INTEGERS:
+        with pytest.raises(GrammarError) as err:
+            engine.generate(chat(engine, "Give me a number."), SamplingParams(max_tokens=8, json_schema=schema))
+        assert err.value.path == path and "2**63 - 1024" in str(err.value), (schema, err.value)
+    r = engine.generate(chat(engine, "Type 1."), SamplingParams(max_tokens=4, regex="[1]{1,3}"))
+    assert r.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "minimum": -2e19, "maximum": -5},
+    {"type": "integer", "exclusiveMinimum": -1e30, "maximum": 7},
+    {"type": "integer", "minimum": 3, "maximum": 2e19},
+])
+def test_open_side_bounds_past_the_64_bit_range_still_give_valid_integers(engine, schema):
+    """A bound past the range on its open side is narrowed to the range: the output is valid."""
+    r = engine.generate(chat(engine, "Give me a number."), SamplingParams(max_tokens=24, json_schema=schema))
+    assert r.finish_reason == "stop", (r.text, r.error)
+    value = json.loads(r.text)
+    assert isinstance(value, int)
+    validator(schema).validate(value)

@@ -221,6 +221,31 @@ def test_invalid_requests_name_the_field(engine):
         engine.submit([1, 2, 10**9])
 
 
+@pytest.mark.parametrize("field,value", [
+    ("skip_special_tokens", 5), ("ignore_eos", 1), ("return_logprob", "yes"), ("no_stop_trim", None),
+    ("stop", 5), ("stop", True), ("stop_token_ids", 1.5), ("stop_token_ids", "12"), ("grammar_backend", 3),
+])
+def test_wrongly_typed_fields_are_refused_before_the_engine(engine, field, value):
+    """Every flag must be a bool and every list a list (reported: ``skip_special_tokens: 5``
+    reached the tokenizer inside the engine loop); the error names the field."""
+    with pytest.raises(InvalidRequest, match=field) as info:
+        engine.submit("hi", {"max_tokens": 2, field: value})
+    assert info.value.field == field
+
+
+def test_a_request_whose_detokenizer_raises_fails_alone(engine):
+    """A request that fails inside the loop (here its detokenizer, forced to raise) ends failed,
+    and the engine goes on serving: the next request's greedy answer is the one it gave before."""
+    before = engine.generate("Say hi", {"max_tokens": 4})
+    params = SamplingParams(max_tokens=4)
+    object.__setattr__(params, "skip_special_tokens", 5)  # past validation, as a bug would be
+    with pytest.raises(Exception):
+        engine.generate("Say hi", params)
+    assert engine.is_alive()
+    after = engine.generate("Say hi", {"max_tokens": 4})
+    assert after.token_ids == before.token_ids and after.text == before.text
+
+
 def test_context_length(engine):
     ids = list(range(100, 100 + engine.context_length + 10))
     with pytest.raises(ContextLengthExceeded, match="truncate"):
