@@ -188,6 +188,8 @@ def derive_chat_template(render: Renderer, name: str = "derived",
                 default_system = head[len(sys_prefix): len(head) - len(sys_suffix)]
             else:
                 raise ValueError("cannot isolate the default system prompt")
+    except InvalidRequest:
+        raise  # the apply function's own typed error (no chat template at all: field "messages")
     except ValueError as e:
         raise InvalidRequest(
             f"cannot derive role prefixes from the chat template ({e}); "

@@ -295,7 +295,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = _sampling(args, **_constraint(args))
         if params.is_constrained():
             with progress("compiling the constraint"):
-                engine._compile_grammar(params)  # cached: the request below finds it compiled
+                engine.intake.compile_grammar(params)  # cached: the request below finds it compiled
         _stream_to_stdout(engine, prompt, params, quiet=args.quiet)
     finally:
         engine.shutdown()

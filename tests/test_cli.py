@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,6 +112,20 @@ def test_generate_process_exits_0_and_is_quiet_off_a_terminal():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Paris" in out.stdout
     assert "terminate called" not in out.stderr and "loading" not in out.stderr  # no tqdm line
+
+
+@pytest.mark.parametrize("flag,value,check", [
+    ("--regex", "[0-9]{4}", lambda text: re.fullmatch(r"[0-9]{4}", text)),
+    ("--json-schema", '{"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, '
+     '"required": ["city"], "additionalProperties": false}', lambda text: isinstance(json.loads(text)["city"], str)),
+    ("--grammar", 'start: "YES" | "NO"', lambda text: text in ("YES", "NO")),
+])
+def test_constrained_generate_process_exits_0_with_a_valid_answer(flag, value, check):
+    """The README's constrained ``sgrt generate`` (reported: every valid constraint crashed after
+    the model load, calling an engine method that had moved): status 0 and a valid answer."""
+    out = run_cli("generate", flag, value, "--max-tokens", "24", "The year of the French Revolution, as asked:")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert check(out.stdout.strip()), out.stdout
 
 
 def test_progress_lines_only_when_enabled(capsys):

@@ -91,7 +91,7 @@ class Intake:
 
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         if params.is_constrained():
-            req.grammar_future = self._compile_pool.submit(self._compile_grammar, params)
+            req.grammar_future = self._compile_pool.submit(self.compile_grammar, params)
         return req
 
     def check_params(self, params: SamplingParams | dict | None) -> SamplingParams:
@@ -122,8 +122,8 @@ class Intake:
         """Token ids of a text prompt, or a checked copy of a token-id prompt.
 
         Raises:
-            InvalidRequest: (field ``prompt``) neither str nor list of ints, an id outside
-                ``[0, vocab_size)``, or empty.
+            InvalidRequest: (field ``prompt``) neither str nor list of ints, a str with a lone
+                surrogate (not UTF-8 encodable), an id outside ``[0, vocab_size)``, or empty.
         """
         if isinstance(prompt, str):
             ids = self.tokenizer.encode_prompt(prompt)  # BOS where the model's tokenizer adds one
@@ -157,9 +157,16 @@ class Intake:
             field="prompt",
         )
 
-    def _compile_grammar(self, params: SamplingParams) -> Any:
-        """Runs on a compile worker. The compiler is built once, on first use: building its
-        vocabulary costs seconds, which an engine that never sees a constraint should not pay."""
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled grammar of ``params``' constraint (the compiler caches it, so a request
+        with the same constraint finds it compiled). Runs on a compile worker for requests; the
+        CLI calls it first to show its own progress. The compiler is built once, on first use:
+        building its vocabulary costs seconds, which an engine that never sees a constraint
+        should not pay.
+
+        Raises:
+            GrammarError: the constraint does not compile (naming the field and the limit).
+        """
         t0 = time.perf_counter()
         try:
             with self._compiler_lock:

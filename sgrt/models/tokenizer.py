@@ -166,7 +166,16 @@ class Tokenizer:
 
         ``add_special_tokens=True`` lets the tokenizer's post-processor add BOS/EOS where it is
         configured to (SmolLM2's adds nothing).
+
+        Raises:
+            InvalidRequest: (field ``prompt``) ``text`` holds a lone surrogate (not UTF-8
+                encodable), which the tokenizer's native code refuses with a bare TypeError.
         """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequest(f"prompt is not valid Unicode text ({e.reason} at character {e.start})",
+                                 field="prompt") from None
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_prompt(self, text: str) -> list[int]:

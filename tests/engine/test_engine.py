@@ -219,6 +219,10 @@ def test_invalid_requests_name_the_field(engine):
         engine.submit("hi", {"tempreature": 0.5})
     with pytest.raises(InvalidRequest, match="prompt"):
         engine.submit([1, 2, 10**9])
+    for text in ("a\ud800b", "\udfff"):  # lone surrogates: not UTF-8, reported as a raw TypeError
+        with pytest.raises(InvalidRequest, match="not valid Unicode") as info:
+            engine.submit(text)
+        assert info.value.field == "prompt"
 
 
 @pytest.mark.parametrize("field,value", [

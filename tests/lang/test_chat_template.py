@@ -80,3 +80,22 @@ def test_underivable_template_raises():
     with pytest.raises(InvalidRequest) as e:
         derive_chat_template(renderer(WEIRD))
     assert e.value.field == "chat_template"
+
+
+class _NoTemplateBackend:
+    """A backend whose model has no chat template: its apply function raises the tokenizer's
+    typed error (as Gemma 3 270M's GGUF does)."""
+
+    def bos_token(self) -> str:
+        return "<bos>"
+
+    def apply_chat_template(self, messages, add_generation_prompt=False) -> str:
+        raise InvalidRequest("this model's tokenizer has no chat template", field="messages")
+
+
+def test_a_model_without_a_chat_template_gets_plain():
+    """Reported: every DSL program on Gemma 3 270M failed, the missing template's error wrapped as
+    an underivable one; a model with no template gets PLAIN, as chat_template_for promises."""
+    from sgrt.lang.chat_template import PLAIN, chat_template_for
+
+    assert chat_template_for(_NoTemplateBackend()) is PLAIN
