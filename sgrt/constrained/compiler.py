@@ -29,6 +29,7 @@ from sgrt.constrained import limits as _limits
 from sgrt.constrained.grammar import CompiledGrammar, Grammar
 from sgrt.constrained.limits import GrammarLimits
 from sgrt.constrained.options import GrammarOptions
+from sgrt.constrained.patterns import ends_with_lone_backslash
 from sgrt.constrained.schema import load_schema, normalize_loaded
 from sgrt.constrained.vocab import Vocab, build_vocab
 from sgrt.errors import GrammarError
@@ -139,6 +140,8 @@ class GrammarCompiler:
         elif kind == "regex":
             if not isinstance(spec, str):
                 raise GrammarError("regex must be a str", field="regex")
+            if ends_with_lone_backslash(spec):
+                raise GrammarError("regex ends with a lone backslash, which escapes nothing", field="regex")
             _limits.check_regex(spec, lim)
             key_spec = spec
             job = lambda: self._get_backend(backend).compile_regex(spec)  # noqa: E731

@@ -46,11 +46,14 @@ def check_pattern(pattern: str) -> PatternProblem | None:
     """The first construct of ``pattern`` that no automaton backend supports, or None.
 
     Catches lookahead / lookbehind (``(?=``, ``(?!``, ``(?<=``, ``(?<!``), backreferences
-    (``\\1``, ``\\k<name>``) and word boundaries (``\\b``, ``\\B`` outside a class).
+    (``\\1``, ``\\k<name>``), word boundaries (``\\b``, ``\\B`` outside a class) and a lone
+    trailing backslash (which some engines read as matching nothing).
     """
     i, n, in_class = 0, len(pattern), False
     while i < n:
         c = pattern[i]
+        if c == "\\" and i + 1 == n:
+            return PatternProblem("\\", "a lone backslash at the end escapes nothing")
         if c == "\\" and i + 1 < n:
             e = pattern[i + 1]
             if not in_class:
@@ -95,6 +98,12 @@ def pattern_to_json_string_regex(pattern: str) -> str:
         rx = _rewrite(body)
         out.append(("" if start else f"{SAFE_CHAR}*") + f"(?:{rx})" + ("" if end else f"{SAFE_CHAR}*"))
     return "(?:" + "|".join(out) + ")"
+
+
+def ends_with_lone_backslash(pattern: str) -> bool:
+    """Whether ``pattern`` ends in an odd run of backslashes: an escape with nothing to escape
+    (llguidance read ``a\\`` as ``a``)."""
+    return pattern.endswith("\\") and not _escaped_at(pattern, len(pattern) - 1)
 
 
 def _escaped_at(s: str, i: int) -> bool:

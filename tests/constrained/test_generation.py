@@ -294,3 +294,14 @@ def test_open_side_bounds_past_the_64_bit_range_still_give_valid_integers(engine
     value = json.loads(r.text)
     assert isinstance(value, int)
     validator(schema).validate(value)
+
+
+@pytest.mark.parametrize("regex", ["\\", "a\\", "[0-9]+\\\\\\"])
+def test_a_regex_ending_in_a_lone_backslash_is_refused(engine, regex):
+    """Reported: ``a\\`` was accepted and generated ``a``; an escape with nothing to escape is a
+    GrammarError naming regex (an escaped backslash at the end stays valid, below)."""
+    with pytest.raises(GrammarError, match="lone backslash") as err:
+        engine.generate("x", SamplingParams(max_tokens=4, regex=regex))
+    assert err.value.field == "regex"
+    r = engine.generate("Type a backslash:", SamplingParams(max_tokens=4, regex="a\\\\"))
+    assert r.text == "a\\"
