@@ -131,11 +131,12 @@ class SamplingParams:
         object.__setattr__(self, "stop", _as_list(stop, "stop", "a str or a list of str"))
         object.__setattr__(self, "stop_token_ids", _as_list(self.stop_token_ids, "stop_token_ids", "a list of int"))
         for name in BOOL_FIELDS:
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidRequest(f"{name} must be a bool, got {getattr(self, name)!r}", field=name)
-        for name in ("grammar_backend",):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise InvalidRequest(f"{name} must be a str, got {getattr(self, name)!r}", field=name)
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidRequest(f"{name} must be a bool, got {value!r}", field=name)
+        if self.grammar_backend is not None and not isinstance(self.grammar_backend, str):
+            raise InvalidRequest(f"grammar_backend must be a str, got {self.grammar_backend!r}",
+                                 field="grammar_backend")
         object.__setattr__(self, "stop_regex", check_stop_regex(self.stop_regex or []))
         _check_int(self.max_tokens, "max_tokens", low=0)
         _check_int(self.min_tokens, "min_tokens", low=0)

@@ -49,11 +49,11 @@ def check_pattern(pattern: str) -> PatternProblem | None:
     (``\\1``, ``\\k<name>``), word boundaries (``\\b``, ``\\B`` outside a class) and a lone
     trailing backslash (which some engines read as matching nothing).
     """
+    if ends_with_lone_backslash(pattern):
+        return PatternProblem("\\", "a lone backslash at the end escapes nothing")
     i, n, in_class = 0, len(pattern), False
     while i < n:
         c = pattern[i]
-        if c == "\\" and i + 1 == n:
-            return PatternProblem("\\", "a lone backslash at the end escapes nothing")
         if c == "\\" and i + 1 < n:
             e = pattern[i + 1]
             if not in_class:

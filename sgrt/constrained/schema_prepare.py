@@ -333,15 +333,15 @@ def _fit_integer_bounds(node: dict, path: str) -> None:
         value = node.get(key)
         if not _is_num(value):
             continue
-        if sign * value > limit or (sign * value == limit and key.startswith("exclusive")):
-            side = ("at or above" if key.startswith("exclusive") else "above") if sign > 0 else \
-                ("at or below minus" if key.startswith("exclusive") else "below minus")
+        exclusive = key.startswith("exclusive")
+        if sign * value > limit or (sign * value == limit and exclusive):
+            side = ("at or " if exclusive else "") + ("above" if sign > 0 else "below minus")
             raise GrammarError(
                 f"{key} {value} of an integer schema is {side} {limit} (2**63 - 1024), the largest integer "
                 "bound the grammar engine supports: no value it can generate would be valid",
                 field="json_schema", path=f"{path}/{key}")
-        if -sign * value > limit:
+        if -sign * value > limit:  # past the limit on its open side: narrowed to the limit
             del node[key]
-            bound = "minimum" if sign > 0 else "maximum"
-            node[bound] = -sign * limit if bound not in node else (max if sign > 0 else min)(node[bound], -sign * limit)
-
+            bound, edge = ("minimum", -limit) if sign > 0 else ("maximum", limit)
+            tighter = max if sign > 0 else min
+            node[bound] = tighter(node[bound], edge) if bound in node else edge

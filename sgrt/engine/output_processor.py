@@ -269,6 +269,7 @@ class OutputProcessor:
         req.matched = matched
         req.error = error
         self._finished.append(req)
+        chunk: StreamChunk | None = None
         try:
             if reason != "stop" or not isinstance(matched, str) or matched == "grammar":
                 req.text += req.detokenizer.flush()
@@ -278,17 +279,15 @@ class OutputProcessor:
             # finishes every request after a failed step): the request ends failed, without
             # its last text, rather than the exception escaping and stopping the engine loop.
             req.finish_reason, req.error = "abort", error or exc
-            result = req.to_result(req.text)
-            self.metrics.record_finish(result)
-            req.channel.fail(req.error, result)
-            return
         result = req.to_result(req.text)
         self.metrics.record_finish(result)
-        chunk.finished = True
-        chunk.result = result
-        if error is not None and req.first_token_time is None and isinstance(error, InvalidRequest):
+        if chunk is None:
+            req.channel.fail(req.error, result)
+        elif error is not None and req.first_token_time is None and isinstance(error, InvalidRequest):
             req.channel.fail(error, result)
         else:
+            chunk.finished = True
+            chunk.result = result
             req.channel.push(chunk)
 
     def take_finished(self) -> list[Req]:

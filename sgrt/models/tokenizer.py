@@ -172,11 +172,15 @@ class Tokenizer:
                 encodable), which the tokenizer's native code refuses with a bare TypeError.
         """
         try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise InvalidRequest(f"prompt is not valid Unicode text ({e.reason} at character {e.start})",
-                                 field="prompt") from None
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+            return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        except TypeError:
+            # NOTE: checked only once the tokenizer has refused the text (not on every prompt)
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidRequest(f"prompt is not valid Unicode text ({e.reason} at character {e.start})",
+                                     field="prompt") from None
+            raise
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a prompt: :meth:`encode`, with BOS in front when this tokenizer's own
