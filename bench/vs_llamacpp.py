@@ -76,7 +76,7 @@ def bytes_per_token(loaded, context: int) -> int:
     from sgrt.kernels import woq
     from sgrt.models.packed import DenseLinear
     from sgrt.models.quant import weight_bytes
-    from sgrt.models.quant_native import GroupLinear
+    from sgrt.models.quant_native import GroupEmbedding, GroupLinear
 
     model = loaded.model
     total = weight_bytes(model)
@@ -87,17 +87,23 @@ def bytes_per_token(loaded, context: int) -> int:
             # one row reads a 5-bit stream's 5-bit part; its 8-bit part serves more rows only
             c = woq.stream_format(mod.stream_bits)[1]
             total -= woq.split5(mod.packed, mod.out_features, mod.in_features, mod.group_size, c)[1].numel()
-    embed = model.embed_tokens.weight
     head = getattr(model, "logits_head", None)
-    if getattr(model, "lm_head", None) is not None or (
-            head is not None and not any(p is embed for p in head.parameters())):
-        # the output layer is a separate tensor (a quantized or prepacked copy of a tied one
-        # included; a head that computes on the embedding table itself is not one)
-        total -= embed.numel() * embed.element_size()
+    if isinstance(model.embed_tokens, GroupEmbedding):
+        # a quantized table: the tied head's own (counted once, read whole by the head) or the
+        # embedding's, of which a step reads one row
+        if model.embed_tokens.table is not head:
+            total -= sum(b.numel() * b.element_size() for b in model.embed_tokens.table.buffers())
+    else:
+        embed = model.embed_tokens.weight
+        if getattr(model, "lm_head", None) is not None or (
+                head is not None and not any(p is embed for p in head.parameters())):
+            # the output layer is a separate tensor (a quantized or prepacked copy of a tied one
+            # included; a head that computes on the embedding table itself is not one)
+            total -= embed.numel() * embed.element_size()
     cfg = loaded.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    kv_elem = 4 if embed.dtype == torch.float32 else 2  # the KV pool's dtype follows activations
+    kv_elem = 4 if model.dtype == torch.float32 else 2  # the KV pool's dtype follows activations
     return total + 2 * cfg.num_hidden_layers * kv_heads * head_dim * context * kv_elem
 
 

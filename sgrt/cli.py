@@ -258,8 +258,7 @@ def _engine(args: argparse.Namespace):
                         int4_activations=args.int4_activations, max_total_tokens=args.max_total_tokens, grammar_limits=_grammar_limits(args),
                         grammar_compile_timeout_s=args.grammar_compile_timeout)
     if not args.quiet:
-        print(f"[sgrt] loaded {args.model} ({args.dtype}, {args.device}) in {time.perf_counter() - t0:.1f} s",
-              file=sys.stderr)
+        print(f"[sgrt] loaded {args.model} in {time.perf_counter() - t0:.1f} s: {engine.describe()}", file=sys.stderr)
     return engine
 
 
@@ -366,7 +365,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     entries = list_local_models(args.paths)
     for e in entries:
-        print(f"{e.spec}\t{e.where}\t{e.family or 'NOT LOADABLE'}\t{e.detail}")
+        print(f"{e.spec}\t{e.where}\t{e.family or 'NOT LOADABLE'}\t{e.detail}\t{e.size / 1e9:.2f} GB\t{e.path}")
     names = supported_names()
     print(f"[sgrt] families: HF {', '.join(names['hf'])}; GGUF {', '.join(names['gguf'])}", file=sys.stderr)
     return 0 if all(e.family for e in entries if e.where == "path") else 1

@@ -196,12 +196,14 @@ class Engine:
         from sgrt.models import LoadedModel, load_model
 
         self.config = config = EngineConfig.from_options(**options)
+        # (rotary tables for the positions the pool can reach, not a 128k-context model's 134 MB)
         self.loaded = model if isinstance(model, LoadedModel) else load_model(
-            model, dtype=dtype, device=device, quantization=quantization, int4_activations=int4_activations)
+            model, dtype=dtype, device=device, quantization=quantization, int4_activations=int4_activations,
+            max_positions=config.max_total_tokens)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         cfg = self.loaded.config
-        self.context_length = cfg.max_position_embeddings
+        self.context_length = min(cfg.max_position_embeddings, self.model.rotary.cos.shape[0])
         self.vocab_size = cfg.vocab_size
         self.eos_ids: set[int] = set(self.tokenizer.eos_token_ids)
         self.pool = KVPool(
@@ -231,11 +233,20 @@ class Engine:
             # throttle its workers' spinning (see sgrt/engine/openmp.py).
             release_caller_pool()
         self._thread = threading.Thread(target=self._loop, name="sgrt-engine", daemon=True)
+        logger.info("engine: %s", self.describe())
         _LIVE_ENGINES.add(self)
         _freeze_heap()
         self._thread.start()
 
     # ==== public API (any thread) ============================================================
+    def describe(self) -> str:
+        """What runs: the model's dtype, quantization and weight bytes (:meth:`sgrt.models.
+        LoadedModel.describe`), the KV pool's tokens and bytes, the context length and the
+        threads a step uses."""
+        kv = self.pool.k.numel() * self.pool.k.element_size() * 2
+        return (f"{self.loaded.describe()}; KV pool {self.pool.num_slots} tokens, {kv / 1e9:.2f} GB; "
+                f"context {self.context_length}; {torch.get_num_threads()} threads")
+
     def submit(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
                request_id: str | None = None) -> RequestHandle:
         """Queue a request; return its handle at once.

@@ -1472,13 +1472,15 @@ struct DecodePlan : torch::CustomClassHolder {
   // layers; new_slots [B]: where each row's new K/V go; slots[w] [B, max_kv] / kv_lens[w] [B]:
   // each row's context for the layers of window_id w (PagedAttention.native_decode's tables).
   // -> the final hidden states [B, hidden] in the model's dtype.
+  // `embedded`: the rows of input_ids already looked up ([B, hidden], the model's dtype), for a
+  // model whose table is quantized (its Python module reads it); otherwise `embed` is the table.
   Tensor forward(const Tensor& input_ids, const Tensor& positions, std::vector<Tensor> k_layers,
                  std::vector<Tensor> v_layers, const Tensor& new_slots, std::vector<Tensor> slots,
-                 std::vector<Tensor> kv_lens) const {
+                 std::vector<Tensor> kv_lens, std::optional<Tensor> embedded) const {
     std::unique_lock<std::mutex> lock(workspace_mutex, std::try_to_lock);
     Workspace own;  // (only where another thread is in forward() with the plan's workspace)
     return run(lock.owns_lock() ? workspace : own, input_ids, positions, k_layers, v_layers, new_slots, slots,
-               kv_lens);
+               kv_lens, embedded);
   }
 
   // The rows of the rotary tables at `positions` in `dtype` into ws.cos / ws.sin: what
@@ -1551,7 +1553,7 @@ struct DecodePlan : torch::CustomClassHolder {
 
   Tensor run(Workspace& ws, const Tensor& input_ids, const Tensor& positions, const std::vector<Tensor>& k_layers,
              const std::vector<Tensor>& v_layers, const Tensor& new_slots, const std::vector<Tensor>& slots,
-             const std::vector<Tensor>& kv_lens) const {
+             const std::vector<Tensor>& kv_lens, const std::optional<Tensor>& embedded) const {
     TORCH_CHECK(k_layers.size() == layers.size() && v_layers.size() == layers.size(), "one KV layer per layer");
     TORCH_CHECK(slots.size() == kv_lens.size(), "one kv_lens per slot table");
     for (const PlanLayer& l : layers) {
@@ -1562,7 +1564,14 @@ struct DecodePlan : torch::CustomClassHolder {
                 "input_ids and positions must be [B] each (B >= 1), one position a row; got ", input_ids.sizes(),
                 " and ", positions.sizes());
     // CausalLM.forward: embedding (scaled), the rotary tables' rows for these positions.
-    Tensor x0 = at::embedding(embed, input_ids);
+    if (embedded) {
+      TORCH_CHECK(embedded->dim() == 2 && embedded->size(0) == input_ids.size(0) &&
+                      embedded->size(1) == embed.size(1) && embedded->scalar_type() == embed.scalar_type(),
+                  "embedded must be [B, hidden] in the model's dtype, one row an id; got ", embedded->sizes());
+    } else {
+      TORCH_CHECK(embed.size(0) > 0, "this plan's table is quantized: forward() needs the embedded rows");
+    }
+    Tensor x0 = embedded ? embedded->contiguous() : at::embedding(embed, input_ids);
     if (embed_scale) x0 = at::mul(x0, *embed_scale);
     const auto dtype = x0.scalar_type();
     rope_rows(ws, positions, dtype);

@@ -302,7 +302,8 @@ def fuse(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: i
         raise ValueError(f"packed must be uint8 with n*k*bits/8={n * k * bits // 8} elements and scales / "
                          f"offsets float16 [{n}, {g}]; got {packed.dtype} {packed.numel()}, "
                          f"{scales.dtype} {tuple(scales.shape)}, {offsets.dtype} {tuple(offsets.shape)}")
-    if c and (bits != 8 or symmetric_constant(scales, offsets) != c):
+    if c and (bits != 8 or not torch.equal((scales.float() * -float(c)).view(torch.int32),
+                                           offsets.float().view(torch.int32))):
         raise ValueError(f"c={c}: the compact stream needs 8-bit codes whose every offset is -c * scale")
     codes = packed.reshape(nb, g, BLOCK_N * group * bits // 8)
     head = torch.cat([t.reshape(nb, BLOCK_N, g).transpose(1, 2) for t in ((scales,) if c else (scales, offsets))],
@@ -376,6 +377,74 @@ def split5(stream: torch.Tensor, n: int, k: int, group: int, c: int) -> tuple[to
     8-bit part, :func:`fuse`'s stream of the same codes), views of ``stream``."""
     five = n // BLOCK_N * (k // group) * (32 if c else 64) + n * k * 5 // 8
     return stream[:five], stream[five:]
+
+
+def stream_bytes(n: int, k: int, kernel_bits: int, group: int = 32) -> int:
+    """Bytes of the AVX2 build's stream of an ``n`` x ``k`` weight taken with ``kernel_bits``
+    (:func:`stream_bits`): :func:`fuse`'s (a 64-byte header a block of 16 rows and group, 32 for
+    the compact one, then the codes), or :func:`fuse5`'s (its 5-bit part, then the 8-bit stream)."""
+    bits, c = stream_format(kernel_bits)
+    headers = n // BLOCK_N * (k // group) * (32 if c else 64)
+    if bits == 5:
+        return headers + n * k * 5 // 8 + headers + n * k
+    return headers + n * k * bits // 8
+
+
+def _row_positions(bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where row ``w`` (0..15) of a 16-row block keeps the code of input ``j`` of a group:
+    (byte offsets ``[16, group]`` into the group's :func:`pack`-ed codes, bit shifts ``[16, group]``).
+    8-bit: k-pair ``j // 2``'s 32-byte vector, word ``2 w + j % 2``. 4-bit: the 64-byte chunk
+    ``j // 8``, vector ``v = (j // 2) % 4``, word ``2 w + j % 2`` at byte ``16 L + 8 (v % 2) + i``
+    (``L, i = divmod(word, 8)``), in the high nibble for ``v >= 2`` (the module docstring)."""
+    w = torch.arange(BLOCK_N).unsqueeze(1)
+    j = torch.arange(group).unsqueeze(0)
+    word = 2 * w + j % 2
+    if bits == 8:
+        return (j // 2) * 32 + word, torch.zeros(BLOCK_N, group, dtype=torch.long)
+    v = (j // 2) % 4
+    return 64 * (j // 8) + 16 * (word // 8) + 8 * (v % 2) + word % 8, 4 * (v >= 2).long().expand(BLOCK_N, group)
+
+
+def gather_rows(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: int, k: int,
+                kernel_bits: int, group: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of the weight ``scale * code + offset`` in float32, ``[len(rows), k]``, read
+    straight from the kernel's layout (an embedding lookup in a quantized table, which may be a
+    tied LM head's weight): :func:`prepare`'s AVX2 stream (``scales`` / ``offsets`` empty) or
+    :func:`pack`'s codes with their ``scales`` / ``offsets`` ``[n, k / group]``. The values are
+    those of :func:`dequantize` (the same float32 multiply and add). Reads ``len(rows) * k``
+    codes, not the blocks they sit in.
+
+    Args:
+        rows: int64 ``[T]``, each in ``0 .. n - 1``.
+
+    Raises:
+        IndexError: a row out of range.
+    """
+    bits, c = stream_format(kernel_bits)
+    fused = scales.numel() == 0
+    if fused and bits == 5:  # (the 8-bit stream that follows the 5-bit one)
+        packed, bits = split5(packed, n, k, group, c)[1], 8
+    rows = rows.reshape(-1).long()
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+        raise IndexError(f"row out of range 0..{n - 1}")
+    g, codes_bytes = k // group, BLOCK_N * group * bits // 8
+    header = (32 if c else 64) if fused else 0
+    per_group = header + codes_bytes
+    pos, shift = _row_positions(bits, group)
+    b, w = rows // BLOCK_N, rows % BLOCK_N
+    base = (b * g).unsqueeze(1) + torch.arange(g).unsqueeze(0)  # [T, g]: (block, group) index
+    at = (base * per_group + header).unsqueeze(-1) + pos[w].unsqueeze(1)  # [T, g, group]
+    codes = ((packed[at] >> shift[w].unsqueeze(1).to(torch.uint8)) & (255 if bits == 8 else 15)).float()
+    if fused:  # float16 scale of row w at header bytes 2w, offset at 32 + 2w (compact: -c * scale)
+        lo = (base * per_group).unsqueeze(-1) + 2 * w.view(-1, 1, 1) + torch.arange(2)
+        scale = packed[lo].view(torch.float16).float()  # [T, g, 1]
+        if c:
+            offset = (scale.half().float() * -float(c)).half().float()
+        else:
+            offset = packed[lo + 2 * BLOCK_N].view(torch.float16).float()
+    else:
+        scale, offset = scales[rows].float().unsqueeze(-1), offsets[rows].float().unsqueeze(-1)
+    return (codes * scale + offset).reshape(-1, k)
 
 
 def five_bit_streams() -> bool:

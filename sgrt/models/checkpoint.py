@@ -2,8 +2,8 @@
 :class:`ModelConfig` through the family registry (:mod:`sgrt.models.registry`), llama.cpp tensor
 names and rotary layout, and safetensors weights.
 
-Used by the loader, the GGUF conversion, the raw Q4_1 reader and the model listing; imports none
-of them.
+Used by the loader, the GGUF cache entries, the weight packer and the model listing; imports
+none of them.
 """
 from __future__ import annotations
 
@@ -216,27 +216,18 @@ def family_of(config: ModelConfig) -> Family:
 
 
 def read_safetensors(folder: Path, spec: str) -> dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors``, of the shards listed in
-    ``model.safetensors.index.json``, or of every ``*.safetensors`` in ``folder``.
+    """All tensors of an HF folder's weight files (:func:`sgrt.models.weight_files.
+    safetensors_files`) in memory, by name: for references and tools; loads read a tensor at a
+    time instead (:mod:`sgrt.models.weight_packer`).
 
     Raises:
         ModelLoadError: no safetensors file (names the files looked for).
     """
     from safetensors.torch import load_file
 
-    index = folder / "model.safetensors.index.json"
-    single = folder / "model.safetensors"
-    if index.is_file():
-        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
-    elif single.is_file():
-        files = [single]
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-    missing = [f for f in files if not f.is_file()]
-    if not files or missing:
-        raise ModelLoadError(f"model {spec!r}: no weights found; looked for {index}, {single}, "
-                             f"{folder}/*.safetensors" + (f"; missing shards {missing}" if missing else ""))
+    from sgrt.models.weight_files import safetensors_files
+
     state: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in safetensors_files(folder, spec):
         state.update(load_file(str(f), device="cpu"))
     return state

@@ -1,8 +1,24 @@
-"""GGUF -> a cached HF-style folder (``config.json``, float32 ``model.safetensors``, tokenizer
-files) under ``<cache root>/models/<stem>-<key>/``, where ``key`` is a digest of the file's
-contents (:func:`gguf_cache_key`). The folder is built in a temporary sibling and renamed into
-place, so readers never see a half-written one and two processes converting at once simply keep
-the first.
+"""A GGUF's cache entry: its config, tensor table and tokenizer, read from the file once.
+
+Parsing a GGUF's metadata takes seconds (a tokenizer's 100k-260k strings; ~27 s and ~700 MB of
+parsed fields for Gemma 3's vocabulary on the 2-core EPYC), so :func:`ensure_gguf_source` does it
+once per file and keeps what a load needs under ``<cache root>/gguf/<stem>-<key>/`` (``key``: a
+digest of the file's contents, :func:`gguf_cache_key`):
+
+- ``source.json``: the HF-style config the family reads, the tokenizer facts, and the tensor
+  table (name, type, shape, byte offset of every tensor: :class:`~sgrt.models.weight_files.
+  TensorEntry`, without the file's path, which is the spec's);
+- ``tokenizer/``: the tokenizer built by transformers from the GGUF (``tokenizer.json``,
+  ``tokenizer_config.json`` with the chat template, ``generation_config.json`` with the stop ids).
+
+The weights are not converted here: each load target's packed store (:mod:`sgrt.models.
+weight_packer`) is a folder inside the entry, read from the GGUF's blocks. Nothing in an entry
+is a model folder other engines would try to load (no ``config.json``, no safetensors).
+Entries are built in a temporary sibling and renamed into place (:func:`publish_folder`), so
+readers never see a half-written one and two processes building at once keep the first.
+
+:func:`export_hf_folder` writes a GGUF as an HF folder (float32 safetensors) for tools that want
+one (benchmarks against other engines, tests); loads never use it.
 """
 from __future__ import annotations
 
@@ -10,19 +26,26 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from sgrt.errors import ModelLoadError
-from sgrt.models.checkpoint import GGUFFile, family_config, gguf_hf_config, unpermute_rotary
+from sgrt.models.checkpoint import GGUFFile, gguf_hf_config
+from sgrt.models.weight_files import TensorEntry, gguf_tensor_table
 from sgrt.paths import cache_root
 
-# Bump when the conversion below changes, so stale cache entries are not reused.
-CONVERTER_VERSION = 1
+# Bump when what an entry holds changes, so stale entries are not reused.
+CONVERTER_VERSION = 2
+SOURCE_FILE = "source.json"
+TOKENIZER_DIR = "tokenizer"
 # Files up to this size are hashed whole (sha256 runs at ~0.5 GB/s: 0.2 s for the default model);
 # larger ones by size plus 1 MiB samples at 16 evenly spaced offsets.
 FULL_HASH_MAX_BYTES = 512 << 20
@@ -30,7 +53,7 @@ _MIB = 1 << 20
 
 # GGUF tensors that carry rotary metadata rather than weights (read by the families' gguf_extras
 # or gguf_config).
-_GGUF_ROPE_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+GGUF_ROPE_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 # NOTE: tokenizers with this llama.cpp pre-tokenizer split every digit apart before byte-level
 # BPE; transformers' GGUF tokenizer converter drops that step, so we put it back (it is what the
 # original HF SmolLM2 tokenizer.json does: Digits(individual_digits) then ByteLevel).
@@ -57,61 +80,131 @@ def gguf_cache_key(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def ensure_converted(gguf_path: Path, spec: str, cache_dir: str | Path | None = None,
-                     source: GGUFFile | None = None) -> tuple[Path, bool]:
-    """The cached HF folder for ``gguf_path``, converting it first if absent (``source``: the
-    load's :class:`GGUFFile` of it, so that the conversion shares the load's one parse).
+def gguf_entry(gguf_path: Path, cache_dir: str | Path | None = None) -> Path:
+    """Where ``gguf_path``'s cache entry is (whether or not it exists yet)."""
+    return cache_root(cache_dir) / "gguf" / f"{gguf_path.stem}-{gguf_cache_key(gguf_path)}"
 
-    Returns ``(folder, converted_now)``.
+
+def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None = None) -> tuple[Path, bool]:
+    """``gguf_path``'s cache entry (module docstring), built first if absent: ``(folder,
+    built_now)``.
+
+    The entry is built in a child process (:func:`build_gguf_source` run by ``python -m
+    sgrt.models.gguf_convert``): ``gguf``'s parse of a GGUF's metadata holds ~160 MB for a
+    49k-token vocabulary and ~700 MB for Gemma 3's 262k, and the allocator keeps much of that
+    after it is freed; in a child it leaves nothing in the loading process.
 
     Raises:
-        ModelLoadError: unsupported architecture or tensor, or the cache dir is not writable.
+        ModelLoadError: an unreadable file, an architecture or tensor no family reads, a tokenizer
+            transformers cannot build, or a cache root that is not writable (the child's message).
     """
-    root = cache_root(cache_dir) / "models"
-    final = root / f"{gguf_path.stem}-{gguf_cache_key(gguf_path)}"
-    if (final / "sgrt_source.json").is_file():
-        return final, False
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-    except OSError as e:
-        raise ModelLoadError(f"model {spec!r}: cannot write the conversion cache {root}: {e}"
-                             " (set SGRT_CACHE_DIR to a writable folder)") from e
-    try:
-        from sgrt.progress import progress
+    from sgrt.progress import progress
 
-        with progress(f"converting {gguf_path.name} (once; cached)"):
-            convert_gguf(gguf_path, tmp, spec, source)
-        _relax_permissions(tmp)
-        (tmp / "sgrt_source.json").write_text(json.dumps({
-            "source": str(gguf_path), "size": gguf_path.stat().st_size,
-            "key": final.name.rsplit("-", 1)[-1], "converter_version": CONVERTER_VERSION,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }, indent=2))
-        return final, publish_folder(tmp, final)
+    final = gguf_entry(gguf_path, cache_dir)
+    if (final / SOURCE_FILE).is_file():
+        return final, False
+    tmp = _temporary_sibling(final, spec)
+    try:
+        # (the child imports this same sgrt: its root first on the path)
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        with progress(f"reading {gguf_path.name} (once; cached)"):
+            proc = subprocess.run([sys.executable, "-m", "sgrt.models.gguf_convert", str(gguf_path), str(tmp), spec],
+                                  capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise ModelLoadError(_child_error(proc, spec, gguf_path))
+        relax_permissions(tmp)
+        return final, publish_folder(tmp, final, SOURCE_FILE)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _relax_permissions(folder: Path) -> None:
-    """Give a cache entry the usual umask-based modes (``mkdtemp`` and safetensors use 0o700 /
-    0o600), so a cache shared between users stays readable."""
+def _child_error(proc: subprocess.CompletedProcess, spec: str, gguf_path: Path) -> str:
+    """The child's ModelLoadError message (its last stdout line, JSON), else what it printed."""
+    lines = proc.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])["error"]
+    except (IndexError, ValueError, KeyError, TypeError):
+        return (f"model {spec!r}: reading {gguf_path} failed (exit status {proc.returncode}): "
+                + (proc.stderr.strip()[-2000:] or "no message"))
+
+
+def build_gguf_source(gguf_path: Path, out: Path, spec: str) -> None:
+    """Write ``gguf_path``'s cache entry (module docstring) into the existing folder ``out``: one
+    parse of the file for its config and tensor table, one by transformers for the tokenizer.
+
+    Raises:
+        ModelLoadError: as :func:`ensure_gguf_source`.
+    """
+    from sgrt.models.checkpoint import family_config
+
+    reader = GGUFFile(gguf_path, spec).reader()
+    hf_cfg, family, facts = gguf_hf_config(reader, spec)
+    family_config(family, hf_cfg, spec, "the GGUF metadata")  # (refuses what it cannot take, now)
+    table = gguf_tensor_table(reader, family, gguf_path, spec, GGUF_ROPE_TENSORS)
+    del reader
+    tok = out / TOKENIZER_DIR
+    _write_tokenizer(gguf_path, tok, facts, spec)
+    (tok / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": hf_cfg.get("bos_token_id"), "eos_token_id": hf_cfg.get("eos_token_id")}, indent=2))
+    (out / SOURCE_FILE).write_text(json.dumps({
+        "format": "sgrt-gguf-source", "converter_version": CONVERTER_VERSION,
+        "source": str(gguf_path), "size": gguf_path.stat().st_size,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "hf_config": hf_cfg, "facts": {k: facts.get(k) for k in ("pre", "add_bos_token")},
+        "tensors": [e.to_json() for e in table.values()],
+    }))
+
+
+def read_gguf_source(entry: Path, gguf_path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry]]:
+    """An entry's (HF config dict, tensor table), the table's paths set to ``gguf_path``.
+
+    Raises:
+        ModelLoadError: ``source.json`` unreadable (names it).
+    """
+    try:
+        src = json.loads((entry / SOURCE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"GGUF cache entry {entry}: cannot read {SOURCE_FILE}: {e}") from e
+    table = {}
+    for v in src["tensors"]:
+        e = TensorEntry.from_json(v)
+        table[e.name] = replace(e, path=str(gguf_path))
+    return src["hf_config"], table
+
+
+def _temporary_sibling(final: Path, spec: str) -> Path:
+    """A fresh folder beside ``final`` to build it in.
+
+    Raises:
+        ModelLoadError: the cache folder is not writable (names it and the fix).
+    """
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    except OSError as e:
+        raise ModelLoadError(f"model {spec!r}: cannot write the cache {final.parent}: {e}"
+                             " (set SGRT_CACHE_DIR to a writable folder)") from e
+
+
+def relax_permissions(folder: Path) -> None:
+    """Give a cache entry's folders and files the usual umask-based modes (``mkdtemp`` makes
+    0o700), so a cache shared between users stays readable."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
-    for f in folder.iterdir():
-        os.chmod(f, 0o666 & ~umask)
+    for path in [folder, *folder.rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def publish_folder(tmp: Path, final: Path) -> bool:
+def publish_folder(tmp: Path, final: Path, marker: str = SOURCE_FILE) -> bool:
     """Atomically rename the finished ``tmp`` folder to ``final``.
 
     Returns True if ours was published, False if another process got there first (``tmp`` is
-    then deleted and theirs kept). A stale ``final`` without ``sgrt_source.json`` (a crash from an
-    older layout) is moved aside first.
+    then deleted and theirs kept). A stale ``final`` without its ``marker`` file (what a finished
+    folder holds: a crash left it half-written) is moved aside first.
     """
-    if final.exists() and not (final / "sgrt_source.json").is_file():
+    if final.exists() and not (final / marker).is_file():
         stale = final.with_name(f".stale-{final.name}-{uuid.uuid4().hex[:8]}")
         try:
             os.rename(final, stale)
@@ -122,53 +215,50 @@ def publish_folder(tmp: Path, final: Path) -> bool:
         os.rename(tmp, final)  # atomic on POSIX; fails if final exists and is non-empty
         return True
     except OSError:
-        if (final / "sgrt_source.json").is_file():
+        if (final / marker).is_file():
             shutil.rmtree(tmp, ignore_errors=True)
             return False
         raise
 
 
-def convert_gguf(gguf_path: Path, out: Path, spec: str, source: GGUFFile | None = None) -> None:
-    """Write ``config.json``, ``model.safetensors`` (float32) and tokenizer files into ``out``.
-
-    Every tensor type ``gguf`` dequantizes is read (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-    Q2_K..Q6_K, ...), in float32; names and layout follow the family (:mod:`sgrt.models.registry`).
+def export_hf_folder(gguf_path: Path, out: Path, spec: str = "") -> Path:
+    """Write ``gguf_path`` as an HF folder at ``out``: ``config.json``, ``generation_config.json``,
+    float32 ``model.safetensors`` (each tensor dequantized by ``gguf``, q / k rows in HF's rotary
+    order, Gemma's norms without llama.cpp's ``+ 1``; under Llama's split names, so families whose
+    HF checkpoints fuse q / k / v, Phi-3, are not written as they would read them) and the
+    tokenizer files. For tools that take HF folders (vLLM, transformers); it holds the float32
+    model in memory, so meant for small ones.
 
     Raises:
-        ModelLoadError: unreadable file, unsupported architecture or tensor.
+        ModelLoadError: as :func:`ensure_gguf_source`.
     """
-    import gguf
     from safetensors.torch import save_file
 
-    reader = (source or GGUFFile(gguf_path, spec)).reader()
-    hf_cfg, family, facts = gguf_hf_config(reader, spec)
+    from sgrt.models.checkpoint import family_config
+    from sgrt.models.registry import family_for_hf
+    from sgrt.models.weight_files import CheckpointTensors
+    from sgrt.models.weight_packer import canonical_parts
+
+    entry, _ = ensure_gguf_source(gguf_path, spec)
+    hf_cfg, table = read_gguf_source(entry, gguf_path)
+    family = family_for_hf(hf_cfg)
     config = family_config(family, hf_cfg, spec, "the GGUF metadata")
+    tensors = CheckpointTensors(table, spec)
     state: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        if t.name in _GGUF_ROPE_TENSORS:
-            continue
-        name = family.gguf_hf_name(t.name)
-        if name is None:
-            raise ModelLoadError(f"model {spec!r}: GGUF tensor {t.name!r} has no {family.name} counterpart")
-        try:
-            # NOTE: astype copies, which also detaches F32 tensors from the read-only memmap.
-            w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32"))
-        except NotImplementedError as e:
-            raise ModelLoadError(f"model {spec!r}: GGUF tensor {t.name!r} has type "
-                                 f"{t.tensor_type.name}, which gguf cannot dequantize: {e}") from e
-        if family.gguf_unpermute_qk and t.name.endswith("attn_q.weight"):
-            w = unpermute_rotary(w, config.num_attention_heads)
-        elif family.gguf_unpermute_qk and t.name.endswith("attn_k.weight"):
-            w = unpermute_rotary(w, config.num_key_value_heads)
-        if family.gguf_norm_offset and t.name.endswith("norm.weight"):
-            w = w - family.gguf_norm_offset
-        state[name] = w.contiguous()
+    try:
+        for name, part in canonical_parts(table, family, config, gguf=True).items():
+            w = part.read(tensors, 0, part.rows, blocks=False)
+            state[f"model.{name}" if not name.startswith("lm_head") else name] = (
+                w.reshape(-1) if len(part.entry.shape) == 1 else w).contiguous()
+    finally:
+        tensors.close()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    del state
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}, indent=2))
-    _write_tokenizer(gguf_path, out, facts, spec)
+    for f in (entry / TOKENIZER_DIR).iterdir():
+        shutil.copy(f, out / f.name)
+    return out
 
 
 def _write_tokenizer(gguf_path: Path, out: Path, facts: dict, spec: str) -> None:
@@ -197,3 +287,23 @@ def _write_tokenizer(gguf_path: Path, out: Path, facts: dict, spec: str) -> None
     cfg["clean_up_tokenization_spaces"] = False
     cfg["add_bos_token"] = facts.get("add_bos_token", False)
     cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sgrt.models.gguf_convert GGUF OUT SPEC``: :func:`build_gguf_source` (the child
+    of :func:`ensure_gguf_source`); a ModelLoadError's message is the last stdout line, as JSON
+    ``{"error": ...}``, exit status 1."""
+    import os as _os
+
+    args = sys.argv[1:] if argv is None else argv
+    _os.environ.setdefault("HF_HUB_OFFLINE", "1")  # (never a hub: the tokenizer is the file's)
+    try:
+        build_gguf_source(Path(args[0]), Path(args[1]), args[2])
+    except ModelLoadError as e:
+        print(json.dumps({"error": str(e)}))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

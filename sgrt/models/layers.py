@@ -295,9 +295,16 @@ class CausalLM(nn.Module):
         config: the model's shape and family switches.
         dtype: parameter dtype (``torch.float32`` or ``torch.bfloat16``).
         device: ``cpu`` or ``cuda``.
+        materialize: allocate the parameters (uninitialized, for :meth:`load_weights`); False
+            leaves them on the meta device, for a loader that sets each one to a tensor it has
+            (:mod:`sgrt.models.assemble`: a weight store's mapped tensors).
+        max_positions: rows of the rotary tables, the longest sequence the model can run (default
+            ``config.max_position_embeddings``; an engine passes its KV pool's size where that
+            is smaller: the tables of a 128k-context model are 134 MB at head_dim 128).
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 materialize: bool = True, max_positions: int | None = None):
         super().__init__()
         if config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: {ACTIVATIONS})")
@@ -305,21 +312,27 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            # NOTE: with its own empty weight, so that Embedding skips its random init: on the
+            # meta device that runs through torch._refs, which imports torch._dynamo and triton
+            # (~3 s and ~70 MB of a load).
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                             _weight=torch.empty(config.vocab_size, config.hidden_size))
             self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = None if config.tie_word_embeddings else nn.Linear(
                 config.hidden_size, config.vocab_size, bias=False
             )
-        self.to_empty(device=self.device)
-        self.to(dtype)
+        if materialize:
+            self.to_empty(device=self.device)
+            self.to(dtype)
         # Per-layer sliding windows (None = full attention): what the KV pool's users need to know.
         self.layer_windows: list[int | None] = [layer.window for layer in self.layers]
         tables = [config.rope_parameters]
         if config.rope_local_parameters:
             tables.append(config.rope_local_parameters)
         self.rotaries = nn.ModuleList(
-            RotaryEmbedding(p, config.head_dim, config.max_position_embeddings, self.device) for p in tables
+            RotaryEmbedding(p, config.head_dim, config.max_position_embeddings, self.device, max_positions)
+            for p in tables
         )
         # A quantized (sgrt.models.quant) or oneDNN-prepacked (sgrt.models.packed) copy of the LM head;
         # the embedding stays a lookup table. It serves batches of up to logits_head_max_rows rows;

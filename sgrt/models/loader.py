@@ -8,23 +8,29 @@ A spec is one of:
 - a path to a local HF folder: ``config.json``, ``model.safetensors`` (or shards with
   ``model.safetensors.index.json``) and tokenizer files.
 
-A GGUF is converted once into an HF-style folder under the cache dir (``cache_dir`` argument, else
-``$SGRT_CACHE_DIR``, else ``~/.cache/sgrt``; :mod:`sgrt.models.gguf_convert`); later loads read
-only that folder. Specs are resolved by :mod:`sgrt.models.specs`, configs and weights read by
-:mod:`sgrt.models.checkpoint`; this module builds the model from them (their public names are
-re-exported here).
+A load packs the checkpoint once into a weight store for its target (dtype, quantization, the
+kernel layout of this machine: :mod:`sgrt.models.weight_packer`), read tensor by tensor from the
+file, and maps that store on every load (:mod:`sgrt.models.weight_store`): a warm load reads a
+manifest, the weights stay in the page cache, shared by every process that maps them, and a cold
+one holds one chunk of rows at a time beside the packed weights. Stores live under the cache
+root (``cache_dir`` argument, else ``$SGRT_CACHE_DIR``, else ``~/.cache/sgrt``): a GGUF's in its
+entry ``gguf/<stem>-<digest>/`` beside its config and tokenizer (:mod:`sgrt.models.gguf_convert`),
+an HF folder's in ``hf/<name>-<digest>/``. Specs are resolved by :mod:`sgrt.models.specs`,
+configs read by :mod:`sgrt.models.checkpoint`; this module puts them together (their public names
+are re-exported here).
 
-Weights are stored in float32: Q4_1 / Q8_0 blocks dequantize to float32 values exactly (an f16
-scale times a small integer, plus an f16 minimum), while bfloat16 (8-bit mantissa) would round
-them, so float32 keeps the logits identical to what the GGUF defines. The price is disk space
-(4 bytes a parameter: 540 MB for the 135M model); a bfloat16 model is cast when loaded.
+A GGUF's quantized blocks are exact in the forms they are packed in (codes as they are), and a
+float model gets each tensor dequantized in float32 (``gguf.quants.dequantize``) then cast to
+its dtype, so the logits are those the GGUF defines.
 
 Nothing here touches the network: transformers is always called with ``local_files_only=True``.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,17 +38,20 @@ from typing import Any
 
 import torch
 
-from sgrt.errors import ModelLoadError
 from sgrt.models.checkpoint import (  # noqa: F401 - re-exported
-    GGUFFile, family_of, gguf_config, gguf_family, gguf_hf_config, hf_name, read_hf_config, read_safetensors,
-    unpermute_rotary,
+    GGUFFile, family_config, family_of, gguf_config, gguf_family, gguf_hf_config, hf_name, read_hf_config,
+    read_safetensors, unpermute_rotary,
 )
 from sgrt.models.config import ModelConfig
 from sgrt.models.gguf_convert import (  # noqa: F401 - re-exported
-    CONVERTER_VERSION, FULL_HASH_MAX_BYTES, convert_gguf, ensure_converted, gguf_cache_key, publish_folder,
+    CONVERTER_VERSION, FULL_HASH_MAX_BYTES, TOKENIZER_DIR, ensure_gguf_source, export_hf_folder, gguf_cache_key,
+    publish_folder, read_gguf_source, relax_permissions,
 )
 from sgrt.models.specs import DEFAULT_MODEL, default_gguf_path, resolve_spec  # noqa: F401 - re-exported
 from sgrt.models.tokenizer import Tokenizer
+from sgrt.models.weight_files import CheckpointTensors, safetensors_files, safetensors_table
+from sgrt.models.weight_packer import Packer, Target, canonical_parts, target_for
+from sgrt.models.weight_store import MANIFEST_FILE, StoreWriter, is_complete, open_store
 from sgrt.paths import cache_root  # noqa: F401 - re-exported
 
 logger = logging.getLogger("sgrt.models")
@@ -56,10 +65,14 @@ class LoadedModel:
         model: our :class:`sgrt.models.layers.CausalLM` (any family), in eval mode, on ``device``.
         config: its shape.
         tokenizer: its tokenizer and chat template.
-        path: the HF-style folder the weights were read from (the cache entry for a GGUF).
+        path: the weight store the weights are mapped from.
         source: ``"gguf:<file>"`` or ``"hf:<folder>"``: what the spec resolved to.
-        load_seconds: wall time of :func:`load_model`, conversion included.
-        converted: True when this call converted a GGUF (a cold cache), False otherwise.
+        load_seconds: wall time of :func:`load_model`, packing included.
+        converted: True when this call packed the weights (a cold cache), False otherwise.
+        weight_bytes: bytes of the weights as loaded (the store's file; on other devices, what
+            was moved there).
+        counts: how the weights were packed (:class:`~sgrt.models.weight_packer.Packer`'s counts:
+            from the file's blocks, quantized at load, int4-mode weights kept in int8, kept float).
     """
 
     model: Any
@@ -69,11 +82,21 @@ class LoadedModel:
     source: str
     load_seconds: float
     converted: bool = False
+    weight_bytes: int = 0
+    counts: dict[str, int] | None = None
+
+    def describe(self) -> str:
+        """One line for a person: dtype, quantization, bytes of weights, where they are mapped
+        from (what a load log or ``sgrt generate`` says it loaded)."""
+        nbytes = self.weight_bytes or _parameter_bytes(self.model)
+        return (f"{str(self.model.dtype).removeprefix('torch.')}, quantization {self.model.quantization}, "
+                f"{nbytes / 1e9:.2f} GB of weights mapped from {self.path}")
 
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu",
                cache_dir: str | Path | None = None, quantization: str = "none", prepack: bool = True,
-               native_ops: bool = True, int4_activations: str = "int16") -> LoadedModel:
+               native_ops: bool = True, int4_activations: str = "int16",
+               max_positions: int | None = None) -> LoadedModel:
     """Load a model of any registered family (:mod:`sgrt.models.registry`) by name, GGUF path or
     HF folder (see the module docstring).
 
@@ -82,12 +105,15 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
         dtype: ``"float32"`` / ``"bfloat16"`` (or ``"fp32"``, ``"bf16"``, ``"float16"``) or a
             ``torch.dtype``: the dtype of the model's parameters.
         device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``).
-        cache_dir: where GGUF conversions live; default ``$SGRT_CACHE_DIR`` or ``~/.cache/sgrt``.
+        cache_dir: where weight stores and GGUF entries live; default ``$SGRT_CACHE_DIR`` or
+            ``~/.cache/sgrt``.
         quantization: ``"none"``, ``"int8"`` or ``"int4"``: weight-only quantized linear layers and
-            LM head (:mod:`sgrt.models.quant`). int4 takes a GGUF's Q4_1 tensors as they are and
-            quantizes anything else at load (groups of 32, min/max); int8 quantizes at load, per
-            group of 32 on sgrt's native CPU kernel (AVX-512 BF16 CPUs), per channel on torch's
-            kernels elsewhere. Pair it with ``dtype="bfloat16"``, the kernels' activation dtype.
+            LM head (:mod:`sgrt.models.quant`). int4 takes a GGUF's 4-bit blocks (Q4_0, Q4_1,
+            Q4_K) as they are, keeps its finer tensors in int8 (Q5_0, Q5_1, Q5_K and Q8_0 as they
+            are; others quantized), and quantizes anything else at load (groups of 32,
+            min/max); int8 likewise in 8 bits. Per group of 32 on sgrt's native CPU kernel, on
+            torch's kernels elsewhere. Pair it with ``dtype="bfloat16"``, the kernels' activation
+            dtype.
         prepack: on CPU, run the float projections and the LM head on sgrt's dense kernel for
             decode rows and / or oneDNN's prepacked layout (:mod:`sgrt.models.packed`: 1.2-3x
             faster matmuls; float32 results differ from ``F.linear`` in the last bits; where
@@ -100,6 +126,9 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
             activation precision: ``"int16"`` (default), ``"int8"`` (per block of 32, llama.cpp's
             Q8 blocks: faster, less accurate: docs/DESIGN.md), or ``"int8-prefill"`` (int8 only
             for calls of >= 32 rows: prefill / extend chunks; decode keeps 16-bit).
+        max_positions: the longest sequence the model will run, if shorter than its
+            ``max_position_embeddings`` (rows of the rotary tables; an engine passes its KV
+            pool's size).
 
     Returns:
         A :class:`LoadedModel`.
@@ -107,71 +136,144 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
     Raises:
         ModelLoadError: the spec names no file or folder we can find (the message lists every
             place looked), the architecture has no registered family (or uses a feature its family
-            does not implement; the message names it), or the files are incomplete.
+            does not implement; the message names it), the files are incomplete or do not fit the
+            config (names the weight), or the cache root is not writable.
         InvalidRequest: ``dtype``, ``quantization`` or ``int4_activations`` is not one of the names
             above, or an int8 ``int4_activations`` where it cannot apply (no int4, no AVX2 kernel).
     """
-    from sgrt.models.layers import FUSED_PROJECTIONS, CausalLM
+    from sgrt.models.assemble import build_model
+    from sgrt.models.layers import FUSED_PROJECTIONS
     from sgrt.models.packed import pack_lm_head, pack_linear_layers
-    from sgrt.models.quant import check_int4_activations, native_kernel_available, parse_quantization, quantize_model
+    from sgrt.models.quant import check_int4_activations, parse_quantization
 
     start = time.perf_counter()
     torch_dtype = parse_dtype(dtype)
     quantization = parse_quantization(quantization)
-    check_int4_activations(int4_activations, quantization, torch.device(device))
+    torch_device = torch.device(device)
+    check_int4_activations(int4_activations, quantization, torch_device)
     kind, src = resolve_spec(spec)
-    converted = False
-    source = GGUFFile(src, spec) if kind == "gguf" else None  # parsed only on a cache miss, once
-    if kind == "gguf":
-        folder, converted = ensure_converted(src, spec, cache_dir, source)
-    else:
-        folder = src
-    config = read_hf_config(folder, spec)
-    family = family_of(config)
-    tokenizer = _folder_tokenizer(folder, config)
-    try:
-        state = family.canonical_state(read_safetensors(folder, spec), config)
-        model = CausalLM(config, dtype=torch_dtype, device=torch.device(device))
-        model.load_weights(state)
-    except (KeyError, RuntimeError, ValueError) as e:  # missing weight / shape mismatch
-        raise ModelLoadError(f"model {spec!r}: weights in {folder} do not fit the config: {e}") from e
-    if quantization != "none":
-        q4_1, wide, q8 = None, frozenset(), None
-        if kind == "gguf":
-            from sgrt.models.gguf_raw import load_q4_groups, load_q8_groups, wider_than_4_bits
-
-            if quantization == "int4":
-                q4_1, types = load_q4_groups(src, folder, spec, source)
-                wide = wider_than_4_bits(types)
-            if torch.device(device).type == "cpu" and native_kernel_available():  # (Q8_0 / Q5_0: int8 blocks)
-                q8 = load_q8_groups(src, folder, spec, source)
-        counts = quantize_model(model, quantization, state, q4_1, wide, int4_activations, q8)
-        if kind == "gguf" and counts["quantized"]:
-            logger.info("%s: %d projections re-quantized at load to %s groups of 32 (the file's blocks "
-                        "are not Q4_1 / Q4_K, the forms sgrt's kernel takes; %d of them in int8, the file "
-                        "holding a part in more than 4 bits); %d taken as they are (and %d int8 ones from "
-                        "Q8_0 / Q5_0 blocks)",
-                        spec, counts["quantized"], quantization, counts["int8_wide"], counts["q4_1"], counts["q8"])
-    del state, source
+    source = _checkpoint(kind, src, spec, cache_dir)
+    target = target_for(torch_dtype, quantization, torch_device)
+    folder, converted = _ensure_store(source, target, spec)
+    store = open_store(folder)
+    model = build_model(store, source.config, torch_dtype, torch_device, int4_activations, max_positions)
+    tokenizer = _folder_tokenizer(source.tokenizer_folder, source.config)
     if prepack:
         pack_linear_layers(model, tuple(FUSED_PROJECTIONS))
         pack_lm_head(model)
     model.use_native_ops(native_ops)
     model.eval()
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=folder,
+    counts = store.meta.get("counts")
+    if kind == "gguf" and quantization != "none" and counts and counts.get("quantized"):
+        logger.info("%s: %d weights quantized at load to %s groups of 32 (their file types have no form the "
+                    "kernels read as they are); %d taken from the file's blocks", spec, counts["quantized"],
+                    quantization, counts["blocks"])
+    weight_bytes = store.nbytes if torch_device.type == "cpu" else _parameter_bytes(model)
+    return LoadedModel(model=model, config=source.config, tokenizer=tokenizer, path=folder,
                        source=f"{kind}:{src}", load_seconds=time.perf_counter() - start,
-                       converted=converted)
+                       converted=converted, weight_bytes=weight_bytes, counts=counts)
+
+
+@dataclass
+class _Checkpoint:
+    """What a spec resolved to: its config, tensor table, tokenizer folder and cache entry."""
+
+    kind: str
+    path: Path
+    config: ModelConfig
+    hf_config: dict[str, Any]
+    table: dict[str, Any]
+    tokenizer_folder: Path
+    entry: Path
+
+
+def _checkpoint(kind: str, src: Path, spec: str, cache_dir: str | Path | None) -> _Checkpoint:
+    """Read a GGUF's cache entry (built first if absent) or an HF folder's config and headers."""
+    from sgrt.models.registry import family_for_hf
+
+    if kind == "gguf":
+        entry, _ = ensure_gguf_source(src, spec, cache_dir)
+        hf_cfg, table = read_gguf_source(entry, src)
+        family = family_for_hf(hf_cfg)
+        config = family_config(family, hf_cfg, spec, "the GGUF metadata")
+        return _Checkpoint(kind, src, config, hf_cfg, table, entry / TOKENIZER_DIR, entry)
+    config = read_hf_config(src, spec)
+    files = safetensors_files(src, spec)
+    hf_cfg = json.loads((src / "config.json").read_text())
+    entry = cache_root(cache_dir) / "hf" / f"{src.name}-{_hf_key(src, files)}"
+    return _Checkpoint(kind, src, config, hf_cfg, safetensors_table(files, spec), src, entry)
+
+
+def _hf_key(folder: Path, files: list[Path]) -> str:
+    """A digest of an HF folder's config and weight files (each by :func:`gguf_cache_key`'s
+    rule: whole up to its size limit, else size and samples)."""
+    h = hashlib.sha256(f"sgrt-hf-v{CONVERTER_VERSION}:".encode())
+    h.update((folder / "config.json").read_bytes())
+    for f in files:
+        h.update(f"{f.name}:{gguf_cache_key(f)}".encode())
+    return h.hexdigest()[:16]
+
+
+def _ensure_store(source: _Checkpoint, target: Target, spec: str) -> tuple[Path, bool]:
+    """The checkpoint's store for ``target``, packed first if absent: ``(folder, packed_now)``.
+
+    Raises:
+        ModelLoadError: a weight missing or of the wrong shape, an unreadable tensor, or a cache
+            root that is not writable.
+    """
+    from sgrt.models.gguf_convert import _temporary_sibling
+    from sgrt.models.registry import family_for_hf
+    from sgrt.progress import progress
+
+    final = source.entry / target.key
+    if is_complete(final):
+        return final, False
+    tmp = _temporary_sibling(final, spec)
+    tensors = CheckpointTensors(source.table, spec)
+    writer = StoreWriter(tmp)
+    try:
+        family = family_for_hf(source.hf_config)
+        parts = canonical_parts(source.table, family, source.config, gguf=source.kind == "gguf")
+        with progress(f"packing {source.path.name} for {target.key} (once; cached)"):
+            meta = Packer(tensors, parts, source.config, target, source.kind == "gguf", writer).pack_model()
+        meta.update({"source": str(source.path), "target": target.key, "quantization": target.quantization,
+                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        writer.finish(meta)
+        relax_permissions(tmp)
+        return final, publish_folder(tmp, final, MANIFEST_FILE)
+    finally:
+        writer.abandon()
+        tensors.close()
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _parameter_bytes(model: Any) -> int:
+    from sgrt.models.quant import weight_bytes
+
+    return weight_bytes(model)
 
 
 def load_tokenizer(spec: str = DEFAULT_MODEL, cache_dir: str | Path | None = None) -> Tokenizer:
-    """Just the tokenizer of ``spec`` (converting a GGUF into the cache if needed; no weights read).
+    """Just the tokenizer of ``spec`` (a GGUF's cache entry built if needed; no weights read).
 
     Raises:
         ModelLoadError: as :func:`load_model`.
     """
     kind, src = resolve_spec(spec)
-    folder = ensure_converted(src, spec, cache_dir)[0] if kind == "gguf" else src
-    return _folder_tokenizer(folder, read_hf_config(folder, spec))
+    source = _checkpoint(kind, src, spec, cache_dir)
+    return _folder_tokenizer(source.tokenizer_folder, source.config)
+
+
+def tokenizer_folder(spec: str = DEFAULT_MODEL, cache_dir: str | Path | None = None) -> Path:
+    """The folder of ``spec``'s tokenizer files (an HF folder itself; a GGUF's cache entry's
+    ``tokenizer/``, built if needed), for tools that load a tokenizer with transformers.
+
+    Raises:
+        ModelLoadError: as :func:`load_model`.
+    """
+    kind, src = resolve_spec(spec)
+    return ensure_gguf_source(src, spec, cache_dir)[0] / TOKENIZER_DIR if kind == "gguf" else src
 
 
 def _folder_tokenizer(folder: Path, config: ModelConfig) -> Tokenizer:

@@ -55,6 +55,7 @@ class NativeDecodeStep:
     plan: torch.ScriptObject
     tables: list[tuple[int, int | None]]
     max_rows: int
+    embed: torch.nn.Module | None = None  # a quantized table's lookup (GroupEmbedding), run before the plan
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor | None:
         """input_ids, positions ``[B]`` int64 -> final hidden states ``[B, hidden]`` (model dtype),
@@ -72,7 +73,8 @@ class NativeDecodeStep:
             slots.append(args[3])
             lens.append(args[4])
         pool = attn.pool
-        return self.plan.forward(input_ids, positions, pool.k_layers, pool.v_layers, args[2], slots, lens)
+        embedded = self.embed(input_ids) if self.embed is not None else None
+        return self.plan.forward(input_ids, positions, pool.k_layers, pool.v_layers, args[2], slots, lens, embedded)
 
 
 def build(model) -> tuple[NativeDecodeStep | None, str]:
@@ -82,14 +84,18 @@ def build(model) -> tuple[NativeDecodeStep | None, str]:
 
     from sgrt.models.packed import DenseLinear
     from sgrt.models.quant_base import KERNEL_DTYPE
-    from sgrt.models.quant_native import GroupLinear
+    from sgrt.models.quant_native import GroupEmbedding, GroupLinear
 
     if not model.native_ops:
         return None, "the native layer ops are off"
     config = model.config
-    if model.embed_tokens.weight.device.type != "cpu":
-        return None, f"weights on {model.embed_tokens.weight.device}"
-    if type(model.embed_tokens) is not nn.Embedding:
+    if model.norm.weight.device.type != "cpu":
+        return None, f"weights on {model.norm.weight.device}"
+    if type(model.embed_tokens) is GroupEmbedding:  # (looked up in Python, then handed to the plan)
+        lookup, table = model.embed_tokens, torch.empty(0, config.hidden_size, dtype=model.dtype)
+    elif type(model.embed_tokens) is nn.Embedding:
+        lookup, table = None, model.embed_tokens.weight
+    else:
         return None, f"embedding is {type(model.embed_tokens).__name__}"
     rotary = [r.rotary_dim for r in model.rotaries]
     if any(d != config.head_dim for d in rotary):
@@ -130,7 +136,7 @@ def build(model) -> tuple[NativeDecodeStep | None, str]:
     if config.embed_scale is not None:  # (CausalLM.forward's rounding of the scale to the dtype)
         embed_scale = torch.tensor(config.embed_scale, dtype=model.dtype)
     plan = torch.classes.sgrt_layer.DecodePlan(
-        model.embed_tokens.weight, embed_scale, model.norm.weight, float(next(iter(eps))),
+        table, embed_scale, model.norm.weight, float(next(iter(eps))),
         config.num_attention_heads, config.head_dim,
         [r.cos for r in model.rotaries], [r.sin for r in model.rotaries])
     windows: list[int | None] = []
@@ -150,7 +156,7 @@ def build(model) -> tuple[NativeDecodeStep | None, str]:
             layer.qkv_bias, layer.rope_id, windows.index(layer.window), float(layer.q_scale), bool(layer.gelu))
         for name, (op, weight, scales, offsets, n, k, bits, group) in per_layer.items():
             plan.set_projection(name, op, weight, scales, offsets, n, k, bits, group)
-    return NativeDecodeStep(plan, tables, max_rows), ""
+    return NativeDecodeStep(plan, tables, max_rows, lookup), ""
 
 
 def _woq_op(activations: str = "int16") -> str | None:

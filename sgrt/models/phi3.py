@@ -9,8 +9,6 @@ here into the canonical names; ``rope_scaling`` ``longrope`` (``short_factor`` /
 """
 from __future__ import annotations
 
-import torch
-
 from sgrt.models.config import ModelConfig
 from sgrt.models.registry import Family, base_config
 
@@ -22,22 +20,18 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     return base_config(cfg)
 
 
-def canonical_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Split each layer's fused ``qkv_proj`` and ``gate_up_proj`` into Llama's names."""
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    out: dict[str, torch.Tensor] = {}
-    for name, w in state.items():
-        if name.endswith("self_attn.qkv_proj.weight"):
-            base = name.removesuffix("qkv_proj.weight")
-            for part, t in zip(("q", "k", "v"), w.split([q, kv, kv])):
-                out[f"{base}{part}_proj.weight"] = t
-        elif name.endswith("mlp.gate_up_proj.weight"):
-            base = name.removesuffix("gate_up_proj.weight")
-            gate, up = w.chunk(2)
-            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = gate, up
-        else:
-            out[name] = w
-    return out
+def fused_parts(name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
+    """Each layer's fused ``qkv_proj`` (q, k, v rows) and ``gate_up_proj`` (gate rows, then up)
+    under Llama's names: ``[(name, first row, rows), ...]``; None for other tensors."""
+    if name.endswith("self_attn.qkv_proj.weight"):
+        base = name.removesuffix("qkv_proj.weight")
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        return [(base + "q_proj.weight", 0, q), (base + "k_proj.weight", q, kv), (base + "v_proj.weight", q + kv, kv)]
+    if name.endswith("mlp.gate_up_proj.weight"):
+        base = name.removesuffix("gate_up_proj.weight")
+        n = config.intermediate_size
+        return [(base + "gate_proj.weight", 0, n), (base + "up_proj.weight", n, n)]
+    return None
 
 
 def gguf_extras(hf: dict, meta, tensors: dict) -> None:
@@ -68,7 +62,7 @@ FAMILY = Family(
     hf_model_types=("phi3",),
     gguf_architectures=("phi3",),
     config_from_hf=config_from_hf,
-    canonical_state=canonical_state,
+    fused_parts=fused_parts,
     gguf_block_names={"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
     gguf_extras=gguf_extras,
     stop_tokens=("<|end|>", "<|endoftext|>"),

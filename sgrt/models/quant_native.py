@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from sgrt.models.quant_base import INT4_GROUP_SIZE, KERNEL_DTYPE, QuantizedLinear
 
@@ -64,23 +65,58 @@ class GroupLinear(QuantizedLinear):
         super().__init__()
         from sgrt.kernels import woq
 
-        woq.check_activations(activations)
-        self.activations = activations
-
-        self.out_features, self.in_features = codes.shape
-        self.bits, self.group_size = bits, group_size
         scales, offsets = scales.to(torch.float16).contiguous(), offsets.to(torch.float16).contiguous()
         n, k = codes.shape
-        packed = woq.pack(codes, bits)
         # The AVX2 build reads codes, scales and offsets as one stream (woq.fuse), and only that is
         # kept (a second copy of the scales would cost 1/5 of the int4 weight bytes); the kernel
         # then takes empty scale / offset arguments. 8-bit codes whose offsets are all -c * scale
         # (a GGUF's Q8_0 / Q5_0 blocks) get the compact stream, without the offsets; 8-bit codes all
         # below 32 (Q5_0) also a 5-bit copy for one-row calls, where the CPU has AVX-512 VNNI
         # (woq.fuse5). The kernel's `bits` argument (stream_bits) says which.
-        stream, self.stream_bits = woq.prepare(packed, scales, offsets, n, k, bits, group_size)
+        stream, stream_bits = woq.prepare(woq.pack(codes, bits), scales, offsets, n, k, bits, group_size)
+        self._install(stream, stream_bits, scales, offsets, n, k, bits, group_size, activations)
+
+    @classmethod
+    def from_stream(cls, stream: torch.Tensor, stream_bits: int, n: int, k: int, bits: int,
+                    group_size: int = INT4_GROUP_SIZE, scales: torch.Tensor | None = None,
+                    offsets: torch.Tensor | None = None, activations: str = "int16") -> "GroupLinear":
+        """A layer over a weight already in the loaded kernel's layout (what
+        :func:`sgrt.kernels.woq.prepare` returns: the AVX2 build's stream, or the AVX-512 BF16
+        build's packed codes with ``scales`` / ``offsets`` ``[n, k // group_size]`` float16), held
+        as it is: no copy (a weight store's memory-mapped tensor stays mapped).
+
+        Args:
+            stream: 1-D uint8. stream_bits: the kernel's ``bits`` argument for it
+                (:func:`sgrt.kernels.woq.stream_bits`). bits: the code width, 4 or 8.
+
+        Raises:
+            ValueError: ``activations``; a stream whose size does not fit ``n``, ``k``, the bits
+                and the group size.
+        """
+        from sgrt.kernels import woq
+
+        self = cls.__new__(cls)
+        QuantizedLinear.__init__(self)
+        if scales is None:  # (the fused stream: its size must be the layout's)
+            if stream.dtype != torch.uint8 or stream.dim() != 1 or stream.numel() != woq.stream_bytes(
+                    n, k, stream_bits, group_size):
+                raise ValueError(f"a {n} x {k} stream of kernel bits {stream_bits} has "
+                                 f"{woq.stream_bytes(n, k, stream_bits, group_size)} bytes, got {stream.numel()}")
+            scales = offsets = torch.empty(0, dtype=torch.float16)
+        self._install(stream, stream_bits, scales, offsets, n, k, bits, group_size, activations)
+        return self
+
+    def _install(self, stream: torch.Tensor, stream_bits: int, scales: torch.Tensor, offsets: torch.Tensor,
+                 n: int, k: int, bits: int, group_size: int, activations: str) -> None:
+        from sgrt.kernels import woq
+
+        woq.check_activations(activations)
+        self.activations = activations
+        self.out_features, self.in_features = n, k
+        self.bits, self.group_size = bits, group_size
+        self.stream_bits = stream_bits
         self.register_buffer("packed", stream)
-        self.fused = self.packed.numel() != packed.numel()
+        self.fused = self.packed.numel() != n * k * bits // 8
         if self.fused:
             self._no_scales = torch.empty(0, dtype=torch.float16)
         else:
@@ -168,3 +204,36 @@ class GroupLinear(QuantizedLinear):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int{self.bits} group_size={self.group_size}, native kernel"
                 + (", int8 activations" if self.activations == "int8" else ""))
+
+
+class GroupEmbedding(nn.Module):
+    """An input embedding whose table is a :class:`GroupLinear`'s weight, looked up in the kernel's
+    layout (:func:`sgrt.kernels.woq.gather_rows`): a tied model's quantized LM head serves both
+    sides, or an untied model's embedding stays in its file's blocks, instead of a float table
+    beside them (SmolLM2-135M: 57 MB of bfloat16; a Llama 3 8B's 128k x 4096: 1 GB).
+
+    The rows are the table's weights ``scale * code + offset`` computed in float32, then cast to
+    ``dtype``: from a GGUF's ``Q8_0`` / ``Q5_0`` / ``Q4_1`` / ``Q4_0`` blocks exactly the values of
+    a float table converted from the file (``gguf.quants.dequantize``, then ``dtype``).
+
+    Args:
+        table: the layer whose weight is the table (``[vocab, hidden]``: out_features x in_features).
+        dtype: the model's activation dtype.
+
+    Input ``ids`` int64 of any shape; output ``[*ids.shape, hidden]`` in ``dtype``.
+    """
+
+    def __init__(self, table: GroupLinear, dtype: torch.dtype):
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from sgrt.kernels import woq
+
+        rows = woq.gather_rows(*self.table._args, ids)
+        return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int{self.table.bits} rows of a group-wise table"

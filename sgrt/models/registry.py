@@ -46,8 +46,8 @@ GGUF_GLOBAL_NAMES = {
 }
 
 
-def _identity_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    return state
+def _no_fused_tensors(name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
+    return None
 
 
 def _no_gguf_extras(hf: dict, meta: Callable[[str, Any], Any], tensors: dict[str, Any]) -> None:
@@ -65,8 +65,10 @@ class Family:
         gguf_architectures: GGUF ``general.architecture`` values.
         config_from_hf: HF config dict -> :class:`ModelConfig` (raises ``ValueError`` / ``KeyError``
             for what it cannot take).
-        canonical_state: renames / splits the checkpoint's tensors to canonical HF Llama names
-            (Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are split into q/k/v and gate/up).
+        fused_parts: a checkpoint tensor that stacks several canonical (HF Llama-named) ones by
+            rows -> ``[(canonical name, first row, rows), ...]``, else None (Phi-3's ``qkv_proj``
+            is q, k and v; its ``gate_up_proj`` gate and up). :meth:`canonical_state` and the
+            weight packer (:mod:`sgrt.models.weight_packer`) both split by it.
         gguf_block_names: overrides of :data:`GGUF_BLOCK_NAMES`.
         gguf_unpermute_qk: the GGUF's q/k rows are in llama.cpp's interleaved rotary order.
         gguf_norm_offset: llama.cpp stored ``w + offset`` for every norm weight (Gemma: 1).
@@ -80,16 +82,28 @@ class Family:
     hf_model_types: tuple[str, ...]
     gguf_architectures: tuple[str, ...]
     config_from_hf: Callable[[dict], ModelConfig]
-    canonical_state: Callable[[dict, ModelConfig], dict] = _identity_state
+    fused_parts: Callable[[str, ModelConfig], list[tuple[str, int, int]] | None] = _no_fused_tensors
     gguf_block_names: dict[str, str] = field(default_factory=dict)
     gguf_unpermute_qk: bool = False
     gguf_norm_offset: float = 0.0
     gguf_extras: Callable[[dict, Callable[[str, Any], Any], dict], None] = _no_gguf_extras
     stop_tokens: tuple[str, ...] = ()
 
+    def canonical_state(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+        """A checkpoint's tensors under the canonical (HF Llama) names: fused ones split into
+        row views by :attr:`fused_parts`, the rest as they are."""
+        out: dict[str, torch.Tensor] = {}
+        for name, w in state.items():
+            parts = self.fused_parts(name, config)
+            if parts is None:
+                out[name] = w
+            else:
+                out.update((part, w[row0: row0 + rows]) for part, row0, rows in parts)
+        return out
+
     def gguf_hf_name(self, gguf_name: str) -> str | None:
         """llama.cpp tensor name -> the HF name this family's checkpoints use (before
-        :attr:`canonical_state`); None if unknown."""
+        :meth:`canonical_state`); None if unknown."""
         if gguf_name in GGUF_GLOBAL_NAMES:
             return GGUF_GLOBAL_NAMES[gguf_name]
         parts = gguf_name.split(".", 2)

@@ -143,13 +143,18 @@ class RotaryEmbedding(nn.Module):
     Args:
         params: the rotary dict (:func:`rope_parameters_from_hf`).
         head_dim: channels per head (``rotary_dim`` of them rotate).
-        max_positions: table length (``max_position_embeddings``).
+        max_positions: the model's ``max_position_embeddings`` (scaled variants derive their
+            frequencies from it).
+        table_positions: rows of the tables, if fewer than ``max_positions`` (the positions a
+            KV pool of that many slots can reach; the frequencies stay ``max_positions``').
     """
 
-    def __init__(self, params: dict, head_dim: int, max_positions: int, device: torch.device):
+    def __init__(self, params: dict, head_dim: int, max_positions: int, device: torch.device,
+                 table_positions: int | None = None):
         super().__init__()
         self.rotary_dim = rotary_dim(params, head_dim)
-        t = torch.arange(max_positions, dtype=torch.float32)
+        rows = max_positions if table_positions is None else max(1, min(table_positions, max_positions))
+        t = torch.arange(rows, dtype=torch.float32)
         inv, scale = inv_freq_and_scale(params, head_dim, max_positions)
         freqs = torch.outer(t, inv)
         if params.get("rope_type") == "longrope":

@@ -66,9 +66,9 @@ class ReplayTransport:
 
 @pytest.fixture(scope="module")
 def hf_folder() -> str:
-    from sgrt.models.loader import default_gguf_path, ensure_converted
+    from sgrt.models.loader import tokenizer_folder
 
-    return str(ensure_converted(default_gguf_path(), MODEL_NAME)[0])
+    return str(tokenizer_folder(MODEL_NAME))
 
 
 def _endpoint(engine: str, hf_folder: str, **kw: Any) -> tuple[RuntimeEndpoint, ReplayTransport]:

@@ -86,9 +86,9 @@ def _perturb(model: torch.nn.Module, zero_centred: bool) -> None:
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """name -> (HF folder, transformers model in float32 eval mode), built once per session."""
-    from sgrt.models.loader import DEFAULT_MODEL, ensure_converted, resolve_spec
+    from sgrt.models.loader import DEFAULT_MODEL, tokenizer_folder
 
-    tok_folder = ensure_converted(resolve_spec(DEFAULT_MODEL)[1], DEFAULT_MODEL)[0]
+    tok_folder = tokenizer_folder(DEFAULT_MODEL)
     out = {}
     for name, (cfg_cls, model_cls, kw) in _families().items():
         torch.manual_seed(0)

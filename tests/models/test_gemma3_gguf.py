@@ -2,7 +2,8 @@
 
 sgrt's logits must match transformers' own loading of the same file (its GGUF reader
 dequantizes the same blocks), and the ``sgrt`` command must continue a sentence with it. The first
-session converts the file into sgrt's cache (minutes on 2 busy cores); later ones read the cache.
+session reads the file into sgrt's cache (its metadata, then each target's packed weights);
+later ones map the cache.
 """
 from __future__ import annotations
 
@@ -38,6 +39,14 @@ def gemma_reader(gemma_gguf):
     import gguf
 
     return gguf.GGUFReader(str(gemma_gguf))
+
+
+def _tensor_types(reader) -> dict[str, str]:
+    """Every tensor's GGML type name by HF name."""
+    from sgrt.models.registry import family_for_gguf
+
+    family = family_for_gguf("gemma3")
+    return {family.gguf_hf_name(t.name): t.tensor_type.name for t in reader.tensors}
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +126,10 @@ def test_int4_keeps_wider_tensors_in_int8_and_stays_near_the_file(gemma, gemma_g
     codes, the wider ones (Q5_0, Q6_K, Q8_0) in int8. Re-quantizing everything to int4 had put
     Gemma 3 at top-1 60% / mean KL 0.50 against the file's float32 weights (teacher-forced);
     keeping the file's precision measures 93.5% / 0.009 (bfloat16: 97% / 0.0045)."""
-    from sgrt.models import gguf_raw, load_model
+    from sgrt.models import gguf_raw
 
-    types = gguf_raw.read_tensor_types(gemma_gguf, reader=gemma_reader)
-    wide = gguf_raw.wider_than_4_bits(types)
+    types = _tensor_types(gemma_reader)
+    wide = {name for name, kind in types.items() if gguf_raw.wider_than_4_bits(kind)}
     q5 = "model.layers.2.self_attn.q_proj.weight"
     assert types[q5] == "Q5_0" and q5 in wide
     assert types["model.layers.2.self_attn.o_proj.weight"] == "Q4_K"
@@ -151,7 +160,7 @@ def test_q8_0_and_q5_0_blocks_read_exactly_and_load_as_compact_int8(gemma_gguf, 
     import gguf
 
     from sgrt.kernels import woq
-    from sgrt.models import gguf_raw, load_model
+    from sgrt.models import gguf_raw
 
     reader = gemma_reader
     for kind in ("Q5_0", "Q8_0"):
@@ -164,7 +173,7 @@ def test_q8_0_and_q5_0_blocks_read_exactly_and_load_as_compact_int8(gemma_gguf, 
         assert torch.equal(w.m.float(), w.d.float() * -w.c)
 
     lm = gemma_int4
-    types = gguf_raw.read_tensor_types(gemma_gguf, reader=gemma_reader)
+    types = _tensor_types(gemma_reader)
     head = lm.model.logits_head
     assert head.bits == 8 and head.out_features == 262144
     if woq.isa() == "avx2":

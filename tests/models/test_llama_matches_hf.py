@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from sgrt.models import LoadedModel
+from sgrt.models import LoadedModel, loader
 
 PROMPT = (
     "In the heart of the ancient city, where narrow streets wound between houses of pale stone, "
@@ -19,7 +19,9 @@ def test_float32_logits_match_transformers(loaded_model: LoadedModel):
     ids = loaded_model.tokenizer.encode(PROMPT)[:50]
     assert len(ids) == 50
     input_ids = torch.tensor(ids)
-    ref = HFLlama.from_pretrained(str(loaded_model.path), dtype=torch.float32,
+    # (transformers reads the GGUF itself: its own dequantization and rotary order)
+    gguf = loader.default_gguf_path()
+    ref = HFLlama.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
                                   local_files_only=True).eval()
     with torch.no_grad():
         expected = ref(input_ids[None]).logits[0].float()

@@ -1,4 +1,5 @@
-"""Tests of sgrt/models/loader.py: spec resolution, GGUF conversion cache, HF folders, errors."""
+"""Tests of sgrt/models/loader.py: spec resolution, the cache (GGUF entries, weight stores), HF
+folders, errors."""
 from __future__ import annotations
 
 import json
@@ -31,9 +32,12 @@ def _stats(folder: Path) -> dict[str, tuple[int, int, int]]:
 def test_default_name_loads_the_wheel_gguf(loaded_model: LoadedModel):
     lm = loaded_model
     assert lm.source == f"gguf:{loader.default_gguf_path()}"
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja", "sgrt_source.json"):
+    entry = lm.path.parent  # the GGUF's cache entry: its source table, tokenizer and one store a target
+    assert lm.path.name == "float32-none-plain-v1" and (entry / "source.json").is_file()
+    for name in ("manifest.json", "weights.bin"):
         assert (lm.path / name).is_file(), name
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        assert (entry / "tokenizer" / name).is_file(), name
     c = lm.config
     assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size) == (30, 576, 1536)
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (9, 3, 64)
@@ -55,32 +59,35 @@ def test_default_model_answers(loaded_model: LoadedModel):
 
 # ---- GGUF path: cold cache, then warm ---------------------------------------------------------
 
-def test_gguf_path_converts_once_then_reads_the_cache(tmp_path: Path, loaded_model: LoadedModel):
+def test_gguf_path_packs_once_then_maps_the_store(tmp_path: Path, loaded_model: LoadedModel):
     gguf_path = str(loader.default_gguf_path())
     cold = load_model(gguf_path, cache_dir=tmp_path)
-    assert cold.converted and cold.path.parent == tmp_path / "models"
+    assert cold.converted and cold.path.parent.parent == tmp_path / "gguf"
     assert cold.source == f"gguf:{gguf_path}"
     assert torch.equal(_logits(cold), _logits(loaded_model))
+    store = cold.path
     del cold
-    entries = list((tmp_path / "models").iterdir())
+    entries = list((tmp_path / "gguf").iterdir())
     assert len(entries) == 1, entries  # no temporary folders left behind
-    before = _stats(entries[0])
+    assert sorted(p.name for p in entries[0].iterdir()) == ["float32-none-plain-v1", "source.json", "tokenizer"]
+    before = _stats(store)
 
     warm = load_model(gguf_path, cache_dir=tmp_path)
-    assert not warm.converted and warm.path == entries[0]
-    assert _stats(entries[0]) == before  # nothing rewritten
+    assert not warm.converted and warm.path == store
+    assert _stats(store) == before  # nothing rewritten
     assert warm.load_seconds > 0  # measured and reported (no wall-clock bound: shared machines)
     del warm
 
     bf16 = load_model(gguf_path, dtype="bfloat16", cache_dir=tmp_path)
     assert all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
-    assert _stats(entries[0]) == before
+    assert bf16.path == entries[0] / "bfloat16-none-plain-v1" and bf16.converted
+    assert _stats(store) == before
 
 
-def test_a_cold_int4_load_parses_the_gguf_once(tmp_path: Path, monkeypatch):
-    """The conversion and the 4-bit / 8-bit block caches of a first int4 load share one parse of
-    the file (Gemma 3's takes ~27 s); a warm load parses nothing. (transformers parses the file
-    once more for the tokenizer, in its own code: not counted.)"""
+def test_loads_parse_no_gguf_in_the_loading_process(tmp_path: Path, monkeypatch):
+    """A first int4 load parses the file's metadata once, in a child process that writes the cache
+    entry (Gemma 3's takes ~27 s and ~700 MB), and packs the weights from that entry's tensor table;
+    a warm load parses nothing. The loading process itself never parses the GGUF."""
     import sys
 
     import gguf
@@ -96,12 +103,12 @@ def test_a_cold_int4_load_parses_the_gguf_once(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(gguf, "GGUFReader", counting)
     gguf_path = str(loader.default_gguf_path())
     cold = load_model(gguf_path, quantization="int4", cache_dir=tmp_path)
-    assert cold.converted and parses == [gguf_path]
-    folder = cold.path
-    assert {"q4_groups.safetensors", "q8_groups.safetensors"} <= {p.name for p in folder.iterdir()}
+    assert cold.converted and parses == []
+    assert json.loads((cold.path.parent / "source.json").read_text())["source"] == gguf_path
+    assert sorted(p.name for p in cold.path.iterdir()) == ["manifest.json", "weights.bin"]
     del cold
     warm = load_model(gguf_path, quantization="int4", cache_dir=tmp_path)
-    assert not warm.converted and parses == [gguf_path]
+    assert not warm.converted and parses == []
 
 
 def test_sgrt_cache_dir_env_is_the_default_root(tmp_path: Path, monkeypatch):
@@ -128,19 +135,26 @@ def test_cache_key_follows_the_contents(tmp_path: Path):
 def test_publish_keeps_the_first_of_two_racing_conversions(tmp_path: Path):
     final = tmp_path / "entry"
     final.mkdir()
-    (final / "sgrt_source.json").write_text("{}")
-    (final / "model.safetensors").write_text("first")
+    (final / "manifest.json").write_text("{}")
+    (final / "weights.bin").write_text("first")
     tmp = tmp_path / ".tmp-entry-x"
     tmp.mkdir()
-    (tmp / "sgrt_source.json").write_text("{}")
-    (tmp / "model.safetensors").write_text("second")
-    assert loader.publish_folder(tmp, final) is False
-    assert not tmp.exists() and (final / "model.safetensors").read_text() == "first"
+    (tmp / "manifest.json").write_text("{}")
+    (tmp / "weights.bin").write_text("second")
+    assert loader.publish_folder(tmp, final, "manifest.json") is False
+    assert not tmp.exists() and (final / "weights.bin").read_text() == "first"
 
     tmp.mkdir()
-    (tmp / "sgrt_source.json").write_text("{}")
-    assert loader.publish_folder(tmp, tmp_path / "fresh") is True
-    assert (tmp_path / "fresh" / "sgrt_source.json").is_file()
+    (tmp / "manifest.json").write_text("{}")
+    assert loader.publish_folder(tmp, tmp_path / "fresh", "manifest.json") is True
+    assert (tmp_path / "fresh" / "manifest.json").is_file()
+    # a half-written folder (no marker: a crash) is replaced, not kept
+    (tmp_path / "stale").mkdir()
+    (tmp_path / "stale" / "weights.bin").write_text("partial")
+    tmp.mkdir()
+    (tmp / "manifest.json").write_text("{}")
+    assert loader.publish_folder(tmp, tmp_path / "stale", "manifest.json") is True
+    assert not (tmp_path / "stale" / "weights.bin").exists()
 
 
 def test_unpermute_inverts_llama_cpp_permute():
@@ -162,11 +176,22 @@ def test_gguf_tensor_names_map_to_hf():
 
 # ---- HF folders -------------------------------------------------------------------------------
 
-def test_hf_folder_from_the_cache(loaded_model: LoadedModel):
-    lm = load_model(str(loaded_model.path))
-    assert lm.source == f"hf:{loaded_model.path}" and lm.path == loaded_model.path
-    assert not lm.converted
+def test_hf_folder_exported_from_a_gguf(tmp_path: Path, loaded_model: LoadedModel):
+    """export_hf_folder writes the GGUF's float32 weights as an HF folder: loading that folder gives
+    the GGUF's logits exactly, and transformers reads it as the same model."""
+    from transformers import AutoModelForCausalLM
+
+    folder = loader.export_hf_folder(loader.default_gguf_path(), tmp_path / "smollm2")
+    lm = load_model(str(folder), cache_dir=tmp_path / "cache")
+    assert lm.source == f"hf:{folder.resolve()}" and lm.converted
+    assert lm.path.parent.parent == tmp_path / "cache" / "hf"
     assert torch.equal(_logits(lm), _logits(loaded_model))
+    ids = torch.tensor(lm.tokenizer.encode(PROMPT))
+    ref = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
+    with torch.no_grad():
+        expected = ref(ids[None]).logits[0]
+    assert torch.equal(expected.argmax(-1), _logits(lm).argmax(-1))
+    assert (expected - _logits(lm)).abs().max().item() < 1e-3
 
 
 @pytest.mark.parametrize("sharded", [False, True])
@@ -248,4 +273,55 @@ def test_unsupported_gguf_architecture(tmp_path: Path):
     with pytest.raises(ModelLoadError) as e:
         load_model(str(path), cache_dir=cache)
     assert str(path) in str(e.value) and "'gpt2'" in str(e.value)
-    assert list((cache / "models").iterdir()) == []  # the failed conversion left nothing
+    assert list((cache / "gguf").iterdir()) == []  # the failed read left nothing
+
+
+def _tiny_hf_folder(folder: Path, loaded_model: LoadedModel) -> Path:
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    HFLlama(cfg).save_pretrained(folder)
+    loaded_model.tokenizer.hf.save_pretrained(folder)
+    return folder
+
+
+def test_a_missing_or_misshapen_weight_is_named_and_leaves_no_store(tmp_path: Path, loaded_model: LoadedModel):
+    from safetensors.torch import load_file, save_file
+
+    folder = _tiny_hf_folder(tmp_path / "tiny", loaded_model)
+    state = load_file(str(folder / "model.safetensors"))
+    del state["model.layers.1.mlp.down_proj.weight"]
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="'layers.1.mlp.down_proj.weight' missing"):
+        load_model(str(folder), cache_dir=tmp_path / "cache")
+    cfg = json.loads((folder / "config.json").read_text())
+    state = {k: v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    state["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 128)
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(folder), cache_dir=tmp_path / "cache")
+    assert "weight layers.0.gate_up_proj is 256 x 64 in the checkpoint; the config makes it 192 x 64" in str(e.value)
+    # nothing half-written is left to be mapped by a later load
+    assert not [p for p in (tmp_path / "cache").rglob("manifest.json")]
+    assert not [p for p in (tmp_path / "cache").rglob(".tmp-*")]
+
+
+def test_max_positions_cuts_the_rotary_tables_not_their_frequencies(loaded_model: LoadedModel):
+    """An engine's model gets rotary tables for the positions its KV pool can reach (a 128k-context
+    model's are 134 MB): the same rows as the full tables, fewer of them; the engine's context
+    length follows."""
+    from sgrt.engine import Engine
+
+    lm = load_model("smollm2-135m-instruct", max_positions=300)
+    full, cut = loaded_model.model.rotary, lm.model.rotary
+    assert cut.cos.shape[0] == 300 and full.cos.shape[0] == loaded_model.config.max_position_embeddings == 8192
+    assert torch.equal(cut.cos, full.cos[:300]) and torch.equal(cut.sin, full.sin[:300])
+    with Engine(model=lm, max_total_tokens=1024) as eng:
+        assert eng.context_length == 300
+        with pytest.raises(Exception) as e:
+            eng.generate("word " * 400)
+        assert "300" in str(e.value)

@@ -56,9 +56,9 @@ def _tokenizer(template: str, special: list[str]):
     """The default model's tokenizer with ``special`` added and ``template`` as chat template."""
     from transformers import AutoTokenizer
 
-    from sgrt.models.loader import DEFAULT_MODEL, ensure_converted, resolve_spec
+    from sgrt.models.loader import DEFAULT_MODEL, tokenizer_folder
 
-    folder = ensure_converted(resolve_spec(DEFAULT_MODEL)[1], DEFAULT_MODEL)[0]
+    folder = tokenizer_folder(DEFAULT_MODEL)
     tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     if special:
         tok.add_special_tokens({"additional_special_tokens": special})

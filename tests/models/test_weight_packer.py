@@ -1,0 +1,226 @@
+"""Tests of the weight store path (sgrt/models/weight_files.py, weight_packer.py, weight_store.py,
+assemble.py): every GGML type read into the kernels' form exactly (or within its documented
+rounding), chunked packing byte-identical to packing a tensor whole, the store mapped rather than
+copied, and a load's peak memory bounded by the file's size, measured in a process of its own."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bench.model_files import Shape, Types, write_gguf
+from sgrt.models import gguf_raw, load_model, weight_packer
+from sgrt.models.quant import GroupLinear, native_kernel_available
+
+ROOT = Path(__file__).resolve().parents[2]
+NATIVE = native_kernel_available()
+needs_native = pytest.mark.skipif(not NATIVE, reason="the native kernel did not build here")
+
+# Every type a role: q / k / v are three block types (a widened int4 projection), o_proj Q4_0,
+# gate / up the asymmetric 5-bit types, down_proj Q6_K (no group form: re-quantized).
+ALL_TYPES = Types("Q4_1", {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_0",
+                           "ffn_gate": "Q5_1", "ffn_up": "Q5_K", "ffn_down": "Q6_K", "token_embd": "Q8_0"})
+TINY = Shape("llama", 2, 256, 512, 4, 2, context=512)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-all-types.gguf", TINY, ALL_TYPES)
+
+
+def _read_file(path: Path, groups: bool) -> dict[str, torch.Tensor]:
+    """A GGUF's float32 weights by canonical name, q / k rows unpermuted: gguf's dequantization,
+    or (``groups``) that of the file's blocks in the kernels' group form (:data:`gguf_raw.
+    BLOCK_READERS`), where they have one."""
+    import gguf
+
+    from sgrt.models.checkpoint import unpermute_rotary
+    from sgrt.models.registry import family_for_gguf
+
+    family = family_for_gguf("llama")
+    out = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        reader = gguf_raw.BLOCK_READERS.get(t.tensor_type.name)
+        if groups and reader is not None:
+            cols, rows = (int(x) for x in t.shape)
+            w = reader.unpack(t.data, rows, cols).dequantize()
+        else:
+            w = torch.from_numpy(np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).copy())
+        name = family.gguf_hf_name(t.name).removeprefix("model.")
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute_rotary(w, TINY.heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute_rotary(w, TINY.kv_heads)
+        out[name] = w
+    return out
+
+
+@pytest.fixture(scope="module")
+def file_weights(tiny_gguf) -> dict[str, torch.Tensor]:
+    return _read_file(tiny_gguf, groups=False)
+
+
+@pytest.fixture(scope="module")
+def group_weights(tiny_gguf) -> dict[str, torch.Tensor]:
+    return _read_file(tiny_gguf, groups=True)
+
+
+def test_block_types_read_into_groups_as_the_file_defines(file_weights, group_weights):
+    """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in group form are the file's weights bit for bit; Q4_K and Q5_K
+    within float16's rounding of each group's scale and minimum (2**-11 of each: at most
+    2**-11 * (31 |d| + |m|) a weight for 5-bit codes)."""
+    exact = ["layers.0.self_attn.k_proj.weight", "layers.0.self_attn.v_proj.weight",
+             "layers.0.self_attn.o_proj.weight", "layers.0.mlp.gate_proj.weight", "embed_tokens.weight"]
+    for name in exact:
+        assert torch.equal(group_weights[name], file_weights[name]), name
+    for name in ("layers.0.self_attn.q_proj.weight", "layers.1.mlp.up_proj.weight"):
+        got, ref = group_weights[name], file_weights[name]
+        g = ref.view(ref.shape[0], -1, 32)
+        span = (g.amax(-1) - g.amin(-1) + g.abs().amax(-1)).repeat_interleave(32, 1)
+        assert ((got - ref).abs() <= 2.0 ** -10 * 2 * span + 1e-7).all(), name
+        assert not torch.equal(got, ref)  # (the roundings are there: the comparison is not vacuous)
+
+
+def _fused(weights: dict[str, torch.Tensor], layer: int, proj: str) -> torch.Tensor:
+    return torch.cat([weights[f"layers.{layer}.{p}"] for p in weight_packer.FUSED_PROJECTIONS[proj]])
+
+
+def test_float32_load_is_the_files_weights(tiny_gguf, file_weights, tmp_path):
+    lm = load_model(str(tiny_gguf), dtype="float32", cache_dir=tmp_path, prepack=False)
+    for i in range(TINY.layers):
+        for proj in weight_packer.FUSED_PROJECTIONS:
+            assert torch.equal(getattr(lm.model.layers[i], proj).weight, _fused(file_weights, i, proj)), (i, proj)
+    assert torch.equal(lm.model.embed_tokens.weight, file_weights["embed_tokens.weight"])
+
+
+@needs_native
+def test_int4_takes_every_block_type_as_it_is(tiny_gguf, file_weights, group_weights, tmp_path):
+    """int4 on a file of every type: o_proj (Q4_0) in 4 bits with the file's codes; q / k / v (Q4_K,
+    Q5_0, Q8_0) and gate / up (Q5_1, Q5_K) in int8 with the file's codes (their finer parts keep
+    their precision); down_proj (Q6_K, no group form) quantized to int8 groups; the tied head from
+    the Q8_0 table, which is also the input embedding (no float table)."""
+    from sgrt.models.quant_native import GroupEmbedding
+
+    lm = load_model(str(tiny_gguf), dtype="bfloat16", quantization="int4", cache_dir=tmp_path)
+    assert lm.counts == {"blocks": 2 * 3 + 1, "quantized": 2, "int8_wide": 2 * 3, "float": 0}
+    for i, layer in enumerate(lm.model.layers):
+        assert (layer.qkv_proj.bits, layer.o_proj.bits, layer.gate_up_proj.bits, layer.down_proj.bits) == (8, 4, 8, 8)
+        for proj in ("qkv_proj", "o_proj", "gate_up_proj"):
+            assert torch.equal(getattr(layer, proj).dequantize(), _fused(group_weights, i, proj)), (i, proj)
+        down = file_weights[f"layers.{i}.mlp.down_proj.weight"]
+        g = down.view(down.shape[0], -1, 32)
+        step = ((g.amax(-1) - g.amin(-1)) / 255).repeat_interleave(32, 1)
+        assert ((layer.down_proj.dequantize() - down).abs() <= step / 2 + 2.0 ** -10 * down.abs().amax()).all()
+    head = lm.model.logits_head
+    assert isinstance(head, GroupLinear) and head.bits == 8
+    assert torch.equal(head.dequantize(), file_weights["embed_tokens.weight"])
+    assert isinstance(lm.model.embed_tokens, GroupEmbedding) and lm.model.embed_tokens.table is head
+    ids = torch.tensor([0, 7, 49151, 7])
+    assert torch.equal(lm.model.embed_tokens(ids), file_weights["embed_tokens.weight"][ids].bfloat16())
+
+
+@needs_native
+def test_chunked_packing_writes_the_bytes_of_whole_tensors(tiny_gguf, tmp_path, monkeypatch):
+    """Packing 16 rows at a time gives the stores' bytes of packing whole tensors, and each stream
+    is the one the kernel's own preparation (woq.prepare) makes of the whole weight."""
+    from sgrt.models.weight_store import open_store
+
+    whole = load_model(str(tiny_gguf), dtype="bfloat16", quantization="int4", cache_dir=tmp_path / "a")
+    monkeypatch.setattr(weight_packer, "CHUNK_WEIGHTS", 1)  # (one 16-row block a chunk)
+    chunked = load_model(str(tiny_gguf), dtype="bfloat16", quantization="int4", cache_dir=tmp_path / "b")
+    a, b = open_store(whole.path), open_store(chunked.path)
+    assert a.meta["forms"] == b.meta["forms"] and a.tensors.keys() == b.tensors.keys()
+    for name in a.tensors:
+        assert torch.equal(a[name], b[name]), name
+    for i, layer in enumerate(whole.model.layers):
+        for proj in weight_packer.FUSED_PROJECTIONS:
+            mod = getattr(layer, proj)
+            codes, scales, offsets = mod._unfused()
+            from sgrt.kernels import woq
+
+            codes = woq.unpack(codes, mod.out_features, mod.in_features, mod.bits)
+            again = GroupLinear(codes, scales, offsets, mod.bits)
+            assert again.stream_bits == mod.stream_bits and torch.equal(again.packed, mod.packed), (i, proj)
+
+
+def test_the_store_is_sgrts_own_folder_and_mapped_not_copied(tiny_gguf, tmp_path):
+    """A GGUF's cache entry holds no file other engines would load as a model (no config.json, no
+    safetensors), and the loaded weights are views of the store's mapped file."""
+    lm = load_model(str(tiny_gguf), dtype="bfloat16", quantization="int4", cache_dir=tmp_path)
+    entry = lm.path.parent
+    assert sorted(p.name for p in entry.iterdir()) == sorted(["source.json", "tokenizer", lm.path.name])
+    assert sorted(p.name for p in lm.path.iterdir()) == ["manifest.json", "weights.bin"]
+    assert not list(entry.rglob("config.json")) and not list(entry.rglob("*.safetensors"))
+    mapped = [line for line in Path("/proc/self/maps").read_text().splitlines()
+              if line.endswith(str(lm.path / "weights.bin"))]
+    assert mapped, "weights.bin is not mapped"
+    lo, hi = (int(x, 16) for x in mapped[0].split()[0].split("-"))
+    for mod in lm.model.modules():
+        if isinstance(mod, GroupLinear):
+            assert lo <= mod.packed.data_ptr() < hi
+    assert lm.model.norm.weight.data_ptr() in range(lo, hi)
+    # the store's bytes: the file's blocks repacked (4-bit 20 bytes a group of 32, 8-bit 34-36)
+    assert lm.weight_bytes == (lm.path / "weights.bin").stat().st_size
+    assert lm.weight_bytes <= 1.5 * tiny_gguf.stat().st_size
+
+
+# ---- peak memory, in a process of its own --------------------------------------------------------
+
+# NOTE: the peak is VmHWM, this process image's high-water mark: getrusage's ru_maxrss survives
+# exec on Linux, so a child forked by a large test process would report the parent's size.
+_CHILD = """
+import json, sys
+sys.path.insert(0, {root!r})
+import torch
+from sgrt.models import load_model
+def status(key):
+    fields = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines() if ":" in l)
+    return int(fields[key].split()[0]) * 1024
+torch.zeros(1) + 1  # (torch's own libraries resident)
+before = status("VmRSS")
+lm = load_model({spec!r}, dtype="bfloat16", quantization="int4", cache_dir={cache!r})
+ids = torch.tensor(lm.tokenizer.encode("The capital of France is"))
+lm.model.forward_simple(ids)
+print(json.dumps({{"before": before, "peak": status("VmHWM"), "converted": lm.converted, "weights": lm.weight_bytes}}))
+"""
+
+
+def _load_in_a_process(spec: str, cache: Path) -> dict:
+    code = _CHILD.format(root=str(ROOT), spec=spec, cache=str(cache))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def sized_files(tmp_path_factory):
+    """A GGUF big enough that a float copy of its weights would show (~29 MB of Q4_1, a 154 MB
+    float32 model), and an HF folder of the same shape in bfloat16 (77 MB)."""
+    from bench.model_files import write_hf_folder
+
+    shape = Shape("llama", 4, 1024, 2816, 16, 4, context=2048)
+    root = tmp_path_factory.mktemp("sized")
+    return (write_gguf(root / "sized-q4_1.gguf", shape, Types("Q4_1", {"token_embd": "Q8_0"})),
+            write_hf_folder(root / "sized-hf", shape))
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["gguf", "hf"])
+def test_peak_memory_of_a_load_is_about_the_files_size(sized_files, tmp_path, kind):
+    """A cold load (packing the file) and a warm one (mapping the store) each grow the process by
+    at most 1.5x the weights' file plus 100 MB (what a load imports beside torch: tokenizers,
+    kernels); the old loader's float32 copy alone was 5x a Q4_1 file."""
+    gguf_file, hf_folder = sized_files
+    spec = str(gguf_file if kind == "gguf" else hf_folder)
+    size = gguf_file.stat().st_size if kind == "gguf" else (hf_folder / "model.safetensors").stat().st_size
+    cold = _load_in_a_process(spec, tmp_path)
+    warm = _load_in_a_process(spec, tmp_path)
+    assert cold["converted"] and not warm["converted"]
+    for run in (cold, warm):
+        grown = run["peak"] - run["before"]
+        assert grown <= 1.5 * size + 100e6, (kind, run, size)
