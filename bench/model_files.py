@@ -19,10 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-# float16 scale fields of each GGML block type: byte offsets inside a block
-_SCALE_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-                 "Q5_K": (0, 2), "Q6_K": (208,)}
-# a typical scale per type, so that weights come out ~0.01-0.05 in size
+# float16 fields of each GGML block type: (byte offset, multiple of the block's scale), so that a
+# block's weights centre on zero (a random model whose weights were all positive overflows to
+# inf in a few layers, which no engine then runs at its real speed): Q4_1's m = -7.5 d, Q5_1's
+# -15.5 d; the K-quants' dmin times a random 6-bit min ~ their d times a random 6-bit scale
+# times half the code range.
+_FIELDS = {"Q4_0": ((0, 1.0),), "Q4_1": ((0, 1.0), (2, -7.5)), "Q5_0": ((0, 1.0),), "Q5_1": ((0, 1.0), (2, -15.5)),
+           "Q8_0": ((0, 1.0),), "Q4_K": ((0, 1.0), (2, 7.5)), "Q5_K": ((0, 1.0), (2, 15.5)), "Q6_K": ((208, 1.0),)}
+# a scale per type, for weights of ~0.01-0.05
 _SCALE = {"Q4_0": 0.004, "Q4_1": 0.004, "Q5_0": 0.002, "Q5_1": 0.002, "Q8_0": 0.0003, "Q4_K": 0.0002,
           "Q5_K": 0.0001, "Q6_K": 0.0001}
 
@@ -94,9 +98,9 @@ def _random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) ->
 
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    for at in _SCALE_FIELDS[kind]:
-        scale = (rng.uniform(0.5, 1.5, size=(rows, cols // block)) * _SCALE[kind]).astype(np.float16)
-        raw[..., at:at + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
+    d = rng.uniform(0.5, 1.5, size=(rows, cols // block)) * _SCALE[kind]
+    for at, times in _FIELDS[kind]:
+        raw[..., at:at + 2] = (d * times).astype(np.float16).view(np.uint8).reshape(rows, cols // block, 2)
     return raw.reshape(rows, -1)
 
 

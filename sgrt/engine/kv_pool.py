@@ -6,9 +6,24 @@ slots of the tokens it holds. Slot 0 is reserved as a padding target and never h
 """
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from sgrt.errors import CapacityError
+
+
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose CPU pages are made when first written: an anonymous private mapping
+    (``mmap``), which the kernel fills with zeros page by page, where ``torch.zeros`` writes every
+    byte at once. A KV pool sized for long contexts then costs resident memory only for the slots
+    requests have used (the tensor keeps the mapping alive). Other devices: ``torch.zeros``."""
+    count = torch.Size(shape).numel()
+    if device.type != "cpu" or count == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = count * torch.empty(0, dtype=dtype).element_size()
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
 
 
 class KVPool:
@@ -33,8 +48,8 @@ class KVPool:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
         shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = zeros_on_demand(shape, dtype, torch.device(device))
+        self.v = zeros_on_demand(shape, dtype, torch.device(device))
         # One layer's view of each, made once (indexing k[layer] is an op, twice a layer a step).
         self.k_layers: list[torch.Tensor] = list(self.k.unbind(0))
         self.v_layers: list[torch.Tensor] = list(self.v.unbind(0))

@@ -139,9 +139,9 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _fifth_bits(qh: np.ndarray) -> np.ndarray:
-    """A block's 32-bit word of fifth bits ``[...]`` -> ``[..., 32]`` uint8 ``16`` or 0 (bit ``j``
-    belongs to weight ``j``)."""
-    return ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    """A block's 4 little-endian bytes of fifth bits ``[..., 4]`` -> ``[..., 32]`` uint8 ``16`` or
+    0 (bit ``j`` of the 32-bit word belongs to weight ``j``)."""
+    return np.unpackbits(qh, axis=-1, bitorder="little") << 4
 
 
 def _weight(codes: np.ndarray, d: np.ndarray, m: np.ndarray, rows: int, cols: int) -> Q4_1Weight:
@@ -170,8 +170,7 @@ def unpack_q5_1(blocks: np.ndarray, rows: int, cols: int) -> Q4_1Weight:
     ``d`` and ``m``, a 32-bit word of fifth bits, 16 bytes of nibbles; ``w = d * q + m``, ``q`` in
     0..31, bits as in ``Q5_0``) -> :class:`Q4_1Weight` with codes 0..31."""
     b = _blocks(blocks, rows, cols, "Q5_1", 32, 24)
-    qh = b[..., 4:8].copy().view("<u4")[..., 0]
-    return _weight(_nibbles(b[..., 8:]) | _fifth_bits(qh), _half(b, 0), _half(b, 2), rows, cols)
+    return _weight(_nibbles(b[..., 8:]) | _fifth_bits(b[..., 4:8]), _half(b, 0), _half(b, 2), rows, cols)
 
 
 Q4_K_SUPER = 256  # weights per K-quant super-block: 8 groups of 32
@@ -244,8 +243,7 @@ def unpack_q5_0(blocks: np.ndarray, rows: int, cols: int) -> SymmetricWeight:
     of fifth bits and 16 bytes of nibbles; weight ``j < 16`` is ``(qs[j] & 15) | bit j of qh << 4``,
     weight ``16 + j`` is ``(qs[j] >> 4) | bit 16 + j of qh << 4``; ``w = d * (q - 16)``."""
     b = _blocks(blocks, rows, cols, "Q5_0", 32, 22)
-    qh = b[..., 2:6].copy().view("<u4")[..., 0]  # [rows, blocks]
-    codes = _nibbles(b[..., 6:]) | _fifth_bits(qh)
+    codes = _nibbles(b[..., 6:]) | _fifth_bits(b[..., 2:6])
     return SymmetricWeight(torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, cols))),
                            torch.from_numpy(_half(b, 0).copy()), 16)
 

@@ -31,6 +31,9 @@ be held whole. llama.cpp's rotary row order of q / k is undone per head as rows 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +48,8 @@ from sgrt.models.weight_store import StoreWriter
 
 logger = logging.getLogger("sgrt.models")
 
-# Weights a chunk of rows holds at most (16 MB of float32); at least one 16-row block.
-CHUNK_WEIGHTS = 1 << 22
+# Weights a chunk of rows holds at most (8 MB of float32); at least one 16-row block.
+CHUNK_WEIGHTS = 1 << 21
 BLOCK_ROWS = 16
 GROUP = 32
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
@@ -285,6 +288,33 @@ def _group_rows(pieces: list[Any], f: Form) -> tuple[torch.Tensor, torch.Tensor,
     return codes, d, m
 
 
+def run_chunks(chunks: list[tuple[int, int]], work: Callable[[int, int], None], workers: int) -> None:
+    """``work(r0, r1)`` for every chunk, on ``workers`` threads (each chunk's reads, shuffles and
+    writes touch only its own rows; numpy's and torch's kernels release the GIL). Raises the first
+    chunk's exception, after every chunk has ended."""
+    if workers <= 1 or len(chunks) == 1:
+        for r0, r1 in chunks:
+            work(r0, r1)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sgrt-pack") as pool:
+        for future in [pool.submit(work, r0, r1) for r0, r1 in chunks]:
+            future.result()
+
+
+@contextmanager
+def one_thread_per_op() -> Iterator[int]:
+    """torch's ops on one thread while packing, yielding the threads it had for the chunks:
+    parallel chunks keep both cores busy with no barrier between threads, where torch's own
+    thread pool waits on every op (on a machine with other work, 2-thread ops measured 100x
+    slower than 1-thread ones on packing's small shuffles)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(threads)
+
+
 class Packer:
     """Writes one checkpoint's weights into a store (see the module docstring).
 
@@ -301,6 +331,7 @@ class Packer:
         self.target, self.gguf, self.writer = target, gguf, writer
         self.forms: dict[str, dict[str, Any]] = {}
         self.counts = {"blocks": 0, "quantized": 0, "int8_wide": 0, "float": 0}
+        self.workers = 1  # (pack_model sets the threads it runs chunks on)
 
     def take(self, *names: str) -> list[Part]:
         """The parts named, or ModelLoadError naming the first missing one."""
@@ -345,9 +376,12 @@ class Packer:
         dtype = self.target.dtype
         slot = self.writer.reserve(name, dtype, (f.rows, f.cols))
         size = torch.empty(0, dtype=dtype).element_size()
-        for r0, r1 in _chunks(f.rows, f.cols):
+
+        def chunk(r0: int, r1: int) -> None:
             rows = torch.cat(read_rows(self.tensors, parts, r0, r1, blocks=False))
             self.writer.write(slot, r0 * f.cols * size, rows.to(dtype))
+
+        run_chunks(_chunks(f.rows, f.cols), chunk, self.workers)
 
     def _group_chunk(self, parts: list[Part], r0: int, r1: int, f: Form
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -370,11 +404,14 @@ class Packer:
             codes_slot = self.writer.reserve(f"{name}.stream", torch.uint8, (n * k * f.bits // 8,))
             scales = self.writer.reserve(f"{name}.scales", torch.float16, (n, g))
             offsets = self.writer.reserve(f"{name}.offsets", torch.float16, (n, g))
-            for r0, r1 in _chunks(n, k):
+
+            def packed_chunk(r0: int, r1: int) -> None:
                 codes, d, m = self._group_chunk(parts, r0, r1, f)
                 self.writer.write(codes_slot, r0 * k * f.bits // 8, woq.pack(codes, f.bits))
                 self.writer.write(scales, r0 * g * 2, d)
                 self.writer.write(offsets, r0 * g * 2, m)
+
+            run_chunks(_chunks(n, k), packed_chunk, self.workers)
             return
         f.stream_bits = woq.stream_bits(5 if f.five else f.bits, f.c)
         total = woq.stream_bytes(n, k, f.stream_bits, GROUP)
@@ -383,7 +420,8 @@ class Packer:
         full_block = g * (hb + BLOCK_ROWS * GROUP * f.bits // 8)  # bytes of one 16-row block
         five_block = g * (hb + BLOCK_ROWS * GROUP * 5 // 8)
         five_total = n // BLOCK_ROWS * five_block if f.five else 0
-        for r0, r1 in _chunks(n, k):
+
+        def stream_chunk(r0: int, r1: int) -> None:
             codes, d, m = self._group_chunk(parts, r0, r1, f)
             b0 = r0 // BLOCK_ROWS
             if f.five:
@@ -393,15 +431,20 @@ class Packer:
                 full = woq.fuse(woq.pack(codes, f.bits), d, m, r1 - r0, k, f.bits, GROUP, f.c)
             self.writer.write(slot, five_total + b0 * full_block, full)
 
+        run_chunks(_chunks(n, k), stream_chunk, self.workers)
+
     def _write_int8_torch(self, name: str, parts: list[Part], f: Form) -> None:
         from sgrt.models.quant import quantize_int8
 
         q = self.writer.reserve(f"{name}.qweight", torch.int8, (f.rows, f.cols))
         s = self.writer.reserve(f"{name}.scales", torch.bfloat16, (f.rows,))
-        for r0, r1 in _chunks(f.rows, f.cols):
+
+        def chunk(r0: int, r1: int) -> None:
             codes, scale = quantize_int8(torch.cat(read_rows(self.tensors, parts, r0, r1, blocks=False)))
             self.writer.write(q, r0 * f.cols, codes)
             self.writer.write(s, r0 * 2, scale)
+
+        run_chunks(_chunks(f.rows, f.cols), chunk, self.workers)
 
     def _write_int4_torch(self, name: str, parts: list[Part], f: Form) -> None:
         from sgrt.models.quant import q4_1_scales_and_zeros, quantize_int4
@@ -409,7 +452,8 @@ class Packer:
         g = f.cols // GROUP
         q = self.writer.reserve(f"{name}.codes", torch.uint8, (f.rows, f.cols // 2))
         sz = self.writer.reserve(f"{name}.scales_and_zeros", torch.bfloat16, (f.rows, g, 2))
-        for r0, r1 in _chunks(f.rows, f.cols):
+
+        def chunk(r0: int, r1: int) -> None:
             if f.source == "blocks":
                 codes, d, m = _group_rows(read_rows(self.tensors, parts, r0, r1, blocks=True), f)
                 chunk_sz = q4_1_scales_and_zeros(d, m)
@@ -417,6 +461,8 @@ class Packer:
                 codes, chunk_sz = quantize_int4(torch.cat(read_rows(self.tensors, parts, r0, r1, blocks=False)))
             self.writer.write(q, r0 * f.cols // 2, codes[:, 0::2] | (codes[:, 1::2] << 4))
             self.writer.write(sz, r0 * g * 4, chunk_sz.transpose(0, 1))  # [G, rows, 2] -> rows first
+
+        run_chunks(_chunks(f.rows, f.cols), chunk, self.workers)
 
     def add_vector(self, name: str, parts: list[Part], offset: float = 0.0) -> None:
         """Write 1-D weights (norms, a concatenated bias) in the model's dtype, ``offset`` added in
@@ -426,9 +472,15 @@ class Packer:
 
     # -- the model ----------------------------------------------------------------------------------
     def pack_model(self) -> dict[str, Any]:
-        """Write every weight of the model; returns the manifest's ``meta`` for them: ``forms``
-        (module path -> :class:`Form` dict), ``embedding`` (``"dense"``, ``"head"``: the tied LM
-        head's table, or ``"group"``: its own table), ``counts``."""
+        """Write every weight of the model (chunks on as many threads as torch had: see
+        :func:`one_thread_per_op`); returns the manifest's ``meta`` for them: ``forms`` (module
+        path -> :class:`Form` dict), ``embedding`` (``"dense"``, ``"head"``: the tied LM head's
+        table, or ``"group"``: its own table), ``counts``."""
+        with one_thread_per_op() as threads:
+            self.workers = threads
+            return self._pack_model()
+
+    def _pack_model(self) -> dict[str, Any]:
         c = self.config
         hd, hidden, inter = c.head_dim, c.hidden_size, c.intermediate_size
         q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd

@@ -1,5 +1,5 @@
 """KVPool unit tests (sgrt/engine/kv_pool.py): the free list, slot 0 kept for padding, writes
-landing at the given slots of one layer only, and the per-token byte count."""
+landing at the given slots of one layer only, the per-token byte count, pages made on first write."""
 from __future__ import annotations
 
 import pytest
@@ -52,3 +52,23 @@ def test_bytes_per_token_counts_k_and_v_of_every_layer():
 def test_a_pool_needs_a_slot():
     with pytest.raises(ValueError, match="num_slots"):
         make(0)
+
+
+def test_pool_pages_are_made_when_first_written():
+    """A CPU pool's memory is an anonymous mapping the kernel zero-fills page by page: a 2 GB pool
+    starts as zeros without 2 GB of resident memory, and grows by the slots written."""
+    from pathlib import Path
+
+    def rss() -> int:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        return int(fields["RssAnon"].split()[0]) * 1024
+
+    before = rss()
+    pool = KVPool(num_slots=(1 << 20) - 1, num_layers=4, num_kv_heads=4, head_dim=16, dtype=torch.float32,
+                  device="cpu")
+    assert pool.k.numel() * 4 == pool.v.numel() * 4 == 1 << 30
+    assert rss() - before < 64 << 20
+    slots = pool.alloc(1000)
+    pool.k[:, slots] = 1.0
+    assert float(pool.k[:, slots].sum()) == 4 * 1000 * 4 * 16 and float(pool.v[0, 1:5000].abs().sum()) == 0.0
+    assert rss() - before < 64 << 20  # (a thousand slots' pages, not the pool)

@@ -213,8 +213,9 @@ def sized_files(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["gguf", "hf"])
 def test_peak_memory_of_a_load_is_about_the_files_size(sized_files, tmp_path, kind):
     """A cold load (packing the file) and a warm one (mapping the store) each grow the process by
-    at most 1.5x the weights' file plus 100 MB (what a load imports beside torch: tokenizers,
-    kernels); the old loader's float32 copy alone was 5x a Q4_1 file."""
+    at most 1.5x the weights' file plus 150 MB (what a load imports beside torch: the tokenizer,
+    the kernels; measured 90-130 MB of the growth); a float32 copy of the GGUF's weights alone
+    would be 330 MB more, of the HF folder's 380 MB (the old loader's was 5x a Q4_1 file)."""
     gguf_file, hf_folder = sized_files
     spec = str(gguf_file if kind == "gguf" else hf_folder)
     size = gguf_file.stat().st_size if kind == "gguf" else (hf_folder / "model.safetensors").stat().st_size
@@ -223,4 +224,4 @@ def test_peak_memory_of_a_load_is_about_the_files_size(sized_files, tmp_path, ki
     assert cold["converted"] and not warm["converted"]
     for run in (cold, warm):
         grown = run["peak"] - run["before"]
-        assert grown <= 1.5 * size + 100e6, (kind, run, size)
+        assert grown <= 1.5 * size + 150e6, (kind, run, size)
