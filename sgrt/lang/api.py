@@ -344,7 +344,8 @@ def separate_reasoning(expr: Any = None, model_type: str | None = None) -> ir.Ex
     SGLang's semantics: for each named ``gen`` / ``select`` ``x`` in ``expr``, ``s["x"]`` keeps
     the answer, ``s["x_reasoning_content"]`` gets the reasoning (``<think>...</think>`` or the
     family's tags, see ``sgrt.lang.reasoning``), and the text of the open message becomes the
-    answer alone. ``model_type`` is SGLang's reasoning-parser name (``"deepseek-r1"``,
+    answer alone. Whitespace is stripped as SGLang's parser strips it: ``"<think> abc </think>
+    Four"`` gives reasoning ``"abc "`` and answer ``"Four"``. ``model_type`` is SGLang's reasoning-parser name (``"deepseek-r1"``,
     ``"qwen3"``...; ``None``: plain ``<think>`` tags).
 
     Raises:
