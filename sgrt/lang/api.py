@@ -34,6 +34,9 @@ programs port by changing the import. Deliberate differences (each documented wh
   JSON-returning helper.
 - ``separate_reasoning`` also splits when streaming (after the gen ends; the streamed pieces
   still hold the reasoning), where SGLang skips it.
+- ``trace()`` records f-strings over arguments and generated variables as references to them
+  (SGLang's tracer raises ``TypeError`` for an argument and writes a variable's repr into the
+  text), so the traced graph and constant prefix are those of the program ``run()`` runs.
 """
 from __future__ import annotations
 

@@ -589,3 +589,75 @@ def test_next_token_request_streamed_has_the_same_top_tokens(runtime):
     streamed = chunks[0].meta_info["output_top_logprobs"]
     assert [e[1] for e in streamed[0]] == [e[1] for e in whole.meta_info["output_top_logprobs"][0]]
     assert len(streamed[0]) == 3
+
+
+# ---- issue 44: what programs read back from the state and the meta info --------------------
+
+@sgl.function
+def tried_aside(s):
+    s += "A short poem about the sea:\n"
+    with s.copy() as c:
+        c += "First line:" + sgl.gen("extra", max_tokens=6, stop="\n")
+    s += "Title:" + sgl.gen("title", max_tokens=4, stop="\n")
+
+
+def test_copy_is_joined_like_a_fork(runtime):
+    """Item 2: after ``with s.copy() as c``, ``s["extra"]`` is a one-item list."""
+    st = tried_aside.run()
+    extra = st["extra"]
+    assert isinstance(extra, list) and len(extra) == 1 and isinstance(extra[0], str)
+    assert st.get_meta_info("extra")[0]["completion_tokens"] >= 1
+    assert st.text() == "A short poem about the sea:\nTitle:" + st["title"]  # s's text unchanged
+
+    @sgl.function
+    def fork_of_one(s):
+        s += "A short poem about the sea:\n"
+        forks = s.fork(1)
+        forks[0] += "First line:" + sgl.gen("extra", max_tokens=6, stop="\n")
+        forks.join()
+
+    assert fork_of_one.run()["extra"] == extra  # the same thing, spelled as a fork
+
+
+@sgl.function
+def tip_suggestion(s):
+    s += "Here are two tips for staying healthy: 1. Balanced Diet; 2. Regular Exercise\n"
+    forks = s.fork(2)
+    for i in range(2):
+        forks[i] += f"Now, expand tip {i + 1} into a paragraph:\n"
+        forks[i] += sgl.gen("detailed_tip", max_tokens=8)
+    s += "Tip 1:" + forks[0]["detailed_tip"] + "\n"
+    s += "Tip 2:" + forks[1]["detailed_tip"] + "\n"
+    s += "In summary" + sgl.gen("summary", max_tokens=8)
+
+
+def test_trace_graph_api(runtime):
+    """Item 6: ``fn.trace().last_node.print_graph_dfs()``, as SGLang's tracing tests use it."""
+    tracer = tip_suggestion.trace()
+    last = tracer.last_node
+    graph = last.print_graph_dfs()
+    lines = graph.splitlines()
+    assert isinstance(graph, str) and graph.endswith("\n")
+    assert lines[-1] == f"%{last.node_id} = %{last.prev_node.node_id} + " + last.describe()
+    assert "Gen('summary'" in lines[-1]
+    # Both branches' gens are in it (the parent reads their variables), and every node is
+    # printed after the nodes it refers to.
+    assert sum("Gen('detailed_tip'" in line for line in lines) == 2
+    printed: set[int] = set()
+    for line in lines:
+        ids = [int(x) for x in re.findall(r"%(\d+)", line)]
+        assert set(ids[1:]) <= printed, line
+        printed.add(ids[0])
+    assert len(printed) == len(lines) == len(tracer.nodes)
+
+    @sgl.function
+    def few_shot_qa(s, question):
+        s += "The following are questions with answers.\n\n"
+        s += "Q: What is the capital of France?\nA: Paris\n"
+        s += "Q: " + question + "\n"
+        s += "A:" + sgl.gen("answer", stop="\n")
+
+    tracer = few_shot_qa.trace()
+    lines = tracer.last_node.print_graph_dfs().splitlines()
+    assert len(lines) == len(tracer.nodes) and lines[0].startswith("%") and " + " not in lines[0]
+    assert "Arg('question')" in lines[3] and "Gen('answer'" in lines[-1]
