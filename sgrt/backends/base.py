@@ -44,7 +44,11 @@ class GenOutput:
     ``e2e_latency`` (s), ``ttft`` (s), ``incomplete`` and ``warnings``; with ``return_logprob``
     also ``output_token_logprobs`` (list of :data:`TokenLogprob`) and, with
     ``top_logprobs_num``, ``output_top_logprobs`` (per position, a list of
-    :data:`TokenLogprob`).
+    :data:`TokenLogprob`); with ``return_logprob`` and ``logprob_start_len >= 0`` (a backend
+    that has prompt log-probabilities) also ``input_token_logprobs``, the prompt's tokens from
+    that position (the first prompt token's log-probability ``None``), and with
+    ``top_logprobs_num`` ``input_top_logprobs``. The DSL reshapes it for programs
+    (``sgrt.lang.meta_info``).
     """
 
     text: str

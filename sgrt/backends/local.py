@@ -82,6 +82,16 @@ class LocalBackend(BaseBackend):
             meta["output_token_logprobs"] = [
                 (lp, t, self._token_text(t))
                 for lp, t in zip(result.output_logprobs, result.token_ids)]
+            if result.prompt_logprobs is not None:
+                # The prompt's entries from logprob_start_len on (its last len(...) tokens).
+                n = len(result.prompt_logprobs)
+                ids = result.prompt_token_ids[len(result.prompt_token_ids) - n:]
+                meta["input_token_logprobs"] = [
+                    (lp, t, self._token_text(t)) for lp, t in zip(result.prompt_logprobs, ids)]
+                if result.prompt_top_logprobs is not None:
+                    meta["input_top_logprobs"] = [
+                        [(lp, t, self._token_text(t)) for t, lp in top]
+                        for top in result.prompt_top_logprobs]
         if result.output_top_logprobs:
             meta["output_top_logprobs"] = [
                 [(lp, t, self._token_text(t)) for t, lp in top]

@@ -134,13 +134,20 @@ def gen(
     temperature given anywhere such a call samples at SGLang's default 1.0, with a warning.
     ``choices=[...]`` makes this a :func:`select`.
 
+    The meta info (``s.get_meta_info(name)``) is shaped as SGLang's (``sgrt.lang.meta_info``):
+    ``finish_reason`` is ``{"type": "stop", "matched": ...}`` or ``{"type": "length",
+    "length": n}``; with ``return_logprob`` it has ``output_token_logprobs`` and
+    ``input_token_logprobs`` (the prompt's tokens from ``logprob_start_len`` on, the first
+    prompt token's log-probability ``None``; ``[]`` without ``logprob_start_len``), entries
+    ``(logprob, token_id, text)``, and with ``top_logprobs_num`` the matching ``*_top_logprobs``.
+
     ``stop_regex`` (a Python regex or a list of them, SGLang's parameter) ends the generation as
     soon as the generated text contains a match; the text ends at the end of that match
-    (``finish_reason`` ``"stop"``, ``matched`` the pattern). ``return_text_in_logprobs``: the
-    token text in each log-probability entry (default: included; ``False``: ``None`` as in
-    SGLang). ``max_tokens=0`` with ``return_logprob`` and ``top_logprobs_num=k`` gives, in
-    ``output_top_logprobs[0]``, the k most likely next tokens after the prompt (SGLang's CoT
-    decoding idiom) and generates nothing.
+    (``finish_reason`` ``{"type": "stop", "matched": <the pattern>}``).
+    ``return_text_in_logprobs``: the token text in each log-probability entry (default:
+    included; ``False``: ``None`` as in SGLang). ``max_tokens=0`` with ``return_logprob`` and
+    ``top_logprobs_num=k`` gives, in ``output_top_logprobs[0]``, the k most likely next tokens
+    after the prompt (SGLang's CoT decoding idiom) and generates nothing.
 
     Raises:
         InvalidRequest: ``dtype`` with ``regex`` (or another constraint), ``choices`` with

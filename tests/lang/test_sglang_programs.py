@@ -1,10 +1,12 @@
 """Programs written the way SGLang's examples, tests and benchmarks write them, run with
-``import sgrt as sgl`` (issue 19: SGLang parity).
+``import sgrt as sgl`` (issue 19: SGLang parity; issue 44: what programs read back from the
+state and the meta info).
 
 One program per API point SGLang programs use (``forks[i] += ...`` in six program shapes, the
 ``gen`` / ``fork`` / ``function`` keywords, the module paths, the runtime's attributes,
-reasoning separation, multimodal refusal). Each asserts structure (types, lengths, choices,
-regex matches, streams), not what the 135M model knows. The model is the session's
+reasoning separation, multimodal refusal, and at the end the shapes of issue 44: prompt
+log-probabilities, ``s.copy()``, ``finish_reason``, ``trace()``'s graph). Each asserts structure (types, lengths, choices, regex matches,
+streams, SGLang's shapes), not what the 135M model knows. The model is the session's
 (``tests/conftest.py``); every gen is short.
 """
 from __future__ import annotations
@@ -238,11 +240,11 @@ def test_stop_regex(runtime):
     words = st["words"]
     assert re.fullmatch(r"[a-z]{2,6} ", words)  # ends at the end of the first match
     meta = st.get_meta_info("words")
-    assert meta["finish_reason"] == "stop" and meta["matched"] == r"[a-z] "
+    assert meta["finish_reason"] == {"type": "stop", "matched": r"[a-z] "}
     assert meta["completion_tokens"] == len(meta["output_token_ids"]) >= 1
     assert st.text() == "Three words: " + words + "|" + st["free"]
     free_meta = st.get_meta_info("free")
-    if free_meta["finish_reason"] == "length":
+    if free_meta["finish_reason"]["type"] == "length":
         assert not re.search(r"\d{4}|QQQ", st["free"])
     # Streamed, the pieces add up to the cut text.
     st = stop_at_regex.run(stream=True)
@@ -323,7 +325,7 @@ def test_runtime_endpoint_verify_and_chat_template_name(runtime):
         assert st.text().startswith("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n")
         assert [m["role"] for m in st.messages()] == ["user", "assistant"]
         meta = st.get_meta_info("a")
-        if meta["finish_reason"] == "stop":
+        if meta["finish_reason"]["type"] == "stop":
             assert re.search(r"\s", st["a"]) and not re.search(r"\s", st["a"][:-1])
         assert backend.url == runtime.url and backend.endpoint is backend
         assert isinstance(backend.model_info["model_path"], str)
@@ -382,13 +384,13 @@ def character_gen(s, name):
 def test_json_decode_regex_constants(runtime):
     st = character_gen.run(name="Harry")
     assert st["name"].startswith('"')
-    if st.get_meta_info("name")["finish_reason"] == "stop":
+    if st.get_meta_info("name")["finish_reason"]["type"] == "stop":
         assert re.fullmatch(r'"[\w\d\s]*"', st["name"])
     assert re.fullmatch(r"[-+]?[0-9]+", st["age"])
     assert re.fullmatch(r"[-+]?[0-9]*\.?[0-9]+", st["height"]) or st["height"] in ("+", "-", ".")
     out = st["json_output"]
     assert out.startswith("{\n") and out.endswith("\n}")
-    if all(st.get_meta_info(k)["finish_reason"] == "stop" for k in ("name", "age", "height")):
+    if all(st.get_meta_info(k)["finish_reason"]["type"] == "stop" for k in ("name", "age", "height")):
         assert set(json.loads(out)) == {"name", "age", "height"}
 
 
@@ -418,7 +420,7 @@ def test_build_regex_from_object(runtime):
         s += "A character as JSON: " + sgl.gen("json", regex=regex, max_tokens=40)
 
     st = character.run()
-    if st.get_meta_info("json")["finish_reason"] == "stop":
+    if st.get_meta_info("json")["finish_reason"]["type"] == "stop":
         Character.model_validate_json(st["json"])
     assert st["json"].startswith("{")
 
@@ -594,6 +596,52 @@ def test_next_token_request_streamed_has_the_same_top_tokens(runtime):
 # ---- issue 44: what programs read back from the state and the meta info --------------------
 
 @sgl.function
+def prompt_logprobs(s, start, top):
+    s += "The capital of France is"
+    s += sgl.gen("next", max_tokens=3, return_logprob=True, logprob_start_len=start,
+                 top_logprobs_num=top, return_text_in_logprobs=True)
+
+
+@sgl.function
+def rescore(s, text):
+    s += text + sgl.gen("none", max_tokens=0, return_logprob=True, logprob_start_len=0)
+
+
+def test_gen_prompt_logprobs(runtime):
+    """Item 1: ``gen(return_logprob=True, logprob_start_len=0)`` gives the prompt's entries."""
+    st = prompt_logprobs.run(start=0, top=0)
+    meta = st.get_meta_info("next")
+    entries = meta["input_token_logprobs"]
+    assert len(entries) == meta["prompt_tokens"] and entries[0][0] is None  # no context at 0
+    assert all(isinstance(lp, float) and lp <= 0 for lp, _, _ in entries[1:])
+    assert [t for _, t, _ in entries] == runtime.encode("The capital of France is")
+    assert "".join(x for _, _, x in entries) == "The capital of France is"
+    # SGLang's own check: the gen's output logprobs are what scoring the whole text gives.
+    out_ids = [t for _, t, _ in meta["output_token_logprobs"]]
+    whole = rescore.run(text="The capital of France is" + st["next"]).get_meta_info("none")
+    assert [t for _, t, _ in whole["input_token_logprobs"]] == [t for _, t, _ in entries] + out_ids
+    scored = [lp for lp, _, _ in whole["input_token_logprobs"][len(entries):]]
+    assert scored == pytest.approx([lp for lp, _, _ in meta["output_token_logprobs"]], abs=1e-3)
+    assert [lp for lp, _, _ in whole["input_token_logprobs"][1:len(entries)]] == pytest.approx(
+        [lp for lp, _, _ in entries[1:]], abs=1e-4)
+    # From position 2, with the top tokens of each position.
+    meta2 = prompt_logprobs.run(start=2, top=2).get_meta_info("next")
+    assert [e[1:] for e in meta2["input_token_logprobs"]] == [e[1:] for e in entries[2:]]
+    assert [e[0] for e in meta2["input_token_logprobs"]] == pytest.approx([e[0] for e in entries[2:]],
+                                                                         abs=1e-4)
+    tops = meta2["input_top_logprobs"]
+    assert len(tops) == len(meta2["input_token_logprobs"]) and all(len(row) == 2 for row in tops)
+    assert all(row[0][0] >= lp - 1e-5 for row, (lp, _, _) in zip(tops, meta2["input_token_logprobs"]))
+
+    @sgl.function
+    def no_start(s):
+        s += "The capital of France is" + sgl.gen("next", max_tokens=2, return_logprob=True)
+
+    meta3 = no_start.run().get_meta_info("next")
+    assert meta3["input_token_logprobs"] == [] and len(meta3["output_token_logprobs"]) == 2
+
+
+@sgl.function
 def tried_aside(s):
     s += "A short poem about the sea:\n"
     with s.copy() as c:
@@ -617,6 +665,36 @@ def test_copy_is_joined_like_a_fork(runtime):
         forks.join()
 
     assert fork_of_one.run()["extra"] == extra  # the same thing, spelled as a fork
+
+
+@sgl.function
+def finish_reasons(s):
+    s += "Spell a long word: " + sgl.gen("cut", max_tokens=2, regex=r"[a-z]{30}")
+    # NOTE: sgrt ends a constrained gen at a stop string only where the constraint could end
+    # (here after each pair), so the regex makes one of the two stops certain.
+    s += "\nLetter pairs: " + sgl.gen("pairs", max_tokens=8, regex=r"(ab|cd)+", stop=["b", "d"])
+    s += "\nYes or no? " + sgl.gen("yn", regex=r"(yes|no)")
+
+
+def test_finish_reason_is_sglangs_dict(runtime):
+    """Item 3: ``finish_reason`` is ``{"type": "stop", "matched": ...}`` or ``{"type":
+    "length", "length": n}``, streamed or not."""
+    for stream in (False, True):
+        st = finish_reasons.run(stream=stream)
+        st.sync()
+        assert st.get_meta_info("cut")["finish_reason"] == {"type": "length", "length": 2}
+        reason = st.get_meta_info("pairs")["finish_reason"]
+        assert reason["type"] == "stop" and reason["matched"] in ("b", "d") and set(reason) == {
+            "type", "matched"}
+        assert re.fullmatch(r"(ab|cd)+", st["pairs"] + reason["matched"])  # cut before the stop
+        assert st.get_meta_info("yn")["finish_reason"]["type"] == "stop"
+
+    @sgl.function
+    def samples(s):
+        s += "Spell a long word: " + sgl.gen("w", n=2, temperature=0.0, max_tokens=3, regex=r"[a-z]{30}")
+
+    metas = samples.run().get_meta_info("w")
+    assert [m["finish_reason"] for m in metas] == [{"type": "length", "length": 3}] * 2
 
 
 @sgl.function

@@ -55,6 +55,21 @@ def test_select_scores_match_the_local_backend(endpoint, http_engine):
     assert meta["cached_tokens"] >= meta["prompt_tokens"] - 1
 
 
+def test_prompt_logprobs_match_the_local_backend(endpoint, http_engine):
+    # What a gen's meta info carries with logprob_start_len (issue 44): the prompt's entries.
+    from sgrt.backends.local import LocalBackend
+
+    params = {"max_tokens": 2, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+    remote = endpoint.generate(PROMPT, params).meta_info
+    local = LocalBackend(http_engine).generate(PROMPT, params).meta_info
+    assert len(remote["input_token_logprobs"]) == remote["prompt_tokens"]
+    assert [e[1:] for e in remote["input_token_logprobs"]] == [e[1:] for e in local["input_token_logprobs"]]
+    assert remote["input_token_logprobs"][0][0] is None
+    assert [e[0] for e in remote["input_token_logprobs"][1:]] == pytest.approx(
+        [e[0] for e in local["input_token_logprobs"][1:]], abs=1e-4)
+    assert len(remote["input_top_logprobs"]) == len(local["input_top_logprobs"]) == remote["prompt_tokens"]
+
+
 def test_stream_close_and_abort_free_the_request(endpoint, http_engine):
     wait_idle(http_engine)
     aborted = http_engine.stats()["aborted"]
