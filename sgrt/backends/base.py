@@ -80,8 +80,10 @@ class ChoiceScore:
     ``token_logprobs`` are the log-probabilities of the option's own tokens given the prompt
     (what ``prompt + choice`` tokenizes to past the prompt's tokens; with token healing the
     first one may re-cover the prompt's last characters). ``unconditional_logprobs``, when
-    asked for, are those of the option's tokens on their own (first entry ``None``: no
-    context). ``cached_tokens`` is how much of the scoring request came from the prefix cache.
+    asked for, are those of the same tokens (``token_ids``) scored on their own (first entry
+    ``None``: no context), as SGLang's ``RuntimeEndpoint.select`` scores them; a backend that
+    can only score text pads or cuts them to ``token_logprobs``' length. ``cached_tokens`` is
+    how much of the scoring request came from the prefix cache.
     """
 
     choice: str

@@ -262,8 +262,14 @@ def select(name: str | None = None, choices: list[str] | None = None,
     """Choose one of ``choices`` into variable ``name`` by their log-probabilities.
 
     The text so far is prefilled once, then every option is scored by its own tokens in one
-    batch; ``choices_method`` (default ``token_length_normalized``) decides. The meta info
-    holds the per-option scores. ``temperature`` exists for SGLang compatibility and must be 0.
+    batch; ``choices_method`` (default ``token_length_normalized``; any
+    ``ChoicesSamplingMethod`` written to SGLang's call signature) decides. The meta info has
+    SGLang's keys, per option: ``normalized_prompt_logprobs``, ``input_token_logprobs``
+    (``(logprob, token_id, text)`` of the option's tokens), ``output_token_logprobs`` (``[]``),
+    and whatever the method adds (``greedy_logprob_matrix``; ``unconditional_token_logprobs``
+    and ``normalized_unconditional_prompt_logprobs``); sgrt adds ``choices``, ``decision``,
+    ``prompt_tokens`` and ``cached_tokens``. ``temperature`` exists for SGLang compatibility
+    and must be 0.
 
     Raises:
         InvalidRequest: no choices, an empty or non-str option, a non-zero temperature.

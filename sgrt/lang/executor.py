@@ -17,7 +17,7 @@ from sgrt.errors import InvalidRequest
 from sgrt.lang import ir
 from sgrt.lang.choices import token_length_normalized
 from sgrt.lang.defaults import gen_sampling_params, parse_dtype_value
-from sgrt.lang.meta_info import gen_meta, strip_texts
+from sgrt.lang.meta_info import gen_meta, select_method_inputs, strip_texts
 from sgrt.lang.transcript import Transcript
 from sgrt.sampling_params import SamplingParams
 
@@ -275,23 +275,18 @@ class StreamExecutor:
         return meta
 
     def _execute_select(self, expr: ir.Select) -> None:
+        """SGLang's select: score the options, call the choices method with SGLang's keyword
+        arguments, record its decision and meta info (over the scoring's own keys)."""
         method = expr.choices_method or token_length_normalized
-        scores = self.backend.score_choices(
-            self.transcript.text, expr.choices,
-            unconditional=getattr(method, "requires_unconditional_logprobs", False))
-        decision = method(
-            choices=list(expr.choices),
-            token_logprobs=[sc.token_logprobs for sc in scores],
-            unconditional_token_logprobs=(
-                [sc.unconditional_logprobs for sc in scores]
-                if getattr(method, "requires_unconditional_logprobs", False) else None),
-        )
-        meta = dict(decision.meta_info)
+        unconditional = bool(getattr(method, "requires_unconditional_logprobs", False))
+        scores = self.backend.score_choices(self.transcript.text, expr.choices,
+                                            unconditional=unconditional)
+        inputs = select_method_inputs(scores, unconditional)
+        decision = method(choices=list(expr.choices), **inputs)
+        meta = {k: v for k, v in inputs.items() if v is not None}
+        meta.update(decision.meta_info or {})
         meta["choices"] = list(expr.choices)
         meta["decision"] = decision.decision
-        meta["input_token_logprobs"] = [
-            list(zip(sc.token_logprobs, sc.token_ids, sc.token_texts or [None] * len(sc.token_ids)))
-            for sc in scores]
         meta["prompt_tokens"] = [sc.prompt_tokens for sc in scores]
         meta["cached_tokens"] = [sc.cached_tokens for sc in scores]
         self._record_usage([{"prompt_tokens": sc.prompt_tokens} for sc in scores])

@@ -12,11 +12,18 @@ server's ``meta_info`` as it is):
   ``logprob_start_len`` on (the first prompt token's log-probability is ``None``), or ``[]`` when no
   ``logprob_start_len`` was given (SGLang's server then scores no prompt token);
 - ``return_text_in_logprobs=False`` sets the text of every log-probability entry to ``None``.
+
+A ``select``'s meta info is built from the scores of its options
+(:func:`select_method_inputs`), under the names SGLang's ``RuntimeEndpoint.select`` passes to a
+:class:`~sgrt.lang.choices.ChoicesSamplingMethod`.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from sgrt.backends.base import ChoiceScore
+from sgrt.lang.choices import mean_logprob
 from sgrt.sampling_params import SamplingParams
 
 #: The meta keys whose values are lists of ``(logprob, token_id, text)`` entries.
@@ -76,3 +83,27 @@ def gen_meta(meta: Any, params: SamplingParams, with_text: bool | None) -> Any:
             if out.get(key) is not None:
                 out[key] = [strip_texts(row) for row in out[key]]
     return out
+
+
+def select_method_inputs(scores: Sequence[ChoiceScore], unconditional: bool) -> dict[str, Any]:
+    """The keyword arguments a choices method gets, besides ``choices`` (SGLang's names):
+
+    - ``input_token_logprobs``: per option, its tokens' ``(logprob, token_id, text)`` entries
+      after the prompt (with token healing, the first may re-cover the prompt's last characters);
+    - ``output_token_logprobs``: per option ``[]`` (the scoring requests generate nothing);
+    - ``normalized_prompt_logprobs``: per option, the mean of its tokens' log-probabilities;
+    - ``unconditional_token_logprobs``: with ``unconditional``, per option the same tokens'
+      entries scored without the prompt (the first log-probability ``None``); else ``None``.
+    """
+    def entries(score: ChoiceScore, logprobs: Sequence[float | None]) -> list[tuple]:
+        texts = score.token_texts or [None] * len(score.token_ids)
+        # NOTE: strict: a backend whose lists disagree is a bug, not something to cut silently.
+        return list(zip(logprobs, score.token_ids, texts, strict=True))
+
+    return {
+        "normalized_prompt_logprobs": [mean_logprob(sc.token_logprobs) for sc in scores],
+        "input_token_logprobs": [entries(sc, sc.token_logprobs) for sc in scores],
+        "output_token_logprobs": [[] for _ in scores],
+        "unconditional_token_logprobs": (
+            [entries(sc, sc.unconditional_logprobs or []) for sc in scores] if unconditional else None),
+    }

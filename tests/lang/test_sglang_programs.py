@@ -5,7 +5,8 @@ state and the meta info).
 One program per API point SGLang programs use (``forks[i] += ...`` in six program shapes, the
 ``gen`` / ``fork`` / ``function`` keywords, the module paths, the runtime's attributes,
 reasoning separation, multimodal refusal, and at the end the shapes of issue 44: prompt
-log-probabilities, ``s.copy()``, ``finish_reason``, ``trace()``'s graph). Each asserts structure (types, lengths, choices, regex matches,
+log-probabilities, ``s.copy()``, ``finish_reason``, custom choices methods, ``select``'s meta
+keys, ``trace()``'s graph). Each asserts structure (types, lengths, choices, regex matches,
 streams, SGLang's shapes), not what the 135M model knows. The model is the session's
 (``tests/conftest.py``); every gen is short.
 """
@@ -22,6 +23,7 @@ import pytest
 
 import sgrt as sgl
 from sgrt.errors import InvalidRequest
+from sgrt.lang.choices import ChoicesDecision, ChoicesSamplingMethod  # SGLang's module path
 
 
 @pytest.fixture(autouse=True)
@@ -695,6 +697,76 @@ def test_finish_reason_is_sglangs_dict(runtime):
 
     metas = samples.run().get_meta_info("w")
     assert [m["finish_reason"] for m in metas] == [{"type": "length", "length": 3}] * 2
+
+
+class LeastLikely(ChoicesSamplingMethod):
+    """A method written to SGLang's call signature: the least likely option, and what it got."""
+
+    @property
+    def requires_unconditional_logprobs(self) -> bool:
+        return True
+
+    def __call__(self, *, choices, normalized_prompt_logprobs, input_token_logprobs,
+                 output_token_logprobs, unconditional_token_logprobs=None):
+        worst = min(range(len(choices)), key=lambda i: normalized_prompt_logprobs[i])
+        return ChoicesDecision(decision=choices[worst], meta_info={
+            "received": {"input": input_token_logprobs, "output": output_token_logprobs,
+                         "unconditional": unconditional_token_logprobs}})
+
+
+@sgl.function
+def sky_color(s, method):
+    s += "The color of the clear sky at noon is"
+    s += sgl.select("color", choices=[" blue", " green", " purple"], choices_method=method)
+
+
+def test_custom_choices_method(runtime):
+    """Item 4: a ``ChoicesSamplingMethod`` subclass written to SGLang's signature runs."""
+    st = sky_color.run(method=LeastLikely())
+    meta = st.get_meta_info("color")
+    scores = meta["normalized_prompt_logprobs"]
+    assert st["color"] == [" blue", " green", " purple"][scores.index(min(scores))]
+    got = meta["received"]
+    assert got["output"] == [[], [], []]
+    for option, entries, alone in zip([" blue", " green", " purple"], got["input"], got["unconditional"]):
+        assert "".join(x for _, _, x in entries) == option  # no token healing after "is"
+        assert [t for _, t, _ in alone] == [t for _, t, _ in entries]  # the same tokens, alone
+        assert alone[0][0] is None and all(lp <= 0 for lp, _, _ in alone[1:])
+    assert scores == pytest.approx([sum(lp for lp, _, _ in e) / len(e) for e in got["input"]])
+
+
+@sgl.function
+def tool_use(s, question, method):
+    s += "To answer this question: " + question + ", "
+    s += "I need to use a " + sgl.gen("tool", choices=["calculator", "search engine"],
+                                      choices_method=method) + ". "
+
+
+def test_select_meta_keys(runtime):
+    """Item 5: ``select``'s meta info keys are SGLang's, for each of the three methods."""
+    q = "What is 257 times 983?"
+    for method in (sgl.token_length_normalized, sgl.greedy_token_selection,
+                   sgl.unconditional_likelihood_normalized):
+        st = tool_use.run(question=q, method=method)
+        meta = st.get_meta_info("tool")
+        inputs = meta["input_token_logprobs"]
+        assert len(inputs) == 2 and all(_is_logprob_entry(e) for e in inputs[0] + inputs[1])
+        assert meta["output_token_logprobs"] == [[], []]
+        assert meta["normalized_prompt_logprobs"] == pytest.approx(
+            [sum(lp for lp, _, _ in e) / len(e) for e in inputs])
+        if method is sgl.greedy_token_selection:
+            width = max(len(e) for e in inputs)
+            assert [len(row) for row in meta["greedy_logprob_matrix"]] == [width, width]
+        if method is sgl.unconditional_likelihood_normalized:
+            alone = meta["unconditional_token_logprobs"]
+            assert [[t for _, t, _ in e] for e in alone] == [[t for _, t, _ in e] for e in inputs]
+            expected = [sum(c - (u or 0.0) for (c, _, _), (u, _, _) in zip(e, a)) / len(e)
+                        for e, a in zip(inputs, alone)]
+            scores = meta["normalized_unconditional_prompt_logprobs"]
+            assert scores == pytest.approx(expected)
+            assert st["tool"] == ["calculator", "search engine"][scores.index(max(scores))]
+        else:
+            assert "unconditional_token_logprobs" not in meta
 
 
 @sgl.function

@@ -50,6 +50,8 @@ def test_select_scores_match_the_local_backend(endpoint, http_engine):
         assert r.token_ids == lo.token_ids
         assert r.token_logprobs == pytest.approx(lo.token_logprobs, abs=1e-4)
         assert r.unconditional_logprobs[1:] == pytest.approx(lo.unconditional_logprobs[1:], abs=1e-4)
+        # The option's own scored tokens, alone (SGLang's rule): one entry each, the first None.
+        assert len(r.unconditional_logprobs) == len(r.token_ids) and r.unconditional_logprobs[0] is None
         assert r.cached_tokens >= r.prompt_tokens - 2  # the prompt was prefilled once, then reused
     meta = endpoint.cache_prefix(PROMPT)
     assert meta["cached_tokens"] >= meta["prompt_tokens"] - 1
