@@ -15,6 +15,9 @@ programs port by changing the import. Deliberate differences (each documented wh
   ``return_text_in_logprobs=False`` is given (SGLang gives ``None`` unless it is True).
 - ``stop_regex`` keeps the text that matched (as SGLang's server returns it) and stops at the end
   of the match.
+- a gen that ends because its constraint is complete reports ``finish_reason`` ``{"type":
+  "stop", "matched": "grammar"}`` (SGLang's ``matched`` is then the last token's id, which a
+  program cannot tell from an EOS or stop id): the program learns that the value is whole.
 - ``@function(num_api_spec_tokens=...)`` is accepted and has no effect: API speculative
   execution saves black-box API calls; sgrt's backends keep the KV cache between ``gen`` calls,
   so each ``gen`` is already one incremental request, and the output is the one without it.

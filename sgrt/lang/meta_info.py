@@ -7,7 +7,8 @@ server's ``meta_info`` as it is):
 
 - ``finish_reason`` is a dict: ``{"type": "stop", "matched": <EOS id, stop string or id, stop
   pattern, or "grammar">}``, ``{"type": "length", "length": <tokens generated>}`` or ``{"type":
-  "abort", "message": ...}`` (SGLang's ``FINISH_*.to_json()``, ``srt/managers/schedule_batch.py``);
+  "abort", "message": ...}`` (SGLang's ``FINISH_*.to_json()``, ``srt/managers/schedule_batch.py``;
+  for a completed constraint SGLang's ``matched`` is the last token id, a listed departure);
 - with ``return_logprob``, ``input_token_logprobs`` is always there: the prompt's entries from
   ``logprob_start_len`` on (the first prompt token's log-probability is ``None``), or ``[]`` when no
   ``logprob_start_len`` was given (SGLang's server then scores no prompt token);
