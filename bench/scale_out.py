@@ -131,7 +131,7 @@ def _check_stop(ep: Any) -> str:
     st = stop_gen.run(backend=ep)
     text, meta = st["a"], st.get_meta_info("a")
     assert "\n" not in text, f"stop string in the output: {text!r}"
-    assert meta["completion_tokens"] == 32 or meta["finish_reason"] == "stop", meta["finish_reason"]
+    assert meta["completion_tokens"] == 32 or meta["finish_reason"]["type"] == "stop", meta["finish_reason"]
     return repr(text)
 
 

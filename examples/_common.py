@@ -47,7 +47,8 @@ def describe(meta: dict[str, Any] | None) -> str:
     ttft, e2e, n = meta.get("ttft"), meta.get("e2e_latency"), meta.get("completion_tokens", 0)
     speed = f", {(n - 1) / (e2e - ttft):.1f} tok/s" if ttft is not None and e2e and n > 1 and e2e > ttft else ""
     forced = f", {meta['forced_tokens']} forced" if meta.get("forced_tokens") else ""
-    return (f"{n} tokens ({meta.get('finish_reason')}), {meta.get('cached_tokens', 0)}/{meta.get('prompt_tokens', 0)} "
+    reason = (meta.get("finish_reason") or {}).get("type")
+    return (f"{n} tokens ({reason}), {meta.get('cached_tokens', 0)}/{meta.get('prompt_tokens', 0)} "
             f"prompt tokens cached, TTFT {1000 * (ttft or 0):.0f} ms{speed}{forced}")
 
 

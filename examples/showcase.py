@@ -103,7 +103,7 @@ def demo(rt: sgrt.Runtime) -> tuple[ProgramState, ProgramState]:
     meta = st.get_meta_info("answer")
     speed = tok_per_s(meta)
     print(f"\n[TTFT {1000 * meta['ttft']:.0f} ms, {speed or 0:.1f} tok/s, {meta['completion_tokens']} tokens, "
-          f"{meta['finish_reason']}]")
+          f"{meta['finish_reason']['type']}]")
 
     # 2. Extraction, fork and select over the passage.
     t1 = time.perf_counter()

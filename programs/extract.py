@@ -53,9 +53,9 @@ def extract(s, text: str, schema: dict[str, Any] | None = None,
         max_tokens: the most tokens of the JSON reply.
 
     Variables:
-        ``json``: the JSON text (str); its meta info has ``finish_reason`` (``"stop"`` with
-        ``matched="grammar"`` when the value is complete; ``"length"`` and ``incomplete`` when
-        ``max_tokens`` cut it short) and ``forced_tokens``.
+        ``json``: the JSON text (str); its meta info has ``finish_reason`` (``{"type": "stop",
+        "matched": "grammar"}`` when the value is complete; type ``"length"``, and
+        ``incomplete``, when ``max_tokens`` cut it short) and ``forced_tokens``.
         ``data``: the parsed value, or ``None`` if the reply was cut short.
 
     Shows: JSON Schema constrained decoding, jump-forward over forced tokens.

@@ -44,7 +44,11 @@ class GenOutput:
     ``e2e_latency`` (s), ``ttft`` (s), ``incomplete`` and ``warnings``; with ``return_logprob``
     also ``output_token_logprobs`` (list of :data:`TokenLogprob`) and, with
     ``top_logprobs_num``, ``output_top_logprobs`` (per position, a list of
-    :data:`TokenLogprob`).
+    :data:`TokenLogprob`); with ``return_logprob`` and ``logprob_start_len >= 0`` (a backend
+    that has prompt log-probabilities) also ``input_token_logprobs``, the prompt's tokens from
+    that position (the first prompt token's log-probability ``None``), and with
+    ``top_logprobs_num`` ``input_top_logprobs``. The DSL reshapes it for programs
+    (``sgrt.lang.meta_info``).
     """
 
     text: str
@@ -76,8 +80,10 @@ class ChoiceScore:
     ``token_logprobs`` are the log-probabilities of the option's own tokens given the prompt
     (what ``prompt + choice`` tokenizes to past the prompt's tokens; with token healing the
     first one may re-cover the prompt's last characters). ``unconditional_logprobs``, when
-    asked for, are those of the option's tokens on their own (first entry ``None``: no
-    context). ``cached_tokens`` is how much of the scoring request came from the prefix cache.
+    asked for, are those of the same tokens (``token_ids``) scored on their own (first entry
+    ``None``: no context), as SGLang's ``RuntimeEndpoint.select`` scores them; a backend that
+    can only score text pads or cuts them to ``token_logprobs``' length. ``cached_tokens`` is
+    how much of the scoring request came from the prefix cache.
     """
 
     choice: str

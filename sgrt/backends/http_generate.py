@@ -154,12 +154,13 @@ class GenerateMixin:
             raise RequestAborted(f"request {meta.get('id')} aborted: {meta.get('error') or 'no reason given'}")
         out = dict(meta)
         out["e2e_latency"] = time.perf_counter() - start
-        if "output_token_logprobs" in out:
-            out["output_token_logprobs"] = _tuples(out["output_token_logprobs"])
-        if "output_top_logprobs" in out:
-            out["output_top_logprobs"] = [_tuples(row) for row in out["output_top_logprobs"]]
-        for key in ("input_token_logprobs", "input_top_logprobs", "error"):
-            out.pop(key, None)
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            if key in out:
+                out[key] = _tuples(out[key])
+        for key in ("output_top_logprobs", "input_top_logprobs"):
+            if key in out:
+                out[key] = [_tuples(row) for row in out[key]]
+        out.pop("error", None)
         return out
 
     # ---- OpenAI-compatible completions (other servers) ----------------------------------------

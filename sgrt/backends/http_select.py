@@ -30,30 +30,29 @@ class SelectMixin:
             return self._score_by_forced_tokens(prompt, choices, unconditional)
         if not self.is_sgrt:
             return self._score_by_echo(prompt, choices, unconditional)
-        texts = [prompt] + [prompt + c for c in choices] + (list(choices) if unconditional else [])
-        ids = self.encode(texts)
-        prefix_ids, full = ids[0], ids[1:1 + len(choices)]
-        alone = ids[1 + len(choices):]
+        ids = self.encode([prompt] + [prompt + c for c in choices])
+        prefix_ids, full = ids[0], ids[1:]
         self._prefill_ids(prefix_ids)
         starts = [min(common_prefix_len(prefix_ids, f), len(f) - 1) for f in full]
+        # NOTE: with unconditional, each option's own scored ids go alone too (SGLang's rule).
+        alone = [f[s:] for f, s in zip(full, starts)] if unconditional else []
         body = {"input_ids": full + alone, "sampling_params": {"max_tokens": 0}, "return_logprob": True,
-                "logprob_start_len": starts + [1] * len(alone), "return_text_in_logprobs": True}
+                "logprob_start_len": starts + [0] * len(alone), "return_text_in_logprobs": True}
         outs = self.client.request("POST", "/generate", body)
-        scores = []
+        scores, kept = [], []
         for choice, out in zip(choices, outs[:len(choices)]):
             meta = out["meta_info"]
             self._native_meta(meta, time.perf_counter())  # raises for an abort
-            pairs = [(lp, t, txt) for lp, t, txt in meta.get("input_token_logprobs") or [] if lp is not None]
-            scores.append(ChoiceScore(choice=choice, token_ids=[t for _, t, _ in pairs],
-                                      token_logprobs=[lp for lp, _, _ in pairs],
-                                      token_texts=[txt for _, _, txt in pairs],
+            entries = meta.get("input_token_logprobs") or []
+            keep = [j for j, (lp, _, _) in enumerate(entries) if lp is not None]
+            kept.append(keep)
+            scores.append(ChoiceScore(choice=choice, token_ids=[entries[j][1] for j in keep],
+                                      token_logprobs=[entries[j][0] for j in keep],
+                                      token_texts=[entries[j][2] for j in keep],
                                       prompt_tokens=meta["prompt_tokens"], cached_tokens=meta["cached_tokens"]))
-        for sc, out in zip(scores, outs[len(choices):]):
-            # NOTE: scored from position 1 (position 0 has no context, its entry is None).
-            lps = [None] + [lp for lp, _, _ in out["meta_info"].get("input_token_logprobs") or []]
-            # NOTE: aligned like LocalBackend: the option's own tokenization, cut or padded.
-            n = len(sc.token_logprobs)
-            sc.unconditional_logprobs = lps[:n] + [None] * max(0, n - len(lps))
+        for sc, keep, out in zip(scores, kept, outs[len(choices):]):
+            lps = [lp for lp, _, _ in out["meta_info"].get("input_token_logprobs") or []]
+            sc.unconditional_logprobs = [lps[j] if j < len(lps) else None for j in keep]
         return scores
 
     def _score_by_echo(self, prompt: str, choices: Sequence[str], unconditional: bool) -> list[ChoiceScore]:

@@ -82,6 +82,16 @@ class LocalBackend(BaseBackend):
             meta["output_token_logprobs"] = [
                 (lp, t, self._token_text(t))
                 for lp, t in zip(result.output_logprobs, result.token_ids)]
+            if result.prompt_logprobs is not None:
+                # The prompt's entries from logprob_start_len on (its last len(...) tokens).
+                n = len(result.prompt_logprobs)
+                ids = result.prompt_token_ids[len(result.prompt_token_ids) - n:]
+                meta["input_token_logprobs"] = [
+                    (lp, t, self._token_text(t)) for lp, t in zip(result.prompt_logprobs, ids)]
+                if result.prompt_top_logprobs is not None:
+                    meta["input_top_logprobs"] = [
+                        [(lp, t, self._token_text(t)) for t, lp in top]
+                        for top in result.prompt_top_logprobs]
         if result.output_top_logprobs:
             meta["output_top_logprobs"] = [
                 [(lp, t, self._token_text(t)) for t, lp in top]
@@ -193,7 +203,9 @@ class LocalBackend(BaseBackend):
 
         Each option's tokens are those of ``prompt + option`` from the first position where they
         differ from ``prompt``'s own tokens (token healing: a token that merges the prompt's end
-        with the option's start is scored too, and the same way for every option).
+        with the option's start is scored too, and the same way for every option). With
+        ``unconditional``, those same token ids are scored alone in the same batch (SGLang's
+        rule), so both lists have one entry per token.
         """
         prefix_ids = self.encode(prompt)
         self._prefill(prefix_ids)
@@ -206,31 +218,28 @@ class LocalBackend(BaseBackend):
         uncond_handles = []
         if unconditional:
             uncond_handles = [
-                self.engine.submit(self.encode(c), SamplingParams(
+                self.engine.submit(ids[start:], SamplingParams(
                     max_tokens=0, return_logprob=True, logprob_start_len=0))
-                for c in choices]
-        scores = []
+                for ids, start in zip(full, starts)]
+        scores, kept = [], []
         for choice, ids, start, h in zip(choices, full, starts, handles):
             result = self._check(h.result())
             lps = list(result.prompt_logprobs or [])[-(len(ids) - start):]
             tok = ids[start:]
-            pairs = [(lp, t) for lp, t in zip(lps, tok) if lp is not None]
+            # NOTE: only an option at the very start of an empty prompt has a None (position 0).
+            keep = [j for j, lp in enumerate(lps) if lp is not None]
+            kept.append(keep)
             scores.append(ChoiceScore(
                 choice=choice,
-                token_ids=[t for _, t in pairs],
-                token_logprobs=[lp for lp, _ in pairs],
-                token_texts=[self._token_text(t) for _, t in pairs],
+                token_ids=[tok[j] for j in keep],
+                token_logprobs=[lps[j] for j in keep],
+                token_texts=[self._token_text(tok[j]) for j in keep],
                 prompt_tokens=result.prompt_tokens,
                 cached_tokens=result.cached_tokens,
             ))
-        for sc, h in zip(scores, uncond_handles):
-            result = self._check(h.result())
-            lps = list(result.prompt_logprobs or [])
-            # NOTE: aligned to the option's own tokenization, which may differ from how it
-            # tokenizes after the prompt; the method averages over positions, so keep the
-            # shorter alignment.
-            sc.unconditional_logprobs = lps[: len(sc.token_logprobs)] + [None] * max(
-                0, len(sc.token_logprobs) - len(lps))
+        for sc, keep, h in zip(scores, kept, uncond_handles):
+            alone = list(self._check(h.result()).prompt_logprobs or [])
+            sc.unconditional_logprobs = [alone[j] if j < len(alone) else None for j in keep]
         return scores
 
     # ---- prefix cache ---------------------------------------------------------------------

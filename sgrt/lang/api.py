@@ -15,6 +15,9 @@ programs port by changing the import. Deliberate differences (each documented wh
   ``return_text_in_logprobs=False`` is given (SGLang gives ``None`` unless it is True).
 - ``stop_regex`` keeps the text that matched (as SGLang's server returns it) and stops at the end
   of the match.
+- a gen that ends because its constraint is complete reports ``finish_reason`` ``{"type":
+  "stop", "matched": "grammar"}`` (SGLang's ``matched`` is then the last token's id, which a
+  program cannot tell from an EOS or stop id): the program learns that the value is whole.
 - ``@function(num_api_spec_tokens=...)`` is accepted and has no effect: API speculative
   execution saves black-box API calls; sgrt's backends keep the KV cache between ``gen`` calls,
   so each ``gen`` is already one incremental request, and the output is the one without it.
@@ -34,6 +37,9 @@ programs port by changing the import. Deliberate differences (each documented wh
   JSON-returning helper.
 - ``separate_reasoning`` also splits when streaming (after the gen ends; the streamed pieces
   still hold the reasoning), where SGLang skips it.
+- ``trace()`` records f-strings over arguments and generated variables as references to them
+  (SGLang's tracer raises ``TypeError`` for an argument and writes a variable's repr into the
+  text), so the traced graph and constant prefix are those of the program ``run()`` runs.
 """
 from __future__ import annotations
 
@@ -131,13 +137,20 @@ def gen(
     temperature given anywhere such a call samples at SGLang's default 1.0, with a warning.
     ``choices=[...]`` makes this a :func:`select`.
 
+    The meta info (``s.get_meta_info(name)``) is shaped as SGLang's (``sgrt.lang.meta_info``):
+    ``finish_reason`` is ``{"type": "stop", "matched": ...}`` or ``{"type": "length",
+    "length": n}``; with ``return_logprob`` it has ``output_token_logprobs`` and
+    ``input_token_logprobs`` (the prompt's tokens from ``logprob_start_len`` on, the first
+    prompt token's log-probability ``None``; ``[]`` without ``logprob_start_len``), entries
+    ``(logprob, token_id, text)``, and with ``top_logprobs_num`` the matching ``*_top_logprobs``.
+
     ``stop_regex`` (a Python regex or a list of them, SGLang's parameter) ends the generation as
     soon as the generated text contains a match; the text ends at the end of that match
-    (``finish_reason`` ``"stop"``, ``matched`` the pattern). ``return_text_in_logprobs``: the
-    token text in each log-probability entry (default: included; ``False``: ``None`` as in
-    SGLang). ``max_tokens=0`` with ``return_logprob`` and ``top_logprobs_num=k`` gives, in
-    ``output_top_logprobs[0]``, the k most likely next tokens after the prompt (SGLang's CoT
-    decoding idiom) and generates nothing.
+    (``finish_reason`` ``{"type": "stop", "matched": <the pattern>}``).
+    ``return_text_in_logprobs``: the token text in each log-probability entry (default:
+    included; ``False``: ``None`` as in SGLang). ``max_tokens=0`` with ``return_logprob`` and
+    ``top_logprobs_num=k`` gives, in ``output_top_logprobs[0]``, the k most likely next tokens
+    after the prompt (SGLang's CoT decoding idiom) and generates nothing.
 
     Raises:
         InvalidRequest: ``dtype`` with ``regex`` (or another constraint), ``choices`` with
@@ -252,8 +265,14 @@ def select(name: str | None = None, choices: list[str] | None = None,
     """Choose one of ``choices`` into variable ``name`` by their log-probabilities.
 
     The text so far is prefilled once, then every option is scored by its own tokens in one
-    batch; ``choices_method`` (default ``token_length_normalized``) decides. The meta info
-    holds the per-option scores. ``temperature`` exists for SGLang compatibility and must be 0.
+    batch; ``choices_method`` (default ``token_length_normalized``; any
+    ``ChoicesSamplingMethod`` written to SGLang's call signature) decides. The meta info has
+    SGLang's keys, per option: ``normalized_prompt_logprobs``, ``input_token_logprobs``
+    (``(logprob, token_id, text)`` of the option's tokens), ``output_token_logprobs`` (``[]``),
+    and whatever the method adds (``greedy_logprob_matrix``; ``unconditional_token_logprobs``
+    and ``normalized_unconditional_prompt_logprobs``); sgrt adds ``choices``, ``decision``,
+    ``prompt_tokens`` and ``cached_tokens``. ``temperature`` exists for SGLang compatibility
+    and must be 0.
 
     Raises:
         InvalidRequest: no choices, an empty or non-str option, a non-zero temperature.
@@ -344,7 +363,8 @@ def separate_reasoning(expr: Any = None, model_type: str | None = None) -> ir.Ex
     SGLang's semantics: for each named ``gen`` / ``select`` ``x`` in ``expr``, ``s["x"]`` keeps
     the answer, ``s["x_reasoning_content"]`` gets the reasoning (``<think>...</think>`` or the
     family's tags, see ``sgrt.lang.reasoning``), and the text of the open message becomes the
-    answer alone. ``model_type`` is SGLang's reasoning-parser name (``"deepseek-r1"``,
+    answer alone. Whitespace is stripped as SGLang's parser strips it: ``"<think> abc </think>
+    Four"`` gives reasoning ``"abc "`` and answer ``"Four"``. ``model_type`` is SGLang's reasoning-parser name (``"deepseek-r1"``,
     ``"qwen3"``...; ``None``: plain ``<think>`` tags).
 
     Raises:

@@ -1,8 +1,15 @@
 """How ``select`` turns the options' token log-probabilities into a decision.
 
-A method receives, for each option, the log-probabilities of its own tokens after the prompt
-(and, if it asks for them, the same tokens scored without the prompt) and returns a
-:class:`ChoicesDecision`. Three methods, as in SGLang:
+A method is called as SGLang's ``RuntimeEndpoint.select`` calls one, with keyword arguments
+only (``sglang.lang.choices``): ``choices``; ``normalized_prompt_logprobs`` (per option, the mean
+log-probability of its tokens after the prompt); ``input_token_logprobs`` (per option, its
+tokens' ``(logprob, token_id, text)`` entries); ``output_token_logprobs`` (per option ``[]``:
+scoring generates nothing); ``unconditional_token_logprobs`` (per option, the same tokens'
+entries scored without the prompt, the first log-probability ``None``; given only to a method
+whose ``requires_unconditional_logprobs`` is true, else ``None``). It returns a
+:class:`ChoicesDecision`, whose ``meta_info`` goes into ``s.get_meta_info(name)``.
+
+Three methods, as in SGLang:
 
 - :data:`token_length_normalized` (default): highest mean token log-probability.
 - :data:`greedy_token_selection`: compare the options token by token, keeping those tied at the
@@ -20,39 +27,57 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+#: One token's entry: ``(logprob, token_id, text)`` (``logprob`` ``None`` where it has no context).
+Entry = Sequence[Any]
+
 
 @dataclass
 class ChoicesDecision:
-    """The chosen option and what the method computed (goes into ``s.get_meta_info(name)``)."""
+    """The chosen option and what the method computed (goes into ``s.get_meta_info(name)``;
+    ``None`` is taken as no extra information)."""
 
     decision: str
-    meta_info: dict[str, Any] = field(default_factory=dict)
+    meta_info: dict[str, Any] | None = field(default_factory=dict)
 
 
 class ChoicesSamplingMethod(ABC):
-    """A rule that picks one option of a ``select``."""
+    """A rule that picks one option of a ``select`` (SGLang's call signature, see the module
+    docstring)."""
 
-    #: Whether :meth:`__call__` needs ``unconditional_token_logprobs``.
+    #: Whether :meth:`__call__` needs ``unconditional_token_logprobs`` (a subclass may override
+    #: it with a property, as SGLang's methods do).
     requires_unconditional_logprobs: bool = False
 
     @abstractmethod
     def __call__(self, *, choices: Sequence[str],
-                 token_logprobs: Sequence[Sequence[float]],
-                 unconditional_token_logprobs: Sequence[Sequence[float | None]] | None = None,
+                 normalized_prompt_logprobs: Sequence[float],
+                 input_token_logprobs: Sequence[Sequence[Entry]],
+                 output_token_logprobs: Sequence[Sequence[Entry]],
+                 unconditional_token_logprobs: Sequence[Sequence[Entry]] | None = None,
                  ) -> ChoicesDecision:
         """Pick one of ``choices``.
 
         Args:
             choices: the options, in order.
-            token_logprobs: per option, the log-probabilities (natural log) of its tokens after
-                the prompt; every option has at least one token.
-            unconditional_token_logprobs: per option, the same tokens scored without the prompt
-                (first entry ``None``); given only to methods that require it.
+            normalized_prompt_logprobs: per option, the mean log-probability (natural log) of
+                its tokens after the prompt.
+            input_token_logprobs: per option, ``(logprob, token_id, text)`` of each of its
+                tokens after the prompt; every option has at least one token.
+            output_token_logprobs: per option, ``[]``.
+            unconditional_token_logprobs: per option, the entries of the same tokens scored
+                without the prompt (first log-probability ``None``); only for methods that
+                require them.
         """
 
 
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else -math.inf
+def _logprobs(entries: Sequence[Entry]) -> list[float | None]:
+    return [e[0] for e in entries]
+
+
+def mean_logprob(values: Sequence[float | None]) -> float:
+    """Mean of the values that are not ``None``; ``-inf`` for none (such an option never wins)."""
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else -math.inf
 
 
 def _argmax(values: Sequence[float]) -> int:
@@ -63,13 +88,22 @@ def _argmax(values: Sequence[float]) -> int:
     return best
 
 
+def _base_meta(normalized_prompt_logprobs, input_token_logprobs, output_token_logprobs) -> dict[str, Any]:
+    return {
+        "normalized_prompt_logprobs": list(normalized_prompt_logprobs),
+        "input_token_logprobs": input_token_logprobs,
+        "output_token_logprobs": output_token_logprobs,
+    }
+
+
 class TokenLengthNormalized(ChoicesSamplingMethod):
     """The option with the highest mean token log-probability (ties: the first)."""
 
-    def __call__(self, *, choices, token_logprobs, unconditional_token_logprobs=None):
-        scores = [_mean(lp) for lp in token_logprobs]
-        best = _argmax(scores)
-        return ChoicesDecision(choices[best], {"normalized_prompt_logprobs": scores})
+    def __call__(self, *, choices, normalized_prompt_logprobs, input_token_logprobs,
+                 output_token_logprobs, unconditional_token_logprobs=None):
+        best = _argmax(normalized_prompt_logprobs)
+        return ChoicesDecision(choices[best], _base_meta(
+            normalized_prompt_logprobs, input_token_logprobs, output_token_logprobs))
 
 
 class GreedyTokenSelection(ChoicesSamplingMethod):
@@ -77,47 +111,58 @@ class GreedyTokenSelection(ChoicesSamplingMethod):
 
     Options shorter than the longest are padded with their own mean log-probability, so a short
     option competes at later positions with its average. The scan stops when one option is
-    left; if several survive every position, the first of them wins.
+    left; if several survive every position, the first of them wins. ``greedy_logprob_matrix``
+    (options x positions) goes into the meta info.
     """
 
-    def __call__(self, *, choices, token_logprobs, unconditional_token_logprobs=None):
-        width = max(len(lp) for lp in token_logprobs)
-        matrix = [list(lp) + [_mean(lp)] * (width - len(lp)) for lp in token_logprobs]
+    def __call__(self, *, choices, normalized_prompt_logprobs, input_token_logprobs,
+                 output_token_logprobs, unconditional_token_logprobs=None):
+        rows = [_logprobs(entries) for entries in input_token_logprobs]
+        width = max(len(r) for r in rows)
+        matrix = [[-math.inf if v is None else v for v in r] + [mean_logprob(r)] * (width - len(r))
+                  for r in rows]
         alive = list(range(len(choices)))
         for col in range(width):
             best = max(matrix[i][col] for i in alive)
             alive = [i for i in alive if matrix[i][col] == best]
             if len(alive) == 1:
                 break
-        scores = [_mean(lp) for lp in token_logprobs]
-        return ChoicesDecision(choices[alive[0]], {
-            "normalized_prompt_logprobs": scores,
-            "greedy_logprob_matrix": matrix,
-        })
+        meta = _base_meta(normalized_prompt_logprobs, input_token_logprobs, output_token_logprobs)
+        meta["greedy_logprob_matrix"] = matrix
+        return ChoicesDecision(choices[alive[0]], meta)
 
 
 class UnconditionalLikelihoodNormalized(ChoicesSamplingMethod):
     """The option with the highest mean of ``logp(tok | prompt) - logp(tok | nothing)``.
 
-    The unconditional log-probability of an option's first token is undefined (no context) and
-    counts as 0.
+    An unconditional log-probability of ``None`` (the option's first token has no context, and
+    a backend that scores options approximately may pad) counts as 0. The meta info adds
+    ``unconditional_token_logprobs`` and ``normalized_unconditional_prompt_logprobs`` (the
+    per-option scores).
+
+    Raises:
+        ValueError: no ``unconditional_token_logprobs``, or an option whose two lists differ in
+            length.
     """
 
     requires_unconditional_logprobs = True
 
-    def __call__(self, *, choices, token_logprobs, unconditional_token_logprobs=None):
+    def __call__(self, *, choices, normalized_prompt_logprobs, input_token_logprobs,
+                 output_token_logprobs, unconditional_token_logprobs=None):
         if unconditional_token_logprobs is None:
             raise ValueError(
                 "unconditional_likelihood_normalized needs unconditional_token_logprobs")
         scores = []
-        for cond, uncond in zip(token_logprobs, unconditional_token_logprobs):
-            diffs = [c - (u or 0.0) for c, u in zip(cond, uncond)]
-            scores.append(_mean(diffs))
-        best = _argmax(scores)
-        return ChoicesDecision(choices[best], {
-            "normalized_prompt_logprobs": [_mean(lp) for lp in token_logprobs],
-            "unconditional_normalized_logprobs": scores,
-        })
+        for cond, uncond in zip(input_token_logprobs, unconditional_token_logprobs):
+            if len(cond) != len(uncond):
+                raise ValueError("an option's conditional and unconditional token log-probabilities "
+                                 f"differ in length ({len(cond)} and {len(uncond)})")
+            scores.append(mean_logprob([(c or 0.0) - (u or 0.0)
+                                 for c, u in zip(_logprobs(cond), _logprobs(uncond))]))
+        meta = _base_meta(normalized_prompt_logprobs, input_token_logprobs, output_token_logprobs)
+        meta["unconditional_token_logprobs"] = unconditional_token_logprobs
+        meta["normalized_unconditional_prompt_logprobs"] = scores
+        return ChoicesDecision(choices[_argmax(scores)], meta)
 
 
 token_length_normalized = TokenLengthNormalized()

@@ -135,13 +135,18 @@ def gen_sampling_params(run_options: dict[str, Any], gen_params: dict[str, Any],
     ``n > 1`` with no temperature anywhere samples at :data:`SGLANG_DEFAULT_TEMPERATURE`
     (greedy decoding would give n identical completions), with a ``UserWarning``.
     ``skip_special_tokens=False`` (``global_config.skip_special_tokens_in_output``) applies
-    where the call does not set it.
+    where the call does not set it. ``logprob_start_len`` applies only with ``return_logprob``
+    (SGLang's server ignores it otherwise).
 
     Raises:
         InvalidRequest: a bad or unknown option, named (``SamplingParams``' own check).
     """
     fields = resolve_gen_params(run_options, gen_params, dtype)
     dsl = {k: fields.pop(k) for k in DSL_ONLY_KEYS}
+    if not fields["return_logprob"]:
+        # NOTE: as in SGLang, logprob_start_len means nothing without return_logprob; passed on,
+        # it would score prompt tokens nobody reads (and recompute them past a cached prefix).
+        fields["logprob_start_len"] = -1
     if n > 1 and "temperature" not in gen_params and "temperature" not in run_options:
         # NOTE: greedy decoding (sgrt's default) would make the n completions identical;
         # SGLang samples at its run() default here, and so do we, saying so.

@@ -17,6 +17,7 @@ from sgrt.errors import InvalidRequest
 from sgrt.lang import ir
 from sgrt.lang.choices import token_length_normalized
 from sgrt.lang.defaults import gen_sampling_params, parse_dtype_value
+from sgrt.lang.meta_info import gen_meta, select_method_inputs, strip_texts
 from sgrt.lang.transcript import Transcript
 from sgrt.sampling_params import SamplingParams
 
@@ -222,9 +223,10 @@ class StreamExecutor:
         params, n, dsl = self._gen_params(expr)
         prompt = self.transcript.text
         name = expr.name
+        with_text = dsl["return_text_in_logprobs"]
         if n > 1:
             outs = self.backend.generate_batch([prompt] * n, [params] * n)
-            metas = [_logprob_text(o.meta_info, dsl["return_text_in_logprobs"]) for o in outs]
+            metas = [gen_meta(o.meta_info, params, with_text) for o in outs]
             self._record_usage(metas)
             self._fill(outs[0].text)
             if name is not None:
@@ -234,15 +236,14 @@ class StreamExecutor:
         self._request_ids.add(rid)
         try:
             if self.stream:
-                meta = self._stream_gen(prompt, params, rid, name, dsl["return_text_in_logprobs"])
+                meta = self._stream_gen(prompt, params, rid, name, with_text)
                 text = self.variables.get(name, "") if name is not None else None
             else:
                 out = self.backend.generate(prompt, params, request_id=rid)
                 self._fill(out.text)
-                text, meta = out.text, out.meta_info
+                text, meta = out.text, gen_meta(out.meta_info, params, with_text)
         finally:
             self._request_ids.discard(rid)
-        meta = _logprob_text(meta, dsl["return_text_in_logprobs"])
         self._record_usage([meta])
         if expr.dtype is not None and meta is not None:
             meta["value"] = parse_dtype_value(expr.dtype, text or "")
@@ -251,6 +252,8 @@ class StreamExecutor:
 
     def _stream_gen(self, prompt: str, params: SamplingParams, rid: str,
                     name: str | None, with_text: bool | None = None) -> dict[str, Any] | None:
+        """Stream one gen into the transcript (and variable ``name``); returns the final meta
+        info, shaped for programs (the last chunk carries the same dict)."""
         if name is not None:
             with self.cond:
                 self.variables[name] = ""
@@ -258,37 +261,32 @@ class StreamExecutor:
         meta = None
         for chunk in self.backend.generate_stream(prompt, params, request_id=rid):
             if with_text is False:
-                chunk.logprobs = _strip_texts(chunk.logprobs)
-                chunk.top_logprobs = ([_strip_texts(row) for row in chunk.top_logprobs]
+                chunk.logprobs = strip_texts(chunk.logprobs)
+                chunk.top_logprobs = ([strip_texts(row) for row in chunk.top_logprobs]
                                       if chunk.top_logprobs is not None else None)
+            if chunk.finished:
+                chunk.meta_info = meta = gen_meta(chunk.meta_info, params, with_text)
             with self.cond:
                 self.transcript.fill(chunk.text)
                 if name is not None:
                     self.variables[name] += chunk.text
                     self.stream_chunks[name].append(chunk)
-                if chunk.finished:
-                    meta = chunk.meta_info
                 self.cond.notify_all()
         return meta
 
     def _execute_select(self, expr: ir.Select) -> None:
+        """SGLang's select: score the options, call the choices method with SGLang's keyword
+        arguments, record its decision and meta info (over the scoring's own keys)."""
         method = expr.choices_method or token_length_normalized
-        scores = self.backend.score_choices(
-            self.transcript.text, expr.choices,
-            unconditional=getattr(method, "requires_unconditional_logprobs", False))
-        decision = method(
-            choices=list(expr.choices),
-            token_logprobs=[sc.token_logprobs for sc in scores],
-            unconditional_token_logprobs=(
-                [sc.unconditional_logprobs for sc in scores]
-                if getattr(method, "requires_unconditional_logprobs", False) else None),
-        )
-        meta = dict(decision.meta_info)
+        unconditional = bool(getattr(method, "requires_unconditional_logprobs", False))
+        scores = self.backend.score_choices(self.transcript.text, expr.choices,
+                                            unconditional=unconditional)
+        inputs = select_method_inputs(scores, unconditional)
+        decision = method(choices=list(expr.choices), **inputs)
+        meta = {k: v for k, v in inputs.items() if v is not None}
+        meta.update(decision.meta_info or {})
         meta["choices"] = list(expr.choices)
         meta["decision"] = decision.decision
-        meta["input_token_logprobs"] = [
-            list(zip(sc.token_logprobs, sc.token_ids, sc.token_texts or [None] * len(sc.token_ids)))
-            for sc in scores]
         meta["prompt_tokens"] = [sc.prompt_tokens for sc in scores]
         meta["cached_tokens"] = [sc.cached_tokens for sc in scores]
         self._record_usage([{"prompt_tokens": sc.prompt_tokens} for sc in scores])
@@ -390,21 +388,3 @@ class StreamExecutor:
         for rid in list(self._request_ids):
             self.backend.abort(rid)
 
-
-def _strip_texts(rows: Any) -> Any:
-    if rows is None:
-        return None
-    return [(e[0], e[1], None) if isinstance(e, (tuple, list)) and len(e) == 3 else e for e in rows]
-
-
-def _logprob_text(meta: Any, with_text: bool | None) -> Any:
-    """``meta`` with the token texts of its log-probability entries set to ``None`` when
-    ``return_text_in_logprobs=False`` was given (SGLang's shape); unchanged otherwise."""
-    if with_text is not False or not isinstance(meta, dict):
-        return meta
-    out = dict(meta)
-    if out.get("output_token_logprobs") is not None:
-        out["output_token_logprobs"] = _strip_texts(out["output_token_logprobs"])
-    if out.get("output_top_logprobs") is not None:
-        out["output_top_logprobs"] = [_strip_texts(row) for row in out["output_top_logprobs"]]
-    return out

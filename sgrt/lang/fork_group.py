@@ -61,14 +61,16 @@ class ProgramStateGroup:
         """Wait for every branch and merge them into the parent.
 
         ``"gather_variable"`` (default): each variable the branches created becomes, on the
-        parent, the list of its per-branch values (``s["x"][i]``). ``"concate_and_append"``:
-        additionally the branches' texts are appended to the parent's text, in order.
+        parent, the list of its per-branch values (``s["x"][i]``; ``s.get_meta_info("x")[i]``
+        the branch's meta info, where SGLang keeps none), also for a single branch
+        (``s.copy()``). ``"concate_and_append"``: additionally the branches' texts are appended
+        to the parent's text, in order.
 
         Raises:
             InvalidRequest: (field ``mode``) another mode.
             Exception: the first branch's error, if a branch failed.
         """
-        if mode not in ("gather_variable", "concate_and_append", "copy"):
+        if mode not in ("gather_variable", "concate_and_append"):
             raise InvalidRequest(
                 f"join mode must be 'gather_variable' or 'concate_and_append', got {mode!r}",
                 field="mode")
@@ -86,11 +88,7 @@ class ProgramStateGroup:
                     names.append(name)
         parent = self.parent.executor
         for name in names:
-            if mode == "copy":
-                child = self.states[0].executor
-                parent.set_var(name, child.variables[name], child.meta_info.get(name))
-            else:
-                parent.set_var(name, [s.executor.variables.get(name) for s in self.states],
-                               [s.executor.meta_info.get(name) for s in self.states])
+            parent.set_var(name, [s.executor.variables.get(name) for s in self.states],
+                           [s.executor.meta_info.get(name) for s in self.states])
         if mode == "concate_and_append":
             parent.submit(ir.AppendForks(list(self.states)))

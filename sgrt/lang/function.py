@@ -210,7 +210,8 @@ class Function:
 
         Arguments given in ``kwargs`` (or bound, or left at their default values) are used as
         values; the others become placeholders. The chat template comes from ``backend`` (or the
-        default backend; plain role markers if there is none).
+        default backend; plain role markers if there is none). As in SGLang,
+        ``fn.trace().last_node.print_graph_dfs()`` is the graph as text.
         """
         return self._trace(backend, kwargs, varying=set())
 

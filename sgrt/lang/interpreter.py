@@ -97,11 +97,20 @@ class ProgramState:
     def copy(self, position_ids_offset: Any = None) -> Iterator["ProgramState"]:
         """``with s.copy() as c:`` a branch for trying things; ``s``'s text is not changed.
 
-        On exit the branch is finished and the variables it created are copied to ``s``.
+        SGLang's ``copy``: a fork of one branch, joined on exit (``gather_variable``), so each
+        variable the branch created is on ``s`` as a one-item list (``s["x"][0]``). The join
+        also happens when the block raises; that exception is the one that propagates.
         """
         group = self.fork(1, position_ids_offset)
-        yield group[0]
-        group.join(mode="copy")
+        try:
+            yield group[0]
+        except BaseException:
+            try:
+                group.join()
+            except Exception:  # noqa: BLE001 - the block's own error is the one to report
+                pass
+            raise
+        group.join()
 
     # ---- reading --------------------------------------------------------------------------
 

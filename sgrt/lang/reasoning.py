@@ -1,11 +1,14 @@
 """Splitting a thinking model's reasoning from its answer (``sgrt.separate_reasoning``).
 
-Follows SGLang's ``ReasoningParser(model_type).parse_non_stream`` for the ``<think>`` family:
-a generation is *in reasoning* when the model type always starts in reasoning (DeepSeek-R1
-writes its thoughts without an opening tag) or when the text contains the start tag. Then
-leading start tags are dropped, the text up to the first end tag is the reasoning and the rest
-the answer; with no end tag (cut by ``max_tokens``) everything is reasoning and the answer is
-empty. Text not in reasoning is all answer. Whitespace is kept as generated.
+Follows SGLang's ``ReasoningParser(model_type).parse_non_stream`` (its detector's
+``detect_and_parse``) for the ``<think>`` family: a generation is *in reasoning* when the model
+type always starts in reasoning (DeepSeek-R1 writes its thoughts without an opening tag) or when
+the text contains the start tag. Then every start tag is removed and the text is stripped of
+surrounding whitespace; the text up to the first end tag is the reasoning (its trailing
+whitespace kept) and the rest, stripped, the answer: ``"<think> abc </think>  Four"`` gives
+``("abc ", "Four")``. With no end tag (cut by ``max_tokens``) everything is reasoning and the
+answer is empty. Text not in reasoning is all answer, unchanged. (SGLang's parser has kept the
+whitespace since its PR 24251, May 2026; this is the stripping form it had until then.)
 """
 from __future__ import annotations
 
@@ -67,10 +70,8 @@ def split_reasoning(text: str, model_type: str | None = None) -> tuple[str, str]
     fmt = reasoning_format(model_type)
     if not fmt.force_reasoning and fmt.start not in text:
         return "", text
-    body = text
-    while body.startswith(fmt.start):
-        body = body[len(fmt.start):]
+    body = text.replace(fmt.start, "").strip()
     if fmt.end not in body:
         return body, ""
     reasoning, answer = body.split(fmt.end, 1)
-    return reasoning, answer
+    return reasoning, answer.strip()

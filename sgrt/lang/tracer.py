@@ -7,6 +7,10 @@ f-strings (unlike SGLang, where f-strings break tracing); Python control flow th
 placeholder's value (``if s["x"] == ...``, ``len(arg)``) stops the trace there, and the graph
 records where.
 
+SGLang's graph API is there too: ``fn.trace().last_node`` is the program's last node and
+``last_node.print_graph_dfs()`` returns, as text, the lines of every node it depends on (a
+variable read from a fork branch pulls in that branch's nodes).
+
 The graph's *constant prefix* (the text before the first argument, variable or generation,
 chat template applied) is what ``run_batch`` and ``fn.cache()`` put into the prefix cache
 before running (prefix hinting).
@@ -37,14 +41,17 @@ class Placeholder(ir.Expr):
     """Stands for a program argument or a generated variable while tracing.
 
     Concatenation and formatting work (they record a reference); inspecting the value raises
-    :class:`StopTracing`.
+    :class:`StopTracing`. ``source`` is the node that produces a variable, as the state it was
+    read from (``s["x"]``, ``forks[i]["x"]``) knew it then (SGLang's ``SglVariable.source``).
     """
 
-    __slots__ = ("kind", "name", "index", "_tracer")
+    __slots__ = ("kind", "name", "index", "source", "_tracer")
 
-    def __init__(self, tracer: "Tracer", kind: str, name: str):
+    def __init__(self, tracer: "Tracer", kind: str, name: str,
+                 source: "TraceNode | None" = None):
         object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "name", name)
+        object.__setattr__(self, "source", source)
         object.__setattr__(self, "_tracer", tracer)
         object.__setattr__(self, "index", tracer.register(self))
 
@@ -90,6 +97,40 @@ class TraceNode:
     def describe(self) -> str:
         return self.label or repr(self.expr)
 
+    @property
+    def prev_node(self) -> "TraceNode | None":
+        """SGLang's name for :attr:`prev` (the node this one was appended after)."""
+        return self.prev
+
+    def line(self) -> str:
+        """This node as one SSA-like line: ``%3 = %2 + Gen('answer')``, then ``  <- %1`` for
+        its data and join sources."""
+        prev = f"%{self.prev.node_id} + " if self.prev is not None else ""
+        src = "  <- " + ", ".join(f"%{s.node_id}" for s in self.sources) if self.sources else ""
+        return f"%{self.node_id} = {prev}{self.describe()}{src}"
+
+    def print_graph_dfs(self) -> str:
+        """The lines (:meth:`line`) of this node and of every node it depends on, each after
+        its dependencies (the node before it, then its sources), one per line; SGLang's
+        ``SglExpr.print_graph_dfs``, which also returns the text rather than printing it."""
+        lines: list[str] = []
+        done: set[int] = set()
+        stack: list[tuple[TraceNode, bool]] = [(self, False)]
+        while stack:  # NOTE: iterative: a long program's chain is deeper than Python's stack
+            node, expanded = stack.pop()
+            if node.node_id in done:
+                continue
+            if expanded:
+                done.add(node.node_id)
+                lines.append(node.line())
+                continue
+            stack.append((node, True))
+            deps = ([node.prev] if node.prev is not None else []) + list(node.sources)
+            for dep in reversed(deps):
+                if dep.node_id not in done:
+                    stack.append((dep, False))
+        return "\n".join(lines) + "\n"
+
 
 class Tracer:
     """Shared state of one trace: node ids, placeholders, streams."""
@@ -98,7 +139,6 @@ class Tracer:
         self.template = template
         self.nodes: list[TraceNode] = []
         self.placeholders: list[Placeholder] = []
-        self.var_sources: dict[tuple[int, str], TraceNode] = {}
         self._stream_ids = itertools.count()
         self.stopped: str | None = None
 
@@ -121,11 +161,14 @@ class TracerProgramState:
 
     def __init__(self, tracer: Tracer, transcript: Transcript | None = None,
                  stream: int | None = None, prev: TraceNode | None = None,
-                 constant: bool = True):
+                 constant: bool = True, variables: dict[str, TraceNode] | None = None):
         self.tracer = tracer
         self.transcript = transcript or Transcript(tracer.template)
         self.stream = tracer.new_stream() if stream is None else stream
         self.last = prev
+        # The node that produces each variable this state can read (a fork branch starts with
+        # its parent's, as SGLang's tracer copies them).
+        self.variables: dict[str, TraceNode] = dict(variables or {})
         # Whether everything so far is constant text (the prefix is still growing).
         self.constant = constant
         self.prefix = self.transcript.text if constant else ""
@@ -158,13 +201,13 @@ class TracerProgramState:
             self.constant = False
             node = self._record("gen" if isinstance(leaf, ir.Gen) else "select", leaf)
             if leaf.name is not None:
-                self.tracer.var_sources[(self.stream, leaf.name)] = node
-                self.transcript.fill(str(Placeholder(self.tracer, "var", leaf.name)))
+                self.variables[leaf.name] = node
+                self.transcript.fill(str(Placeholder(self.tracer, "var", leaf.name, node)))
         elif isinstance(leaf, ir.VarScopeBegin):
             self._record("var_scope_begin", leaf)
         elif isinstance(leaf, ir.VarScopeEnd):
             node = self._record("var_scope_end", leaf)
-            self.tracer.var_sources[(self.stream, leaf.name)] = node
+            self.variables[leaf.name] = node
         else:  # image / video / separate_reasoning: the text after them is not constant
             self.constant = False
             self._record("other", leaf)
@@ -186,7 +229,7 @@ class TracerProgramState:
 
     def _append_placeholder(self, p: Placeholder) -> None:
         self.constant = False
-        source = self.tracer.var_sources.get((self.stream, p.name)) if p.kind == "var" else None
+        source = p.source if p.kind == "var" else None
         self._record(p.kind, p, sources=[source] if source else None)
         self.transcript.fill(str(p))
 
@@ -197,7 +240,7 @@ class TracerProgramState:
     # ---- the ProgramState surface ---------------------------------------------------------
 
     def __getitem__(self, name: str) -> Placeholder:
-        return Placeholder(self.tracer, "var", name)
+        return Placeholder(self.tracer, "var", name, self.variables.get(name))
 
     get_var = __getitem__
 
@@ -229,7 +272,8 @@ class TracerProgramState:
         node = self._record("fork", None, label=f"fork({size})")
         self.constant = False
         branches = [TracerProgramState(self.tracer, self.transcript.copy(), prev=node,
-                                       constant=False) for _ in range(size)]
+                                       constant=False, variables=self.variables)
+                    for _ in range(size)]
         return TracerStateGroup(branches, self, node)
 
     def copy(self):
@@ -285,7 +329,7 @@ class _CopyScope:
 
     def __exit__(self, exc_type, *_):
         if exc_type is None:
-            self.group.join(mode="copy")
+            self.group.join()
 
 
 class TracerStateGroup:
@@ -315,7 +359,10 @@ class TracerStateGroup:
 
     def join(self, mode: str = "gather_variable") -> None:
         ends = [s.last for s in self.states if s.last is not None]
-        self.parent._record("join", None, sources=ends, label=f"join({mode!r})")
+        node = self.parent._record("join", None, sources=ends, label=f"join({mode!r})")
+        for s in self.states:  # variables the branches created are the join's (gathered) values
+            for name in s.variables:
+                self.parent.variables.setdefault(name, node)
         if mode == "concate_and_append":
             for s in self.states:
                 self.parent.transcript.fill(s.transcript.text[len(self.parent.transcript.text):])
@@ -328,12 +375,15 @@ class TracedProgram:
     ``nodes`` in recording order; ``prefix`` the constant text a run of the program starts
     with (chat template applied); ``complete`` is False when tracing stopped early
     (``stop_reason`` says why: the program's control flow depended on a generated value).
+    ``last_node`` is the program's own last node (SGLang's ``tracer.last_node``):
+    ``last_node.print_graph_dfs()`` is the text of everything the program's end depends on.
     """
 
     nodes: list[TraceNode]
     prefix: str
     complete: bool = True
     stop_reason: str | None = None
+    last_node: TraceNode | None = None
 
     def edges(self) -> list[tuple[int, int, str]]:
         """``(src, dst, kind)`` edges: ``seq`` (program order), ``data`` and ``join``."""
@@ -349,13 +399,9 @@ class TracedProgram:
         """The graph as SSA-like lines: ``%3 = %2 + Gen('answer')``; branches indented."""
         lines = []
         for n in self.nodes:
-            prev = f"%{n.prev.node_id} + " if n.prev is not None else ""
-            src = ""
-            if n.sources:
-                src = "  <- " + ", ".join(f"%{s.node_id}" for s in n.sources)
             indent = "  " * (1 if n.stream else 0)
             stream = f"[{n.stream}] " if n.stream else ""
-            lines.append(f"{indent}{stream}%{n.node_id} = {prev}{n.describe()}{src}")
+            lines.append(f"{indent}{stream}{n.line()}")
         if not self.complete:
             lines.append(f"# tracing stopped: {self.stop_reason}")
         return "\n".join(lines)
@@ -393,4 +439,4 @@ def trace_program(func: Any, template: ChatTemplate, arg_names: list[str],
     except (StopTracing, TypeError, ValueError) as e:  # data-dependent control flow
         complete, reason = False, f"{type(e).__name__}: {e}"
         state._record("stop", None, label=f"stop({type(e).__name__})")
-    return TracedProgram(tracer.nodes, state.prefix, complete, reason)
+    return TracedProgram(tracer.nodes, state.prefix, complete, reason, state.last)

@@ -121,8 +121,8 @@ class FakeBackend(BaseBackend):
         out = []
         for c in choices:
             lps = self.choice_logprobs.get(c, [-1.0] * len(c))
-            out.append(ChoiceScore(c, [ord(x) for x in c[: len(lps)]], list(lps),
-                                   list(c[: len(lps)]),
+            chars = [c[min(j, len(c) - 1)] for j in range(len(lps))]  # one token per logprob
+            out.append(ChoiceScore(c, [ord(x) for x in chars], list(lps), chars,
                                    [None] + [-2.0] * (len(lps) - 1) if unconditional else None,
                                    prompt_tokens=len(prompt) + len(c), cached_tokens=len(prompt)))
         return out

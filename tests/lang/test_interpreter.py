@@ -31,7 +31,7 @@ def test_text_and_variables(fake):
     assert "a" in st and "zzz" not in st
     assert fake.calls[0][1] == "Q: why?\nA: "
     assert fake.calls[0][2]["temperature"] == 0.0  # greedy by default
-    assert st.get_meta_info("a")["finish_reason"] == "length"
+    assert st.get_meta_info("a")["finish_reason"] == {"type": "length", "length": 3}
 
 
 def test_run_options_inherit_and_gen_overrides(fake):
@@ -232,7 +232,7 @@ def test_fork_of_one_does_not_commit(fake):
 
     st = prog.run(backend=fake)
     assert st.text() == "x!"
-    assert st["t"] == "AN"  # copied back as a plain value
+    assert st["t"] == ["AN"]  # joined like a fork of one (SGLang): a one-item list
     assert "fork" not in fake.kinds()
 
 
@@ -484,7 +484,7 @@ def test_text_async_iter_with_logprobs(fake):
         assert "".join(x for _, _, x in lps) == chunk
         total += len(lps)
         assert meta["completion_tokens"] == total
-    assert out[-1][1]["finish_reason"] == "stop"
+    assert out[-1][1]["finish_reason"] == {"type": "stop", "matched": None}
 
 
 def test_text_async_iter_whole_text(fake):

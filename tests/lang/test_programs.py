@@ -34,7 +34,7 @@ def test_few_shot_qa(runtime):
     st = few_shot_qa.run(question="What is the capital of the United States?")
     answer = st["answer"]
     assert isinstance(answer, str) and answer.strip() and "\n" not in answer
-    assert st.get_meta_info("answer")["finish_reason"] in ("stop", "length")
+    assert st.get_meta_info("answer")["finish_reason"]["type"] in ("stop", "length")
     assert st.text().endswith("A:" + answer)
 
     # run_batch: the shared few-shot block is hinted into the cache once, before dispatch.
@@ -129,7 +129,7 @@ def test_regex_ipv4(runtime):
 
     st = ip.run()
     assert re.fullmatch(ipv4, st["ip"])
-    assert st.get_meta_info("ip")["finish_reason"] == "stop"
+    assert st.get_meta_info("ip")["finish_reason"] == {"type": "stop", "matched": "grammar"}
 
 
 def test_dtype_gen(runtime):
@@ -144,7 +144,7 @@ def test_dtype_gen(runtime):
 
     st = typed.run()
     name_meta = st.get_meta_info("name")
-    if name_meta["finish_reason"] == "stop":
+    if name_meta["finish_reason"]["type"] == "stop":
         assert st["name"].startswith('"') and st["name"].endswith('"')
         json.loads(st["name"])
     int(st["legs"])

@@ -1,10 +1,13 @@
 """Programs written the way SGLang's examples, tests and benchmarks write them, run with
-``import sgrt as sgl`` (issue 19: SGLang parity).
+``import sgrt as sgl`` (issue 19: SGLang parity; issue 44: what programs read back from the
+state and the meta info).
 
 One program per API point SGLang programs use (``forks[i] += ...`` in six program shapes, the
 ``gen`` / ``fork`` / ``function`` keywords, the module paths, the runtime's attributes,
-reasoning separation, multimodal refusal). Each asserts structure (types, lengths, choices,
-regex matches, streams), not what the 135M model knows. The model is the session's
+reasoning separation, multimodal refusal, and at the end the shapes of issue 44: prompt
+log-probabilities, ``s.copy()``, ``finish_reason``, custom choices methods, ``select``'s meta
+keys, ``trace()``'s graph). Each asserts structure (types, lengths, choices, regex matches,
+streams, SGLang's shapes), not what the 135M model knows. The model is the session's
 (``tests/conftest.py``); every gen is short.
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pytest
 
 import sgrt as sgl
 from sgrt.errors import InvalidRequest
+from sgrt.lang.choices import ChoicesDecision, ChoicesSamplingMethod  # SGLang's module path
 
 
 @pytest.fixture(autouse=True)
@@ -238,11 +242,11 @@ def test_stop_regex(runtime):
     words = st["words"]
     assert re.fullmatch(r"[a-z]{2,6} ", words)  # ends at the end of the first match
     meta = st.get_meta_info("words")
-    assert meta["finish_reason"] == "stop" and meta["matched"] == r"[a-z] "
+    assert meta["finish_reason"] == {"type": "stop", "matched": r"[a-z] "}
     assert meta["completion_tokens"] == len(meta["output_token_ids"]) >= 1
     assert st.text() == "Three words: " + words + "|" + st["free"]
     free_meta = st.get_meta_info("free")
-    if free_meta["finish_reason"] == "length":
+    if free_meta["finish_reason"]["type"] == "length":
         assert not re.search(r"\d{4}|QQQ", st["free"])
     # Streamed, the pieces add up to the cut text.
     st = stop_at_regex.run(stream=True)
@@ -323,7 +327,7 @@ def test_runtime_endpoint_verify_and_chat_template_name(runtime):
         assert st.text().startswith("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n")
         assert [m["role"] for m in st.messages()] == ["user", "assistant"]
         meta = st.get_meta_info("a")
-        if meta["finish_reason"] == "stop":
+        if meta["finish_reason"]["type"] == "stop":
             assert re.search(r"\s", st["a"]) and not re.search(r"\s", st["a"][:-1])
         assert backend.url == runtime.url and backend.endpoint is backend
         assert isinstance(backend.model_info["model_path"], str)
@@ -382,13 +386,13 @@ def character_gen(s, name):
 def test_json_decode_regex_constants(runtime):
     st = character_gen.run(name="Harry")
     assert st["name"].startswith('"')
-    if st.get_meta_info("name")["finish_reason"] == "stop":
+    if st.get_meta_info("name")["finish_reason"]["type"] == "stop":
         assert re.fullmatch(r'"[\w\d\s]*"', st["name"])
     assert re.fullmatch(r"[-+]?[0-9]+", st["age"])
     assert re.fullmatch(r"[-+]?[0-9]*\.?[0-9]+", st["height"]) or st["height"] in ("+", "-", ".")
     out = st["json_output"]
     assert out.startswith("{\n") and out.endswith("\n}")
-    if all(st.get_meta_info(k)["finish_reason"] == "stop" for k in ("name", "age", "height")):
+    if all(st.get_meta_info(k)["finish_reason"]["type"] == "stop" for k in ("name", "age", "height")):
         assert set(json.loads(out)) == {"name", "age", "height"}
 
 
@@ -418,7 +422,7 @@ def test_build_regex_from_object(runtime):
         s += "A character as JSON: " + sgl.gen("json", regex=regex, max_tokens=40)
 
     st = character.run()
-    if st.get_meta_info("json")["finish_reason"] == "stop":
+    if st.get_meta_info("json")["finish_reason"]["type"] == "stop":
         Character.model_validate_json(st["json"])
     assert st["json"].startswith("{")
 
@@ -534,15 +538,18 @@ def thinking(s, model_type, pattern):
 
 
 def test_separate_reasoning(runtime):
-    st = thinking.run(model_type="qwen3", pattern=r"<think>[a-z ]{1,12}</think> ?[A-Za-z ]{1,12}")
+    # Issue 44, item 7: the regex makes the model write whitespace around its thoughts and
+    # before its answer; SGLang's parser strips the text, then the answer.
+    st = thinking.run(model_type="qwen3", pattern=r"<think> [a-z]{2,8} </think>  [A-Z][a-z]{2,8}")
     reasoning, answer = st["answer_reasoning_content"], st["answer"]
-    assert re.fullmatch(r"[a-z ]{1,12}", reasoning) and re.fullmatch(r" ?[A-Za-z ]{1,12}", answer)
+    assert re.fullmatch(r"[a-z]{2,8} ", reasoning)  # leading space gone, trailing one kept
+    assert re.fullmatch(r"[A-Z][a-z]{2,8}", answer)  # both spaces before it gone
     assert st.messages()[-1] == {"role": "assistant", "content": answer}
-    assert "<think>" not in st.text() and st.text().endswith(answer + "<|im_end|>\n")
+    assert "<think>" not in st.text() and st.text().endswith("assistant\n" + answer + "<|im_end|>\n")
     # deepseek-r1 writes its reasoning without the opening tag.
-    st = thinking.run(model_type="deepseek-r1", pattern=r"[a-z ]{1,12}</think>[A-Za-z ]{1,12}")
-    assert re.fullmatch(r"[a-z ]{1,12}", st["answer_reasoning_content"])
-    assert re.fullmatch(r"[A-Za-z ]{1,12}", st["answer"])
+    st = thinking.run(model_type="deepseek-r1", pattern=r"\n[a-z]{2,8}\n</think>\n\n[A-Z][a-z]{2,8}")
+    assert re.fullmatch(r"[a-z]{2,8}\n", st["answer_reasoning_content"])
+    assert re.fullmatch(r"[A-Z][a-z]{2,8}", st["answer"])
     with pytest.raises(InvalidRequest) as e:
         sgl.separate_reasoning(sgl.gen("x"), model_type="no-such-parser")
     assert e.value.field == "model_type"
@@ -551,10 +558,12 @@ def test_separate_reasoning(runtime):
 def test_split_reasoning_rules():
     from sgrt.lang.reasoning import split_reasoning
 
+    assert split_reasoning("<think> abc </think>  Four", "qwen3") == ("abc ", "Four")
     assert split_reasoning("<think>a</think>b", "qwen3") == ("a", "b")
-    assert split_reasoning("plain answer", "qwen3") == ("", "plain answer")
-    assert split_reasoning("thoughts</think>answer", "deepseek-r1") == ("thoughts", "answer")
-    assert split_reasoning("<think>cut short", None) == ("cut short", "")
+    assert split_reasoning("\n<think>\nx\n</think>\n\ny\n", None) == ("x\n", "y")
+    assert split_reasoning("  plain answer ", "qwen3") == ("", "  plain answer ")  # not reasoning
+    assert split_reasoning(" thoughts </think> answer", "deepseek-r1") == ("thoughts ", "answer")
+    assert split_reasoning("<think> cut short ", None) == ("cut short", "")
 
 
 @pytest.mark.parametrize("primitive", ["image", "video"])
@@ -584,3 +593,221 @@ def test_next_token_request_streamed_has_the_same_top_tokens(runtime):
     streamed = chunks[0].meta_info["output_top_logprobs"]
     assert [e[1] for e in streamed[0]] == [e[1] for e in whole.meta_info["output_top_logprobs"][0]]
     assert len(streamed[0]) == 3
+
+
+# ---- issue 44: what programs read back from the state and the meta info --------------------
+
+@sgl.function
+def prompt_logprobs(s, start, top):
+    s += "The capital of France is"
+    s += sgl.gen("next", max_tokens=3, return_logprob=True, logprob_start_len=start,
+                 top_logprobs_num=top, return_text_in_logprobs=True)
+
+
+@sgl.function
+def rescore(s, text):
+    s += text + sgl.gen("none", max_tokens=0, return_logprob=True, logprob_start_len=0)
+
+
+def test_gen_prompt_logprobs(runtime):
+    """Item 1: ``gen(return_logprob=True, logprob_start_len=0)`` gives the prompt's entries."""
+    st = prompt_logprobs.run(start=0, top=0)
+    meta = st.get_meta_info("next")
+    entries = meta["input_token_logprobs"]
+    assert len(entries) == meta["prompt_tokens"] and entries[0][0] is None  # no context at 0
+    assert all(isinstance(lp, float) and lp <= 0 for lp, _, _ in entries[1:])
+    assert [t for _, t, _ in entries] == runtime.encode("The capital of France is")
+    assert "".join(x for _, _, x in entries) == "The capital of France is"
+    # SGLang's own check: the gen's output logprobs are what scoring the whole text gives.
+    out_ids = [t for _, t, _ in meta["output_token_logprobs"]]
+    whole = rescore.run(text="The capital of France is" + st["next"]).get_meta_info("none")
+    assert [t for _, t, _ in whole["input_token_logprobs"]] == [t for _, t, _ in entries] + out_ids
+    scored = [lp for lp, _, _ in whole["input_token_logprobs"][len(entries):]]
+    assert scored == pytest.approx([lp for lp, _, _ in meta["output_token_logprobs"]], abs=1e-3)
+    assert [lp for lp, _, _ in whole["input_token_logprobs"][1:len(entries)]] == pytest.approx(
+        [lp for lp, _, _ in entries[1:]], abs=1e-4)
+    # From position 2, with the top tokens of each position.
+    meta2 = prompt_logprobs.run(start=2, top=2).get_meta_info("next")
+    assert [e[1:] for e in meta2["input_token_logprobs"]] == [e[1:] for e in entries[2:]]
+    assert [e[0] for e in meta2["input_token_logprobs"]] == pytest.approx([e[0] for e in entries[2:]],
+                                                                         abs=1e-4)
+    tops = meta2["input_top_logprobs"]
+    assert len(tops) == len(meta2["input_token_logprobs"]) and all(len(row) == 2 for row in tops)
+    assert all(row[0][0] >= lp - 1e-5 for row, (lp, _, _) in zip(tops, meta2["input_token_logprobs"]))
+
+    @sgl.function
+    def no_start(s):
+        s += "The capital of France is" + sgl.gen("next", max_tokens=2, return_logprob=True)
+
+    meta3 = no_start.run().get_meta_info("next")
+    assert meta3["input_token_logprobs"] == [] and len(meta3["output_token_logprobs"]) == 2
+
+
+@sgl.function
+def tried_aside(s):
+    s += "A short poem about the sea:\n"
+    with s.copy() as c:
+        c += "First line:" + sgl.gen("extra", max_tokens=6, stop="\n")
+    s += "Title:" + sgl.gen("title", max_tokens=4, stop="\n")
+
+
+def test_copy_is_joined_like_a_fork(runtime):
+    """Item 2: after ``with s.copy() as c``, ``s["extra"]`` is a one-item list."""
+    st = tried_aside.run()
+    extra = st["extra"]
+    assert isinstance(extra, list) and len(extra) == 1 and isinstance(extra[0], str)
+    assert st.get_meta_info("extra")[0]["completion_tokens"] >= 1
+    assert st.text() == "A short poem about the sea:\nTitle:" + st["title"]  # s's text unchanged
+
+    @sgl.function
+    def fork_of_one(s):
+        s += "A short poem about the sea:\n"
+        forks = s.fork(1)
+        forks[0] += "First line:" + sgl.gen("extra", max_tokens=6, stop="\n")
+        forks.join()
+
+    assert fork_of_one.run()["extra"] == extra  # the same thing, spelled as a fork
+
+
+@sgl.function
+def finish_reasons(s):
+    s += "Spell a long word: " + sgl.gen("cut", max_tokens=2, regex=r"[a-z]{30}")
+    # NOTE: sgrt ends a constrained gen at a stop string only where the constraint could end
+    # (here after each pair), so the regex makes one of the two stops certain.
+    s += "\nLetter pairs: " + sgl.gen("pairs", max_tokens=8, regex=r"(ab|cd)+", stop=["b", "d"])
+    s += "\nYes or no? " + sgl.gen("yn", regex=r"(yes|no)")
+
+
+def test_finish_reason_is_sglangs_dict(runtime):
+    """Item 3: ``finish_reason`` is ``{"type": "stop", "matched": ...}`` or ``{"type":
+    "length", "length": n}``, streamed or not."""
+    for stream in (False, True):
+        st = finish_reasons.run(stream=stream)
+        st.sync()
+        assert st.get_meta_info("cut")["finish_reason"] == {"type": "length", "length": 2}
+        reason = st.get_meta_info("pairs")["finish_reason"]
+        assert reason["type"] == "stop" and reason["matched"] in ("b", "d") and set(reason) == {
+            "type", "matched"}
+        assert re.fullmatch(r"(ab|cd)+", st["pairs"] + reason["matched"])  # cut before the stop
+        assert st.get_meta_info("yn")["finish_reason"]["type"] == "stop"
+
+    @sgl.function
+    def samples(s):
+        s += "Spell a long word: " + sgl.gen("w", n=2, temperature=0.0, max_tokens=3, regex=r"[a-z]{30}")
+
+    metas = samples.run().get_meta_info("w")
+    assert [m["finish_reason"] for m in metas] == [{"type": "length", "length": 3}] * 2
+
+
+class LeastLikely(ChoicesSamplingMethod):
+    """A method written to SGLang's call signature: the least likely option, and what it got."""
+
+    @property
+    def requires_unconditional_logprobs(self) -> bool:
+        return True
+
+    def __call__(self, *, choices, normalized_prompt_logprobs, input_token_logprobs,
+                 output_token_logprobs, unconditional_token_logprobs=None):
+        worst = min(range(len(choices)), key=lambda i: normalized_prompt_logprobs[i])
+        return ChoicesDecision(decision=choices[worst], meta_info={
+            "received": {"input": input_token_logprobs, "output": output_token_logprobs,
+                         "unconditional": unconditional_token_logprobs}})
+
+
+@sgl.function
+def sky_color(s, method):
+    s += "The color of the clear sky at noon is"
+    s += sgl.select("color", choices=[" blue", " green", " purple"], choices_method=method)
+
+
+def test_custom_choices_method(runtime):
+    """Item 4: a ``ChoicesSamplingMethod`` subclass written to SGLang's signature runs."""
+    st = sky_color.run(method=LeastLikely())
+    meta = st.get_meta_info("color")
+    scores = meta["normalized_prompt_logprobs"]
+    assert st["color"] == [" blue", " green", " purple"][scores.index(min(scores))]
+    got = meta["received"]
+    assert got["output"] == [[], [], []]
+    for option, entries, alone in zip([" blue", " green", " purple"], got["input"], got["unconditional"]):
+        assert "".join(x for _, _, x in entries) == option  # no token healing after "is"
+        assert [t for _, t, _ in alone] == [t for _, t, _ in entries]  # the same tokens, alone
+        assert alone[0][0] is None and all(lp <= 0 for lp, _, _ in alone[1:])
+    assert scores == pytest.approx([sum(lp for lp, _, _ in e) / len(e) for e in got["input"]])
+
+
+@sgl.function
+def tool_use(s, question, method):
+    s += "To answer this question: " + question + ", "
+    s += "I need to use a " + sgl.gen("tool", choices=["calculator", "search engine"],
+                                      choices_method=method) + ". "
+
+
+def test_select_meta_keys(runtime):
+    """Item 5: ``select``'s meta info keys are SGLang's, for each of the three methods."""
+    q = "What is 257 times 983?"
+    for method in (sgl.token_length_normalized, sgl.greedy_token_selection,
+                   sgl.unconditional_likelihood_normalized):
+        st = tool_use.run(question=q, method=method)
+        meta = st.get_meta_info("tool")
+        inputs = meta["input_token_logprobs"]
+        assert len(inputs) == 2 and all(_is_logprob_entry(e) for e in inputs[0] + inputs[1])
+        assert meta["output_token_logprobs"] == [[], []]
+        assert meta["normalized_prompt_logprobs"] == pytest.approx(
+            [sum(lp for lp, _, _ in e) / len(e) for e in inputs])
+        if method is sgl.greedy_token_selection:
+            width = max(len(e) for e in inputs)
+            assert [len(row) for row in meta["greedy_logprob_matrix"]] == [width, width]
+        if method is sgl.unconditional_likelihood_normalized:
+            alone = meta["unconditional_token_logprobs"]
+            assert [[t for _, t, _ in e] for e in alone] == [[t for _, t, _ in e] for e in inputs]
+            expected = [sum(c - (u or 0.0) for (c, _, _), (u, _, _) in zip(e, a)) / len(e)
+                        for e, a in zip(inputs, alone)]
+            scores = meta["normalized_unconditional_prompt_logprobs"]
+            assert scores == pytest.approx(expected)
+            assert st["tool"] == ["calculator", "search engine"][scores.index(max(scores))]
+        else:
+            assert "unconditional_token_logprobs" not in meta
+
+
+@sgl.function
+def tip_suggestion(s):
+    s += "Here are two tips for staying healthy: 1. Balanced Diet; 2. Regular Exercise\n"
+    forks = s.fork(2)
+    for i in range(2):
+        forks[i] += f"Now, expand tip {i + 1} into a paragraph:\n"
+        forks[i] += sgl.gen("detailed_tip", max_tokens=8)
+    s += "Tip 1:" + forks[0]["detailed_tip"] + "\n"
+    s += "Tip 2:" + forks[1]["detailed_tip"] + "\n"
+    s += "In summary" + sgl.gen("summary", max_tokens=8)
+
+
+def test_trace_graph_api(runtime):
+    """Item 6: ``fn.trace().last_node.print_graph_dfs()``, as SGLang's tracing tests use it."""
+    tracer = tip_suggestion.trace()
+    last = tracer.last_node
+    graph = last.print_graph_dfs()
+    lines = graph.splitlines()
+    assert isinstance(graph, str) and graph.endswith("\n")
+    assert lines[-1] == f"%{last.node_id} = %{last.prev_node.node_id} + " + last.describe()
+    assert "Gen('summary'" in lines[-1]
+    # Both branches' gens are in it (the parent reads their variables), and every node is
+    # printed after the nodes it refers to.
+    assert sum("Gen('detailed_tip'" in line for line in lines) == 2
+    printed: set[int] = set()
+    for line in lines:
+        ids = [int(x) for x in re.findall(r"%(\d+)", line)]
+        assert set(ids[1:]) <= printed, line
+        printed.add(ids[0])
+    assert len(printed) == len(lines) == len(tracer.nodes)
+
+    @sgl.function
+    def few_shot_qa(s, question):
+        s += "The following are questions with answers.\n\n"
+        s += "Q: What is the capital of France?\nA: Paris\n"
+        s += "Q: " + question + "\n"
+        s += "A:" + sgl.gen("answer", stop="\n")
+
+    tracer = few_shot_qa.trace()
+    lines = tracer.last_node.print_graph_dfs().splitlines()
+    assert len(lines) == len(tracer.nodes) and lines[0].startswith("%") and " + " not in lines[0]
+    assert "Arg('question')" in lines[3] and "Gen('answer'" in lines[-1]

@@ -22,7 +22,7 @@ def test_json_validates_against_the_schema(runtime):
     st = extract.run(text="Ada Lovelace was born in London in 1815.", schema=PERSON,
                      instructions="Extract the person.", max_tokens=48)
     meta = st.get_meta_info("json")
-    assert (meta["finish_reason"], meta["matched"], meta["incomplete"]) == ("stop", "grammar", False)
+    assert (meta["finish_reason"], meta["incomplete"]) == ({"type": "stop", "matched": "grammar"}, False)
     data = st["data"]
     jsonschema.validate(data, PERSON)
     assert set(data) == {"name", "born", "city"}  # closed by default: no other keys
@@ -39,7 +39,7 @@ def test_cut_short_reply_is_reported_not_parsed(runtime):
 
     st = extract.run(text="The first moon landing was in 1969.", schema=Event, max_tokens=3)
     meta = st.get_meta_info("json")
-    assert meta["finish_reason"] == "length" and meta["incomplete"] is True
+    assert meta["finish_reason"]["type"] == "length" and meta["incomplete"] is True
     assert st["data"] is None and meta["completion_tokens"] <= 3
     assert st["json"].startswith("{")
 

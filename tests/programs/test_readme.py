@@ -42,7 +42,7 @@ def test_readme_example_runs(runtime, monkeypatch, capsys):
     exec(compile(code, str(README), "exec"), namespace)  # noqa: S102 - our own README
     state = namespace["state"]
     info = json.loads(state["info"])
-    assert state.get_meta_info("info")["finish_reason"] == "stop"
+    assert state.get_meta_info("info")["finish_reason"]["type"] == "stop"
     jsonschema.validate(info, {"type": "object", "required": ["country", "famous_for"]})
     assert state["beach"] in ("yes", "no")
     assert isinstance(state["tip"], list) and len(state["tip"]) == 2

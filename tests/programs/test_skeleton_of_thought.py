@@ -14,7 +14,7 @@ def test_outline_then_parallel_expansions(runtime):
                                  expansion_tokens=12)
     skeleton = st["skeleton"]
     meta = st.get_meta_info("skeleton")
-    if meta["finish_reason"] == "stop":  # the regex completed: exactly two numbered points
+    if meta["finish_reason"]["type"] == "stop":  # the regex completed: exactly two numbered points
         assert re.fullmatch(outline_regex(2, 30), skeleton)
         assert len(st["points"]) == 2
     points = st["points"]

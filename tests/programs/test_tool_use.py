@@ -9,7 +9,7 @@ from programs.tool_use import DEFAULT_TOOLS, call_schema, tool_use
 
 def check_call(st, tools):
     meta = st.get_meta_info("call")
-    assert (meta["finish_reason"], meta["matched"]) == ("stop", "grammar")
+    assert meta["finish_reason"] == {"type": "stop", "matched": "grammar"}
     call = {"name": st["name"], "arguments": st["arguments"]}
     jsonschema.validate(call, call_schema(tools))
     tool = next(t for t in tools if t["name"] == call["name"])

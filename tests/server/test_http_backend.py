@@ -50,9 +50,26 @@ def test_select_scores_match_the_local_backend(endpoint, http_engine):
         assert r.token_ids == lo.token_ids
         assert r.token_logprobs == pytest.approx(lo.token_logprobs, abs=1e-4)
         assert r.unconditional_logprobs[1:] == pytest.approx(lo.unconditional_logprobs[1:], abs=1e-4)
+        # The option's own scored tokens, alone (SGLang's rule): one entry each, the first None.
+        assert len(r.unconditional_logprobs) == len(r.token_ids) and r.unconditional_logprobs[0] is None
         assert r.cached_tokens >= r.prompt_tokens - 2  # the prompt was prefilled once, then reused
     meta = endpoint.cache_prefix(PROMPT)
     assert meta["cached_tokens"] >= meta["prompt_tokens"] - 1
+
+
+def test_prompt_logprobs_match_the_local_backend(endpoint, http_engine):
+    # What a gen's meta info carries with logprob_start_len (issue 44): the prompt's entries.
+    from sgrt.backends.local import LocalBackend
+
+    params = {"max_tokens": 2, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+    remote = endpoint.generate(PROMPT, params).meta_info
+    local = LocalBackend(http_engine).generate(PROMPT, params).meta_info
+    assert len(remote["input_token_logprobs"]) == remote["prompt_tokens"]
+    assert [e[1:] for e in remote["input_token_logprobs"]] == [e[1:] for e in local["input_token_logprobs"]]
+    assert remote["input_token_logprobs"][0][0] is None
+    assert [e[0] for e in remote["input_token_logprobs"][1:]] == pytest.approx(
+        [e[0] for e in local["input_token_logprobs"][1:]], abs=1e-4)
+    assert len(remote["input_top_logprobs"]) == len(local["input_top_logprobs"]) == remote["prompt_tokens"]
 
 
 def test_stream_close_and_abort_free_the_request(endpoint, http_engine):
