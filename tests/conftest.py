@@ -1,7 +1,7 @@
 """Shared fixtures: the default model and its tokenizer, loaded once per test session.
 
-Both read the GGUF conversion cache (``$SGRT_CACHE_DIR`` or ``~/.cache/sgrt``); on a fresh
-machine the first session converts the default model once (about 10-15 s on 2 cores).
+Both read the cache (``$SGRT_CACHE_DIR`` or ``~/.cache/sgrt``); on a fresh machine the first
+session reads the default model's GGUF into it once (its tokenizer and packed weights, seconds).
 """
 from __future__ import annotations
 
