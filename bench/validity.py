@@ -28,6 +28,8 @@ import jsonschema
 import torch
 
 from sgrt.constrained.bitmask import allocate_token_bitmask
+from sgrt.constrained.ecma_regex import UnsupportedPattern, rust_full_match
+from sgrt.constrained.ecma_regex import search as ecma_search
 from sgrt.constrained.formats import FORMAT_REGEXES
 from sgrt.constrained.options import GrammarOptions
 from sgrt.constrained.schema import normalize_schema
@@ -225,11 +227,35 @@ def _format_checker() -> jsonschema.FormatChecker:
 _CHECKER = _format_checker()
 
 
-def departure_reason(normalized_schema: Any, data: Any) -> str | None:
+def _pattern_keyword(match):
+    def pattern(validator, patrn, instance, schema):  # noqa: ANN001 (jsonschema's signature)
+        if not (validator.is_type(instance, "string") and isinstance(patrn, str)):
+            return
+        try:
+            ok = match(patrn, instance)
+        except UnsupportedPattern:
+            return
+        if not ok:
+            yield jsonschema.exceptions.ValidationError(f"{instance!r} does not match {patrn!r}")
+    return pattern
+
+
+# ``pattern`` of a normalized schema: llguidance's (the Rust translation sgrt wrote) matched by
+# llguidance's engine, an ECMA-262 one (outlines' normalized schemas) through sgrt's
+# translation; Python's ``re`` would read either differently.
+_VALIDATORS = {
+    "llguidance": jsonschema.validators.extend(jsonschema.Draft202012Validator,
+                                               {"pattern": _pattern_keyword(rust_full_match)}),
+    "outlines": jsonschema.validators.extend(jsonschema.Draft202012Validator,
+                                             {"pattern": _pattern_keyword(ecma_search)}),
+}
+
+
+def departure_reason(normalized_schema: Any, data: Any, backend: str = "llguidance") -> str | None:
     """Why ``data`` breaks the generation defaults (closed objects, string caps, formats), or
-    None if it is valid under the normalized schema."""
+    None if it is valid under the normalized schema (``backend``'s: its patterns' dialect)."""
     try:
-        validator = jsonschema.Draft202012Validator(normalized_schema, format_checker=_CHECKER)
+        validator = _VALIDATORS.get(backend, _VALIDATORS["outlines"])(normalized_schema, format_checker=_CHECKER)
         error = jsonschema.exceptions.best_match(validator.iter_errors(data))
     except Exception:  # a schema jsonschema cannot handle: no departure claimed
         return None
@@ -329,7 +355,7 @@ def run_case(compiler: Any, backend: str, case: CorpusCase, options: GrammarOpti
         if valid and accepted:
             result.valid_accepted += 1
         elif valid:
-            reason = departure_reason(normalized, data) or \
+            reason = departure_reason(normalized, data, backend) or \
                 spelling_departure(compiled, compiler.vocab, data, normalized, text, serialization)
             if reason is not None:
                 result.departures += 1

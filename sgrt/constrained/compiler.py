@@ -135,7 +135,8 @@ class GrammarCompiler:
             _limits.check_schema_spec(spec, lim)  # before parsing or copying: both recurse
             loaded = load_schema(spec)
             _limits.check_schema(loaded, lim)
-            key_spec = json.dumps(loaded, sort_keys=False, default=str)
+            # repr, not JSON: it tells Decimal("0.1") (a number) from "0.1" (a string)
+            key_spec = repr(loaded)
             job = lambda: self._compile_json(backend, loaded, options)  # noqa: E731
         elif kind == "regex":
             if not isinstance(spec, str):

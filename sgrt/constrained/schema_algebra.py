@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 from urllib.parse import unquote
 
+from sgrt.constrained.numbers import exact, is_integral, is_number
+
 Schema = Any  # dict | bool
 
 ALL_TYPES = ("null", "boolean", "object", "array", "number", "string")
@@ -134,10 +136,8 @@ def _value_type(v: Any) -> str:
         return "null"
     if isinstance(v, bool):
         return "boolean"
-    if isinstance(v, int) or (isinstance(v, float) and v.is_integer()):
-        return "integer"
-    if isinstance(v, float):
-        return "number"
+    if is_number(v):
+        return "integer" if is_integral(v) else "number"
     if isinstance(v, str):
         return "string"
     return "array" if isinstance(v, list) else "object"
@@ -267,7 +267,7 @@ def _negate_values(values: list) -> Schema:
     bools = {v for v in values if isinstance(v, bool)}
     if len(bools) == 1:
         parts.append({"const": not bools.pop()})
-    numbers = sorted({v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    numbers = sorted({exact(v) for v in values if is_number(v)})
     if numbers:
         parts.append({"type": "number", "exclusiveMaximum": numbers[0]})
         parts.extend({"type": "number", "exclusiveMinimum": a, "exclusiveMaximum": b} for a, b in zip(numbers, numbers[1:]))
@@ -365,3 +365,4 @@ def _json_eq(x: Any, y: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sgrt.constrained.numbers import is_number
 from sgrt.constrained.schema_algebra import Schema, map_subschemas, subschemas
 
 _ANNOTATIONS = {
@@ -105,7 +106,11 @@ def _spell_values(node: Schema) -> Schema:
     number is written without a fraction: ``1``, not ``1.0``; a departure)."""
     if not isinstance(node, dict):
         return node
-    node = map_subschemas(node, lambda sub, _p: _spell_values(sub), "")
+    return _spell_node(map_subschemas(node, lambda sub, _p: _spell_values(sub), ""))
+
+
+def _spell_node(node: dict) -> dict:
+    """:func:`_spell_values` of ``node`` alone (its subschemas as they are)."""
     values = [node["const"]] if "const" in node else node.get("enum") if isinstance(node.get("enum"), list) else None
     if values is None or not any(_needs_spelling(v) for v in values):
         return node
@@ -156,4 +161,4 @@ class _Evaluated:
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return is_number(v)

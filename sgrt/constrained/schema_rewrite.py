@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sgrt.constrained.ecma_regex import ecma_validator
+from sgrt.constrained.numbers import plain_json
 from sgrt.constrained.patterns import UnsupportedPattern, check_pattern, llguidance_pattern
 from sgrt.constrained.schema_algebra import (
     ALL_TYPES,
@@ -153,10 +155,9 @@ class RewriteMixin:
                 path=path,
             )
 
-    def _llguidance_patterns(self, node: Schema, path: str) -> Schema:
-        """Apply :func:`llguidance_pattern` to every pattern of the tree."""
-        if not isinstance(node, dict):
-            return node
+    def _llguidance_pattern_keys(self, node: dict, path: str) -> dict:
+        """``node`` (a copy of our own) with its ``pattern`` and ``patternProperties`` keys
+        through :func:`llguidance_pattern`."""
 
         def fix(pattern: str, where: str) -> str:
             try:
@@ -166,14 +167,13 @@ class RewriteMixin:
                     f"json_schema pattern {pattern!r} at {where} is not supported: {e}", field="json_schema", path=where
                 ) from None
 
-        node = dict(node)
         if isinstance(node.get("pattern"), str):
             node["pattern"] = fix(node["pattern"], f"{path}/pattern")
         if isinstance(node.get("patternProperties"), dict):
             node["patternProperties"] = {
                 fix(k, f"{path}/patternProperties/{escape_pointer(k)}"): v for k, v in node["patternProperties"].items()
             }
-        return map_subschemas(node, self._llguidance_patterns, path)
+        return node
 
     def _rewrite_unevaluated(self, node: dict, path: str) -> dict:
         plain = not any(k in node for k in _APPLICATORS + ("$ref", "if", "dependentSchemas"))
@@ -201,14 +201,12 @@ class RewriteMixin:
             return node
         props = dict(node.get("properties") or {})
         if props:
-            import jsonschema
-
             sub = dict(names) if isinstance(names, dict) else names
             if isinstance(sub, dict):
                 for k in ("$defs", "definitions"):
                     if k in self.current:
                         sub[k] = self.current[k]
-            validator = jsonschema.Draft202012Validator(sub)
+            validator = ecma_validator(plain_json(sub))
             for name in props:
                 if not validator.is_valid(name):
                     props[name] = False
@@ -324,3 +322,4 @@ class RewriteMixin:
         else:
             node["anyOf"] = branches
         return node
+

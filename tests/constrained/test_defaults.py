@@ -16,8 +16,11 @@ def test_number_bounds_are_added_only_on_open_sides():
     assert out["maximum"] == 10**15 - 1 and out["minimum"] == -(10**15 - 1) and out["multipleOf"] == 1e-10
     out = normalize_schema({"type": "integer", "minimum": 3}, opts).schema
     assert out["minimum"] == 3 and out["maximum"] == 10**15 - 1 and "multipleOf" not in out
-    out = normalize_schema({"type": "number", "exclusiveMaximum": -(10**20)}, opts).schema
+    out = normalize_schema({"type": "number", "exclusiveMaximum": -(10**15)}, opts).schema
     assert "minimum" not in out  # would make the schema unsatisfiable
+    with pytest.raises(GrammarError) as err:  # past what llguidance reads (numbers.BOUND_LIMIT)
+        normalize_schema({"type": "number", "exclusiveMaximum": -(10**20)}, opts)
+    assert err.value.path == "/exclusiveMaximum"
     out = normalize_schema({"type": "number", "multipleOf": 0.5}, opts).schema
     assert out["multipleOf"] == 0.5
     # Negations see the user's schema: `not` of a bounded number stays exact.
