@@ -489,12 +489,20 @@ def _strip_start(node: Node) -> tuple[Node, bool]:
 
 
 def _strip_end(node: Node) -> tuple[Node, bool]:
+    """:func:`_strip_start`'s mirror for ``$``. Parts after a ``$`` that can match the empty
+    string can only match it there (``a$(b)?`` is ``a$``), so they are dropped."""
     kind = node[0]
     if kind == "eol":
         return EMPTY, True
     if kind == "cat" and node[1]:
-        tail, anchored = _strip_end(node[1][-1])
-        return _cat(*node[1][:-1], tail) if len(node[1]) > 1 else tail, anchored
+        items = node[1]
+        for k in range(len(items) - 1, -1, -1):
+            tail, anchored = _strip_end(items[k])
+            if anchored:
+                return _cat(*items[:k], tail) if k else tail, True
+            if not _nullable(items[k]) or _has(items[k], ("bol", "eol", "wb")):
+                break
+        return node, False
     if kind == "alt":
         parts = [_strip_end(b) for b in node[1]]
         if not any(a for _, a in parts):
@@ -530,6 +538,11 @@ def _resolve_boundaries(tree: Node) -> Node:
     Raises:
         UnsupportedPattern: a boundary elsewhere, or one whose expansion would be too large.
     """
+    if tree[0] == "cat":  # [^]* (a|b) [^]*: the alternatives become the top-level branches
+        spots = [i for i, item in enumerate(tree[1]) if item[0] == "alt" and _has(item, ("wb",))]
+        if len(spots) == 1:
+            i, items = spots[0], tree[1]
+            tree = ("alt", tuple(_cat(*items[:i], b, *items[i + 1:]) for b in items[i][1]))
     branches = tree[1] if tree[0] == "alt" else (tree,)
     out = []
     for branch in branches:

@@ -193,6 +193,10 @@ def test_annex_b_leniencies_and_unicode_mode_escapes():
     assert search("^\\cC$", "\x03") and search("^[\\b]$", "\x08") and search("^\\0$", "\x00")
     assert search("^\\p{Letter}+$", "\u00e9t\u00e9") and not search("^\\P{L}$", "a")
     assert not search("[]", "") and not search("[]", "a") and search("^[^]$", "\n")
+    # word boundaries in the alternatives of an unanchored pattern
+    assert search("\\bcat\\b|\\bdog\\b", "a dog.") and not search("\\bcat\\b|\\bdog\\b", "dogs, cats")
+    # after $ only the empty string can follow: a part that can match it is dropped
+    assert search("^a$(b)?", "a") and not search("^a$(b)?", "ab") and not search("^a$(b)?", "xa")
 
 
 def test_the_llguidance_translation_is_anchored_and_keeps_nul_out_of_risky_sets():
