@@ -29,6 +29,7 @@ from sgrt.constrained.numbers import fit_bounds, fit_values, load_exact, parse_e
 from sgrt.constrained.options import GrammarOptions
 from sgrt.constrained.schema_algebra import Schema, map_subschemas, type_set
 from sgrt.constrained.schema_marks import (
+    _ANNOTATIONS,
     NARROWED_KEY,
     PLAIN_ESCAPES_KEY,
     _COUNT_KEYS,
@@ -116,6 +117,8 @@ def normalize_loaded(root: Schema, options: GrammarOptions, backend: str = "llgu
     return NormalizedSchema(schema, n.warnings)
 
 
+# Names of the shared definitions _shared_number adds to the root's $defs.
+_SHARED_PREFIX = "x-sgrt-number-"
 _NUMBER_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 # Keywords step 2a (:meth:`_upgrade`) rewrites; a document without any skips it.
 _UPGRADE_KEYS = frozenset({"items", "additionalItems", "exclusiveMinimum", "exclusiveMaximum", "dependencies",
@@ -183,12 +186,46 @@ class _Normalizer(RefsMixin, PrepareMixin, RewriteMixin):
         if self.backend == "llguidance":
             self._uses_multiple_of = "multipleOf" in keys
             self._free_keys = False
+            self._shared: dict[str, Schema] = {}
+            self._shared_names: dict[str, str] = {}
+            self._in_resource = 0
             out = self._finish_llguidance(out, "")
+            if self._shared:  # number schemas defined once (see _shared_number)
+                out = {**out, "$defs": {**(out.get("$defs") or {}), **self._shared}}
             if isinstance(out, dict) and self._free_keys:
                 out = {**out, PLAIN_ESCAPES_KEY: True}
         else:
             out = self._values_final(out, "")
         return plain_json(out) if self.has_decimal else out
+
+    def _shared_number(self, node: dict) -> Schema | None:
+        """``{"$ref": ...}`` to one shared definition of ``node``'s number part, when ``node``
+        (finished: the default caps added, bounds fitted) holds nothing but a numeric ``type`` (possibly with
+        other types, which stay inline beside it in an ``anyOf``), number keywords and
+        annotations; else None. llguidance builds a bounded number lexeme per occurrence (~0.4
+        ms each with the default +-10^15 bounds, and an ``anyOf`` spread over an object
+        multiplies the occurrences) but a ``$ref`` target once: ten such properties compiled in
+        4.4 ms inline, 0.9 ms shared. Equal number schemas share one definition."""
+        types = node.get("type")
+        types = [types] if isinstance(types, str) else types
+        if not isinstance(types, list) or not any(k in node for k in _NUMBER_KEYS) or self._in_resource:
+            return None
+        numeric = [t for t in types if t in ("number", "integer")]
+        if not numeric or any(k not in _ANNOTATIONS and k not in _NUMBER_KEYS for k in node if k != "type"):
+            return None
+        part = {"type": "number" if "number" in numeric else "integer",
+                **{k: node[k] for k in _NUMBER_KEYS if k in node}}
+        key = repr(part)
+        name = self._shared_names.get(key)
+        if name is None:
+            name = f"{_SHARED_PREFIX}{len(self._shared_names)}"
+            if isinstance(self.root, dict) and name in (self.root.get("$defs") or {}):
+                return None  # the user's own definition has that name: keep this one inline
+            self._shared_names[key] = name
+            self._shared[name] = part
+        ref = {"$ref": f"#/$defs/{name}"}
+        others = [t for t in types if t not in ("number", "integer")]
+        return {"anyOf": [ref, {"type": others}]} if others else ref
 
     def _values_final(self, node: Schema, path: str) -> Schema:
         """Marks dropped and every ``const`` / ``enum`` written for a backend that reads numbers
@@ -211,18 +248,29 @@ class _Normalizer(RefsMixin, PrepareMixin, RewriteMixin):
         if not isinstance(node, dict):
             return node
         node = {k: v for k, v in node.items() if k != NARROWED_KEY}
+        capped = False
         if "type" in node and not ("enum" in node or "const" in node):
             ts = type_set({"type": node["type"]})
             if ts is not None and ts & {"number", "integer"}:
-                self._bound_number(node, ts)
+                capped = self._bound_number(node, ts)
         node = _spell_node(node)
         node = fit_values(node, path, self.warnings)
         if any(k in node for k in _NUMBER_KEYS):
             ts = type_set({"type": node["type"]}) if "type" in node else None
             node = fit_bounds(node, path, integer=ts == {"integer"})
+            shared = self._shared_number(node) if capped else None
+            if shared is not None:
+                return shared
         if "pattern" in node or "patternProperties" in node:
             node = self._llguidance_pattern_keys(node, path)
         if not self._free_keys and (node.get("properties") or node.get("patternProperties")) \
                 and node.get("additionalProperties", True) is not False:
             self._free_keys = True
-        return map_subschemas(node, self._finish_llguidance, path)
+        # Below an embedded resource (a nested draft-04 "id" left as written), "#/$defs/..."
+        # would resolve against that resource: no shared definitions there.
+        nested = bool(path) and (isinstance(node.get("$id"), str) or isinstance(node.get("id"), str))
+        self._in_resource += nested
+        try:
+            return map_subschemas(node, self._finish_llguidance, path)
+        finally:
+            self._in_resource -= nested

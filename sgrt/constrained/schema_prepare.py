@@ -276,21 +276,31 @@ class PrepareMixin:
             ev = ev | (then & self._evaluated(node.get("else", True), objs, tree, seen))
         return ev
 
-    def _bound_number(self, node: dict, ts: set[str]) -> None:
+    def _bound_number(self, node: dict, ts: set[str]) -> bool:
         """Default digit bounds (see GrammarOptions.max_integer_digits) on one number schema of
         the rewritten tree, on the sides it leaves open, in place. Added after the rewrites so
-        that negations (``not``, ``if``, ``oneOf``) see the user's schema, not our bounds."""
+        that negations (``not``, ``if``, ``oneOf``) see the user's schema, not our bounds.
+        |x| < 10**digits is written as exclusive bounds at +-10**digits for numbers (llguidance
+        compiles them 2-3x faster than +-(10**digits - 1), whose digit-range regex it
+        intersects with ``multipleOf``) and as ``minimum`` / ``maximum`` +-(10**digits - 1) for
+        integers (the same integer range either way). Returns whether it added any bound."""
         digits = self.options.max_integer_digits
+        added = False
         if digits is not None:
             limit = 10**digits - 1
+            integer = ts == {"integer"}
             lows = [node[k] for k in ("minimum", "exclusiveMinimum") if _is_num(node.get(k))]
             highs = [node[k] for k in ("maximum", "exclusiveMaximum") if _is_num(node.get(k))]
             if not highs and all(lo < limit for lo in lows):
-                node["maximum"] = limit
+                node["maximum" if integer else "exclusiveMaximum"] = limit if integer else limit + 1
+                added = True
             if not lows and all(hi > -limit for hi in highs):
-                node["minimum"] = -limit
+                node["minimum" if integer else "exclusiveMinimum"] = -limit if integer else -(limit + 1)
+                added = True
         frac = self.options.max_fraction_digits
         # llguidance does not intersect two multipleOf (allOf members, $ref siblings): a schema
         # that uses multipleOf anywhere keeps its own.
         if frac is not None and "number" in ts and not self._uses_multiple_of:
             node["multipleOf"] = Decimal(f"1e-{frac}")
+            added = True
+        return added

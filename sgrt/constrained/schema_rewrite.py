@@ -20,6 +20,7 @@ from sgrt.constrained.schema_algebra import (
     map_subschemas,
     negate,
     provably_disjoint,
+    prune_alternatives,
     subschemas,
     type_set,
 )
@@ -299,10 +300,17 @@ class RewriteMixin:
         if n <= 8:
             try:
                 expanded = []
+                parent = relax(node)
                 for i in range(n):
                     ctx = type_set(deref(wide[i], res))
-                    negs = [negate(wide[j], res, context=ctx) for j in range(n) if (i, j) in overlap]
-                    expanded.append({"allOf": [branches[i], *negs]})
+                    # alternatives of a negation that the branch or the node itself excludes hold
+                    # no instance: pruned, so the backend does not build them (issue 42)
+                    negs = [prune_alternatives(negate(wide[j], res, context=ctx), [wide[i], parent], res)
+                            for j in range(n) if (i, j) in overlap]
+                    if any(neg is False for neg in negs):
+                        continue  # every instance of this branch matches another one too
+                    negs = [neg for neg in negs if not _implied(neg, [wide[i], parent])]
+                    expanded.append({"allOf": [branches[i], *negs]} if negs else branches[i])
                 return self._add_any_of(node, expanded)
             except Inexpressible:
                 pass
@@ -323,3 +331,45 @@ class RewriteMixin:
             node["anyOf"] = branches
         return node
 
+
+def _implied(neg: Schema, contexts: list[Schema]) -> bool:
+    """Whether every instance of all ``contexts`` satisfies ``neg`` for sure, so intersecting
+    with it changes nothing. Recognized form: an alternative of ``neg`` that says "property p is
+    present and its value is valid under S" (what negating a ``const`` / ``enum`` property gives),
+    where the contexts make the instance an object, require p, and list its possible values
+    (``const`` / ``enum``), each of which S accepts (checked with ECMA-262 patterns)."""
+    alternatives = neg["anyOf"] if isinstance(neg, dict) and set(neg) == {"anyOf"} else [neg]
+    dicts = [c for c in contexts if isinstance(c, dict)]
+    if not any(type_set(c) == {"object"} for c in dicts):
+        return False
+    for alt in alternatives:
+        if not isinstance(alt, dict) or set(alt) != {"type", "required", "properties"} or alt["type"] != "object":
+            continue
+        required, props = alt["required"], alt["properties"]
+        if not (isinstance(required, list) and len(required) == 1 and isinstance(props, dict) and list(props) == required):
+            continue
+        name = required[0]
+        if not any(name in (c.get("required") or []) for c in dicts):
+            continue
+        values = None
+        for c in dicts:
+            sub = (c.get("properties") or {}).get(name)
+            if isinstance(sub, dict) and ("const" in sub or isinstance(sub.get("enum"), list)):
+                listed = [sub["const"]] if "const" in sub else sub["enum"]
+                values = listed if values is None else [v for v in values if any(_same(v, w) for w in listed)]
+        if not values:
+            continue
+        try:
+            validator = ecma_validator(plain_json(props[name]))
+            if all(validator.is_valid(plain_json(v)) for v in values):
+                return True
+        except Exception:  # a schema jsonschema cannot read (a $ref out of its reach): not proved
+            continue
+    return False
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality of two scalars (``True`` is not ``1``)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b
