@@ -59,6 +59,11 @@ from bench.validity import (  # noqa: E402
 from sgrt.errors import GrammarError  # noqa: E402
 
 
+# The Test Suite's optional files about the semantics issue 42 fixed (ECMA-262 regexes, numbers).
+OPTIONAL_FILES = ["optional/ecmascript-regex.json", "optional/non-bmp-regex.json", "optional/bignum.json",
+                  "optional/float-overflow.json"]
+
+
 class _XGrammar(Grammar):
     """An xgrammar matcher behind the part of sgrt's Grammar interface the corpus runner uses."""
 
@@ -277,7 +282,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default="llguidance,outlines,xgrammar",
                     help="engines; xgrammar is skipped when it is not installed")
-    ap.add_argument("--corpus", default="all", choices=["maskbench", "suite", "all"])
+    ap.add_argument("--corpus", default="all", choices=["maskbench", "suite", "optional", "all"],
+                    help="optional: the Test Suite's optional ECMA-262 regex, non-BMP regex, bignum and "
+                         "float-overflow files (not in 'all')")
     ap.add_argument("--serializations", default=",".join(SERIALIZATIONS))
     ap.add_argument("--limit", type=int, default=None, help="first N schemas of each corpus")
     ap.add_argument("--timeout", type=float, default=10.0, help="compile time limit per schema, s")
@@ -316,6 +323,8 @@ def main() -> None:
         corpora["jsonschemabench"] = load_maskbench()
     if args.corpus in ("suite", "all"):
         corpora["test-suite"] = load_test_suite()
+    if args.corpus == "optional":
+        corpora["test-suite-optional"] = load_test_suite(files=OPTIONAL_FILES)
     report: dict = {"bench": "schema_corpus", "model": "smollm2-135m-instruct", "baseline": "outlines",
                     "engines": backends, "serializations": serializations}
     t_start = time.perf_counter()

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Union
+from typing import Iterable, Union
 
 MAX_CP = 0x10FFFF
 Ranges = tuple[tuple[int, int], ...]
@@ -52,7 +52,7 @@ class UnsupportedPattern(ValueError):
 
 # ---- code point sets -------------------------------------------------------------------------
 
-def norm(ranges) -> Ranges:
+def norm(ranges: "Iterable[tuple[int, int]]") -> Ranges:
     """Sorted, merged ``(lo, hi)`` code point ranges."""
     out: list[list[int]] = []
     for lo, hi in sorted(ranges):
@@ -64,6 +64,7 @@ def norm(ranges) -> Ranges:
 
 
 def complement(ranges: Ranges) -> Ranges:
+    """The code points (0 to U+10FFFF) not in ``ranges`` (sorted, merged)."""
     out, nxt = [], 0
     for lo, hi in ranges:
         if lo > nxt:
@@ -75,6 +76,7 @@ def complement(ranges: Ranges) -> Ranges:
 
 
 def intersect(a: Ranges, b: Ranges) -> Ranges:
+    """The code points in both ``a`` and ``b`` (each sorted, merged)."""
     out, i, j = [], 0, 0
     while i < len(a) and j < len(b):
         lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
@@ -88,6 +90,7 @@ def intersect(a: Ranges, b: Ranges) -> Ranges:
 
 
 def contains(ranges: Ranges, cp: int) -> bool:
+    """Whether code point ``cp`` is in ``ranges``."""
     return any(lo <= cp <= hi for lo, hi in ranges)
 
 
@@ -527,6 +530,7 @@ def _has(node: Node, kinds: tuple[str, ...]) -> bool:
 # A boundary's context: the wordness of the character before it ("w", "n") or the start ("s");
 # a requirement on the next character: "w" (a word character), "n" (a non-word one or the end).
 _MAX_BOUNDARY_NODES = 4000
+_MAX_BOUNDARIES = 6
 
 
 def _resolve_boundaries(tree: Node) -> Node:
@@ -549,6 +553,8 @@ def _resolve_boundaries(tree: Node) -> Node:
         items = branch[1] if branch[0] == "cat" else (branch,)
         if any(_has(item, ("wb",)) for item in items if item[0] != "wb"):
             raise UnsupportedPattern("\\b", "a word boundary inside a group or under a quantifier")
+        if sum(item[0] == "wb" for item in items) > _MAX_BOUNDARIES:  # each may split in three
+            raise UnsupportedPattern("\\b", f"more than {_MAX_BOUNDARIES} word boundaries in one branch")
         out.append(_resolve_items(list(items), "s", None))
     result = out[0] if len(out) == 1 else ("alt", tuple(out))
     if _size(result) > _MAX_BOUNDARY_NODES:
@@ -686,13 +692,18 @@ def _last_is(node: Node, wordness: str) -> Node:
     raise AssertionError(kind)
 
 
-def _size(node: Node) -> int:
-    kind = node[0]
-    if kind in ("cat", "alt"):
-        return 1 + sum(_size(n) for n in node[1])
-    if kind == "rep":
-        return 1 + _size(node[1])
-    return 1
+def _size(node: Node, budget: int = _MAX_BOUNDARY_NODES + 1) -> int:
+    """Nodes in ``node`` written out (shared subtrees counted each time), counted up to
+    ``budget`` at most."""
+    total, stack = 0, [node]
+    while stack and total < budget:
+        n = stack.pop()
+        total += 1
+        if n[0] in ("cat", "alt"):
+            stack.extend(n[1])
+        elif n[0] == "rep":
+            stack.append(n[1])
+    return total
 
 
 # ---- writers ---------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ import msgspec
 import pydantic
 import pytest
 
+from bench.validity import normalized_validator
 from sgrt.constrained import GrammarOptions, load_schema, normalize_schema
-from sgrt.constrained.ecma_regex import rust_full_match
 from sgrt.errors import GrammarError
 
 OPEN = GrammarOptions(additional_properties_default="open", max_string_length=None,
@@ -196,37 +196,6 @@ SAMPLES = [None, True, False, 0, 1, 2.5, 3, 7, -1, -3, "", "x", "xy", [], [1], {
            {"radius": "x"}, {"shape": "x", "radius": 1}, {"shape": "r", "length": 2}]
 
 
-def _rust_pattern(validator, pattern, instance, schema):
-    if validator.is_type(instance, "string") and not rust_full_match(pattern, instance):
-        yield jsonschema.exceptions.ValidationError(f"{instance!r} does not match {pattern!r}")
-
-
-def _rust_pattern_properties(validator, patterns, instance, schema):
-    if validator.is_type(instance, "object"):
-        for pattern, sub in patterns.items():
-            for key, value in instance.items():
-                if rust_full_match(pattern, key):
-                    yield from validator.descend(value, sub, path=key, schema_path=pattern)
-
-
-def _rust_additional_properties(validator, extra, instance, schema):
-    if not validator.is_type(instance, "object"):
-        return
-    patterns = schema.get("patternProperties") or {}
-    for key, value in instance.items():
-        if key in (schema.get("properties") or {}) or any(rust_full_match(p, key) for p in patterns):
-            continue
-        if extra is False:
-            yield jsonschema.exceptions.ValidationError(f"{key!r} is not allowed")
-        elif isinstance(extra, dict):
-            yield from validator.descend(value, extra, path=key)
-
-
-_NORMALIZED = jsonschema.validators.extend(jsonschema.Draft202012Validator, {
-    "pattern": _rust_pattern, "patternProperties": _rust_pattern_properties,
-    "additionalProperties": _rust_additional_properties})
-
-
 @pytest.mark.parametrize("schema", REWRITES)
 def test_rewrites_preserve_validity(schema):
     out = normalize_schema(schema, OPEN).schema
@@ -234,7 +203,7 @@ def test_rewrites_preserve_validity(schema):
     for kw in ("\"not\"", "\"if\"", "dependentRequired", "dependentSchemas", "\"oneOf\"", "propertyNames", "unevaluated"):
         assert kw not in text, (kw, out)
     original = jsonschema.Draft202012Validator(schema)
-    rewritten = _NORMALIZED(out)  # its patterns are written for llguidance (Rust syntax)
+    rewritten = normalized_validator(out)  # its patterns are written for llguidance (Rust syntax)
     for sample in SAMPLES:
         assert original.is_valid(sample) == rewritten.is_valid(sample), (sample, out)
 
