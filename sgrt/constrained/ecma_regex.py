@@ -33,6 +33,7 @@ anchors or ``\\b`` where a token automaton cannot place them (see :func:`parse`)
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Iterable, Union
 
@@ -802,6 +803,9 @@ def _byte_tokenizer():
     return llguidance.LLTokenizer(_ByteTokenizer())
 
 
+_COPY_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=256)
 def _matcher(rust_regex: str):
     import llguidance
@@ -819,7 +823,9 @@ def rust_full_match(rust_regex: str, text: str) -> bool:
     Raises:
         UnsupportedPattern: the engine refused the regex.
     """
-    m = _matcher(rust_regex).deep_copy()
+    template = _matcher(rust_regex)
+    with _COPY_LOCK:  # compiles run on several threads; copies of one matcher are taken one at a time
+        m = template.deep_copy()
     data = text.encode("utf-8", errors="surrogatepass")
     return m.try_consume_tokens(list(data)) == len(data) and m.is_accepting()
 

@@ -200,8 +200,8 @@ class _Normalizer(RefsMixin, PrepareMixin, RewriteMixin):
 
     def _shared_number(self, node: dict) -> Schema | None:
         """``{"$ref": ...}`` to one shared definition of ``node``'s number part, when ``node``
-        (finished: the default caps added, bounds fitted) holds nothing but a numeric ``type`` (possibly with
-        other types, which stay inline beside it in an ``anyOf``), number keywords and
+        (finished: the default caps added, bounds fitted) holds nothing but a numeric ``type``
+        (other types stay inline beside the reference, in an ``anyOf``), number keywords and
         annotations; else None. llguidance builds a bounded number lexeme per occurrence (~0.4
         ms each with the default +-10^15 bounds, and an ``anyOf`` spread over an object
         multiplies the occurrences) but a ``$ref`` target once: ten such properties compiled in
@@ -239,7 +239,8 @@ class _Normalizer(RefsMixin, PrepareMixin, RewriteMixin):
     def _finish_llguidance(self, node: Schema, path: str) -> Schema:
         """The last walk for llguidance, over the whole rewritten tree (where no ``not``,
         ``if``, ``propertyNames`` or ``contains`` is left: every position is positive), one node
-        at a time: our marks dropped; the default number bounds (:meth:`_bound_numbers`);
+        at a time: our marks dropped; the default number bounds (:meth:`_bound_number`), equal
+        capped number schemas shared (:meth:`_shared_number`);
         object ``const`` / ``enum`` spelled as properties (:func:`_spell_node`); numbers written
         so llguidance reads their exact values (:func:`~sgrt.constrained.numbers.fit_values` /
         :func:`~sgrt.constrained.numbers.fit_bounds`); patterns translated
