@@ -295,6 +295,36 @@ def _fit_multiple(node: dict, path: str) -> None:
     node["multipleOf"] = int(f) if isinstance(value, int) else f
 
 
+def check_multiples(multiples: list[tuple[str, int | Decimal]]) -> None:
+    """Refuse ``multipleOf`` values (``(pointer, value)`` pairs of one schema) that llguidance
+    could combine wrongly. llguidance 1.9 intersects two ``multipleOf`` (``allOf`` members,
+    ``$ref`` siblings, ``anyOf`` spread) with an lcm over u32 coefficients scaled to the larger
+    exponent, as ``a * b / gcd(a, b)``, which wraps past 2**32: ``multipleOf`` 65536 and 65537
+    together became 65536 and accepted 65536. Whatever order it combines them in, no step
+    overflows while the product of all the distinct values' coefficients, scaled to the largest
+    exponent, stays below 2**32; past that the schema is refused.
+
+    Raises:
+        GrammarError: (``path`` the second value's pointer) the product overflows.
+    """
+    distinct: dict[Decimal, str] = {}
+    for path, value in multiples:
+        distinct.setdefault(Decimal(value).normalize(), path)
+    if len(distinct) < 2:
+        return
+    exps = {d: max(0, -d.as_tuple().exponent) for d in distinct}
+    top = max(exps.values())
+    product = 1
+    for d in distinct:
+        product *= int(d.scaleb(top))
+    if product > 2**32 - 1:
+        values = ", ".join(str(d) for d in distinct)
+        path = list(distinct.values())[1]
+        raise GrammarError(
+            f"json_schema multipleOf at {path}: the values {values} combine past what the grammar engine computes "
+            "exactly (it intersects them with a 32-bit lcm that wraps)", field="json_schema", path=path)
+
+
 def plain_json(value: Any) -> Any:
     """``value`` with every ``Decimal`` left in it (annotations, unknown keywords) as a float:
     what leaves the normalizer is plain JSON for any consumer."""

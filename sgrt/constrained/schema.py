@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from sgrt.constrained.numbers import fit_bounds, fit_values, load_exact, parse_exact, plain_json
+from sgrt.constrained.numbers import (
+    check_multiples, exact, fit_bounds, fit_values, is_number, load_exact, parse_exact, plain_json,
+)
 from sgrt.constrained.options import GrammarOptions
 from sgrt.constrained.schema_algebra import Schema, map_subschemas, type_set
 from sgrt.constrained.schema_marks import (
@@ -189,7 +191,9 @@ class _Normalizer(RefsMixin, PrepareMixin, RewriteMixin):
             self._shared: dict[str, Schema] = {}
             self._shared_names: dict[str, str] = {}
             self._in_resource = 0
+            self._multiples: list[tuple[str, Any]] = []
             out = self._finish_llguidance(out, "")
+            check_multiples(self._multiples)
             if self._shared:  # number schemas defined once (see _shared_number)
                 out = {**out, "$defs": {**(out.get("$defs") or {}), **self._shared}}
             if isinstance(out, dict) and self._free_keys:
@@ -258,6 +262,8 @@ class _Normalizer(RefsMixin, PrepareMixin, RewriteMixin):
         node = fit_values(node, path, self.warnings)
         if any(k in node for k in _NUMBER_KEYS):
             ts = type_set({"type": node["type"]}) if "type" in node else None
+            if "multipleOf" in node and is_number(node["multipleOf"]):
+                self._multiples.append((f"{path}/multipleOf", exact(node["multipleOf"])))
             node = fit_bounds(node, path, integer=ts == {"integer"})
             shared = self._shared_number(node) if capped else None
             if shared is not None:

@@ -235,6 +235,8 @@ NUMBER_ROWS = [
     ('{"enum": [0.1, 0.1000000000000000000001]}', [("0.1", "accept"), ("0.1000000000000000000001", "narrowed"),
                                                    ("0.10000000000000001", "reject")]),
     ('{"const": 0.1}', [("0.1", "accept"), ("0.10000000000000001", "reject")]),
+    ('{"type": "integer", "allOf": [{"multipleOf": 3}, {"multipleOf": 5}]}',
+     [("15", "accept"), ("-30", "accept"), ("3", "reject"), ("10", "reject")]),
     ('{"const": 1e2}', [("100", "accept"), ("101", "reject")]),
     (f'{{"type": "object", "properties": {{"a": {{"const": [1, {2**53}]}}}}, "required": ["a"]}}',
      [(f'{{"a":[1,{2**53}]}}', "accept"), (f'{{"a":[1,{2**53 + 2}]}}', "reject")]),
@@ -266,6 +268,9 @@ def test_numbers_compare_as_mathematical_values(compiler, schema, text, want):
     ('{"type": "number", "maximum": -1e19}', "/maximum"),
     ('{"type": "number", "multipleOf": 0.07}', "/multipleOf"),
     ('{"type": "number", "multipleOf": 0}', "/multipleOf"),
+    # llguidance's lcm of 65536 and 65537 wraps past 2**32 to 65536 (it then accepted 65536)
+    ('{"type": "integer", "minimum": 0, "maximum": 100000, "allOf": [{"multipleOf": 65536}, {"multipleOf": 65537}]}',
+     "/allOf/1/multipleOf"),
     ('{"properties": {"x": {"type": "integer", "exclusiveMinimum": 9223372036854774784}}}',
      "/properties/x/exclusiveMinimum"),
 ])
