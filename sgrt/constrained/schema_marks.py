@@ -98,19 +98,13 @@ def mixes_named_and_free_keys(tree: Schema) -> bool:
     return False
 
 
-def _spell_values(node: Schema) -> Schema:
-    """``const`` / ``enum`` objects, which llguidance would match only as one literal text,
-    rewritten (llguidance only, after the rewrites) into ``properties`` of the members' values,
-    all ``required``, closed: an instance lists the keys in the grammar's order (as for every
-    object), whatever order the schema wrote them in. Other values stay literals (an integral
-    number is written without a fraction: ``1``, not ``1.0``; a departure)."""
-    if not isinstance(node, dict):
-        return node
-    return _spell_node(map_subschemas(node, lambda sub, _p: _spell_values(sub), ""))
-
-
 def _spell_node(node: dict) -> dict:
-    """:func:`_spell_values` of ``node`` alone (its subschemas as they are)."""
+    """``node``'s ``const`` / ``enum`` objects, which llguidance would match only as one literal
+    text, rewritten (llguidance only, in the normalizer's last walk, node by node) into
+    ``properties`` of the members' values, all ``required``, closed: an instance lists the keys
+    in the grammar's order (as for every object), whatever order the schema wrote them in.
+    Other values stay literals (an integral number is written without a fraction: ``1``, not
+    ``1.0``; a departure)."""
     values = [node["const"]] if "const" in node else node.get("enum") if isinstance(node.get("enum"), list) else None
     if values is None or not any(_needs_spelling(v) for v in values):
         return node
