@@ -28,6 +28,8 @@ import jsonschema
 import torch
 
 from sgrt.constrained.bitmask import allocate_token_bitmask
+from sgrt.constrained.ecma_regex import UnsupportedPattern, rust_full_match
+from sgrt.constrained.ecma_regex import search as ecma_search
 from sgrt.constrained.formats import FORMAT_REGEXES
 from sgrt.constrained.options import GrammarOptions
 from sgrt.constrained.schema import normalize_schema
@@ -110,11 +112,11 @@ def load_test_suite(root: Path | None = None, files: list[str] | None = None) ->
 SERIALIZATIONS = {"compact": "compact", "default": "one_space", "flexible": "flexible"}
 
 
-def instance_text(data: Any, schema: Any = None, serialization: str = "compact") -> str:
+def instance_text(data: Any, schema: Any = None, serialization: str = "compact", backend: str = "llguidance") -> str:
     """JSON for ``data`` with object keys in ``schema``'s ``properties`` order and integral
     floats written as integers, in one of :data:`SERIALIZATIONS`."""
     if schema is not None:
-        data = order_keys(data, schema, schema)
+        data = order_keys(data, schema, schema, backend=backend)
     data = _compact_numbers(data)
     if serialization == "default":
         return json.dumps(data, ensure_ascii=False)
@@ -134,14 +136,14 @@ def _compact_numbers(data: Any) -> Any:
     return data
 
 
-def order_keys(data: Any, node: Any, root: Any, depth: int = 0) -> Any:
+def order_keys(data: Any, node: Any, root: Any, depth: int = 0, backend: str = "llguidance") -> Any:
     """``data`` with dict keys reordered to follow the schema's ``properties`` (best effort, as
     llguidance merges them: own ``properties``, then ``allOf`` members and ``$ref`` targets in
     order, then the first ``anyOf`` / ``oneOf`` branch that ``data`` validates against; keys
     named only in ``required`` follow, in that order)."""
     if depth > 50 or not isinstance(node, dict) or not isinstance(data, (dict, list)):
         return data
-    parts = _merged_parts(node, root, data, 0)
+    parts = _merged_parts(node, root, data, 0, backend)
     props: dict[str, Any] = {}
     extra = None
     items = None
@@ -161,17 +163,17 @@ def order_keys(data: Any, node: Any, root: Any, depth: int = 0) -> Any:
         keys = [k for k in props if k in data]
         keys += [k for k in dict.fromkeys(required) if k in data and k not in keys]
         keys += [k for k in data if k not in keys]
-        return {k: order_keys(data[k], props.get(k, extra), root, depth + 1) for k in keys}
-    return [order_keys(v, prefix[i] if i < len(prefix) else items, root, depth + 1) for i, v in enumerate(data)]
+        return {k: order_keys(data[k], props.get(k, extra), root, depth + 1, backend) for k in keys}
+    return [order_keys(v, prefix[i] if i < len(prefix) else items, root, depth + 1, backend) for i, v in enumerate(data)]
 
 
-def _merged_parts(node: Any, root: Any, data: Any, depth: int) -> list[dict]:
+def _merged_parts(node: Any, root: Any, data: Any, depth: int, backend: str = "llguidance") -> list[dict]:
     node = _deref(node, root)
     if not isinstance(node, dict) or depth > 8:
         return []
     parts = [node]
     if "$ref" in node:
-        ref_parts = _merged_parts({"$ref": node["$ref"]}, root, data, depth + 1)
+        ref_parts = _merged_parts({"$ref": node["$ref"]}, root, data, depth + 1, backend)
         keys = list(node)
         # llguidance merges a sibling $ref in the schema's key order
         if "properties" in node and keys.index("$ref") < keys.index("properties"):
@@ -179,18 +181,18 @@ def _merged_parts(node: Any, root: Any, data: Any, depth: int) -> list[dict]:
         else:
             parts += ref_parts
     for m in node.get("allOf") or []:
-        parts += _merged_parts(m, root, data, depth + 1)
+        parts += _merged_parts(m, root, data, depth + 1, backend)
     for key in ("anyOf", "oneOf"):
         for m in node.get(key) or []:
-            if _validates(root, m, data):
-                parts += _merged_parts(m, root, data, depth + 1)
+            if _validates(root, m, data, backend):
+                parts += _merged_parts(m, root, data, depth + 1, backend)
                 break
     return parts
 
 
-def _validates(root: Any, schema: Any, data: Any) -> bool:
-    try:
-        base = jsonschema.Draft202012Validator(root if isinstance(root, dict) else {})
+def _validates(root: Any, schema: Any, data: Any, backend: str = "llguidance") -> bool:
+    try:  # the patterns of a normalized schema are in its backend's dialect (normalized_validator)
+        base = normalized_validator(root if isinstance(root, dict) else {}, backend)
         return base.evolve(schema=schema).is_valid(data)
     except Exception:
         return False
@@ -225,11 +227,67 @@ def _format_checker() -> jsonschema.FormatChecker:
 _CHECKER = _format_checker()
 
 
-def departure_reason(normalized_schema: Any, data: Any) -> str | None:
+def _pattern_keywords(match) -> dict:
+    """jsonschema keyword functions for ``pattern``, ``patternProperties`` and
+    ``additionalProperties`` whose regexes are matched with ``match(regex, text)``."""
+    def pattern(validator, patrn, instance, schema):  # noqa: ANN001 (jsonschema's signature)
+        if not (validator.is_type(instance, "string") and isinstance(patrn, str)):
+            return
+        try:
+            ok = match(patrn, instance)
+        except UnsupportedPattern:
+            return
+        if not ok:
+            yield jsonschema.exceptions.ValidationError(f"{instance!r} does not match {patrn!r}")
+
+    def matched(patrn: str, key: str) -> bool:
+        try:
+            return match(patrn, key)
+        except UnsupportedPattern:
+            return False
+
+    def pattern_properties(validator, patterns, instance, schema):  # noqa: ANN001
+        if validator.is_type(instance, "object"):
+            for patrn, sub in patterns.items():
+                for key, value in instance.items():
+                    if matched(patrn, key):
+                        yield from validator.descend(value, sub, path=key, schema_path=patrn)
+
+    def additional_properties(validator, extra, instance, schema):  # noqa: ANN001
+        if not validator.is_type(instance, "object"):
+            return
+        named, patterns = schema.get("properties") or {}, schema.get("patternProperties") or {}
+        for key, value in instance.items():
+            if key in named or any(matched(p, key) for p in patterns):
+                continue
+            if extra is False:
+                yield jsonschema.exceptions.ValidationError(f"additional property {key!r} is not allowed",
+                                                            validator="additionalProperties")
+            elif isinstance(extra, dict):
+                yield from validator.descend(value, extra, path=key)
+
+    return {"pattern": pattern, "patternProperties": pattern_properties, "additionalProperties": additional_properties}
+
+
+# Validators for a normalized schema: llguidance's patterns are the Rust translation sgrt
+# wrote (matched by llguidance's engine), outlines' are ECMA-262 (sgrt's translation);
+# Python's ``re`` would read either differently. (unevaluated* never reach a normalized schema.)
+_VALIDATORS = {
+    "llguidance": jsonschema.validators.extend(jsonschema.Draft202012Validator, _pattern_keywords(rust_full_match)),
+    "outlines": jsonschema.validators.extend(jsonschema.Draft202012Validator, _pattern_keywords(ecma_search)),
+}
+
+
+def normalized_validator(schema: Any, backend: str = "llguidance", **kw: Any) -> Any:
+    """A jsonschema Draft 2020-12 validator for a schema sgrt normalized for ``backend``."""
+    return _VALIDATORS.get(backend, _VALIDATORS["outlines"])(schema, **kw)
+
+
+def departure_reason(normalized_schema: Any, data: Any, backend: str = "llguidance") -> str | None:
     """Why ``data`` breaks the generation defaults (closed objects, string caps, formats), or
-    None if it is valid under the normalized schema."""
+    None if it is valid under the normalized schema (``backend``'s: its patterns' dialect)."""
     try:
-        validator = jsonschema.Draft202012Validator(normalized_schema, format_checker=_CHECKER)
+        validator = normalized_validator(normalized_schema, backend, format_checker=_CHECKER)
         error = jsonschema.exceptions.best_match(validator.iter_errors(data))
     except Exception:  # a schema jsonschema cannot handle: no departure claimed
         return None
@@ -251,11 +309,11 @@ def _all_integral_as_int(data: Any) -> Any:
 
 
 def spelling_departure(compiled: Any, vocab: Any, data: Any, normalized: Any, text: str,
-                       serialization: str = "compact") -> str | None:
+                       serialization: str = "compact", backend: str = "llguidance") -> str | None:
     """``"number spelling"`` when the grammar takes the same value with every integral number
     written as an integer (``9007199254740992`` for ``9007199254740992.0``): a documented
     departure (a generator writes integers without a fraction), else None."""
-    plain = instance_text(_all_integral_as_int(data), normalized, serialization)
+    plain = instance_text(_all_integral_as_int(data), normalized, serialization, backend)
     if plain == text:
         return None
     accepted, _ = feed_tokens(compiled.new_grammar(), vocab.encode(plain))
@@ -320,7 +378,7 @@ def run_case(compiler: Any, backend: str, case: CorpusCase, options: GrammarOpti
     bitmask = allocate_token_bitmask(1, compiler.vocab.vocab_size) if measure_masks else None
     tests = case.tests if max_tests is None else case.tests[:max_tests]
     for desc, valid, data in tests:
-        text = instance_text(data, normalized, serialization)  # key order as the backend sees the schema
+        text = instance_text(data, normalized, serialization, backend)  # key order as the backend sees the schema
         grammar = compiled.new_grammar()
         stricter = [0]
         accepted, mismatches = feed_tokens(grammar, compiler.vocab.encode(text), bitmask, result.mask_times, stricter)
@@ -329,8 +387,8 @@ def run_case(compiler: Any, backend: str, case: CorpusCase, options: GrammarOpti
         if valid and accepted:
             result.valid_accepted += 1
         elif valid:
-            reason = departure_reason(normalized, data) or \
-                spelling_departure(compiled, compiler.vocab, data, normalized, text, serialization)
+            reason = departure_reason(normalized, data, backend) or \
+                spelling_departure(compiled, compiler.vocab, data, normalized, text, serialization, backend)
             if reason is not None:
                 result.departures += 1
             else:

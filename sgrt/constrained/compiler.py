@@ -14,7 +14,6 @@ instance is refused here too (:mod:`~sgrt.constrained.satisfiable`).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import threading
@@ -134,8 +133,9 @@ class GrammarCompiler:
         if kind == "json_schema":
             _limits.check_schema_spec(spec, lim)  # before parsing or copying: both recurse
             loaded = load_schema(spec)
-            _limits.check_schema(loaded, lim)
-            key_spec = json.dumps(loaded, sort_keys=False, default=str)
+            _limits.check_schema(loaded, lim, spec_checked=True)
+            # repr, not JSON: it tells Decimal("0.1") (a number) from "0.1" (a string)
+            key_spec = repr(loaded)
             job = lambda: self._compile_json(backend, loaded, options)  # noqa: E731
         elif kind == "regex":
             if not isinstance(spec, str):
@@ -171,8 +171,7 @@ class GrammarCompiler:
         # const / enum, the default bounds) wrap parts of it in allOf / anyOf levels it did not
         # write, so the rewritten schema gets twice the depth: still far below what the compile
         # thread's stack takes (DESIGN.md, "Grammar compile limits and isolation").
-        _limits.check_schema(normalized.schema, dataclasses.replace(
-            self.limits, max_schema_depth=2 * self.limits.max_schema_depth))
+        _limits.check_schema_depth(normalized.schema, 2 * self.limits.max_schema_depth)
         check_satisfiable(normalized.schema)
         return self._get_backend(backend).compile_json(normalized.schema, options, normalized.warnings)
 

@@ -138,9 +138,11 @@ def check_schema_spec(spec: Any, limits: GrammarLimits) -> None:
             raise _refuse("json_schema", "nesting depth", depth, "max_schema_depth", limits.max_schema_depth)
 
 
-def check_schema(schema: Any, limits: GrammarLimits) -> None:
+def check_schema(schema: Any, limits: GrammarLimits, spec_checked: bool = False) -> None:
     """All schema limits on a loaded schema (a dict or bool): size, depth following ``$ref``,
     ``$ref`` chain depth, definitions, properties, and each ``pattern`` as a regex.
+    ``spec_checked``: :func:`check_schema_spec` already passed on the value this one was loaded
+    from (so it holds no cycle), and its depth walk is not repeated.
 
     Raises:
         GrammarError: (field ``json_schema``) naming the limit, the value and, where one node is
@@ -148,7 +150,8 @@ def check_schema(schema: Any, limits: GrammarLimits) -> None:
     """
     if not isinstance(schema, dict):
         return
-    check_schema_spec(schema, limits)
+    if not spec_checked:
+        check_schema_spec(schema, limits)
     try:
         size = len(json.dumps(schema, separators=(",", ":"), default=str).encode("utf-8"))
     except (ValueError, TypeError, RecursionError) as e:  # circular Python object
@@ -183,6 +186,21 @@ def check_schema(schema: Any, limits: GrammarLimits) -> None:
     if depth > limits.max_schema_depth:
         raise _refuse("json_schema", "nesting depth (following $ref)", depth, "max_schema_depth",
                       limits.max_schema_depth)
+
+
+def check_schema_depth(schema: Any, max_depth: int) -> None:
+    """The nesting depth of ``schema`` (a dict or bool without cycles, e.g. the normalizer's
+    output), following ``$ref``, against ``max_depth``.
+
+    Raises:
+        GrammarError: (field ``json_schema``) naming the depth and the limit.
+    """
+    if not isinstance(schema, dict):
+        return
+    depth, _ = _ref_depths(schema)
+    if depth > max_depth:
+        raise _refuse("json_schema", "nesting depth (following $ref) of the rewritten schema", depth,
+                      "2 x max_schema_depth", max_depth)
 
 
 def _escape(key: Any) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 
 from outlines_core import json_schema as oc_json
 
+from sgrt.constrained.ecma_regex import search as ecma_search
 from sgrt.constrained.formats import FORMAT_REGEXES
 from sgrt.constrained.patterns import UnsupportedPattern, pattern_to_json_string_regex
 from sgrt.constrained.schema_algebra import VALIDATION_KEYWORDS, provably_disjoint, type_set
@@ -173,8 +174,8 @@ class _Preparer:
             # Closed objects make patternProperties moot for extra keys, but a pattern also
             # constrains the listed keys it matches, which outlines-core would not check.
             try:
-                hits = [name for name in props if re.search(pattern, name)]
-            except re.error:
+                hits = [name for name in props if ecma_search(pattern, name)]
+            except UnsupportedPattern:
                 hits = list(props)
             if hits:
                 raise _refuse("patternProperties", path, f"it also constrains listed keys {hits[:3]}")

@@ -1,29 +1,31 @@
-"""JSON Schema ``pattern`` regexes (ECMA-262 syntax): checks, and a rewrite for outlines-core.
+"""JSON Schema ``pattern`` regexes (ECMA-262): the checks and writers the normalizer and the
+backends call, all on :mod:`~sgrt.constrained.ecma_regex`'s one parse of a pattern.
 
-:func:`check_pattern` finds what no backend can compile into a token automaton (lookaround,
-backreferences, word boundaries) so the request fails closed with a clear message.
-
-:func:`pattern_to_json_string_regex` turns a pattern (search semantics: it may match anywhere in
-the string unless anchored) into a regex that matches, in full, the *inside of a JSON string
-literal* whose decoded value the pattern matches. outlines-core pastes patterns into its JSON
-regex as they are (anchors stripped, an unanchored pattern treated as a full match, ``"`` and
-``\\`` not escaped); this rewrite is what makes its answer right. The result accepts a subset
-of the valid strings: characters that JSON must escape are allowed only where the pattern names
-them literally, and ``\\uXXXX`` escapes are never produced.
+:func:`check_pattern` finds what cannot be compiled into a token automaton (lookaround,
+backreferences, anchors or word boundaries where no automaton can place them) or is not
+ECMA-262, so the request fails closed with a clear message. :func:`llguidance_pattern` is the
+pattern in Rust syntax with ECMA-262's character sets (llguidance). :func:`pattern_to_json_string_regex`
+turns a pattern into a regex that matches, in full, the *inside of a JSON string literal* whose
+decoded value the pattern matches (outlines-core pastes patterns into its JSON regex as they are:
+anchors stripped, an unanchored pattern treated as a full match, ``"`` and ``\\`` not escaped).
+That result accepts a subset of the valid strings: characters that JSON must escape are allowed
+only where the pattern names them as a single character, and ``\\uXXXX`` escapes are never
+produced.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterator
 
+from sgrt.constrained import ecma_regex
+from sgrt.constrained.ecma_regex import SURROGATES, CharSet, UnsupportedPattern, complement, intersect, norm
+
 # A character that may appear raw inside a JSON string and that needs no escape.
 _SAFE_EXCLUDE = r'"\\\x00-\x1F\x7F-\x9F'
 SAFE_CHAR = rf"[^{_SAFE_EXCLUDE}]"
-# ECMA "." excludes line terminators; a raw one is not allowed in JSON anyway.
-_DOT = rf"[^{_SAFE_EXCLUDE}\u2028\u2029]"
-_JSON_ESCAPES = {'"': r'\\"', "\\": r"\\\\", "\n": r"\\n", "\r": r"\\r", "\t": r"\\t", "\f": r"\\f", "\b": r"\\b"}
-_CLASS_SHORTHANDS = {"d": "0-9", "w": "0-9A-Za-z_", "s": r" \t\n\r\x0B\x0C\u00A0\u1680\u2000-\u200A\u2028\u2029\u202F\u205F\u3000\uFEFF"}
-_META = set(".^$|?*+()[]{}\\/")
+_SAFE = intersect(complement(norm([(0x22, 0x22), (0x5C, 0x5C), (0x00, 0x1F), (0x7F, 0x9F)])), complement(SURROGATES))
+_JSON_ESCAPES = {0x22: r'\\"', 0x5C: r"\\\\", 0x0A: r"\\n", 0x0D: r"\\r", 0x09: r"\\t", 0x0C: r"\\f",
+                 0x08: r"\\b"}
 
 
 @dataclass
@@ -34,70 +36,69 @@ class PatternProblem:
     reason: str
 
 
-class UnsupportedPattern(ValueError):
-    """A pattern uses syntax we cannot turn into a finite automaton (see ``problem``)."""
-
-    def __init__(self, problem: PatternProblem):
-        super().__init__(f"{problem.construct!r}: {problem.reason}")
-        self.problem = problem
-
-
 def check_pattern(pattern: str) -> PatternProblem | None:
-    """The first construct of ``pattern`` that no automaton backend supports, or None.
-
-    Catches lookahead / lookbehind (``(?=``, ``(?!``, ``(?<=``, ``(?<!``), backreferences
-    (``\\1``, ``\\k<name>``), word boundaries (``\\b``, ``\\B`` outside a class) and a lone
-    trailing backslash (which some engines read as matching nothing).
-    """
-    if ends_with_lone_backslash(pattern):
-        return PatternProblem("\\", "a lone backslash at the end escapes nothing")
-    i, n, in_class = 0, len(pattern), False
-    while i < n:
-        c = pattern[i]
-        if c == "\\" and i + 1 < n:
-            e = pattern[i + 1]
-            if not in_class:
-                if e in "123456789":
-                    return PatternProblem("\\" + e, "backreferences are not regular")
-                if e == "k" and i + 2 < n and pattern[i + 2] == "<":
-                    return PatternProblem("\\k<", "backreferences are not regular")
-                if e in "bB":
-                    return PatternProblem("\\" + e, "word-boundary assertions are not supported")
-            i += 2
-            continue
-        if in_class:
-            if c == "]":
-                in_class = False
-        elif c == "[":
-            in_class = True
-        elif c == "(" and pattern.startswith("(?", i):
-            for look in ("(?=", "(?!", "(?<=", "(?<!"):
-                if pattern.startswith(look, i):
-                    kind = "lookahead" if look[2] in "=!" else "lookbehind"
-                    return PatternProblem(look, f"{kind} assertions are not supported")
-        i += 1
+    """The first construct of ``pattern`` that sgrt cannot compile (see the module docstring),
+    or None. A lone trailing backslash is one (some engines read it as matching nothing)."""
+    try:
+        ecma_regex.parse(pattern)
+    except UnsupportedPattern as e:
+        return PatternProblem(e.construct, e.reason)
     return None
+
+
+def llguidance_pattern(pattern: str) -> str:
+    """``pattern`` as llguidance should read it: :func:`ecma_regex.to_rust` (fully anchored Rust
+    syntax, ECMA-262's ``\\d \\w \\s . $ \\b``), with U+0000 left out of character sets that
+    llguidance 1.9 mis-compiles inside JSON strings (see :func:`ecma_regex.rust_set`).
+
+    Raises:
+        UnsupportedPattern: see :func:`check_pattern`.
+    """
+    return ecma_regex.to_rust(pattern)
 
 
 def pattern_to_json_string_regex(pattern: str) -> str:
     """A regex for the JSON-escaped inside of strings matched by ``pattern`` (see module doc).
 
     Raises:
-        UnsupportedPattern: lookaround, backreferences, anchors inside groups, ``\\p`` classes
-            inside ``[...]``, or other syntax this rewrite does not handle.
+        UnsupportedPattern: see :func:`check_pattern`.
     """
-    problem = check_pattern(pattern)
-    if problem is not None:
-        raise UnsupportedPattern(problem)
-    branches = _split_top_level(pattern)
-    out = []
-    for branch in branches:
-        start = branch.startswith("^")
-        end = branch.endswith("$") and not _escaped_at(branch, len(branch) - 1)
-        body = branch[1 if start else 0 : len(branch) - 1 if end else len(branch)]
-        rx = _rewrite(body)
-        out.append(("" if start else f"{SAFE_CHAR}*") + f"(?:{rx})" + ("" if end else f"{SAFE_CHAR}*"))
-    return "(?:" + "|".join(out) + ")"
+    return f"(?:{_json(ecma_regex.parse(pattern))})"
+
+
+def _json_set(cs: CharSet) -> str:
+    r = cs.exact()
+    if r is None:  # a property class: its raw-safe part only
+        items = "".join(cs.props)
+        return f"[[{'^' if cs.negated else ''}{items}]&&{SAFE_CHAR}]"
+    if len(r) == 1 and r[0][0] == r[0][1]:
+        return _literal(r[0][0])
+    safe = intersect(r, _SAFE)
+    return ecma_regex.rust_set(CharSet(safe))
+
+
+def _literal(cp: int) -> str:
+    """Regex for one character of the decoded string, as it appears JSON-escaped."""
+    if cp in _JSON_ESCAPES:
+        return _JSON_ESCAPES[cp]
+    if cp < 0x20 or 0x7F <= cp <= 0x9F:
+        return rf"\\u{cp:04x}"
+    if 0xD800 <= cp <= 0xDFFF:
+        return "[^\\x{0}-\\x{10FFFF}]"
+    return f"\\x{{{cp:X}}}"
+
+
+def _json(node: tuple) -> str:
+    kind = node[0]
+    if kind == "set":
+        return _json_set(node[1])
+    if kind == "cat":
+        return "".join(f"(?:{_json(n)})" if n[0] == "alt" else _json(n) for n in node[1]) if node[1] else "(?:)"
+    if kind == "alt":
+        return "|".join(_json(n) for n in node[1])
+    inner, lo, hi = node[1], node[2], node[3]
+    body = f"(?:{_json(inner)})"
+    return body + (f"{{{lo}}}" if lo == hi else f"{{{lo},}}" if hi is None else f"{{{lo},{hi}}}")
 
 
 def ends_with_lone_backslash(pattern: str) -> bool:
@@ -129,198 +130,3 @@ def chars_outside_classes(p: str) -> Iterator[tuple[int, str]]:
         else:
             yield i, c
         i += 1
-
-
-def _split_top_level(p: str) -> list[str]:
-    """Split ``p`` at ``|`` outside groups and classes."""
-    parts, depth, last = [], 0, 0
-    for i, c in chars_outside_classes(p):
-        if c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-        elif c == "|" and depth == 0:
-            parts.append(p[last:i])
-            last = i + 1
-    parts.append(p[last:])
-    return parts
-
-
-def _literal(ch: str) -> str:
-    """Regex for one literal character of the decoded string, as it appears JSON-escaped."""
-    if ch in _JSON_ESCAPES:
-        return _JSON_ESCAPES[ch]
-    o = ord(ch)
-    if o < 0x20 or 0x7F <= o <= 0x9F:
-        return rf"\\u{o:04x}"
-    if ch in _META or ch in "-&~#" or ch.isspace():
-        return f"\\x{o:02x}" if o < 0x100 else f"\\u{{{o:04x}}}"
-    return ch
-
-
-def _escape_value(p: str, i: int) -> tuple[str | None, str, int]:
-    """Parse the escape at ``p[i] == '\\'``: (literal char or None, shorthand/class text, next i)."""
-    if i + 1 >= len(p):
-        raise UnsupportedPattern(PatternProblem("\\", "dangling backslash"))
-    e = p[i + 1]
-    simple = {"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v", "0": "\0"}
-    if e in simple:
-        return simple[e], "", i + 2
-    if e == "x" and i + 3 < len(p):
-        return chr(int(p[i + 2 : i + 4], 16)), "", i + 4
-    if e == "u":
-        if p.startswith("{", i + 2):
-            j = p.index("}", i + 2)
-            return chr(int(p[i + 3 : j], 16)), "", j + 1
-        return chr(int(p[i + 2 : i + 6], 16)), "", i + 6
-    if e == "c":
-        raise UnsupportedPattern(PatternProblem("\\c", "control escapes are not supported"))
-    if e in "dwsDWS":
-        return None, e, i + 2
-    if e in "pP":
-        j = p.index("}", i + 2) if p.startswith("{", i + 2) else i + 2
-        return None, p[i : j + 1], j + 1
-    return e, "", i + 2  # an escaped metacharacter or an identity escape
-
-
-def _rewrite(body: str) -> str:
-    out: list[str] = []
-    i, n = 0, len(body)
-    while i < n:
-        c = body[i]
-        if c == "\\":
-            lit, short, i = _escape_value(body, i)
-            if lit is not None:
-                out.append(_literal(lit))
-            elif short in ("d", "w", "s"):
-                out.append(f"[[{_CLASS_SHORTHANDS[short]}]&&{SAFE_CHAR}]")
-            elif short in ("D", "W", "S"):
-                out.append(f"[^{_CLASS_SHORTHANDS[short.lower()]}{_SAFE_EXCLUDE}]")
-            else:  # \p{..} / \P{..}
-                out.append(f"[{short}&&{SAFE_CHAR}]")
-            continue
-        if c == "[":
-            cls, i = _rewrite_class(body, i)
-            out.append(cls)
-            continue
-        if c == ".":
-            out.append(_DOT)
-        elif c in "^$":
-            raise UnsupportedPattern(PatternProblem(c, "anchors inside groups are not supported"))
-        elif c == "(":
-            if body.startswith("(?:", i):
-                out.append("(?:")
-                i += 3
-                continue
-            if body.startswith("(?<", i) or body.startswith("(?P<", i):
-                j = body.index(">", i)
-                out.append("(?:")
-                i = j + 1
-                continue
-            if body.startswith("(?", i):
-                raise UnsupportedPattern(PatternProblem(body[i : i + 3], "group flags are not supported"))
-            out.append("(?:")
-        elif c in ")|*+?":
-            out.append(c)
-        elif c == "{":
-            j = body.find("}", i)
-            q = body[i + 1 : j] if j > 0 else ""
-            if j > 0 and q and all(ch.isdigit() or ch == "," for ch in q) and q[0] != ",":
-                out.append(body[i : j + 1])
-                i = j + 1
-                continue
-            out.append(_literal(c))
-        else:
-            out.append(_literal(c))
-        i += 1
-    return "".join(out)
-
-
-def _rewrite_class(p: str, i: int) -> tuple[str, int]:
-    """Rewrite the class starting at ``p[i] == '['``; returns (regex, index after ``]``)."""
-    j = i + 1
-    negated = p.startswith("^", j)
-    if negated:
-        j += 1
-    items: list[str] = []
-    while j < len(p) and p[j] != "]":
-        c = p[j]
-        if c == "\\":
-            lit, short, j = _escape_value(p, j)
-            if lit is not None:
-                items.append(_class_literal(lit))
-            elif short in ("d", "w", "s"):
-                items.append(_CLASS_SHORTHANDS[short])
-            elif short.startswith(("\\p", "\\P")):
-                items.append(short)
-            else:
-                raise UnsupportedPattern(PatternProblem("\\" + short, "negated shorthand inside [...]"))
-            continue
-        if c == "-" and items and j + 1 < len(p) and p[j + 1] != "]":
-            items.append("-")
-            j += 1
-            continue
-        if c == "[" and p.startswith("[:", j):
-            raise UnsupportedPattern(PatternProblem("[:", "POSIX classes are not ECMA-262 syntax"))
-        items.append(_class_literal(c))
-        j += 1
-    if j >= len(p):
-        raise UnsupportedPattern(PatternProblem("[", "unterminated character class"))
-    inner = "".join(items)
-    if not inner:
-        return ("[^\\x00-\\x{10FFFF}]" if not negated else _DOT), j + 1
-    if negated:
-        return f"[^{inner}{_SAFE_EXCLUDE}]", j + 1
-    return f"[[{inner}]&&{SAFE_CHAR}]", j + 1
-
-
-def _class_literal(ch: str) -> str:
-    o = ord(ch)
-    if ch.isalnum() and o < 0x80:
-        return ch
-    return f"\\x{{{o:x}}}"
-
-
-def llguidance_pattern(pattern: str) -> str:
-    """Work around an llguidance 1.9 soundness bug in ``pattern`` (JSON strings).
-
-    When a character class contains U+0000 but not both ``"`` and ``\\``, llguidance lets the
-    escapes ``\\"`` and ``\\\\`` through anyway: ``^[^\\\\]+$`` accepts ``"a\\\\b"``. Negated
-    classes get U+0000 added to their exclusions (a NUL in a generated string is no loss);
-    a positive class with U+0000 is refused.
-
-    Raises:
-        UnsupportedPattern: a positive class containing U+0000 but not ``"`` and ``\\``.
-    """
-    import re
-
-    out: list[str] = []
-    i, n = 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if c == "\\":
-            out.append(pattern[i : i + 2])
-            i += 2
-            continue
-        if c != "[":
-            out.append(c)
-            i += 1
-            continue
-        j = i + 1
-        while j < n and pattern[j] != "]":
-            j += 2 if pattern[j] == "\\" else 1
-        cls = pattern[i : j + 1]
-        i = j + 1
-        try:
-            rx = re.compile(cls) if cls not in ("[]", "[^]") else None
-        except re.error:
-            rx = None
-        if rx is None or not rx.match("\0") or (rx.match('"') and rx.match("\\")):
-            out.append(cls)
-        elif cls.startswith("[^"):
-            out.append("[^\\x00" + cls[2:])
-        else:
-            raise UnsupportedPattern(
-                PatternProblem(cls, 'a class with U+0000 but without both \'"\' and \'\\\' (llguidance mis-compiles it)')
-            )
-    return "".join(out)

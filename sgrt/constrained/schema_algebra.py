@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 from urllib.parse import unquote
 
+from sgrt.constrained.numbers import exact, is_integral, is_number
+
 Schema = Any  # dict | bool
 
 ALL_TYPES = ("null", "boolean", "object", "array", "number", "string")
@@ -23,52 +25,57 @@ _LIST_KEYS = ("allOf", "anyOf", "oneOf", "prefixItems")
 # Tree helpers
 
 
+# Every key that holds subschemas, in the order the walks visit them (maps, single schemas,
+# lists, then ``dependencies``), and its kind.
+_SUB_ORDER = {k: i for i, k in enumerate(_MAP_KEYS + _ONE_KEYS + _LIST_KEYS + ("dependencies",))}
+_SUB_KEYS = frozenset(_SUB_ORDER)
+
+
+def _present(node: dict) -> list[str]:
+    """The subschema keys of ``node`` in visiting order (most nodes have none or one, so the
+    walks look at those instead of every keyword name)."""
+    present = node.keys() & _SUB_KEYS
+    return sorted(present, key=_SUB_ORDER.__getitem__) if len(present) > 1 else list(present)
+
+
 def subschemas(node: Schema) -> Iterator[tuple[str, Schema]]:
     """(relative JSON pointer, subschema) for every direct subschema of ``node``."""
     if not isinstance(node, dict):
         return
-    for k in _MAP_KEYS:
-        v = node.get(k)
-        if isinstance(v, dict):
-            for name, sub in v.items():
-                yield f"/{k}/{escape_pointer(name)}", sub
-    for k in _ONE_KEYS:
-        v = node.get(k)
-        if isinstance(v, (dict, bool)):
+    for k in _present(node):
+        v = node[k]
+        if k in _MAP_KEYS or k == "dependencies":
+            if isinstance(v, dict):
+                for name, sub in v.items():
+                    if k != "dependencies" or isinstance(sub, (dict, bool)):
+                        yield f"/{k}/{escape_pointer(name)}", sub
+        elif isinstance(v, list):
+            if k in _LIST_KEYS or k == "items":
+                for i, sub in enumerate(v):
+                    yield f"/{k}/{i}", sub
+        elif isinstance(v, (dict, bool)) and k in _ONE_KEYS:
             yield f"/{k}", v
-    for k in _LIST_KEYS + ("items",):
-        v = node.get(k)
-        if isinstance(v, list):
-            for i, sub in enumerate(v):
-                yield f"/{k}/{i}", sub
-    deps = node.get("dependencies")
-    if isinstance(deps, dict):
-        for name, sub in deps.items():
-            if isinstance(sub, (dict, bool)):
-                yield f"/dependencies/{escape_pointer(name)}", sub
 
 
 def map_subschemas(node: dict, fn: Callable[[Schema, str], Schema], path: str) -> dict:
     """A shallow copy of ``node`` with every direct subschema replaced by ``fn(sub, sub_path)``."""
     out = dict(node)
-    for k in _MAP_KEYS:
-        v = node.get(k)
-        if isinstance(v, dict):
-            out[k] = {name: fn(sub, f"{path}/{k}/{escape_pointer(name)}") for name, sub in v.items()}
-    for k in _ONE_KEYS:
-        v = node.get(k)
-        if isinstance(v, (dict, bool)):
+    for k in _present(node):
+        v = node[k]
+        if k in _MAP_KEYS:
+            if isinstance(v, dict):
+                out[k] = {name: fn(sub, f"{path}/{k}/{escape_pointer(name)}") for name, sub in v.items()}
+        elif k == "dependencies":
+            if isinstance(v, dict):
+                out[k] = {
+                    name: fn(sub, f"{path}/dependencies/{escape_pointer(name)}") if isinstance(sub, (dict, bool)) else sub
+                    for name, sub in v.items()
+                }
+        elif isinstance(v, list):
+            if k in _LIST_KEYS or k == "items":
+                out[k] = [fn(sub, f"{path}/{k}/{i}") for i, sub in enumerate(v)]
+        elif isinstance(v, (dict, bool)) and k in _ONE_KEYS:
             out[k] = fn(v, f"{path}/{k}")
-    for k in _LIST_KEYS + ("items",):
-        v = node.get(k)
-        if isinstance(v, list):
-            out[k] = [fn(sub, f"{path}/{k}/{i}") for i, sub in enumerate(v)]
-    deps = node.get("dependencies")
-    if isinstance(deps, dict):
-        out["dependencies"] = {
-            name: fn(sub, f"{path}/dependencies/{escape_pointer(name)}") if isinstance(sub, (dict, bool)) else sub
-            for name, sub in deps.items()
-        }
     return out
 
 
@@ -134,10 +141,8 @@ def _value_type(v: Any) -> str:
         return "null"
     if isinstance(v, bool):
         return "boolean"
-    if isinstance(v, int) or (isinstance(v, float) and v.is_integer()):
-        return "integer"
-    if isinstance(v, float):
-        return "number"
+    if is_number(v):
+        return "integer" if is_integral(v) else "number"
     if isinstance(v, str):
         return "string"
     return "array" if isinstance(v, list) else "object"
@@ -267,7 +272,7 @@ def _negate_values(values: list) -> Schema:
     bools = {v for v in values if isinstance(v, bool)}
     if len(bools) == 1:
         parts.append({"const": not bools.pop()})
-    numbers = sorted({v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    numbers = sorted({exact(v) for v in values if is_number(v)})
     if numbers:
         parts.append({"type": "number", "exclusiveMaximum": numbers[0]})
         parts.extend({"type": "number", "exclusiveMinimum": a, "exclusiveMaximum": b} for a, b in zip(numbers, numbers[1:]))
@@ -331,9 +336,12 @@ def provably_disjoint(a: Schema, b: Schema, resolve: Callable[[str], Schema]) ->
     # Objects told apart by a required property whose allowed values do not overlap.
     pa, pb = a.get("properties") or {}, b.get("properties") or {}
     if type_set(a) == {"object"} or type_set(b) == {"object"}:
-        for name in set(a.get("required") or []) & set(b.get("required") or []):
-            if name in pa and name in pb and provably_disjoint(pa[name], pb[name], resolve):
-                return True
+        # a property one side requires, whose value the other side constrains where present
+        for x, y in ((a, b), (b, a)):
+            px, py = x.get("properties") or {}, y.get("properties") or {}
+            for name in x.get("required") or []:
+                if isinstance(name, str) and name in px and name in py and provably_disjoint(px[name], py[name], resolve):
+                    return True
         for x, y in ((a, b), (b, a)):
             px = x.get("properties") or {}
             closed = x.get("additionalProperties") is False and not x.get("patternProperties")
@@ -365,3 +373,20 @@ def _json_eq(x: Any, y: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def prune_alternatives(neg: Schema, contexts: list[Schema], resolve: Callable[[str], Schema]) -> Schema:
+    """``neg`` (a negation about to be intersected with every schema of ``contexts``) without
+    the ``anyOf`` alternatives that are provably disjoint from one of the contexts: those can
+    hold no instance of the intersection, so dropping them changes nothing but what a backend
+    has to build. ``False`` if no alternative is left."""
+    if not isinstance(neg, dict) or set(neg) != {"anyOf"} or not isinstance(neg["anyOf"], list):
+        alternatives = [neg]
+    else:
+        alternatives = neg["anyOf"]
+    kept = [alt for alt in alternatives if not any(provably_disjoint(alt, c, resolve) for c in contexts)]
+    if not kept:
+        return False
+    if len(kept) == len(alternatives):
+        return neg
+    return kept[0] if len(kept) == 1 else {"anyOf": kept}

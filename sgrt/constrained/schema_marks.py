@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sgrt.constrained.numbers import is_number
 from sgrt.constrained.schema_algebra import Schema, map_subschemas, subschemas
 
 _ANNOTATIONS = {
@@ -97,15 +98,13 @@ def mixes_named_and_free_keys(tree: Schema) -> bool:
     return False
 
 
-def _spell_values(node: Schema) -> Schema:
-    """``const`` / ``enum`` objects, which llguidance would match only as one literal text,
-    rewritten (llguidance only, after the rewrites) into ``properties`` of the members' values,
-    all ``required``, closed: an instance lists the keys in the grammar's order (as for every
-    object), whatever order the schema wrote them in. Other values stay literals (an integral
-    number is written without a fraction: ``1``, not ``1.0``; a departure)."""
-    if not isinstance(node, dict):
-        return node
-    node = map_subschemas(node, lambda sub, _p: _spell_values(sub), "")
+def _spell_node(node: dict) -> dict:
+    """``node``'s ``const`` / ``enum`` objects, which llguidance would match only as one literal
+    text, rewritten (llguidance only, in the normalizer's last walk, node by node) into
+    ``properties`` of the members' values, all ``required``, closed: an instance lists the keys
+    in the grammar's order (as for every object), whatever order the schema wrote them in.
+    Other values stay literals (an integral number is written without a fraction: ``1``, not
+    ``1.0``; a departure)."""
     values = [node["const"]] if "const" in node else node.get("enum") if isinstance(node.get("enum"), list) else None
     if values is None or not any(_needs_spelling(v) for v in values):
         return node
@@ -156,4 +155,4 @@ class _Evaluated:
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return is_number(v)

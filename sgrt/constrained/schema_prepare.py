@@ -3,6 +3,9 @@ objects that composition keeps open found (2b), the generation options applied (
 ``unevaluated*`` keywords resolved and numbers bounded (2d)."""
 from __future__ import annotations
 
+from decimal import Decimal
+
+from sgrt.constrained.numbers import is_integral, is_number
 from sgrt.constrained.formats import FORMAT_REGEXES, KNOWN_FORMATS, LLGUIDANCE_OVERRIDES
 from sgrt.constrained.options import GrammarOptions
 from sgrt.constrained.schema_algebra import (
@@ -57,7 +60,7 @@ class PrepareMixin:
         if node.get("uniqueItems") is False:
             node.pop("uniqueItems")
         for k in _COUNT_KEYS:  # 2.0 is an integer to JSON Schema (2020-12, section 6)
-            if isinstance(node.get(k), float) and node[k].is_integer():
+            if is_number(node.get(k)) and not isinstance(node[k], int) and is_integral(node[k]):
                 node[k] = int(node[k])
         return map_subschemas(node, self._upgrade, path)
 
@@ -273,75 +276,31 @@ class PrepareMixin:
             ev = ev | (then & self._evaluated(node.get("else", True), objs, tree, seen))
         return ev
 
-    def _bound_numbers(self, node: Schema, path: str) -> Schema:
-        """Default digit bounds on every number schema in a positive position of the rewritten
-        tree (see GrammarOptions.max_integer_digits). Done after the rewrites so that negations
-        (``not``, ``if``, ``oneOf``) see the user's schema, not our bounds."""
-        if not isinstance(node, dict):
-            return node
-        ts = type_set({"type": node["type"]}) if "type" in node else None
-        if ts is not None and ts & {"number", "integer"} and not any(k in node for k in ("enum", "const")):
-            node = dict(node)
-            self._bound_number(node, ts)
-            if ts == {"integer"}:
-                _fit_integer_bounds(node, path)
-
-        def child(sub: Schema, sub_path: str) -> Schema:
-            key = sub_path[len(path):].split("/")[1]
-            return sub if key in ("not", "if", "propertyNames", "contains") else self._bound_numbers(sub, sub_path)
-
-        return map_subschemas(node, child, path)
-
-    def _bound_number(self, node: dict, ts: set[str]) -> None:
-        """Default digit bounds on one number schema, on the sides it leaves open."""
+    def _bound_number(self, node: dict, ts: set[str]) -> bool:
+        """Default digit bounds (see GrammarOptions.max_integer_digits) on one number schema of
+        the rewritten tree, on the sides it leaves open, in place. Added after the rewrites so
+        that negations (``not``, ``if``, ``oneOf``) see the user's schema, not our bounds.
+        |x| < 10**digits is written as exclusive bounds at +-10**digits for numbers (llguidance
+        compiles them 2-3x faster than +-(10**digits - 1), whose digit-range regex it
+        intersects with ``multipleOf``) and as ``minimum`` / ``maximum`` +-(10**digits - 1) for
+        integers (the same integer range either way). Returns whether it added any bound."""
         digits = self.options.max_integer_digits
+        added = False
         if digits is not None:
             limit = 10**digits - 1
+            integer = ts == {"integer"}
             lows = [node[k] for k in ("minimum", "exclusiveMinimum") if _is_num(node.get(k))]
             highs = [node[k] for k in ("maximum", "exclusiveMaximum") if _is_num(node.get(k))]
             if not highs and all(lo < limit for lo in lows):
-                node["maximum"] = limit
+                node["maximum" if integer else "exclusiveMaximum"] = limit if integer else limit + 1
+                added = True
             if not lows and all(hi > -limit for hi in highs):
-                node["minimum"] = -limit
+                node["minimum" if integer else "exclusiveMinimum"] = -limit if integer else -(limit + 1)
+                added = True
         frac = self.options.max_fraction_digits
         # llguidance does not intersect two multipleOf (allOf members, $ref siblings): a schema
         # that uses multipleOf anywhere keeps its own.
         if frac is not None and "number" in ts and not self._uses_multiple_of:
-            node["multipleOf"] = float(f"1e-{frac}")
-
-
-#: The largest bound of an integer schema that llguidance reads exactly (2**63 - 1024: it reads
-#: bounds as float64, whose values next to 2**63 are 1,024 apart, and generates int64 values).
-#: Past it, llguidance clamps a bound to the int64 range, which can make it accept values the
-#: schema does not (a minimum of 1e19 gave 9223372036854775807), and near -2**63 it crashes the
-#: process (llguidance 1.9.1, a minimum of -2e19 with a maximum of -1e19).
-INTEGER_BOUND_LIMIT = 2**63 - 1024
-
-
-def _fit_integer_bounds(node: dict, path: str) -> None:
-    """Bring an integer schema's bounds within +-:data:`INTEGER_BOUND_LIMIT`, in place: a bound
-    past the limit on its open side (a minimum below -limit, a maximum above +limit) becomes the
-    limit, which excludes only values the grammar engine cannot generate anyway; one that leaves
-    no value within the limits is refused.
-
-    Raises:
-        GrammarError: (field ``json_schema``, ``path`` the keyword's pointer) a lower bound above
-            the limit or an upper bound below minus the limit.
-    """
-    limit = INTEGER_BOUND_LIMIT
-    for key, sign in (("minimum", 1), ("exclusiveMinimum", 1), ("maximum", -1), ("exclusiveMaximum", -1)):
-        value = node.get(key)
-        if not _is_num(value):
-            continue
-        exclusive = key.startswith("exclusive")
-        if sign * value > limit or (sign * value == limit and exclusive):
-            side = ("at or " if exclusive else "") + ("above" if sign > 0 else "below minus")
-            raise GrammarError(
-                f"{key} {value} of an integer schema is {side} {limit} (2**63 - 1024), the largest integer "
-                "bound the grammar engine supports: no value it can generate would be valid",
-                field="json_schema", path=f"{path}/{key}")
-        if -sign * value > limit:  # past the limit on its open side: narrowed to the limit
-            del node[key]
-            bound, edge = ("minimum", -limit) if sign > 0 else ("maximum", limit)
-            tighter = max if sign > 0 else min
-            node[bound] = tighter(node[bound], edge) if bound in node else edge
+            node["multipleOf"] = Decimal(f"1e-{frac}")
+            added = True
+        return added

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sgrt.constrained.ecma_regex import ecma_validator
+from sgrt.constrained.numbers import plain_json
 from sgrt.constrained.patterns import UnsupportedPattern, check_pattern, llguidance_pattern
 from sgrt.constrained.schema_algebra import (
     ALL_TYPES,
@@ -18,6 +20,7 @@ from sgrt.constrained.schema_algebra import (
     map_subschemas,
     negate,
     provably_disjoint,
+    prune_alternatives,
     subschemas,
     type_set,
 )
@@ -153,10 +156,9 @@ class RewriteMixin:
                 path=path,
             )
 
-    def _llguidance_patterns(self, node: Schema, path: str) -> Schema:
-        """Apply :func:`llguidance_pattern` to every pattern of the tree."""
-        if not isinstance(node, dict):
-            return node
+    def _llguidance_pattern_keys(self, node: dict, path: str) -> dict:
+        """``node`` (a copy of our own) with its ``pattern`` and ``patternProperties`` keys
+        through :func:`llguidance_pattern`."""
 
         def fix(pattern: str, where: str) -> str:
             try:
@@ -166,14 +168,13 @@ class RewriteMixin:
                     f"json_schema pattern {pattern!r} at {where} is not supported: {e}", field="json_schema", path=where
                 ) from None
 
-        node = dict(node)
         if isinstance(node.get("pattern"), str):
             node["pattern"] = fix(node["pattern"], f"{path}/pattern")
         if isinstance(node.get("patternProperties"), dict):
             node["patternProperties"] = {
                 fix(k, f"{path}/patternProperties/{escape_pointer(k)}"): v for k, v in node["patternProperties"].items()
             }
-        return map_subschemas(node, self._llguidance_patterns, path)
+        return node
 
     def _rewrite_unevaluated(self, node: dict, path: str) -> dict:
         plain = not any(k in node for k in _APPLICATORS + ("$ref", "if", "dependentSchemas"))
@@ -201,14 +202,12 @@ class RewriteMixin:
             return node
         props = dict(node.get("properties") or {})
         if props:
-            import jsonschema
-
             sub = dict(names) if isinstance(names, dict) else names
             if isinstance(sub, dict):
                 for k in ("$defs", "definitions"):
                     if k in self.current:
                         sub[k] = self.current[k]
-            validator = jsonschema.Draft202012Validator(sub)
+            validator = ecma_validator(plain_json(sub))
             for name in props:
                 if not validator.is_valid(name):
                     props[name] = False
@@ -301,10 +300,17 @@ class RewriteMixin:
         if n <= 8:
             try:
                 expanded = []
+                parent = relax(node)
                 for i in range(n):
                     ctx = type_set(deref(wide[i], res))
-                    negs = [negate(wide[j], res, context=ctx) for j in range(n) if (i, j) in overlap]
-                    expanded.append({"allOf": [branches[i], *negs]})
+                    # alternatives of a negation that the branch or the node itself excludes hold
+                    # no instance: pruned, so the backend does not build them (issue 42)
+                    negs = [prune_alternatives(negate(wide[j], res, context=ctx), [wide[i], parent], res)
+                            for j in range(n) if (i, j) in overlap]
+                    if any(neg is False for neg in negs):
+                        continue  # every instance of this branch matches another one too
+                    negs = [neg for neg in negs if not _implied(neg, [wide[i], parent])]
+                    expanded.append({"allOf": [branches[i], *negs]} if negs else branches[i])
                 return self._add_any_of(node, expanded)
             except Inexpressible:
                 pass
@@ -324,3 +330,46 @@ class RewriteMixin:
         else:
             node["anyOf"] = branches
         return node
+
+
+def _implied(neg: Schema, contexts: list[Schema]) -> bool:
+    """Whether every instance of all ``contexts`` satisfies ``neg`` for sure, so intersecting
+    with it changes nothing. Recognized form: an alternative of ``neg`` that says "property p is
+    present and its value is valid under S" (what negating a ``const`` / ``enum`` property gives),
+    where the contexts make the instance an object, require p, and list its possible values
+    (``const`` / ``enum``), each of which S accepts (checked with ECMA-262 patterns)."""
+    alternatives = neg["anyOf"] if isinstance(neg, dict) and set(neg) == {"anyOf"} else [neg]
+    dicts = [c for c in contexts if isinstance(c, dict)]
+    if not any(type_set(c) == {"object"} for c in dicts):
+        return False
+    for alt in alternatives:
+        if not isinstance(alt, dict) or set(alt) != {"type", "required", "properties"} or alt["type"] != "object":
+            continue
+        required, props = alt["required"], alt["properties"]
+        if not (isinstance(required, list) and len(required) == 1 and isinstance(props, dict) and list(props) == required):
+            continue
+        name = required[0]
+        if not any(name in (c.get("required") or []) for c in dicts):
+            continue
+        values = None
+        for c in dicts:
+            sub = (c.get("properties") or {}).get(name)
+            if isinstance(sub, dict) and ("const" in sub or isinstance(sub.get("enum"), list)):
+                listed = [sub["const"]] if "const" in sub else sub["enum"]
+                values = listed if values is None else [v for v in values if any(_same(v, w) for w in listed)]
+        if not values:
+            continue
+        try:
+            validator = ecma_validator(plain_json(props[name]))
+            if all(validator.is_valid(plain_json(v)) for v in values):
+                return True
+        except Exception:  # a schema jsonschema cannot read (a $ref out of its reach): not proved
+            continue
+    return False
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality of two scalars (``True`` is not ``1``)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b

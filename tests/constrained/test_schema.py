@@ -9,6 +9,7 @@ import msgspec
 import pydantic
 import pytest
 
+from bench.validity import normalized_validator
 from sgrt.constrained import GrammarOptions, load_schema, normalize_schema
 from sgrt.errors import GrammarError
 
@@ -55,7 +56,7 @@ def test_objects_closed_by_default_and_open_on_request():
     assert "additionalProperties" not in normalize_schema(schema, OPEN).schema
     # A map without properties stays open; explicit additionalProperties is kept.
     assert "additionalProperties" not in normalize_schema({"type": "object"}, GrammarOptions()).schema
-    kept = normalize_schema({"properties": {"a": {}}, "additionalProperties": {"type": "integer"}}, GrammarOptions())
+    kept = normalize_schema({"properties": {"a": {}}, "additionalProperties": {"type": "integer"}}, OPEN)
     assert kept.schema["additionalProperties"]["type"] == "integer"
 
 
@@ -177,10 +178,22 @@ REWRITES = [
     {"type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"pattern": "^k"}},
     {"type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"enum": ["x", "y"]}},
     {"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False},
+    # oneOf made exclusive with negations, pruned by the node's own properties (issue 42)
+    {"type": "object", "properties": {"shape": {"enum": ["c", "r"]}, "radius": {"type": "number"},
+                                      "length": {"type": "number"}},
+     "oneOf": [{"properties": {"shape": {"const": "c"}}, "required": ["radius"]},
+               {"properties": {"shape": {"const": "r"}}, "required": ["length"]}]},
+    {"type": "object", "required": ["shape"],
+     "properties": {"shape": {"enum": ["c", "r"]}, "radius": {"type": "number"}, "length": {"type": "number"}},
+     "oneOf": [{"properties": {"shape": {"const": "c"}}, "required": ["radius"]},
+               {"properties": {"shape": {"const": "r"}}, "required": ["length"]}]},
 ]
 SAMPLES = [None, True, False, 0, 1, 2.5, 3, 7, -1, -3, "", "x", "xy", [], [1], {}, {"a": 1}, {"b": 2}, {"a": 1, "b": 2},
            {"a": 1, "b": 7}, {"kind": "num", "n": 1}, {"kind": "num"}, {"kind": "str"}, {"kind": "str", "n": 2},
-           {"c": 1}, {"a": 1, "c": 2}, {"k1": 1, "k2": 2}, {"k1": "s"}, {"z": 1}, {"x": 1}, {"x": 1, "y": 2}, {"x": 1, "z": 2}]
+           {"c": 1}, {"a": 1, "c": 2}, {"k1": 1, "k2": 2}, {"k1": "s"}, {"z": 1}, {"x": 1}, {"x": 1, "y": 2}, {"x": 1, "z": 2},
+           {"radius": 1}, {"radius": 1, "length": 2}, {"shape": "c", "radius": 1}, {"shape": "c", "radius": 1, "length": 2},
+           {"shape": "r", "radius": 1, "length": 2}, {"shape": "r", "radius": 1}, {"shape": "c", "length": "x"},
+           {"radius": "x"}, {"shape": "x", "radius": 1}, {"shape": "r", "length": 2}]
 
 
 @pytest.mark.parametrize("schema", REWRITES)
@@ -190,9 +203,22 @@ def test_rewrites_preserve_validity(schema):
     for kw in ("\"not\"", "\"if\"", "dependentRequired", "dependentSchemas", "\"oneOf\"", "propertyNames", "unevaluated"):
         assert kw not in text, (kw, out)
     original = jsonschema.Draft202012Validator(schema)
-    rewritten = jsonschema.Draft202012Validator(out)
+    rewritten = normalized_validator(out)  # its patterns are written for llguidance (Rust syntax)
     for sample in SAMPLES:
         assert original.is_valid(sample) == rewritten.is_valid(sample), (sample, out)
+
+
+def test_one_of_negations_leave_out_what_the_node_excludes():
+    """A negation's alternatives that the branch or the node itself rules out are not built (the
+    'radius is not a number' alternative under properties.radius: number), and one the context
+    implies (shape present and not 'r', where shape is required and can only be 'c' in branch c)
+    drops the whole negation: the output stays equivalent (test_rewrites_preserve_validity) and
+    small."""
+    schema = REWRITES[-1]
+    out = normalize_schema(schema, OPEN).schema
+    text = json.dumps(out)
+    assert '"null", "boolean"' not in text  # no "value of another type" alternatives
+    assert out["anyOf"] == [schema["oneOf"][0], schema["oneOf"][1]]  # exclusive once pruned
 
 
 def test_complement_regex():
