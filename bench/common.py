@@ -60,3 +60,22 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
     return str(value)
+
+
+def hf_folder(loaded: Any):
+    """An HF folder of a loaded model for tools that load one (transformers, outlines, vLLM): the
+    folder itself for an HF checkpoint; for a GGUF, its float32 export
+    (``sgrt.models.loader.export_hf_folder``), written once under ``<cache root>/bench/``."""
+    from pathlib import Path
+
+    from sgrt.models.loader import export_hf_folder, gguf_cache_key
+    from sgrt.paths import cache_root
+
+    kind, src = loaded.source.split(":", 1)
+    if kind != "gguf":
+        return Path(src)
+    gguf = Path(src)
+    folder = cache_root() / "bench" / f"hf-{gguf.stem}-{gguf_cache_key(gguf)}"
+    if not (folder / "model.safetensors").is_file():
+        export_hf_folder(gguf, folder)
+    return folder

@@ -103,7 +103,7 @@ def hf_model(loaded, dtype: torch.dtype):
         src = Path(src)
         return transformers.AutoModelForCausalLM.from_pretrained(
             str(src.parent), gguf_file=src.name, dtype=dtype, local_files_only=True).eval()
-    return transformers.AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype, local_files_only=True).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True).eval()
 
 
 def hf_prefill_tps(model, prompt_ids: list[int], runs: int) -> float:

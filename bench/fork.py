@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import sgrt  # noqa: E402
-from bench.common import emit_json, print_table  # noqa: E402
+from bench.common import emit_json, hf_folder, print_table  # noqa: E402
 
 _SUBJECTS = ["The river", "A lighthouse keeper", "The old library", "Every farmer", "The harbour",
              "A travelling merchant", "The mountain village", "The night market"]
@@ -98,7 +98,7 @@ def run_hf(loaded, prompts_ids: list[list[int]], max_tokens: int) -> dict:
     import transformers
 
     model = transformers.LlamaForCausalLM.from_pretrained(
-        loaded.path, dtype=torch.float32, local_files_only=True).eval()
+        hf_folder(loaded), dtype=torch.float32, local_files_only=True).eval()
     kw = dict(do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
               pad_token_id=2)
     with torch.inference_mode():

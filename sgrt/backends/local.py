@@ -276,12 +276,13 @@ class LocalBackend(BaseBackend):
         ``is_generation``, ``has_image_understanding``, ``has_audio_understanding``,
         ``model_type``, ``architectures``."""
         loaded = getattr(self.engine, "loaded", None)
-        path = str(getattr(loaded, "path", "") or "") if loaded is not None else ""
+        path = str(getattr(loaded, "checkpoint_path", "") or "") if loaded is not None else ""
+        tokenizer = getattr(loaded, "tokenizer_path", None) if loaded is not None else None
         config = getattr(loaded, "config", None)
         arch = getattr(config, "architecture", None)
         return {
-            "model_path": path,
-            "tokenizer_path": path,
+            "model_path": path,  # (the GGUF file or HF folder loaded)
+            "tokenizer_path": str(tokenizer) if tokenizer is not None else path,
             "is_generation": True,
             "has_image_understanding": False,
             "has_audio_understanding": False,

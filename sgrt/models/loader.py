@@ -73,6 +73,8 @@ class LoadedModel:
             was moved there).
         counts: how the weights were packed (:class:`~sgrt.models.weight_packer.Packer`'s counts:
             from the file's blocks, quantized at load, int4-mode weights kept in int8, kept float).
+        tokenizer_path: the folder the tokenizer was read from (an HF folder itself; a GGUF's
+            cache entry's ``tokenizer/``).
     """
 
     model: Any
@@ -84,6 +86,12 @@ class LoadedModel:
     converted: bool = False
     weight_bytes: int = 0
     counts: dict[str, int] | None = None
+    tokenizer_path: Path | None = None
+
+    @property
+    def checkpoint_path(self) -> str:
+        """The GGUF file or HF folder the spec resolved to (:attr:`source` without its kind)."""
+        return self.source.split(":", 1)[-1]
 
     def describe(self) -> str:
         """One line for a person: dtype, quantization, bytes of weights, where they are mapped
@@ -171,7 +179,8 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
     weight_bytes = store.nbytes if torch_device.type == "cpu" else _parameter_bytes(model)
     return LoadedModel(model=model, config=source.config, tokenizer=tokenizer, path=folder,
                        source=f"{kind}:{src}", load_seconds=time.perf_counter() - start,
-                       converted=converted, weight_bytes=weight_bytes, counts=counts)
+                       converted=converted, weight_bytes=weight_bytes, counts=counts,
+                       tokenizer_path=source.tokenizer_folder)
 
 
 @dataclass
