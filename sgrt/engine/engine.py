@@ -36,6 +36,7 @@ from sgrt.engine.request import Req
 from sgrt.engine.sampling_params import SamplingParams
 from sgrt.engine.scheduler import Row, Scheduler, SchedulerConfig
 from sgrt.engine.speculative import SpecConfig, SpecPlanner
+from sgrt.engine.threads import ThreadGovernor, kind_of
 from sgrt.errors import GrammarError, InvalidRequest
 
 logger = logging.getLogger("sgrt.engine")
@@ -102,6 +103,9 @@ class EngineConfig:
         grammar_backend: the default grammar backend, ``"llguidance"`` or ``"outlines"``.
         log_interval: seconds between stats log lines (0: none).
         compile: ``torch.compile`` decode batches (:mod:`sgrt.engine.compiled_decode`).
+        adaptive_threads: choose each forward's thread count by its measured time (up to torch's
+            threads; fewer while other processes take the cores: :mod:`sgrt.engine.threads`).
+            False keeps torch's thread count.
         scheduler: ``max_running_requests``, ``max_prefill_tokens``, ``chunked_prefill_size``,
             ``schedule_policy`` (:class:`sgrt.engine.scheduler.SchedulerConfig`).
         spec: ``speculative``, ``num_draft_tokens``, ``draft_model``,
@@ -122,6 +126,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     log_interval: float = 0.0
     compile: bool = False
+    adaptive_threads: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
@@ -232,6 +237,9 @@ class Engine:
             # NOTE: the loop thread runs every forward; the caller's idle OpenMP pool would
             # throttle its workers' spinning (see sgrt/engine/openmp.py).
             release_caller_pool()
+        # (threads per forward: all torch's while the process has its cores, fewer under other load)
+        self.threads = ThreadGovernor(torch.get_num_threads(), adaptive=config.adaptive_threads and self._cpu)
+        self._threads_now = self.threads.max_threads
         self._thread = threading.Thread(target=self._loop, name="sgrt-engine", daemon=True)
         logger.info("engine: %s", self.describe())
         _LIVE_ENGINES.add(self)
@@ -245,7 +253,8 @@ class Engine:
         threads a step uses."""
         kv = self.pool.k.numel() * self.pool.k.element_size() * 2
         return (f"{self.loaded.describe()}; KV pool {self.pool.num_slots} tokens, {kv / 1e9:.2f} GB; "
-                f"context {self.context_length}; {torch.get_num_threads()} threads")
+                f"context {self.context_length}; {self.threads.max_threads} threads"
+                + (" (fewer while other work takes the cores)" if self.threads.adaptive else ""))
 
     def submit(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
                request_id: str | None = None) -> RequestHandle:
@@ -342,6 +351,7 @@ class Engine:
     # ==== the loop (engine thread) ===========================================================
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        torch.set_num_threads(self._threads_now)
         while True:
             block = not self.scheduler.has_work()
             if block and self._cpu:
@@ -379,9 +389,16 @@ class Engine:
 
     def _forward(self, rows: list[Row]) -> list[torch.Tensor]:
         offsets = [self.outputs.logit_offsets(row) for row in rows]
+        kind = kind_of(len(rows) if all(r.n == 1 for r in rows) else None, sum(r.n for r in rows))
+        threads = self.threads.choose(kind)
+        if threads != self._threads_now:  # (the loop thread's own OpenMP team size; ~1 us)
+            torch.set_num_threads(threads)
+            self._threads_now = threads
         t0 = time.monotonic()
         logits = self.runner.forward(rows, offsets)
-        self.metrics.record_forward(rows, time.monotonic() - t0)
+        seconds = time.monotonic() - t0
+        self.threads.record(kind, threads, seconds)
+        self.metrics.record_forward(rows, seconds)
         return logits
 
     def _idle(self) -> None:

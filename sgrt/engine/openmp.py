@@ -26,10 +26,9 @@ Measured on the 2-core machine (SmolLM2 int4, 2 threads, 128 decode steps): with
 left on the main thread, or on an idle second engine, the loop thread's workers made ~300
 voluntary context switches (futex sleeps) a step; with it freed, ~0 (they spin). Spinning is the
 right policy only while the process has the cores to itself: with other processes keeping the
-cores busy (load average ~5 on the 2 cores), the spinning master and worker wait on each other's
-time slices, and the same runs decoded 1-16 tok/s spinning against 24-36 throttled. There,
-``OMP_WAIT_POLICY=PASSIVE`` (set before torch is imported: workers sleep at once) is the setting
-to try.
+cores busy, the spinning master and worker wait on each other's time slices. The engine then runs
+its forwards on fewer threads (:mod:`sgrt.engine.threads`, chosen by each forward's measured
+time), which needs no barrier at all on one.
 """
 from __future__ import annotations
 

@@ -1,0 +1,76 @@
+"""The thread governor (sgrt/engine/threads.py): it runs the thread count whose forwards are
+fastest, learns when the machine changes (another process takes a core, then leaves), and stays
+on the best count most of the time; and through a real engine, outputs do not depend on it."""
+from __future__ import annotations
+
+import pytest
+
+from sgrt.engine.threads import EXPLORE_MAX, ThreadGovernor, kind_of
+
+
+def _run(gov: ThreadGovernor, seconds_of, steps: int, kind=("decode", 1)) -> list[int]:
+    """Feed ``steps`` forwards whose time is ``seconds_of(threads)``; the thread counts chosen."""
+    chosen = []
+    for _ in range(steps):
+        n = gov.choose(kind)
+        gov.record(kind, n, seconds_of(n))
+        chosen.append(n)
+    return chosen
+
+
+QUIET = {2: 0.004, 1: 0.007}  # two threads ~1.75x one
+BUSY = {2: 0.024, 1: 0.008}  # another process on one core: the 2-thread team waits on its slices
+
+
+def test_kinds_bucket_by_rows_and_tokens():
+    assert kind_of(1, 1) == ("decode", 1) and kind_of(3, 3) == ("decode", 2) and kind_of(16, 16) == ("decode", 16)
+    assert kind_of(None, 600) == ("extend", 512) and kind_of(None, 1) == ("extend", 1)
+
+
+def test_quiet_machine_runs_every_thread_and_explores_rarely():
+    gov = ThreadGovernor(2)
+    chosen = _run(gov, QUIET.__getitem__, 2000)
+    assert chosen[0] == 2  # (the first forward of a kind runs on all threads)
+    tail = chosen[500:]
+    assert tail.count(1) <= len(tail) // EXPLORE_MAX + 2  # ~1 try in 256 once the choice holds
+    assert gov.summary() == {"decode/1": 2}
+
+
+def test_a_busy_core_moves_to_one_thread_and_back_when_it_frees():
+    gov = ThreadGovernor(2)
+    _run(gov, QUIET.__getitem__, 1000)
+    busy = _run(gov, BUSY.__getitem__, 400)
+    assert busy[:4].count(2) <= 3  # the first slow steps trigger a look at one thread at once
+    assert busy[-300:].count(1) >= 280
+    quiet_again = _run(gov, QUIET.__getitem__, 400)
+    assert quiet_again[-200:].count(2) >= 190
+    # time spent against always running 2 threads, over the busy phase: well under its 3x
+    cost = sum(BUSY[n] for n in busy) / (BUSY[2] * len(busy))
+    assert cost < 0.45, cost
+
+
+def test_kinds_are_learnt_apart():
+    gov = ThreadGovernor(2)
+    _run(gov, QUIET.__getitem__, 200, kind=("decode", 1))
+    _run(gov, {2: 0.5, 1: 0.3}.__getitem__, 200, kind=("extend", 512))
+    assert gov.summary() == {"decode/1": 2, "extend/512": 1}
+
+
+@pytest.mark.parametrize("max_threads,adaptive", [(1, True), (4, False)])
+def test_one_thread_or_off_keeps_the_count(max_threads, adaptive):
+    gov = ThreadGovernor(max_threads, adaptive=adaptive)
+    assert set(_run(gov, lambda n: 0.001 * n, 100)) == {max_threads}
+
+
+def test_engine_outputs_do_not_depend_on_the_thread_policy(loaded_model):
+    """Greedy outputs of the same requests with the governor on and off are identical (a row's
+    result does not depend on the thread count: the kernels' outputs are bitwise the same)."""
+    from sgrt.engine import Engine, SamplingParams
+
+    prompts = ["The capital of France is", "1, 2, 3,", "Once upon a time"]
+    outs = []
+    for adaptive in (True, False):
+        with Engine(model=loaded_model, max_total_tokens=2048, adaptive_threads=adaptive) as eng:
+            outs.append([r.token_ids for r in eng.generate_batch(prompts, SamplingParams(max_tokens=24))])
+            assert eng.threads.adaptive == (adaptive and eng.threads.max_threads > 1)
+    assert outs[0] == outs[1]
