@@ -53,8 +53,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="with --quantization int4 on the AVX2 kernel: the int4 layers' activation precision "
                         "(int8: llama.cpp's Q8 blocks, faster prefill, less accurate; int8-prefill: int8 for "
                         "prefill / extend chunks of >= 32 rows only, decode keeps int16)")
-    p.add_argument("--max-total-tokens", type=int, default=16384,
-                   help="KV pool size in tokens (all requests' prompt + output at once)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV pool size in tokens (all requests' prompt + output at once); unset: from memory, "
+                        "4 GiB of K/V or a quarter of the memory available, whichever is less")
     _output_args(p)
     _grammar_limit_args(p)
 
@@ -193,7 +194,7 @@ def check_args(args: argparse.Namespace) -> None:
             _check_constraint(args, *next(iter(constraint.items())))
     if args.command == "models":
         return  # lists files; no engine, no sampling
-    if args.max_total_tokens < 1:
+    if args.max_total_tokens is not None and args.max_total_tokens < 1:
         raise InvalidRequest(f"--max-total-tokens must be >= 1, got {args.max_total_tokens}", field="max_total_tokens")
     if args.grammar_compile_timeout <= 0:
         raise InvalidRequest(f"--grammar-compile-timeout must be > 0, got {args.grammar_compile_timeout}",

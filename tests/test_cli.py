@@ -51,7 +51,8 @@ def test_every_flag_has_help_with_its_default():
         if name == "models":
             continue  # lists files: no engine options
         text = " ".join(sub.format_help().split())
-        assert "KV pool size in tokens (all requests' prompt + output at once) (default: 16384)" in text
+        assert ("KV pool size in tokens (all requests' prompt + output at once); unset: from memory, 4 GiB of K/V "
+                "or a quarter of the memory available, whichever is less (default: None)") in text
         assert "--max-ref-depth N longest chain of $ref hops in a JSON Schema (default: 64)" in text
 
 

@@ -303,7 +303,8 @@ class LocalBackend(BaseBackend):
         info["model_path"] = info["model_path"]  # also SGLang's server-args key
         config = getattr(self.engine, "config", None)
         info["context_length"] = getattr(self.engine, "context_length", None)
-        info["max_total_num_tokens"] = getattr(config, "max_total_tokens", None)
+        pool = getattr(self.engine, "pool", None)
+        info["max_total_num_tokens"] = getattr(pool, "num_slots", getattr(config, "max_total_tokens", None))
         model = getattr(self.engine, "model", None)
         dtype = getattr(model, "dtype", None)
         info["dtype"] = str(dtype).replace("torch.", "") if dtype is not None else None

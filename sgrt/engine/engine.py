@@ -24,7 +24,7 @@ import torch
 
 from sgrt.engine.handle import RequestHandle
 from sgrt.engine.intake import Intake
-from sgrt.engine.kv_pool import KVPool
+from sgrt.engine.kv_pool import KVPool, default_pool_tokens
 from sgrt.engine.metrics import EngineMetrics
 from sgrt.engine.model_runner import ModelRunner
 from sgrt.engine.openmp import release_caller_pool
@@ -97,7 +97,10 @@ class EngineConfig:
     own configs, which are fields here and go to those components as they are.
 
     Attributes:
-        max_total_tokens: KV pool slots (>= 1).
+        max_total_tokens: KV pool slots (>= 1); None (the default) sizes the pool from memory:
+            4 GiB of K/V or a quarter of the memory available at start, whichever is less, at
+            the model's bytes a token (:func:`sgrt.engine.kv_pool.default_pool_tokens`; its pages
+            are made as they are used: ``zeros_on_demand``).
         enable_radix_cache: share prefixes through the radix cache (False: a cache that keeps
             nothing, :class:`sgrt.engine.prefix_cache.NoPrefixCache`).
         grammar_backend: the default grammar backend, ``"llguidance"`` or ``"outlines"``.
@@ -117,7 +120,7 @@ class EngineConfig:
             ``grammar_backend``.
     """
 
-    max_total_tokens: int = 16384
+    max_total_tokens: int | None = None
     enable_radix_cache: bool = True
     grammar_backend: str = "llguidance"
     # Grammar compile limits (sgrt.constrained.limits.GrammarLimits or a dict of its fields;
@@ -133,10 +136,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         from sgrt.constrained.compiler import BACKENDS
 
-        if isinstance(self.max_total_tokens, bool) or not isinstance(self.max_total_tokens, int) \
-                or self.max_total_tokens < 1:
-            raise InvalidRequest(f"max_total_tokens must be an int >= 1, got {self.max_total_tokens!r}",
-                                 field="max_total_tokens")
+        if self.max_total_tokens is not None and (
+                isinstance(self.max_total_tokens, bool) or not isinstance(self.max_total_tokens, int)
+                or self.max_total_tokens < 1):
+            raise InvalidRequest(f"max_total_tokens must be an int >= 1 or None (from memory), got "
+                                 f"{self.max_total_tokens!r}", field="max_total_tokens")
         if self.grammar_backend not in BACKENDS:
             raise GrammarError(f"grammar_backend must be one of {BACKENDS}, got {self.grammar_backend!r}",
                                field="grammar_backend")
@@ -201,25 +205,25 @@ class Engine:
         from sgrt.models import LoadedModel, load_model
 
         self.config = config = EngineConfig.from_options(**options)
-        # (rotary tables for the positions the pool can reach, not a 128k-context model's 134 MB)
         self.loaded = model if isinstance(model, LoadedModel) else load_model(
-            model, dtype=dtype, device=device, quantization=quantization, int4_activations=int4_activations,
-            max_positions=config.max_total_tokens)
+            model, dtype=dtype, device=device, quantization=quantization, int4_activations=int4_activations)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         cfg = self.loaded.config
-        self.context_length = min(cfg.max_position_embeddings, self.model.rotary.cos.shape[0])
+        self.context_length = cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
         self.eos_ids: set[int] = set(self.tokenizer.eos_token_ids)
+        slots = config.max_total_tokens or default_pool_tokens(
+            2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * self.model.dtype.itemsize)
         self.pool = KVPool(
-            config.max_total_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
+            slots, cfg.num_hidden_layers, cfg.num_key_value_heads,
             cfg.head_dim, self.model.dtype, self.model.device,
         )
         self.cache: PrefixCache = RadixCache(self.pool) if config.enable_radix_cache else NoPrefixCache(self.pool)
         self.scheduler = Scheduler(config.scheduler, self.pool, self.cache)
         self.runner = ModelRunner(self.model, self.pool, compile=config.compile)
         draft_slots = config.spec.draft_max_total_tokens or (
-            config.max_total_tokens + 16 * config.scheduler.max_running_requests)
+            slots + 16 * config.scheduler.max_running_requests)
         self.spec = SpecPlanner(config.spec, self.scheduler, self.loaded, self.eos_ids, self.context_length,
                                 draft_slots)
         self.metrics = EngineMetrics()

@@ -7,10 +7,38 @@ slots of the tokens it holds. Slot 0 is reserved as a padding target and never h
 from __future__ import annotations
 
 import mmap
+import os
 
 import torch
 
 from sgrt.errors import CapacityError
+
+
+# vLLM's CPU default KV space: a pool sized from memory takes this much, or a quarter of the memory
+# available when the engine starts, whichever is less (its pages are made as they are used).
+KV_SPACE_BYTES = 4 << 30
+MIN_DEFAULT_TOKENS = 2048
+
+
+def default_pool_tokens(bytes_per_token: int, available: int | None = None) -> int:
+    """The KV pool's size in tokens when none is given: :data:`KV_SPACE_BYTES` or a quarter of
+    ``available`` bytes (default: the system's ``MemAvailable`` now), whichever is less, at
+    ``bytes_per_token`` (K and V of every layer); at least :data:`MIN_DEFAULT_TOKENS`."""
+    if available is None:
+        available = _mem_available()
+    return max(MIN_DEFAULT_TOKENS, min(KV_SPACE_BYTES, available // 4) // max(1, bytes_per_token))
+
+
+def _mem_available() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes, else physical memory (other systems)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -58,6 +58,9 @@ class ModelRunner:
             picks.extend(base + o for o in offsets)
             base += row.n
         dev = self.device
+        reach = max(row.start + row.n for row in rows)
+        if reach > self.model.rotary.rows:  # (the rotary tables start short and grow)
+            self.model.cover_positions(reach)
         # The compiled graph has neither cascade nor the native operators' attention.
         attn = PagedAttention(self.pool, specs, cascade=self.compiled is None,
                               native=self.compiled is None and self.model.native_ops)

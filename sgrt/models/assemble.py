@@ -47,12 +47,9 @@ def quantized_layer(store: WeightStore, name: str, form: dict[str, Any], activat
 
 
 def build_model(store: WeightStore, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                int4_activations: str = "int16", max_positions: int | None = None) -> Any:
+                int4_activations: str = "int16") -> Any:
     """The model over ``store``'s weights (module docstring), in eval mode, quantization and LM head
     as packed; CPU weights stay the store's mapped tensors.
-
-    Args:
-        max_positions: rows of the rotary tables (default ``config.max_position_embeddings``).
 
     Raises:
         ModelLoadError: the store lacks a weight the model needs (a stale or damaged store).
@@ -62,7 +59,7 @@ def build_model(store: WeightStore, config: ModelConfig, dtype: torch.dtype, dev
     from sgrt.models.quant_native import GroupEmbedding
 
     forms: dict[str, dict[str, Any]] = store.meta["forms"]
-    model = CausalLM(config, dtype=dtype, device=device, materialize=False, max_positions=max_positions)
+    model = CausalLM(config, dtype=dtype, device=device, materialize=False)
     for name, form in forms.items():  # (dense ones are parameters, set below)
         if form["form"] != "dense" and name not in ("lm_head", "embed_tokens"):
             layer_name, proj = name.rsplit(".", 1)

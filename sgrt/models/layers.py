@@ -298,13 +298,10 @@ class CausalLM(nn.Module):
         materialize: allocate the parameters (uninitialized, for :meth:`load_weights`); False
             leaves them on the meta device, for a loader that sets each one to a tensor it has
             (:mod:`sgrt.models.assemble`: a weight store's mapped tensors).
-        max_positions: rows of the rotary tables, the longest sequence the model can run (default
-            ``config.max_position_embeddings``; an engine passes its KV pool's size where that
-            is smaller: the tables of a 128k-context model are 134 MB at head_dim 128).
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 materialize: bool = True, max_positions: int | None = None):
+                 materialize: bool = True):
         super().__init__()
         if config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: {ACTIVATIONS})")
@@ -331,8 +328,7 @@ class CausalLM(nn.Module):
         if config.rope_local_parameters:
             tables.append(config.rope_local_parameters)
         self.rotaries = nn.ModuleList(
-            RotaryEmbedding(p, config.head_dim, config.max_position_embeddings, self.device, max_positions)
-            for p in tables
+            RotaryEmbedding(p, config.head_dim, config.max_position_embeddings, self.device) for p in tables
         )
         # A quantized (sgrt.models.quant) or oneDNN-prepacked (sgrt.models.packed) copy of the LM head;
         # the embedding stays a lookup table. It serves batches of up to logits_head_max_rows rows;
@@ -351,6 +347,14 @@ class CausalLM(nn.Module):
     def rotary(self) -> RotaryEmbedding:
         """The main rotary table (full-attention layers)."""
         return self.rotaries[0]
+
+    def cover_positions(self, positions: int) -> None:
+        """Make the rotary tables cover positions ``0 .. positions - 1`` (they start short and
+        grow: :class:`~sgrt.models.rope.RotaryEmbedding`); the decode plan is rebuilt over grown
+        ones. Callers run it before a forward that reaches past :attr:`RotaryEmbedding.rows`."""
+        grown = [r.grow(positions) for r in self.rotaries]
+        if any(grown) and getattr(self, "native_step", None) is not None:
+            self._build_native_step()
 
     # -- weights -----------------------------------------------------------------------------
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -471,6 +475,7 @@ class CausalLM(nn.Module):
         input_ids ``[T]`` int64 -> logits ``[T, vocab]`` float32.
         """
         input_ids = input_ids.to(self.device)
+        self.cover_positions(input_ids.shape[0])
         positions = torch.arange(input_ids.shape[0], device=self.device)
         hidden = self.forward(input_ids, positions, CausalAttention())
         return self.compute_logits(hidden)

@@ -103,8 +103,7 @@ class LoadedModel:
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu",
                cache_dir: str | Path | None = None, quantization: str = "none", prepack: bool = True,
-               native_ops: bool = True, int4_activations: str = "int16",
-               max_positions: int | None = None) -> LoadedModel:
+               native_ops: bool = True, int4_activations: str = "int16") -> LoadedModel:
     """Load a model of any registered family (:mod:`sgrt.models.registry`) by name, GGUF path or
     HF folder (see the module docstring).
 
@@ -134,9 +133,6 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
             activation precision: ``"int16"`` (default), ``"int8"`` (per block of 32, llama.cpp's
             Q8 blocks: faster, less accurate: docs/DESIGN.md), or ``"int8-prefill"`` (int8 only
             for calls of >= 32 rows: prefill / extend chunks; decode keeps 16-bit).
-        max_positions: the longest sequence the model will run, if shorter than its
-            ``max_position_embeddings`` (rows of the rotary tables; an engine passes its KV
-            pool's size).
 
     Returns:
         A :class:`LoadedModel`.
@@ -164,7 +160,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
     target = target_for(torch_dtype, quantization, torch_device)
     folder, converted = _ensure_store(source, target, spec)
     store = open_store(folder)
-    model = build_model(store, source.config, torch_dtype, torch_device, int4_activations, max_positions)
+    model = build_model(store, source.config, torch_dtype, torch_device, int4_activations)
     tokenizer = _folder_tokenizer(source.tokenizer_folder, source.config)
     if prepack:
         pack_linear_layers(model, tuple(FUSED_PROJECTIONS))

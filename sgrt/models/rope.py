@@ -137,34 +137,56 @@ def inv_freq_and_scale(params: dict, head_dim: int, max_positions: int, long: bo
     return inv_freq, 1.0
 
 
+# Rows a rotary table starts with; it doubles when a forward needs later positions (grow).
+INITIAL_TABLE_ROWS = 4096
+
+
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables ``[max_positions, rotary_dim]`` of one rotary variant (module docstring).
+    """cos/sin tables ``[rows, rotary_dim]`` of one rotary variant (module docstring), for
+    positions ``0 .. rows - 1``: :data:`INITIAL_TABLE_ROWS` at first, grown (:meth:`grow`) as
+    longer sequences arrive, up to ``max_positions`` (a 128k-context model's full tables are
+    134 MB at head_dim 128; most runs never need them).
 
     Args:
         params: the rotary dict (:func:`rope_parameters_from_hf`).
         head_dim: channels per head (``rotary_dim`` of them rotate).
         max_positions: the model's ``max_position_embeddings`` (scaled variants derive their
-            frequencies from it).
-        table_positions: rows of the tables, if fewer than ``max_positions`` (the positions a
-            KV pool of that many slots can reach; the frequencies stay ``max_positions``').
+            frequencies from it; the tables never grow past it).
     """
 
-    def __init__(self, params: dict, head_dim: int, max_positions: int, device: torch.device,
-                 table_positions: int | None = None):
+    def __init__(self, params: dict, head_dim: int, max_positions: int, device: torch.device):
         super().__init__()
+        self.params, self.head_dim, self.max_positions = params, head_dim, max_positions
         self.rotary_dim = rotary_dim(params, head_dim)
-        rows = max_positions if table_positions is None else max(1, min(table_positions, max_positions))
+        self._fill(min(max_positions, INITIAL_TABLE_ROWS), device)
+
+    def _fill(self, rows: int, device: torch.device) -> None:
+        """(Re)compute the tables for ``rows`` positions: every row as a full table computes it."""
+        params, max_positions = self.params, self.max_positions
         t = torch.arange(rows, dtype=torch.float32)
-        inv, scale = inv_freq_and_scale(params, head_dim, max_positions)
+        inv, scale = inv_freq_and_scale(params, self.head_dim, max_positions)
         freqs = torch.outer(t, inv)
         if params.get("rope_type") == "longrope":
             original = int(params["original_max_position_embeddings"])
             if max_positions > original:
-                inv_long, scale = inv_freq_and_scale(params, head_dim, max_positions, long=True)
+                inv_long, scale = inv_freq_and_scale(params, self.head_dim, max_positions, long=True)
                 freqs[original:] = torch.outer(t[original:], inv_long)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scale).to(device), persistent=False)
         self.register_buffer("sin", (emb.sin() * scale).to(device), persistent=False)
+
+    @property
+    def rows(self) -> int:
+        return self.cos.shape[0]
+
+    def grow(self, positions: int) -> bool:
+        """Cover positions ``0 .. positions - 1`` (at least doubling, at most ``max_positions``);
+        True if the tables were replaced (their holders, the decode plan, must take the new ones).
+        Positions past ``max_positions`` stay uncovered (the engine refuses such requests)."""
+        if positions <= self.rows or self.rows >= self.max_positions:
+            return False
+        self._fill(min(self.max_positions, max(positions, 2 * self.rows)), self.cos.device)
+        return True
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions ``[T]`` int64 -> cos, sin ``[T, rotary_dim]`` in ``dtype``."""

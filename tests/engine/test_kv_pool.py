@@ -72,3 +72,26 @@ def test_pool_pages_are_made_when_first_written():
     pool.k[:, slots] = 1.0
     assert float(pool.k[:, slots].sum()) == 4 * 1000 * 4 * 16 and float(pool.v[0, 1:5000].abs().sum()) == 0.0
     assert rss() - before < 64 << 20  # (a thousand slots' pages, not the pool)
+
+
+def test_default_pool_size_follows_memory():
+    """No size given: 4 GiB of K/V or a quarter of the available memory, whichever is less, at the
+    model's bytes a token, and never below the floor."""
+    from sgrt.engine.kv_pool import KV_SPACE_BYTES, MIN_DEFAULT_TOKENS, default_pool_tokens
+
+    per_token = 2 * 30 * 3 * 64 * 2  # SmolLM2-135M in bfloat16: 23,040 bytes
+    assert default_pool_tokens(per_token, available=64 << 30) == KV_SPACE_BYTES // per_token == 186413
+    assert default_pool_tokens(per_token, available=8 << 30) == (2 << 30) // per_token
+    assert default_pool_tokens(per_token, available=1 << 20) == MIN_DEFAULT_TOKENS
+
+
+def test_engine_sizes_its_pool_from_memory_and_says_so(loaded_model):
+    from sgrt.engine import Engine
+    from sgrt.engine.kv_pool import default_pool_tokens
+
+    cfg = loaded_model.config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # float32
+    with Engine(model=loaded_model) as eng:
+        expected = default_pool_tokens(per_token)
+        assert abs(eng.pool.num_slots - expected) <= expected // 20  # (MemAvailable moves a little)
+        assert f"KV pool {eng.pool.num_slots} tokens" in eng.describe()

@@ -212,6 +212,7 @@ def test_longrope_long_factors_past_the_original_length(checkpoints, loaded):
     transformers' Phi-3 rotary computes them for a sequence that long."""
     _, hf = checkpoints["phi3"]
     rotary = loaded["phi3"].model.rotary
+    loaded["phi3"].model.cover_positions(PHI3_ORIGINAL_LENGTH + 30)
     for start in (0, PHI3_ORIGINAL_LENGTH + 10):
         pos = torch.arange(start, start + 20)
         with torch.no_grad():

@@ -310,18 +310,30 @@ def test_a_missing_or_misshapen_weight_is_named_and_leaves_no_store(tmp_path: Pa
     assert not [p for p in (tmp_path / "cache").rglob(".tmp-*")]
 
 
-def test_max_positions_cuts_the_rotary_tables_not_their_frequencies(loaded_model: LoadedModel):
-    """An engine's model gets rotary tables for the positions its KV pool can reach (a 128k-context
-    model's are 134 MB): the same rows as the full tables, fewer of them; the engine's context
-    length follows."""
-    from sgrt.engine import Engine
+def test_rotary_tables_start_short_and_grow_to_the_full_ones(loaded_model: LoadedModel):
+    """A model's rotary tables cover 4,096 positions at load (a 128k-context model's full ones
+    are 134 MB) and grow, doubling, when a sequence reaches past them: every row is the full
+    table's row (frequencies from max_position_embeddings), and the decode plan takes the grown
+    tables (a decode step at such a position equals the layer-by-layer path's)."""
+    from sgrt.models.rope import INITIAL_TABLE_ROWS, RotaryEmbedding
 
-    lm = load_model("smollm2-135m-instruct", max_positions=300)
-    full, cut = loaded_model.model.rotary, lm.model.rotary
-    assert cut.cos.shape[0] == 300 and full.cos.shape[0] == loaded_model.config.max_position_embeddings == 8192
-    assert torch.equal(cut.cos, full.cos[:300]) and torch.equal(cut.sin, full.sin[:300])
-    with Engine(model=lm, max_total_tokens=1024) as eng:
-        assert eng.context_length == 300
-        with pytest.raises(Exception) as e:
-            eng.generate("word " * 400)
-        assert "300" in str(e.value)
+    cfg = loaded_model.config
+    lm = load_model("smollm2-135m-instruct", dtype="float32")
+    rotary = lm.model.rotary
+    assert rotary.rows == INITIAL_TABLE_ROWS == 4096 and cfg.max_position_embeddings == 8192
+    full = RotaryEmbedding(rotary.params, cfg.head_dim, cfg.max_position_embeddings, torch.device("cpu"))
+    full.grow(cfg.max_position_embeddings)
+    assert full.rows == 8192
+    lm.model.cover_positions(4500)
+    assert rotary.rows == 8192  # (doubled, capped at max_position_embeddings)
+    assert torch.equal(rotary.cos, full.cos) and torch.equal(rotary.sin, full.sin)
+    plan_cos = lm.model.native_step  # rebuilt over the grown tables
+    assert plan_cos is not None
+    from sgrt.engine import Engine, SamplingParams
+
+    with Engine(model=load_model("smollm2-135m-instruct", dtype="float32"), max_total_tokens=8192) as eng:
+        prompt = "word " * 4300
+        r = eng.generate(prompt, SamplingParams(max_tokens=3, temperature=0))
+        assert eng.model.rotary.rows == 8192 and len(r.token_ids) == 3
+        expected = eng.model.forward_simple(torch.tensor(r.prompt_token_ids + r.token_ids[:2]))[-1].argmax()
+        assert r.token_ids[2] == int(expected)
