@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import http.client
-import json
 import os
 import random
 import statistics
@@ -38,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import emit_json, percentile, print_table  # noqa: E402
+from bench.serving import stream  # noqa: E402
 from bench.workloads import filler  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -55,40 +55,8 @@ def workload(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
 
 
 def http_one(url: str, local: threading.local, messages: list, max_tokens: int) -> dict:
-    """One streaming chat request on this thread's keep-alive connection."""
-    host, port = url.split("://", 1)[1].rsplit(":", 1)
-    conn = getattr(local, "conn", None)
-    if conn is None:
-        conn = local.conn = http.client.HTTPConnection(host, int(port), timeout=600)
-    body = json.dumps({"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
-    t0 = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        payload = resp.read()
-        return {"error": f"HTTP {resp.status}: {payload[:200]!r}"}
-    ttft = None
-    tokens = 0
-    while True:
-        line = resp.readline()
-        if not line:
-            break
-        if not line.startswith(b"data: "):
-            continue
-        data = line[6:].strip()
-        if data == b"[DONE]":
-            break
-        event = json.loads(data)
-        if "error" in event:
-            return {"error": str(event["error"])}
-        for choice in event.get("choices") or []:
-            if choice["delta"].get("content") and ttft is None:
-                ttft = time.perf_counter() - t0
-        if event.get("usage"):
-            tokens = event["usage"]["completion_tokens"]
-    resp.read()
-    return {"ttft": ttft, "tokens": tokens, "latency": time.perf_counter() - t0}
+    """One streaming chat request on this thread's keep-alive connection (``bench.serving.stream``)."""
+    return stream(url, local, "/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens})
 
 
 def run_http(url: str, work: list, concurrency: int, max_tokens: int) -> tuple[float, list[dict]]:

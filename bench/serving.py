@@ -122,7 +122,7 @@ def stream(url: str, local: threading.local, path: str, body: dict) -> dict:
     if conn is None:
         conn = local.conn = http.client.HTTPConnection(host, int(port), timeout=900)
     body = {"model": MODEL, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, **body}
+            "stream_options": {"include_usage": True}, **body}  # (greedy, fixed lengths, usage at the end)
     t0 = time.perf_counter()
     conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
     resp = conn.getresponse()
@@ -151,7 +151,8 @@ def stream(url: str, local: threading.local, path: str, body: dict) -> dict:
     resp.read()
     tokens = tokens or chunks
     decode = (tokens - 1) / (last - t0 - ttft) if ttft is not None and last and tokens > 1 and last > t0 + ttft else 0.0
-    return {"ttft": ttft, "tokens": tokens, "decode": decode, "text": "".join(text)}
+    return {"ttft": ttft, "tokens": tokens, "decode": decode, "text": "".join(text),
+            "latency": time.perf_counter() - t0}
 
 
 # ==== workloads ===================================================================================

@@ -43,6 +43,7 @@ from sgrt.errors import ModelLoadError
 from sgrt.models import gguf_raw
 from sgrt.models.checkpoint import unpermute_rotary
 from sgrt.models.config import ModelConfig
+from sgrt.models.layers import FUSED_PROJECTIONS, QKV_BIASES
 from sgrt.models.weight_files import CheckpointTensors, TensorEntry
 from sgrt.models.weight_store import StoreWriter
 
@@ -52,13 +53,6 @@ logger = logging.getLogger("sgrt.models")
 CHUNK_WEIGHTS = 1 << 21
 BLOCK_ROWS = 16
 GROUP = 32
-FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "o_proj": ("self_attn.o_proj.weight",),
-    "gate_up_proj": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "down_proj": ("mlp.down_proj.weight",),
-}
-QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Bump when what a store holds for a target changes (its folder name carries it: old ones are not read).
 PACK_VERSION = 1
