@@ -1,6 +1,6 @@
 """Reading a model's files without building it: GGUF metadata and HF ``config.json`` ->
 :class:`ModelConfig` through the family registry (:mod:`sgrt.models.registry`), llama.cpp tensor
-names and rotary layout, and safetensors weights.
+names and rotary layout (a checkpoint's tensors are read by :mod:`sgrt.models.weight_files`).
 
 Used by the loader, the GGUF cache entries, the weight packer and the model listing; imports
 none of them.
@@ -213,21 +213,3 @@ def family_of(config: ModelConfig) -> Family:
     if fam is None:
         raise ModelLoadError(f"architecture {config.architecture!r} has no registered family")
     return fam
-
-
-def read_safetensors(folder: Path, spec: str) -> dict[str, torch.Tensor]:
-    """All tensors of an HF folder's weight files (:func:`sgrt.models.weight_files.
-    safetensors_files`) in memory, by name: for references and tools; loads read a tensor at a
-    time instead (:mod:`sgrt.models.weight_packer`).
-
-    Raises:
-        ModelLoadError: no safetensors file (names the files looked for).
-    """
-    from safetensors.torch import load_file
-
-    from sgrt.models.weight_files import safetensors_files
-
-    state: dict[str, torch.Tensor] = {}
-    for f in safetensors_files(folder, spec):
-        state.update(load_file(str(f), device="cpu"))
-    return state

@@ -237,7 +237,7 @@ def export_hf_folder(gguf_path: Path, out: Path, spec: str = "") -> Path:
     from sgrt.models.checkpoint import family_config
     from sgrt.models.registry import family_for_hf
     from sgrt.models.weight_files import CheckpointTensors
-    from sgrt.models.weight_packer import canonical_parts
+    from sgrt.models.weight_files import canonical_parts
 
     entry, _ = ensure_gguf_source(gguf_path, spec)
     hf_cfg, table = read_gguf_source(entry, gguf_path)

@@ -40,7 +40,7 @@ import torch
 
 from sgrt.models.checkpoint import (  # noqa: F401 - re-exported
     GGUFFile, family_config, family_of, gguf_config, gguf_family, gguf_hf_config, hf_name, read_hf_config,
-    read_safetensors, unpermute_rotary,
+    unpermute_rotary,
 )
 from sgrt.models.config import ModelConfig
 from sgrt.models.gguf_convert import (  # noqa: F401 - re-exported
@@ -49,8 +49,11 @@ from sgrt.models.gguf_convert import (  # noqa: F401 - re-exported
 )
 from sgrt.models.specs import DEFAULT_MODEL, default_gguf_path, resolve_spec  # noqa: F401 - re-exported
 from sgrt.models.tokenizer import Tokenizer
-from sgrt.models.weight_files import CheckpointTensors, safetensors_files, safetensors_table
-from sgrt.models.weight_packer import Packer, Target, canonical_parts, target_for
+from sgrt.models.weight_files import (  # noqa: F401 - read_safetensors re-exported
+    CheckpointTensors, canonical_parts, read_safetensors, safetensors_files, safetensors_table,
+)
+from sgrt.models.weight_forms import Target, target_for
+from sgrt.models.weight_packer import Packer
 from sgrt.models.weight_store import MANIFEST_FILE, StoreWriter, is_complete, open_store
 from sgrt.paths import cache_root  # noqa: F401 - re-exported
 

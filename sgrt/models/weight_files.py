@@ -29,6 +29,9 @@ import numpy as np
 import torch
 
 from sgrt.errors import ModelLoadError
+from sgrt.models import gguf_raw
+from sgrt.models.checkpoint import unpermute_rotary
+from sgrt.models.config import ModelConfig
 
 # safetensors dtype -> (our type name, bytes an element); only float weights load
 _SAFETENSORS_TYPES = {"F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2)}
@@ -215,3 +218,95 @@ def safetensors_files(folder: Path, spec: str) -> list[Path]:
         raise ModelLoadError(f"model {spec!r}: no weights found; looked for {index}, {single}, "
                              f"{folder}/*.safetensors" + (f"; missing shards {missing}" if missing else ""))
     return files
+
+
+
+def read_safetensors(folder: Path, spec: str) -> dict[str, torch.Tensor]:
+    """All tensors of an HF folder's weight files (:func:`safetensors_files`) in memory, by name:
+    for references and tools; loads read a tensor at a time instead (:mod:`sgrt.models.
+    weight_packer`).
+
+    Raises:
+        ModelLoadError: no safetensors file (names the files looked for).
+    """
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(folder, spec):
+        state.update(load_file(str(f), device="cpu"))
+    return state
+
+# ---- canonical weights: rows of the checkpoint's tensors ----------------------------------------
+
+@dataclass(frozen=True)
+class Part:
+    """Rows of one checkpoint tensor that make up one canonical weight.
+
+    Attributes:
+        entry: the tensor. row0, rows: its rows that are this weight (a fused tensor's share).
+        heads: undo llama.cpp's rotary row order, per head of ``rows // heads`` rows (GGUF q / k).
+        shift: subtracted from the values (llama.cpp stores Gemma's norms as ``1 + w``).
+    """
+
+    entry: TensorEntry
+    row0: int
+    rows: int
+    heads: int | None = None
+    shift: float = 0.0
+
+    def read(self, tensors: CheckpointTensors, a: int, b: int, blocks: bool) -> Any:
+        """Its rows ``a .. b``: the file's blocks (:data:`gguf_raw.BLOCK_READERS`'s weight) if
+        ``blocks``, else float32 ``[b - a, cols]``."""
+        a0, b0 = a, b
+        if self.heads:  # (whole heads are read, unpermuted, then cut)
+            hd = self.rows // self.heads
+            a0, b0 = a // hd * hd, -(-b // hd) * hd
+        lo, hi = self.row0 + a0, self.row0 + b0
+        if blocks:
+            w = gguf_raw.BLOCK_READERS[self.entry.type].unpack(tensors.read_raw(self.entry, lo, hi), hi - lo,
+                                                              self.entry.cols)
+            fields = [w.codes, w.d] + ([w.m] if isinstance(w, gguf_raw.Q4_1Weight) else [])
+        else:
+            fields = [tensors.read_float(self.entry, lo, hi)]
+        if self.heads:
+            fields = [unpermute_rotary(t, (b0 - a0) // (self.rows // self.heads)) for t in fields]
+        fields = [t[a - a0: b - a0] for t in fields]
+        if not blocks:
+            return fields[0] - self.shift if self.shift else fields[0]
+        if isinstance(w, gguf_raw.Q4_1Weight):
+            return gguf_raw.Q4_1Weight(*fields)
+        return gguf_raw.SymmetricWeight(fields[0], fields[1], w.c)
+
+
+def canonical_parts(entries: dict[str, TensorEntry], family: Any, config: ModelConfig, gguf: bool
+                    ) -> dict[str, Part]:
+    """Every canonical weight (Llama names without the ``model.`` prefix: ``layers.0.self_attn.
+    q_proj.weight``, ``embed_tokens.weight``, ``norm.weight``, ``lm_head.weight``) as a
+    :class:`Part` of a checkpoint tensor: fused tensors split by ``family.fused_parts``; for a
+    GGUF (``gguf``) q / k rows marked for unpermuting where the family's file permutes them, and
+    norms for the family's norm offset."""
+    out: dict[str, Part] = {}
+    for name, entry in entries.items():
+        split = family.fused_parts(name, config) or [(name, 0, entry.rows)]
+        for part, row0, rows in split:
+            key = part.removeprefix("model.")
+            heads = None
+            if gguf and family.gguf_unpermute_qk:
+                if key.endswith("self_attn.q_proj.weight"):
+                    heads = config.num_attention_heads
+                elif key.endswith("self_attn.k_proj.weight"):
+                    heads = config.num_key_value_heads
+            shift = family.gguf_norm_offset if gguf and key.endswith("norm.weight") else 0.0
+            out[key] = Part(entry, row0, rows, heads, shift)
+    return out
+
+
+def read_rows(tensors: CheckpointTensors, parts: list[Part], r0: int, r1: int, blocks: bool) -> list[Any]:
+    """Rows ``r0 .. r1`` of the weight the parts stack, as each part's pieces (:meth:`Part.read`)."""
+    pieces, at = [], 0
+    for p in parts:
+        lo, hi = max(r0, at), min(r1, at + p.rows)
+        if lo < hi:
+            pieces.append(p.read(tensors, lo - at, hi - at, blocks))
+        at += p.rows
+    return pieces

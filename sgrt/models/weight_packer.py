@@ -1,32 +1,13 @@
-"""Packing a checkpoint into a weight store: every tensor in the form the model runs it, written
-one row chunk at a time.
+"""Packing a checkpoint into a weight store: every weight in its form (:mod:`sgrt.models.
+weight_forms`), written one chunk of rows at a time.
 
-The loader (:mod:`sgrt.models.loader`) packs a checkpoint once per :class:`Target` (dtype,
-quantization and kernel layout) into a store (:mod:`sgrt.models.weight_store`) and maps it on
-every load. Packing never holds more than one chunk of rows (:data:`CHUNK_WEIGHTS` weights) of a
+The loader (:mod:`sgrt.models.loader`) packs a checkpoint once per target (dtype, quantization
+and kernel layout) into a store (:mod:`sgrt.models.weight_store`) and maps it on every load.
+Packing never holds more than a few chunks of rows (:data:`CHUNK_WEIGHTS` weights each) of a
 tensor in memory, and never a float copy of the model, so a cold load peaks at the packed
-weights plus one chunk's working set.
-
-Each fused projection of the model (``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up;
-``o_proj``; ``down_proj``), the LM head and the input embedding gets one *form*, chosen by
-:func:`choose_form` from the quantization, the kernels that run here and the file's tensor
-types (the rules the int4 / int8 modes have always followed, :mod:`sgrt.models.quant`):
-
-- ``"dense"``: the weight in the model's dtype (no quantization; or a shape no kernel takes);
-- ``"group"``: sgrt's native kernel (:mod:`sgrt.kernels.woq`): 4- or 8-bit codes with a float16
-  scale and offset per 32 inputs, laid out as the loaded build reads them (the AVX2 build's one
-  stream per weight, ``woq.fuse`` / ``woq.fuse5``; the AVX-512 BF16 build's ``woq.pack``-ed codes
-  beside the scales and offsets). Its ``source`` says where the codes come from: ``"blocks"``, a
-  GGUF's own codes (:data:`sgrt.models.gguf_raw.BLOCK_READERS`: Q4_0 / Q4_1 / Q4_K as 4-bit,
-  Q5_0 / Q5_1 / Q5_K / Q8_0 as 8-bit; no float round trip), or ``"float"``, quantized from the
-  rows by min / max (``quantize_groups``; HF checkpoints, and GGUF types without that form such as
-  Q6_K, dequantized a chunk at a time);
-- ``"int8_torch"`` / ``"int4_torch"``: torch's packed kernels where the native one does not run
-  (CUDA; CPUs without AVX2): their codes and scales, device-packed at load.
-
-The fused projections' rows are the parts' rows stacked, and every layout here is a run of
-16-row blocks, so a chunk of 16-row blocks is written where its blocks go and no part needs to
-be held whole. llama.cpp's rotary row order of q / k is undone per head as rows are read.
+weights plus those chunks' working sets. The fused projections' rows are their parts' rows
+stacked (:class:`~sgrt.models.weight_files.Part`), and every layout here is a run of 16-row
+blocks, so a chunk of 16-row blocks is written where its blocks go and no part is held whole.
 """
 from __future__ import annotations
 
@@ -34,17 +15,16 @@ import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from sgrt.errors import ModelLoadError
 from sgrt.models import gguf_raw
-from sgrt.models.checkpoint import unpermute_rotary
 from sgrt.models.config import ModelConfig
 from sgrt.models.layers import FUSED_PROJECTIONS, QKV_BIASES
-from sgrt.models.weight_files import CheckpointTensors, TensorEntry
+from sgrt.models.weight_files import CheckpointTensors, Part, read_rows
+from sgrt.models.weight_forms import DTYPE_NAMES, Form, Target, choose_form
 from sgrt.models.weight_store import StoreWriter
 
 logger = logging.getLogger("sgrt.models")
@@ -53,199 +33,7 @@ logger = logging.getLogger("sgrt.models")
 CHUNK_WEIGHTS = 1 << 21
 BLOCK_ROWS = 16
 GROUP = 32
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# Bump when what a store holds for a target changes (its folder name carries it: old ones are not read).
-PACK_VERSION = 1
 
-
-@dataclass(frozen=True)
-class Target:
-    """What a store is packed for: the model's dtype, its quantization and the kernel layout.
-
-    Attributes:
-        dtype: the model's parameter / activation dtype.
-        quantization: ``"none"``, ``"int8"`` or ``"int4"``.
-        layout: ``"plain"`` (no quantization), ``"avx2"`` / ``"avx2-5bit"`` (the AVX2 build's
-            streams; with 5-bit streams for codes below 32 where the CPU reads them),
-            ``"avx512-bf16"`` (the opt-in AVX-512 BF16 build) or ``"torch-cpu"`` / ``"torch-cuda"``
-            (torch's kernels, whose packing is the device's).
-    """
-
-    dtype: torch.dtype
-    quantization: str
-    layout: str
-
-    @property
-    def key(self) -> str:
-        """The store's folder name under its checkpoint's cache entry."""
-        return f"{DTYPE_NAMES[self.dtype]}-{self.quantization}-{self.layout}-v{PACK_VERSION}"
-
-    @property
-    def native(self) -> bool:
-        return self.layout in ("avx2", "avx2-5bit", "avx512-bf16")
-
-
-def target_for(dtype: torch.dtype, quantization: str, device: torch.device) -> Target:
-    """The target a load of this dtype and quantization on ``device`` runs (the native kernel's
-    build and its 5-bit streams are read off this machine: :mod:`sgrt.kernels.woq`)."""
-    from sgrt.kernels import woq
-    from sgrt.models import quant
-
-    if quantization == "none":
-        return Target(dtype, quantization, "plain")
-    if device.type == "cpu" and quant.native_kernel_available():
-        if woq.isa() == "avx2":
-            return Target(dtype, quantization, "avx2-5bit" if woq.five_bit_streams() else "avx2")
-        return Target(dtype, quantization, "avx512-bf16")
-    return Target(dtype, quantization, f"torch-{device.type}")
-
-
-@dataclass(frozen=True)
-class Part:
-    """Rows of one checkpoint tensor that make up one canonical weight.
-
-    Attributes:
-        entry: the tensor. row0, rows: its rows that are this weight (a fused tensor's share).
-        heads: undo llama.cpp's rotary row order, per head of ``rows // heads`` rows (GGUF q / k).
-        shift: subtracted from the values (llama.cpp stores Gemma's norms as ``1 + w``).
-    """
-
-    entry: TensorEntry
-    row0: int
-    rows: int
-    heads: int | None = None
-    shift: float = 0.0
-
-    def read(self, tensors: CheckpointTensors, a: int, b: int, blocks: bool) -> Any:
-        """Its rows ``a .. b``: the file's blocks (:data:`gguf_raw.BLOCK_READERS`'s weight) if
-        ``blocks``, else float32 ``[b - a, cols]``."""
-        a0, b0 = a, b
-        if self.heads:  # (whole heads are read, unpermuted, then cut)
-            hd = self.rows // self.heads
-            a0, b0 = a // hd * hd, -(-b // hd) * hd
-        lo, hi = self.row0 + a0, self.row0 + b0
-        if blocks:
-            w = gguf_raw.BLOCK_READERS[self.entry.type].unpack(tensors.read_raw(self.entry, lo, hi), hi - lo,
-                                                              self.entry.cols)
-            fields = [w.codes, w.d] + ([w.m] if isinstance(w, gguf_raw.Q4_1Weight) else [])
-        else:
-            fields = [tensors.read_float(self.entry, lo, hi)]
-        if self.heads:
-            fields = [unpermute_rotary(t, (b0 - a0) // (self.rows // self.heads)) for t in fields]
-        fields = [t[a - a0: b - a0] for t in fields]
-        if not blocks:
-            return fields[0] - self.shift if self.shift else fields[0]
-        if isinstance(w, gguf_raw.Q4_1Weight):
-            return gguf_raw.Q4_1Weight(*fields)
-        return gguf_raw.SymmetricWeight(fields[0], fields[1], w.c)
-
-
-def canonical_parts(entries: dict[str, TensorEntry], family: Any, config: ModelConfig, gguf: bool
-                    ) -> dict[str, Part]:
-    """Every canonical weight (Llama names without the ``model.`` prefix: ``layers.0.self_attn.
-    q_proj.weight``, ``embed_tokens.weight``, ``norm.weight``, ``lm_head.weight``) as a
-    :class:`Part` of a checkpoint tensor: fused tensors split by ``family.fused_parts``; for a
-    GGUF (``gguf``) q / k rows marked for unpermuting where the family's file permutes them, and
-    norms for the family's norm offset."""
-    out: dict[str, Part] = {}
-    for name, entry in entries.items():
-        split = family.fused_parts(name, config) or [(name, 0, entry.rows)]
-        for part, row0, rows in split:
-            key = part.removeprefix("model.")
-            heads = None
-            if gguf and family.gguf_unpermute_qk:
-                if key.endswith("self_attn.q_proj.weight"):
-                    heads = config.num_attention_heads
-                elif key.endswith("self_attn.k_proj.weight"):
-                    heads = config.num_key_value_heads
-            shift = family.gguf_norm_offset if gguf and key.endswith("norm.weight") else 0.0
-            out[key] = Part(entry, row0, rows, heads, shift)
-    return out
-
-
-# ---- choosing forms ------------------------------------------------------------------------------
-
-@dataclass
-class Form:
-    """How one weight is packed (module docstring); stored in the manifest as a dict.
-
-    Attributes:
-        form: ``"dense"``, ``"group"``, ``"int8_torch"`` or ``"int4_torch"``.
-        rows, cols: the weight's shape. bits: 4 or 8 (quantized forms).
-        source: ``"blocks"`` (the file's codes) or ``"float"`` (quantized from the values).
-        c: the codes' symmetric zero where every offset is ``-c * scale`` (``Q8_0``: 128,
-            ``Q5_0``: 16; the AVX2 build's compact stream), else 0.
-        five: the AVX2 build's 5-bit stream of codes below 32 beside the 8-bit one.
-        wide: an int4-mode weight kept in int8 because the file holds it in more than 4 bits.
-        stream_bits: the kernel's ``bits`` argument (``"group"`` on the AVX2 build).
-    """
-
-    form: str
-    rows: int
-    cols: int
-    bits: int = 0
-    source: str = "float"
-    c: int = 0
-    five: bool = False
-    wide: bool = False
-    stream_bits: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-def choose_form(parts: list[Part], method: str, target: Target, gguf: bool, head: bool = False) -> Form:
-    """The form of one fused weight (module docstring). ``method``: the quantization; ``head``:
-    the LM head, int8 unless the file holds it in 4-bit blocks (an int4 head quantized at load
-    cost ~10 points of top-1 agreement on the default model: :mod:`sgrt.models.quant`)."""
-    from sgrt.models.quant import GroupLinear, Int4Linear, Int8Linear
-
-    rows, cols = sum(p.rows for p in parts), parts[0].entry.cols
-    types = [p.entry.type for p in parts]
-    readers = [gguf_raw.BLOCK_READERS.get(t) for t in types] if gguf else [None] * len(parts)
-    if method == "none":
-        return Form("dense", rows, cols)
-    device = torch.device(target.layout.removeprefix("torch-") if target.layout.startswith("torch-") else "cpu")
-    four = all(r is not None and r.bits == 4 for r in readers)
-    kind = ("int4" if four and method == "int4" else "int8") if head else method
-    wide = kind == "int4" and gguf and any(gguf_raw.wider_than_4_bits(t) for t in types)
-    if wide:  # a part finer than int4 in the file: keep its precision (int8)
-        kind = "int8"
-    bits = 8 if kind == "int8" else 4
-    if kind == "int4" and four:
-        if target.native and GroupLinear.supports(rows, cols, torch.device("cpu")):
-            return Form("group", rows, cols, 4, "blocks")
-        if Int4Linear.supports(rows, cols, device):
-            return Form("int4_torch", rows, cols, 4, "blocks")
-    # (8-bit codes hold a 4-bit part exactly too: an int4-mode projection widened by its finer parts
-    # keeps its 4-bit ones as they are; int8 mode re-quantizes 4-bit files, as it always has)
-    widths = (4, 8) if wide else (8,)
-    if kind == "int8" and target.native and all(r is not None and r.bits in widths for r in readers) \
-            and GroupLinear.supports(rows, cols, torch.device("cpu")):
-        zeros = {_symmetric_zero(t) for t in types}
-        if 0 in zeros:
-            c = 0  # (an asymmetric part: every group keeps its offset, codes as they are)
-        else:
-            c = zeros.pop() if len(zeros) == 1 else 128  # (SymmetricWeight.cat's shift to 128)
-        unshifted = c == 0 or all(_symmetric_zero(t) == c for t in types)
-        five = target.layout == "avx2-5bit" and unshifted and all(
-            gguf_raw.BLOCK_READERS[t].max_code <= 31 for t in types)
-        return Form("group", rows, cols, 8, "blocks", c, five, wide)
-    if target.native:
-        if GroupLinear.supports(rows, cols, torch.device("cpu")):
-            return Form("group", rows, cols, bits, "float", wide=wide)
-    elif (Int8Linear if kind == "int8" else Int4Linear).supports(rows, cols, device):
-        return Form(f"{kind}_torch", rows, cols, bits, "float", wide=wide)
-    return Form("dense", rows, cols)
-
-
-def _symmetric_zero(kind: str) -> int:
-    """The symmetric zero ``c`` of a GGML type's codes (``Q8_0``: 128, ``Q5_0``: 16), 0 for the
-    asymmetric ones."""
-    return {"Q8_0": 128, "Q5_0": 16}.get(kind, 0)
-
-
-# ---- writing -------------------------------------------------------------------------------------
 
 class _Fallback(Exception):
     """This weight cannot take its chosen form (a scale beyond float16); pack it as ``dense``."""
@@ -254,17 +42,6 @@ class _Fallback(Exception):
 def _chunks(rows: int, cols: int) -> list[tuple[int, int]]:
     step = max(BLOCK_ROWS, CHUNK_WEIGHTS // max(cols, 1) // BLOCK_ROWS * BLOCK_ROWS)
     return [(r, min(r + step, rows)) for r in range(0, rows, step)]
-
-
-def read_rows(tensors: CheckpointTensors, parts: list[Part], r0: int, r1: int, blocks: bool) -> list[Any]:
-    """Rows ``r0 .. r1`` of the weight the parts stack, as each part's pieces (:meth:`Part.read`)."""
-    pieces, at = [], 0
-    for p in parts:
-        lo, hi = max(r0, at), min(r1, at + p.rows)
-        if lo < hi:
-            pieces.append(p.read(tensors, lo - at, hi - at, blocks))
-        at += p.rows
-    return pieces
 
 
 def _group_rows(pieces: list[Any], f: Form) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -344,7 +121,8 @@ class Packer:
     def pack_weight(self, name: str, parts: list[Part], head: bool = False, form: Form | None = None) -> Form:
         """Write the weight ``name`` (a module path: ``layers.0.qkv_proj``) stacked from ``parts``
         in its form (``form``, else :func:`choose_form`'s); returns the form written."""
-        f = form or choose_form(parts, self.target.quantization, self.target, self.gguf, head)
+        f = form or choose_form([p.entry.type for p in parts], sum(p.rows for p in parts), parts[0].entry.cols,
+                                self.target.quantization, self.target, self.gguf, head)
         try:
             if f.form == "group":
                 self._write_group(name, parts, f)
@@ -508,7 +286,8 @@ class Packer:
         if head is not None and head.form == "group" and head.source == "blocks" and c.tie_word_embeddings:
             embedding = "head"  # (the tied head's own codes: the file's table, read in place)
         elif quantized and self.target.native and not c.tie_word_embeddings:
-            f = choose_form(embed, self.target.quantization, self.target, self.gguf, head=True)
+            f = choose_form([embed[0].entry.type], c.vocab_size, hidden, self.target.quantization, self.target,
+                            self.gguf, head=True)
             if f.form == "group" and f.source == "blocks":
                 f.five = False  # (looked up, never multiplied: the 8-bit stream alone)
                 self.pack_weight("embed_tokens", embed, form=f)
