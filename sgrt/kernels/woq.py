@@ -535,6 +535,37 @@ def float_kernel(activations: str = "int16"):
     return operator_entry(torch.ops.sgrt_woq_avx2.linear_float.default)
 
 
+# The weights a GroupLinear's dense path dequantizes at a time (16 MB of bfloat16).
+DENSE_TILE_WEIGHTS = 1 << 23
+
+
+def dense_rows() -> int | None:
+    """The rows of x from which a GroupLinear runs a many-row call (a prefill chunk) as bfloat16
+    matmuls over its weight dequantized a tile at a time (:func:`dequantize_rows`, then oneDNN,
+    which runs them on AMX tiles where the CPU has them: ~1 TFLOP/s on 2 cores of an AMX Xeon),
+    instead of this kernel: ``SGRT_WOQ_DENSE_ROWS=N`` (opt-in; unset or 0: never, None). Opt-in
+    because its outputs are not this kernel's: bfloat16 activations exactly against weights
+    rounded to bfloat16, where the kernel takes the weights exactly and the activations at ~16
+    bits, so greedy tokens can differ from the kernel's after a long prompt (docs/DESIGN.md)."""
+    env = os.environ.get("SGRT_WOQ_DENSE_ROWS", "").strip()
+    rows = int(env) if env.isdigit() else 0
+    return rows if rows > 0 and isa() == "avx2" else None
+
+
+def dequantize_rows(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: int, k: int,
+                    kernel_bits: int, group: int, r0: int, r1: int) -> torch.Tensor:
+    """Rows ``r0 .. r1`` (16-row blocks) of the AVX2 build's weight (:func:`prepare`'s stream)
+    as bfloat16 ``[r1 - r0, k]``: :func:`dequantize`'s values, in the native operator
+    (``sgrt_woq_avx2::dequantize_rows``).
+
+    Raises:
+        RuntimeError: the AVX2 build is not loaded; arguments the operator refuses (named).
+    """
+    if isa() != "avx2":
+        raise RuntimeError("sgrt.kernels.woq.dequantize_rows needs the AVX2 build")
+    return torch.ops.sgrt_woq_avx2.dequantize_rows(packed, scales, offsets, n, k, kernel_bits, group, r0, r1)
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
            n: int, k: int, bits: int, group: int = 32, activations: str = "int16") -> torch.Tensor:
     """``y[m, n] = sum_k x[m, k] * (scales[n, k // group] * code[n, k] + offsets[n, k // group])``.

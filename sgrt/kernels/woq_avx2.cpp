@@ -1550,6 +1550,67 @@ void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
               packed.numel());
 }
 
+// dequantize_rows: rows [r0, r1) of the weight (16-row blocks) as bfloat16, each value
+// scale * code + offset in float32 (two roundings: -ffp-contract=off), then rounded to nearest
+// even: woq.dequantize(..., bfloat16)'s bits, read straight from the stream (a 5-bit stream's 8-bit
+// part). For a dense matmul of many rows where the CPU's bfloat16 matmul is faster than this
+// kernel (AMX: GroupLinear's prefill path), a tile of rows at a time.
+at::Tensor woq_dequantize_rows(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets, int64_t n,
+                               int64_t k, int64_t bits, int64_t group, int64_t r0, int64_t r1) {
+  check_args(at::detail::empty_cpu({0, k}, at::kBFloat16), packed, scales, offsets, n, k, bits, group);
+  TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= n && r0 % BLOCK_N == 0 && r1 % BLOCK_N == 0,
+              "sgrt_woq_avx2.dequantize_rows: rows [r0, r1) must be 16-row blocks within n=", n, ", got [", r0, ", ", r1, ")");
+  const Header hd = header_of(bits);
+  const int64_t width = width_of(bits) == 5 ? 8 : width_of(bits);
+  const int64_t G = k / group, code_bytes = BLOCK_N * group * width / 8;
+  const int64_t block_bytes = G * (hd.bytes + code_bytes);
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  if (width_of(bits) == 5) base += n / BLOCK_N * (G * hd.bytes + BLOCK_N * k * 5 / 8);  // (the 8-bit stream)
+  at::Tensor w(at::detail::empty_cpu({r1 - r0, k}, at::kBFloat16));
+  uint16_t* out = reinterpret_cast<uint16_t*>(w.data_ptr());
+  at::parallel_for(r0 / BLOCK_N, r1 / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float tile[BLOCK_N * 128];  // one group's codes, row-major
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* blk = base + b * block_bytes;
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* h = blk + g * (hd.bytes + code_bytes);
+        const uint8_t* c = h + hd.bytes;
+        alignas(32) float sc[BLOCK_N], of[BLOCK_N];
+        __m256 so[4];
+        load_header(h, so, hd);
+        _mm256_store_ps(sc, so[0]);
+        _mm256_store_ps(sc + 8, so[1]);
+        _mm256_store_ps(of, so[2]);
+        _mm256_store_ps(of + 8, so[3]);
+        if (width == 8) {  // k-pair p: 32 bytes, byte j = (row j / 2, input 2 p + j % 2)
+          for (int64_t p = 0; p < group / 2; ++p)
+            for (int j = 0; j < 32; ++j) tile[(j >> 1) * group + 2 * p + (j & 1)] = c[p * 32 + j];
+        } else {  // 64-byte chunks of 4 k-pairs: byte 16 L + 8 s + i holds word 8 L + i of vectors s, 2 + s
+          for (int64_t ch = 0; ch < group / 8; ++ch)
+            for (int L = 0; L < 4; ++L)
+              for (int sv = 0; sv < 2; ++sv)
+                for (int i = 0; i < 8; ++i) {
+                  const uint8_t byte = c[ch * 64 + 16 * L + 8 * sv + i];
+                  const int64_t row = 4 * L + (i >> 1), odd = i & 1;
+                  tile[row * group + 2 * (4 * ch + sv) + odd] = byte & 15;
+                  tile[row * group + 2 * (4 * ch + 2 + sv) + odd] = byte >> 4;
+                }
+        }
+        for (int64_t r = 0; r < BLOCK_N; ++r) {
+          uint16_t* dst = out + ((b * BLOCK_N + r) - r0) * k + g * group;
+          const float* src = tile + r * group;
+          const float a = sc[r], o = of[r];
+          for (int64_t j = 0; j < group; j += 8) {
+            const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(src + j), _mm256_set1_ps(a)), _mm256_set1_ps(o));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), to_bf16(v));
+          }
+        }
+      }
+    }
+  });
+  return w;
+}
+
 // The operators linear, linear_q8, linear_q8_prefill: check_args, then the raw computation F.
 template <LinearRaw* F>
 at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -1596,6 +1657,9 @@ TORCH_LIBRARY(sgrt_woq_avx2, m) {
   m.impl("linear_q8", c10::DispatchKey::CPU, TORCH_FN(woq_linear<&linear_raw<true>>));
   m.def("linear_q8_prefill(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int n, int k, int bits, int group) -> Tensor");
   m.impl("linear_q8_prefill", c10::DispatchKey::CPU, TORCH_FN(woq_linear<&linear_raw_q8_prefill>));
+  // rows of the weight as bfloat16 (a dense matmul's operand: GroupLinear's prefill where AMX runs it)
+  m.def("dequantize_rows(Tensor packed, Tensor scales, Tensor offsets, int n, int k, int bits, int group, int r0, int r1) -> Tensor");
+  m.impl("dequantize_rows", c10::DispatchKey::CPU, TORCH_FN(woq_dequantize_rows));
   // (no tensor arguments: registered as catch-all kernels)
   m.def("raw_entry() -> int", &entry_of<&linear_raw<false>>);
   m.def("team_entry() -> int", &entry_of<&linear_part<false>>);

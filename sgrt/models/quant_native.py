@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sgrt.models.quant_base import INT4_GROUP_SIZE, KERNEL_DTYPE, QuantizedLinear
@@ -124,6 +125,8 @@ class GroupLinear(QuantizedLinear):
             self.register_buffer("offsets", offsets)
         self._linear = woq.kernel(activations)
         self._linear_float = woq.float_kernel(activations)
+        # (rows from which a call is a bfloat16 matmul over the dequantized weight: opt-in)
+        self._dense_rows = woq.dense_rows() if self.fused else None
         self._refresh_args()
 
     def _refresh_args(self) -> None:
@@ -172,8 +175,28 @@ class GroupLinear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == KERNEL_DTYPE:  # the model's own calls: straight to the kernel
+            if self._dense_rows is not None and x.shape[0] >= self._dense_rows:
+                return self._dense_matmul(x)
             return self._linear(x, *self._args)
         return super().forward(x)
+
+    def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` for many rows (a prefill chunk) as bfloat16 matmuls over the weight
+        dequantized a tile of output rows at a time (:func:`sgrt.kernels.woq.dequantize_rows`:
+        the kernel's weights rounded to bfloat16), opt-in where the CPU's bfloat16 matmul is the
+        faster (:func:`sgrt.kernels.woq.dense_rows`: AMX). x ``[M, K]`` bfloat16 -> ``[M, N]``
+        bfloat16."""
+        from sgrt.kernels import woq
+
+        n, k = self.out_features, self.in_features
+        step = max(16, woq.DENSE_TILE_WEIGHTS // k // 16 * 16)
+        if step >= n:
+            return F.linear(x, woq.dequantize_rows(*self._args, 0, n))
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            y[:, r0:r1] = F.linear(x, woq.dequantize_rows(*self._args, r0, r1))
+        return y
 
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
         """``self(x).float()``'s values (x ``[M, K]`` bfloat16 -> ``[M, N]`` float32) in one pass

@@ -931,3 +931,48 @@ def test_five_bit_stream_argument_errors():
         woq.kernel()(x, stream, empty, empty, n, k, woq.stream_bits(8, 16), 32)
     with pytest.raises(RuntimeError, match="bits must be"):
         woq.kernel()(x, stream, empty, empty, n, k, 6, 32)
+
+
+@avx2_only
+@pytest.mark.parametrize("bits,c,five", [(4, 0, False), (8, 0, False), (8, 128, False), (8, 16, True)])
+def test_dequantize_rows_gives_dequantize_in_bfloat16(bits, c, five, monkeypatch):
+    """The native rows of every stream form (4-bit, 8-bit, compact 8-bit, 5-bit) are
+    woq.dequantize's values rounded to bfloat16, bit for bit, for any 16-row range; refused
+    ranges are named."""
+    from sgrt.models.quant_native import GroupLinear
+
+    g = torch.Generator().manual_seed(bits + c)
+    n, k = 96, 256
+    codes = torch.randint(0, 32 if five else (1 << bits), (n, k), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half()
+    offsets = (scales.float() * -float(c)).half() if c else (torch.rand(n, k // 32, generator=g) * 0.1 - 0.05).half()
+    if not five:
+        monkeypatch.setattr(woq, "five_bit_streams", lambda: False)
+    layer = GroupLinear(codes, scales, offsets, bits)
+    assert woq.stream_format(layer.stream_bits) == ((5 if five and woq.five_bit_streams() else bits), c)
+    ref = layer.dequantize().bfloat16()
+    assert torch.equal(woq.dequantize_rows(*layer._args, 0, n), ref)
+    assert torch.equal(woq.dequantize_rows(*layer._args, 32, 80), ref[32:80])
+    with pytest.raises(RuntimeError, match="16-row blocks"):
+        woq.dequantize_rows(*layer._args, 8, 32)
+
+
+@avx2_only
+def test_dense_prefill_path_is_a_bfloat16_matmul_over_the_dequantized_weight(monkeypatch):
+    """SGRT_WOQ_DENSE_ROWS=N (opt-in): calls of N rows or more are F.linear over the weight
+    dequantized to bfloat16 a tile of rows at a time (the same bits as one F.linear over all of
+    it: tiles cut whole output columns), fewer rows stay on the kernel; unset, never."""
+    from sgrt.models.quant_native import GroupLinear
+
+    monkeypatch.delenv("SGRT_WOQ_DENSE_ROWS", raising=False)
+    assert woq.dense_rows() is None
+    monkeypatch.setenv("SGRT_WOQ_DENSE_ROWS", "64")
+    assert woq.dense_rows() == 64
+    monkeypatch.setattr(woq, "DENSE_TILE_WEIGHTS", 32 * 256)  # (tiles of 32 rows: three of them)
+    g = torch.Generator().manual_seed(7)
+    layer = GroupLinear.from_float(torch.randn(96, 256, generator=g) * 0.05, 4)
+    x = torch.randn(64, 256, generator=g).bfloat16()
+    dense = torch.nn.functional.linear(x, layer.dequantize().bfloat16())
+    assert torch.equal(layer(x), dense)
+    assert torch.equal(layer(x[:63]), layer._linear(x[:63].contiguous(), *layer._args))  # (below: the kernel)
+    assert not torch.equal(layer(x[:63]), dense[:63])  # (the two paths are different arithmetic)
