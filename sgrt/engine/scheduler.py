@@ -1,9 +1,13 @@
 """Which requests run in the next forward, and where their KV goes.
 
-Each step the scheduler builds one ragged batch: every running request contributes a row (one
-token when decoding, a chunk when prefilling), then waiting requests are admitted under the
-prefill token budget. Policies: ``lpm`` (longest prefix match first, the default, as in SGLang)
-and ``fcfs``. When the KV pool runs short it evicts unlocked prefix-cache entries first, then
+Each step the scheduler builds one ragged batch: every decoding request contributes a row of
+one token, then prefill work shares the step's prefill token budget: chunks of the running
+requests still prefilling and the admission of waiting ones. Policies: ``short`` (the default:
+the shortest next prefill chunk first, running and waiting alike, where a waiting request's
+chunk counts only what the prefix cache does not hold; so an agent's next turn, a long cached
+conversation plus a short tool result, is not stuck behind other sessions' long prefills: a
+running request skipped twice goes first), ``lpm`` (running chunks first, then the waiting
+ones with the longest prefix match first, as in SGLang) and ``fcfs``. When the KV pool runs short it evicts unlocked prefix-cache entries first, then
 retracts the newest running requests back to the waiting queue (their output is kept; they
 re-prefill later), as SGLang and vLLM preempt by recomputation.
 
@@ -22,7 +26,9 @@ from sgrt.engine.prefix_cache import PrefixCache
 from sgrt.engine.request import Req, ReqStatus
 from sgrt.errors import InvalidRequest
 
-POLICIES = ("lpm", "fcfs")
+POLICIES = ("short", "lpm", "fcfs")
+# Steps a running request's prefill may be passed over by shorter work before it goes first.
+MAX_PREFILL_SKIPS = 2
 
 
 @dataclass
@@ -34,7 +40,9 @@ class SchedulerConfig:
         max_running_requests: requests admitted at once (>= 1).
         max_prefill_tokens: new prefill tokens admitted per step (>= 1).
         chunked_prefill_size: most prefill tokens one request feeds per step (>= 1).
-        schedule_policy: admission order, ``"lpm"`` (longest prefix match) or ``"fcfs"``.
+        schedule_policy: prefill order, ``"short"`` (shortest next chunk first, running and
+            waiting alike), ``"lpm"`` (running chunks, then waiting by longest prefix match) or
+            ``"fcfs"`` (module docstring).
         dedup_min_tokens: a shared uncached prefix this long makes a waiting request wait for
             the one prefilling it.
 
@@ -45,7 +53,7 @@ class SchedulerConfig:
     max_running_requests: int = 64
     max_prefill_tokens: int = 1024
     chunked_prefill_size: int = 512
-    schedule_policy: str = "lpm"
+    schedule_policy: str = "short"
     dedup_min_tokens: int = 32
 
     def __post_init__(self) -> None:
@@ -115,55 +123,112 @@ class Scheduler:
         """Rows for the next forward (possibly empty when everything waits on compilation)."""
         rows: list[Row] = []
         budget = self.config.max_prefill_tokens
+        short = self.config.schedule_policy == "short"
+        prefilling: list[Req] = []  # ("short": running prefills, ordered with the waiting below)
         # Running requests first, oldest first; retraction takes the newest.
         for req in list(self.running):
             if req.status is not ReqStatus.RUNNING:
                 continue  # retracted earlier in this loop
-            need = req.remaining_prefill
-            n = 1 if need == 1 else min(need, self.config.chunked_prefill_size, budget)
-            if n <= 0:
+            if short and req.remaining_prefill > 1:
+                prefilling.append(req)
                 continue
-            if not self._reserve(n, protect=req, rows=rows):
-                continue
-            start = len(req.slots)
-            req.slots.extend(self.pool.alloc(n))
-            rows.append(Row(req, start, n))
-            if need > 1:
-                budget -= n
-        self._admit(rows, budget)
+            budget -= self._chunk(req, rows, budget)
+        if short:
+            self._prefill_shortest_first(rows, prefilling, budget)
+        else:
+            self._admit(rows, budget)
         return rows
 
+    def _chunk(self, req: Req, rows: list[Row], budget: int) -> int:
+        """A row for running ``req``: one token when decoding, else its next prefill chunk within
+        ``budget``; returns the prefill tokens it took (0 for a decode row or none)."""
+        need = req.remaining_prefill
+        n = 1 if need == 1 else min(need, self.config.chunked_prefill_size, budget)
+        if n <= 0 or not self._reserve(n, protect=req, rows=rows):
+            return 0
+        start = len(req.slots)
+        req.slots.extend(self.pool.alloc(n))
+        rows.append(Row(req, start, n))
+        return n if need > 1 else 0
+
+    def _waiting_candidates(self) -> list[Req]:
+        return [r for r in self.waiting if r.grammar_future is None or r.grammar_future.done()]
+
     def _admit(self, rows: list[Row], budget: int) -> None:
-        candidates = [r for r in self.waiting if r.grammar_future is None or r.grammar_future.done()]
+        candidates = self._waiting_candidates()
         if not candidates:
             return
-        matches = {id(r): self.cache.match_prefix(r.fill_ids[: self._match_limit(r)]) for r in candidates}
         if self.config.schedule_policy == "lpm":
-            candidates.sort(key=lambda r: -len(matches[id(r)].slots))
+            matches = {id(r): len(self.cache.match_prefix(r.fill_ids[: self._match_limit(r)]).slots)
+                       for r in candidates}
+            candidates.sort(key=lambda r: -matches[id(r)])
         prefilling = [r for r in self.running if r.remaining_prefill > 1]
         for req in candidates:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            # Match again: admitting an earlier candidate may have evicted part of this match.
-            match = self.cache.match_prefix(req.fill_ids[: self._match_limit(req)])
-            if self._shares_uncached_prefix(req, len(match.slots), prefilling):
-                continue  # another request is prefilling the same text; reuse it next step
-            n = min(req.num_fill - len(match.slots), self.config.chunked_prefill_size, budget)
-            self.cache.lock(match.node)  # before evicting, so our own prefix stays
-            if not self._reserve(n, protect=None, rows=rows, may_retract=False):
-                self.cache.unlock(match.node)
+            n = self._admit_one(req, rows, budget, prefilling)
+            if n < 0:
                 break
-            req.last_node = match.node
-            req.cached_len = len(match.slots)
-            if req.prompt_cached_tokens < 0:
-                req.prompt_cached_tokens = min(req.cached_len, len(req.prompt_ids))
-            req.slots = list(match.slots) + self.pool.alloc(n)
-            req.status = ReqStatus.RUNNING
-            self.waiting.remove(req)
-            self.running.append(req)
-            rows.append(Row(req, req.cached_len, n))
-            prefilling.append(req)
             budget -= n
+
+    def _prefill_shortest_first(self, rows: list[Row], prefilling: list[Req], budget: int) -> None:
+        """The ``short`` policy: the running prefills' next chunks and the waiting requests'
+        admissions, shortest next chunk first (a waiting one's counts only its uncached tokens),
+        under ``budget``; a running prefill passed over :data:`MAX_PREFILL_SKIPS` steps goes first."""
+        chunk = self.config.chunked_prefill_size
+        work: list[tuple[tuple[int, int, float], Req, bool]] = []
+        for req in prefilling:
+            first = req.prefill_skips >= MAX_PREFILL_SKIPS
+            work.append(((0 if first else 1, min(req.remaining_prefill, chunk), req.arrival), req, True))
+        for req in self._waiting_candidates():
+            uncached = req.num_fill - len(self.cache.match_prefix(req.fill_ids[: self._match_limit(req)]).slots)
+            work.append(((1, min(uncached, chunk), req.arrival), req, False))
+        work.sort(key=lambda w: w[0])
+        served: set[int] = set()
+        admitting = [r for r in prefilling]
+        for _, req, running in work:
+            if budget <= 0:
+                break
+            if running:
+                if req.status is ReqStatus.RUNNING:
+                    n = self._chunk(req, rows, budget)
+                    budget -= n
+                    if n:
+                        served.add(id(req))
+                continue
+            if len(self.running) >= self.config.max_running_requests:
+                continue
+            n = self._admit_one(req, rows, budget, admitting)
+            if n < 0:
+                break
+            budget -= n
+        for req in prefilling:
+            req.prefill_skips = 0 if id(req) in served else req.prefill_skips + 1
+
+    def _admit_one(self, req: Req, rows: list[Row], budget: int, prefilling: list[Req]) -> int:
+        """Admit waiting ``req`` with a first chunk of at most ``budget`` tokens after its cached
+        prefix: the prefill tokens it took (0: it waits, another request is prefilling the same
+        text), or -1 when the pool cannot hold it (admission stops for this step)."""
+        # Match again: admitting an earlier candidate may have evicted part of a match.
+        match = self.cache.match_prefix(req.fill_ids[: self._match_limit(req)])
+        if self._shares_uncached_prefix(req, len(match.slots), prefilling):
+            return 0  # another request is prefilling the same text; reuse it next step
+        n = min(req.num_fill - len(match.slots), self.config.chunked_prefill_size, budget)
+        self.cache.lock(match.node)  # before evicting, so our own prefix stays
+        if not self._reserve(n, protect=None, rows=rows, may_retract=False):
+            self.cache.unlock(match.node)
+            return -1
+        req.last_node = match.node
+        req.cached_len = len(match.slots)
+        if req.prompt_cached_tokens < 0:
+            req.prompt_cached_tokens = min(req.cached_len, len(req.prompt_ids))
+        req.slots = list(match.slots) + self.pool.alloc(n)
+        req.status = ReqStatus.RUNNING
+        self.waiting.remove(req)
+        self.running.append(req)
+        rows.append(Row(req, req.cached_len, n))
+        prefilling.append(req)
+        return n
 
     def _match_limit(self, req: Req) -> int:
         # At least one token must run through the model to get logits; prompt log-probabilities

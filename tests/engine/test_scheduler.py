@@ -38,7 +38,7 @@ def run_rows(s: Scheduler, rows: list[Row], token: int = 7) -> None:
 
 
 def test_prefill_is_chunked_under_the_budget_then_decodes_one_token_a_step():
-    s = make(chunked_prefill_size=4, max_prefill_tokens=6)
+    s = make(chunked_prefill_size=4, max_prefill_tokens=6, schedule_policy="lpm")
     a, b = req("a", range(1, 11)), req("b", range(20, 23))
     s.add(a)
     s.add(b)
@@ -56,6 +56,59 @@ def test_prefill_is_chunked_under_the_budget_then_decodes_one_token_a_step():
     assert [(r.req.request_id, r.start, r.n) for r in rows] == [("a", 8, 2), ("b", 3, 1)]
     assert rows[1].input_ids() == [7]
     run_rows(s, rows)
+    s.check_integrity()
+
+
+def test_short_policy_serves_the_shortest_next_chunk_first():
+    """The default policy: prefill work in order of its next chunk (a waiting request's counts
+    only its uncached tokens), running and waiting alike; the budget's rest goes to the longer."""
+    s = make(chunked_prefill_size=4, max_prefill_tokens=6)
+    assert s.config.schedule_policy == "short"
+    a, b = req("a", range(1, 11)), req("b", range(20, 23))
+    s.add(a)
+    s.add(b)
+    rows = s.schedule()
+    assert [(r.req.request_id, r.start, r.n) for r in rows] == [("b", 0, 3), ("a", 0, 3)]
+    run_rows(s, rows)
+    rows = s.schedule()  # b decodes (1 token, outside the budget); a's next chunk
+    assert [(r.req.request_id, r.start, r.n) for r in rows] == [("b", 3, 1), ("a", 3, 4)]
+    run_rows(s, rows)
+    s.check_integrity()
+
+
+def test_a_cached_conversation_with_a_short_new_turn_goes_before_a_long_prefill():
+    """An agent's next turn (its conversation cached, a few new tokens) is admitted ahead of
+    another session's long prompt, whether that one is waiting or already prefilling."""
+    s = make(slots=512, chunked_prefill_size=8, max_prefill_tokens=8)
+    turn1 = req("turn1", range(1, 41))
+    s.add(turn1)
+    while turn1.remaining_prefill > 1 or not turn1.output_ids:
+        run_rows(s, s.schedule())
+    s.finish(turn1)  # the conversation is in the prefix cache
+    long = req("long", range(100, 160))
+    s.add(long)
+    run_rows(s, s.schedule())  # long starts prefilling: 8 of 60
+    turn2 = req("turn2", list(range(1, 41)) + [7, 90, 91])
+    s.add(turn2)
+    rows = s.schedule()
+    assert [(r.req.request_id, r.n) for r in rows] == [("turn2", 3), ("long", 5)]
+    assert rows[0].start == 40 and rows[0].req.cached_len == 40
+    s.check_integrity()
+
+
+def test_a_running_prefill_passed_over_twice_goes_first():
+    s = make(slots=512, chunked_prefill_size=4, max_prefill_tokens=3)
+    long = req("long", range(100, 140))
+    s.add(long)
+    run_rows(s, s.schedule())
+    served = []
+    for i in range(3):  # a short newcomer every step (3 tokens: shorter than long's chunk of 4)
+        s.add(req(f"short{i}", [200 + 10 * i, 201 + 10 * i, 202 + 10 * i]))
+        rows = s.schedule()
+        served.append([r.req.request_id for r in rows if r.n > 1])  # (the prefill rows)
+        run_rows(s, rows)
+    assert served[0] == ["short0"] and served[1] == ["short1"]
+    assert served[2] == ["long"]  # passed over twice: its chunk goes first, the newcomer waits
     s.check_integrity()
 
 
