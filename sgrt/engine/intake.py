@@ -22,6 +22,7 @@ import torch
 from sgrt.engine.handle import RequestHandle
 from sgrt.engine.request import Req
 from sgrt.engine.sampling_params import SamplingParams, check_speculative
+from sgrt.engine.stop_matcher import StopMatcher
 from sgrt.errors import CapacityError, ContextLengthExceeded, InvalidRequest
 
 
@@ -90,6 +91,9 @@ class Intake:
         from sgrt.models import IncrementalDetokenizer
 
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        if params.stop:
+            # NOTE: built here, on the caller's thread: the engine loop only steps it.
+            req.stop_matcher = StopMatcher(params.stop)
         if params.is_constrained():
             req.grammar_future = self._compile_pool.submit(self.compile_grammar, params)
         return req

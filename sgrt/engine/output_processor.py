@@ -28,6 +28,7 @@ from sgrt.engine.outputs import StreamChunk
 from sgrt.engine.request import Req
 from sgrt.engine.sampler import sample, top_logprobs
 from sgrt.engine.scheduler import Row, Scheduler
+from sgrt.engine.stop_matcher import StopMatcher
 from sgrt.engine.verify import Draft
 from sgrt.errors import GrammarError, InvalidRequest
 
@@ -207,21 +208,28 @@ class OutputProcessor:
             self.finish(req, "abort", error=error)
             return
         new_text = req.detokenizer.add([token])
-        old_len = len(req.text)
         req.text += new_text
+        hit = None
+        if params.stop:
+            # NOTE: fed every piece, checked or not, so that the automaton's position is the
+            # text's; only a match that ends in this piece counts (as before min_tokens / a
+            # grammar that does not accept yet, an earlier one is let go).
+            matcher = req.stop_matcher
+            if matcher is None:
+                matcher = req.stop_matcher = StopMatcher(params.stop)
+                matcher.feed(req.text[:-len(new_text)] if new_text else req.text)
+            hit = matcher.feed(new_text)
         accepting = req.grammar is None or req.grammar.is_accepting()
         min_reached = len(req.output_ids) >= params.min_tokens
         if min_reached and accepting:
             if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
                 self.finish(req, "stop", matched=token)
                 return
-            if params.stop:
-                hit = find_stop(req.text, params.stop, old_len)
-                if hit is not None:
-                    idx, s = hit
-                    req.text = req.text[:idx + len(s)] if params.no_stop_trim else req.text[:idx]
-                    self.finish(req, "stop", matched=s)
-                    return
+            if hit is not None:
+                idx, s = hit
+                req.text = req.text[:idx + len(s)] if params.no_stop_trim else req.text[:idx]
+                self.finish(req, "stop", matched=s)
+                return
         if req.grammar is not None and req.grammar.is_terminated():
             self.finish(req, "stop", matched="grammar")
             return
@@ -235,7 +243,8 @@ class OutputProcessor:
     def _next_chunk(self, req: Req, final: bool) -> StreamChunk:
         """The text and tokens not yet sent. Unless ``final``, hold back the last characters
         that could still become a stop string."""
-        hold = 0 if final else max((len(s) - 1 for s in req.params.stop), default=0)
+        matcher = req.stop_matcher
+        hold = 0 if final or matcher is None else max(matcher.max_len - 1, 0)
         end = max(len(req.text) - hold, req.sent_len)
         text = req.text[req.sent_len:end]
         first = req.sent_tokens
@@ -314,15 +323,3 @@ def last_rows_batch(logits: list[torch.Tensor]) -> torch.Tensor:
                for i, lg in enumerate(logits)):
             return base
     return torch.cat([lg[-1:] for lg in logits], dim=0)
-
-
-def find_stop(text: str, stops: list[str], old_len: int) -> tuple[int, str] | None:
-    """Earliest stop string that ends in the new part of ``text`` (``text[old_len:]``, found
-    across token boundaries); returns ``(index, stop)`` or None."""
-    best: tuple[int, str] | None = None
-    for s in stops:
-        start = max(0, old_len - len(s) + 1)
-        idx = text.find(s, start)
-        if idx != -1 and (best is None or idx < best[0]):
-            best = (idx, s)
-    return best

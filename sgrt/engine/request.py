@@ -40,6 +40,9 @@ class Req:
     grammar: Any = None  # sgrt.constrained.Grammar, or None when unconstrained
     grammar_future: Any = None  # concurrent.futures.Future while the grammar compiles
     detokenizer: Any = None
+    # the stop strings' automaton (sgrt.engine.stop_matcher.StopMatcher), fed every new piece of
+    # ``text``; built at intake (or on first use) when params.stop is set
+    stop_matcher: Any = None
     channel: Any = None  # RequestChannel: where results and stream chunks go
     # Results being built
     text: str = ""  # detokenized output so far (stop strings not yet cut)
