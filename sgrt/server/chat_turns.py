@@ -54,12 +54,16 @@ class PreparedTurn:
 
 def prepare_turn(api: Any, req: op.ChatCompletionRequest) -> PreparedTurn:
     """Plan, render and build the sampling fields of a chat request (``max_tokens`` resolved,
-    logprobs set).
+    logprobs set). CPU work (rendering, tokenizing): callers run it off the event loop
+    (``api.offload``).
 
     Raises:
-        InvalidRequest: a bad field (named), a prompt over the context window, ...
+        InvalidRequest: a bad field (named), one over the server's limits
+            (:func:`~sgrt.server.openai_sampling.check_request_limits`), a prompt over the
+            context window, ...
     """
     renderer = api.renderer
+    oa.check_request_limits(req, api.limits)
     sglang_fields.check_chat_fields({name: getattr(req, name) for name in (
         "continue_final_message", *sglang_fields.IGNORED_CHAT_FIELDS)})
     warn_ignored(req, thinking=renderer.traits.thinking_switch is not None)

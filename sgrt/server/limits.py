@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 from sgrt.errors import InvalidRequest
 
 #: Default bound on the nesting depth of a request body or WebSocket frame (arrays and objects).
 #: A JSON Schema or a chat message needs far less; deeper input only exercises recursion.
 DEFAULT_MAX_JSON_DEPTH = 64
+#: Default bounds on what a request may ask the engine to check on every token (stop strings and
+#: stop token ids) and on the lists whose size sets the CPU cost of rendering a prompt. OpenAI
+#: allows 4 stop strings; 64 leaves room for agent frameworks that send one per tool or role.
+DEFAULT_MAX_STOP = 64
+DEFAULT_MAX_STOP_CHARS = 8192  # the stop strings' characters together
+DEFAULT_MAX_STOP_TOKEN_IDS = 256
+DEFAULT_MAX_LOGIT_BIAS = 1024  # entries of logit_bias (refused as unsupported after this check)
+DEFAULT_MAX_MESSAGES = 4096  # messages (or input items) of one request, a stored conversation included
+DEFAULT_WRITE_TIMEOUT_S = 30.0
 
 # NOTE: the two servers' limit dataclasses live here, free of heavy imports, so that `sgrt serve`
 # can build its flags (with their defaults) and bind its ports before torch and the model load.
@@ -38,8 +47,19 @@ class HttpLimits:
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH  # nesting of a body's arrays/objects; over: 400
     header_timeout_s: float = 10.0  # from connect (or the last response) to a request's full headers
     body_timeout_s: float = 30.0  # to read a whole request body once its headers arrived; over: 408
-    max_connections: int = 1024  # open HTTP connections; more are closed at once
+    # open HTTP connections; past it a new one closes the oldest connection that is waiting for a
+    # request's headers (idle or half-open), and only when none is waiting is the new one refused
+    max_connections: int = 1024
     allowed_origins: tuple[str, ...] = ()  # browser Origins allowed besides loopback ones ("*": any)
+    max_stop: int = DEFAULT_MAX_STOP  # stop strings of one request; over: 400
+    max_stop_chars: int = DEFAULT_MAX_STOP_CHARS  # their characters together; over: 400
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS  # over: 400
+    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS  # logit_bias entries; over: 400
+    max_messages: int = DEFAULT_MAX_MESSAGES  # messages / input items of one request; over: 400
+    # a response the client does not read for this long (the socket's send buffer stays full) is
+    # cut: the connection is closed and its requests aborted
+    write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S
+    max_store_bytes: int = 64 << 20  # the Responses API's store of responses, in (encoded) bytes
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -61,8 +81,18 @@ class WsLimits:
     idle_timeout_s: float = 300.0  # a session (or session-less connection) without messages
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH  # nesting of a frame's arrays/objects
     open_timeout_s: float = 10.0  # TCP connect to a finished WebSocket handshake (request headers)
-    max_connections: int = 1024  # connections, handshaking or open; more get HTTP 503
+    # a finished handshake to an accepted first message (session.start with the auth token, or
+    # any message when the server has no token); slower: closed (code 1008)
+    auth_timeout_s: float = 5.0
+    # connections, handshaking or open; past it a new connection closes the oldest one that has
+    # not authenticated yet; when all have, upgrades get HTTP 503
+    max_connections: int = 1024
     allowed_origins: tuple[str, ...] = ()  # browser Origins allowed besides loopback ones ("*": any)
+    max_stop: int = DEFAULT_MAX_STOP  # sampling.stop strings; over: limit.stop
+    max_stop_chars: int = DEFAULT_MAX_STOP_CHARS  # their characters together; over: limit.stop
+    # a client that reads nothing for this long while the server has a message for it is
+    # disconnected (its sessions' generations aborted)
+    write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,6 +121,33 @@ def json_depth(data: bytes | str) -> int:
     arr = np.frombuffer(brackets, dtype=np.uint8)
     steps = np.where((arr == ord("[")) | (arr == ord("{")), 1, -1).astype(np.int32)
     return int(np.cumsum(steps).max(initial=0))
+
+
+def check_count(items: Any, limit: int, name: str, field: str,
+                error: Callable[..., InvalidRequest] = InvalidRequest) -> None:
+    """Raise ``error`` (an :class:`InvalidRequest`, or a subclass such as the WebSocket's
+    ``LimitExceeded``) when the list or dict ``items`` has more than ``limit`` entries; the
+    message names the field, the count and the limit (``name``, its flag's setting)."""
+    if items is not None and len(items) > limit:
+        raise error(f"{field} has {len(items)} entries; the limit is {name} ({limit})", field=field)
+
+
+def check_stop(stop: Any, max_stop: int, max_stop_chars: int, field: str = "stop",
+               error: Callable[..., InvalidRequest] = InvalidRequest) -> None:
+    """Bound the stop strings of one request: at most ``max_stop`` of them and
+    ``max_stop_chars`` characters together (each one is matched on every token the request
+    generates). A value that is not a string or a list is left to the field's own type check.
+
+    Raises:
+        InvalidRequest: (``error``) naming ``field`` and the limit.
+    """
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)):
+        return
+    check_count(items, max_stop, "max_stop", field, error)
+    chars = sum(len(s) for s in items if isinstance(s, str))
+    if chars > max_stop_chars:
+        raise error(f"{field} holds {chars} characters; the limit is max_stop_chars ({max_stop_chars})", field=field)
 
 
 def check_json_depth(data: bytes | str, limit: int, what: str = "request body") -> None:

@@ -12,6 +12,7 @@ from sgrt.errors import ContextLengthExceeded, InvalidRequest
 from sgrt.sampling_params import SamplingParams
 from sgrt.server import openai_protocol as op
 from sgrt.server import sglang_fields
+from sgrt.server.limits import check_count, check_stop
 
 #: ``SamplingParams`` field -> request field, where the names differ (for 400s that name the
 #: field the client sent).
@@ -26,6 +27,22 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else list(stop)
+
+
+def check_request_limits(req: Any, limits: Any) -> None:
+    """Bound what a chat or text completion request makes the server do per token or per
+    message, before any of it is used: ``stop`` (``max_stop`` strings, ``max_stop_chars``
+    characters), ``stop_token_ids`` (``max_stop_token_ids``), ``logit_bias``
+    (``max_logit_bias``), ``messages`` (``max_messages``) and ``tools`` (``max_tools``).
+
+    Raises:
+        InvalidRequest: naming the field and the limit.
+    """
+    check_stop(req.stop, limits.max_stop, limits.max_stop_chars)
+    check_count(req.stop_token_ids, limits.max_stop_token_ids, "max_stop_token_ids", "stop_token_ids")
+    check_count(req.logit_bias, limits.max_logit_bias, "max_logit_bias", "logit_bias")
+    check_count(getattr(req, "messages", None), limits.max_messages, "max_messages", "messages")
+    check_count(getattr(req, "tools", None), limits.max_tools, "max_tools", "tools")
 
 
 def sampling_fields(req: op.SamplingFields) -> dict[str, Any]:

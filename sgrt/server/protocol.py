@@ -135,6 +135,8 @@ ERROR_CODES: dict[str, str] = {
     "limit.sessions": "too many open sessions (server-wide or on this connection)",
     "limit.generations": "too many generations running in this session (a chat session runs one at a time)",
     "limit.max_tokens": "sampling.max_tokens is above max_tokens_per_turn",
+    "limit.stop": "sampling.stop has more than max_stop strings or max_stop_chars characters",
+    "limit.connections": "the server already has max_connections clients (the connection closes, code 1013)",
     "limit.tools": "too many tools, or too many tool calls in one user turn",
     "limit.idle_timeout": "the session was idle longer than idle_timeout_s and was closed",
     "internal": "a server bug; the session may be unusable, the connection stays up",

@@ -102,8 +102,32 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-sessions", type=_positive_int, default=w.max_sessions,
                    help="open WebSocket sessions, whole server (default: %(default)s)")
     g.add_argument("--max-connections", type=_positive_int, default=h.max_connections,
-                   help="open connections per server (HTTP and WebSocket each); more are refused "
-                        "(default: %(default)s)")
+                   help="open connections per server (HTTP and WebSocket each); past it a new connection "
+                        "closes the oldest one not yet authenticated (HTTP: waiting for a request's headers), "
+                        "and is refused only when there is none (default: %(default)s)")
+    g.add_argument("--auth-timeout", type=_positive_float, default=w.auth_timeout_s, metavar="SECONDS",
+                   help="time for a WebSocket connection to send its first message (session.start with the "
+                        "auth token) after the upgrade; slower: closed (default: %(default)s)")
+    g.add_argument("--write-timeout", type=_positive_float, default=h.write_timeout_s, metavar="SECONDS",
+                   help="a client that reads nothing this long while the server has data for it is "
+                        "disconnected and its requests aborted (default: %(default)s)")
+    g.add_argument("--max-stop", type=_positive_int, default=h.max_stop,
+                   help="stop strings of one request (default: %(default)s)")
+    g.add_argument("--max-stop-chars", type=_positive_int, default=h.max_stop_chars,
+                   help="characters of a request's stop strings together (default: %(default)s)")
+    g.add_argument("--max-stop-token-ids", type=_positive_int, default=h.max_stop_token_ids,
+                   help="stop_token_ids of one HTTP request (default: %(default)s)")
+    g.add_argument("--max-logit-bias", type=_positive_int, default=h.max_logit_bias,
+                   help="logit_bias entries of one HTTP request (default: %(default)s)")
+    g.add_argument("--max-messages", type=_positive_int, default=h.max_messages,
+                   help="messages (or Responses input items, a stored conversation included) of one HTTP "
+                        "request (default: %(default)s)")
+    g.add_argument("--max-tools", type=_positive_int, default=None,
+                   help=f"tools of one request or session (default: {h.max_tools} for HTTP, {w.max_tools} "
+                        "for WebSocket sessions)")
+    g.add_argument("--max-store-bytes", type=_positive_int, default=h.max_store_bytes,
+                   help="bytes of stored responses (the Responses API's store=true), least recently used "
+                        "dropped first (default: %(default)s)")
     g.add_argument("--header-timeout", type=_positive_float, default=h.header_timeout_s, metavar="SECONDS",
                    help="time for a connection to send a request's headers (the WebSocket upgrade "
                         "included) before it is closed (default: %(default)s)")
@@ -125,13 +149,19 @@ def limits_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
                       max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
                       max_json_depth=args.max_json_depth, header_timeout_s=args.header_timeout,
                       body_timeout_s=args.body_timeout, max_connections=args.max_connections,
-                      allowed_origins=origins)
+                      allowed_origins=origins, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
+                      max_stop_token_ids=args.max_stop_token_ids, max_logit_bias=args.max_logit_bias,
+                      max_messages=args.max_messages, write_timeout_s=args.write_timeout,
+                      max_store_bytes=args.max_store_bytes,
+                      **({"max_tools": args.max_tools} if args.max_tools is not None else {}))
     ws = WsLimits(max_message_bytes=args.max_message_bytes, max_sessions=args.max_sessions,
                   max_tokens_per_turn=args.ws_max_tokens_per_turn,
                   default_max_tokens=min(args.ws_default_max_tokens, args.ws_max_tokens_per_turn),
                   idle_timeout_s=args.idle_timeout, max_json_depth=args.max_json_depth,
                   open_timeout_s=args.header_timeout, max_connections=args.max_connections,
-                  allowed_origins=origins)
+                  allowed_origins=origins, auth_timeout_s=args.auth_timeout, max_stop=args.max_stop,
+                  max_stop_chars=args.max_stop_chars, write_timeout_s=args.write_timeout,
+                  **({"max_tools": args.max_tools} if args.max_tools is not None else {}))
     return http, ws
 
 

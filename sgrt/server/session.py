@@ -10,6 +10,7 @@ Everything a session sends goes back through ``ctx.send``; it never reaches into
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -20,6 +21,7 @@ from typing import Any, Awaitable, Callable
 from sgrt.engine import SamplingParams
 from sgrt.errors import CapacityError, ContextLengthExceeded, GrammarError, InvalidRequest
 from sgrt.server import protocol as p
+from sgrt.server.limits import check_stop
 from sgrt.server.protocol import LimitExceeded
 
 logger = logging.getLogger("sgrt.server")
@@ -56,12 +58,16 @@ def ws_sampling_params(base: dict[str, Any], override: p.Sampling | None, limits
     default ``max_tokens``, and ``extra`` fields the server adds (a tool grammar).
 
     Raises:
-        LimitExceeded: ``limit.max_tokens`` when max_tokens > ``limits.max_tokens_per_turn``.
+        LimitExceeded: ``limit.max_tokens`` when max_tokens > ``limits.max_tokens_per_turn``;
+            ``limit.stop`` for more than ``max_stop`` stop strings or ``max_stop_chars``
+            characters of them.
         InvalidRequest: a bad value; the field is ``sampling.<name>``.
     """
     merged = dict(base)
     if override is not None:
         merged.update(override.fields_set())
+        check_stop(override.stop, limits.max_stop, limits.max_stop_chars, field=f"{field_prefix}.stop",
+                   error=functools.partial(LimitExceeded, "limit.stop"))
     merged.setdefault("max_tokens", min(limits.default_max_tokens, limits.max_tokens_per_turn))
     if isinstance(merged["max_tokens"], int) and merged["max_tokens"] > limits.max_tokens_per_turn:
         raise LimitExceeded(
