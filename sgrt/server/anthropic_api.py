@@ -32,6 +32,62 @@ from sgrt.server.http_core import EngineCall, HttpApi
 from sgrt.server.http_errors import ApiError, api_error_from, json_response
 from sgrt.server.http_openai import check_result
 from sgrt.server.http_streams import EventStream
+from sgrt.server.limits import check_count, check_stop
+
+
+# ---- wire types: every shape is checked when the body is decoded (a content block that is not
+# an object, a text that is not a string...: a 400 naming it), so nothing downstream meets a
+# wrong type. Blocks keep the fields of every type sgrt reads; which ones a type needs is
+# checked where it is read. ----------------------------------------------------------------------
+
+
+class TextBlock(msgspec.Struct, kw_only=True):
+    """A block of ``system`` or of a ``tool_result``'s content: only ``text`` is supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ContentBlock(msgspec.Struct, kw_only=True):
+    """A block of a message's content: ``text``, ``tool_use`` (assistant), ``tool_result``
+    (user), ``thinking`` / ``redacted_thinking`` (skipped)."""
+
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
+class MessageParam(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentBlock]
+
+
+class ToolParam(msgspec.Struct, kw_only=True):
+    """A tool: a custom (client) tool has ``name`` and ``input_schema``."""
+
+    name: str
+    type: str | None = None
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+
+
+class ToolChoiceParam(msgspec.Struct, kw_only=True):
+    type: str
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingParam(msgspec.Struct, kw_only=True):
+    type: str
+    budget_tokens: int | None = None
 
 
 class MessagesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -39,16 +95,16 @@ class MessagesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     model: str | None = None
     max_tokens: int
-    messages: list[dict[str, Any]]
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
+    messages: list[MessageParam]
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoiceParam | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     stream: bool | None = False
-    thinking: dict[str, Any] | None = None
+    thinking: ThinkingParam | None = None
     # Accepted and ignored (logged).
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
@@ -88,21 +144,14 @@ def error_response(err: ApiError) -> Any:
     return json_response(error_body(err), err.status, err.headers)
 
 
-def _blocks(content: Any, field: str) -> list[dict[str, Any]]:
+def _text(content: str | list[TextBlock], field: str) -> str:
     if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    if isinstance(content, list):
         return content
-    raise InvalidRequest("content must be a string or a list of blocks", field=field)
-
-
-def _text(content: Any, field: str) -> str:
     parts = []
-    for j, block in enumerate(_blocks(content, field)):
-        if block.get("type") != "text":
-            raise InvalidRequest(f"only text blocks are supported here, got {block.get('type')!r}",
-                                 field=f"{field}[{j}].type")
-        parts.append(str(block.get("text", "")))
+    for j, block in enumerate(content):
+        if block.type != "text":
+            raise InvalidRequest(f"only text blocks are supported here, got {block.type!r}", field=f"{field}[{j}].type")
+        parts.append(block.text or "")
     return "".join(parts)
 
 
@@ -111,31 +160,34 @@ def chat_messages(req: MessagesRequest) -> list[op.ChatMessage]:
     tool calls, ``tool_result`` blocks ``tool`` messages (ahead of the user's text).
 
     Raises:
-        InvalidRequest: an unknown role or block type (``messages[i].content[j]...``).
+        InvalidRequest: an unknown role or block type, or a ``tool_use`` without its name
+            (``messages[i].content[j]...``).
     """
     out: list[op.ChatMessage] = []
     if req.system:
         out.append(op.ChatMessage(role="system", content=_text(req.system, "system")))
     for i, m in enumerate(req.messages):
-        role = m.get("role")
+        role = m.role
         if role not in ("user", "assistant"):
             raise InvalidRequest(f"role must be user or assistant, got {role!r}", field=f"messages[{i}].role")
         texts: list[str] = []
         calls: list[op.ToolCall] = []
-        for j, block in enumerate(_blocks(m.get("content"), f"messages[{i}].content")):
-            kind = block.get("type")
+        blocks = [ContentBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        for j, block in enumerate(blocks):
+            kind = block.type
             field = f"messages[{i}].content[{j}]"
             if kind == "text":
-                texts.append(str(block.get("text", "")))
+                texts.append(block.text or "")
             elif kind == "tool_use" and role == "assistant":
-                calls.append(op.ToolCall(id=block.get("id"), function=op.ToolCallFunction(
-                    name=str(block.get("name")), arguments=msgspec.json.encode(block.get("input") or {}).decode())))
+                if block.name is None:
+                    raise InvalidRequest("a tool_use block needs the tool's name", field=f"{field}.name")
+                calls.append(op.ToolCall(id=block.id, function=op.ToolCallFunction(
+                    name=block.name, arguments=msgspec.json.encode(block.input or {}).decode())))
             elif kind == "tool_result" and role == "user":
-                content = block.get("content")
-                result = "" if content is None else _text(content, f"{field}.content")
-                if block.get("is_error"):
+                result = "" if block.content is None else _text(block.content, f"{field}.content")
+                if block.is_error:
                     result = f"Error: {result}"
-                out.append(op.ChatMessage(role="tool", tool_call_id=block.get("tool_use_id"), content=result))
+                out.append(op.ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=result))
             elif kind in ("thinking", "redacted_thinking"):
                 continue
             else:
@@ -149,24 +201,30 @@ def chat_messages(req: MessagesRequest) -> list[op.ChatMessage]:
 
 
 def to_chat_request(req: MessagesRequest) -> op.ChatCompletionRequest:
-    """The chat request of a Messages request."""
+    """The chat request of a Messages request.
+
+    Raises:
+        InvalidRequest: a server tool, an unknown ``tool_choice`` type, a bad message (named).
+    """
     tools = None
     if req.tools:
         tools = []
         for i, t in enumerate(req.tools):
-            if t.get("type") not in (None, "custom"):
-                raise InvalidRequest(f"only custom (client) tools are supported, got {t.get('type')!r}",
+            if t.type not in (None, "custom"):
+                raise InvalidRequest(f"only custom (client) tools are supported, got {t.type!r}",
                                      field=f"tools[{i}].type")
             tools.append(op.ToolDef(function=op.FunctionDef(
-                name=str(t.get("name")), description=t.get("description") or "",
-                parameters=t.get("input_schema") or {"type": "object", "properties": {}})))
+                name=t.name, description=t.description or "",
+                parameters=t.input_schema or {"type": "object", "properties": {}})))
     choice: Any = None
     parallel = None
     if req.tool_choice:
-        kind = req.tool_choice.get("type")
-        parallel = False if req.tool_choice.get("disable_parallel_tool_use") else None
+        kind = req.tool_choice.type
+        parallel = False if req.tool_choice.disable_parallel_tool_use else None
         if kind == "tool":
-            choice = op.NamedToolChoice(function=op.ToolChoiceFunction(name=str(req.tool_choice.get("name"))))
+            if req.tool_choice.name is None:
+                raise InvalidRequest("tool_choice of type tool needs the tool's name", field="tool_choice.name")
+            choice = op.NamedToolChoice(function=op.ToolChoiceFunction(name=req.tool_choice.name))
         elif kind in ("auto", "none"):
             choice = kind
         elif kind == "any":
@@ -176,7 +234,7 @@ def to_chat_request(req: MessagesRequest) -> op.ChatCompletionRequest:
                                  field="tool_choice.type")
     effort = None
     if req.thinking:
-        effort = "none" if req.thinking.get("type") == "disabled" else "medium"
+        effort = "none" if req.thinking.type == "disabled" else "medium"
     return op.ChatCompletionRequest(
         model=req.model, messages=chat_messages(req), tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
         max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature, top_p=req.top_p,
@@ -214,7 +272,11 @@ async def create_message(api: HttpApi, request: Request) -> Any:
     """``POST /v1/messages``: one engine request; a Message, or its event stream."""
     req: MessagesRequest = await api.decode(request, MessagesRequest)
     ct.warn_ignored(req, IGNORED_FIELDS)
-    turn = await api.offload(ct.prepare_turn, api, to_chat_request(req))  # NOTE: off the loop
+    limits = api.limits
+    check_stop(req.stop_sequences, limits.max_stop, limits.max_stop_chars, field="stop_sequences")
+    check_count(req.messages, limits.max_messages, "max_messages", "messages")
+    check_count(req.tools, limits.max_tools, "max_tools", "tools")
+    turn = await api.offload(lambda: ct.prepare_turn(api, to_chat_request(req)))  # NOTE: off the loop
     handles = api.submit([EngineCall(turn.prompt_ids, oa.build_params(turn.fields, oa.CHAT_FIELD_NAMES), 0)])
     mid = f"msg_{uuid.uuid4().hex}"
     if req.stream:

@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 import sgrt
 from sgrt.engine import SamplingParams, StreamChunk
-from sgrt.errors import InvalidRequest
+from sgrt.errors import ContextLengthExceeded, InvalidRequest
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
 from sgrt.server.http_errors import ApiError, ClientGone, json_response
@@ -69,7 +69,6 @@ class HttpApi:
         self.renderer = oa.ChatRenderer(self.tokenizer)
         self.texts = oa.TokenTexts(self.tokenizer)
         self.bos_id = oa.bos_id(self.tokenizer)
-        self.in_flight = 0
         self.bodies_read = 0  # request bodies read in full (tests use it to order events)
         self.closing = False
         self.created = int(time.time())
@@ -188,17 +187,35 @@ class HttpApi:
         pool = self._heavy_pool if _heavy_request.get() else None
         return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
+    async def respond(self, build: Any) -> Response:
+        """A 200 JSON response whose body ``build()`` makes, built and encoded on a worker
+        thread: a response can hold hundreds of thousands of entries (token ids, log-probabilities
+        of a long prompt for every choice), too much Python work for the event loop."""
+        return json_response(await self.offload(lambda: msgspec.json.encode(build())))
+
     def shutdown_workers(self) -> None:
         """Stop the heavy-request pool (server close); work in progress finishes on its own."""
         self._heavy_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- engine requests ----------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        """Engine requests of this API not finished yet (what ``max_queue`` bounds). A request
+        leaves the count when the engine finishes it, not when its response has been sent: a
+        client that stops reading its stream does not hold queue places (its socket is cut
+        after ``write_timeout_s``)."""
+        done = [rid for rid, handle in self._live.items() if handle.done]
+        for rid in done:
+            del self._live[rid]
+        return len(self._live)
+
     def submit(self, calls: Sequence[EngineCall], rids: Sequence[str | None] | None = None) -> list[Any]:
         """Submit every call or none: 429 when they would take the in-flight count past
         ``max_queue``; an engine refusal (InvalidRequest, ...) aborts those already submitted."""
         limit = self.limits.max_queue
-        if self.in_flight + len(calls) > limit:
-            raise ApiError(429, f"too many requests in flight ({self.in_flight} + {len(calls)} > max_queue "
+        in_flight = self.in_flight
+        if in_flight + len(calls) > limit:
+            raise ApiError(429, f"too many requests in flight ({in_flight} + {len(calls)} > max_queue "
                            f"{limit}); retry later", type="rate_limit_error", code="queue_full",
                            headers={"retry-after": "1"})
         handles: list[Any] = []
@@ -207,21 +224,39 @@ class HttpApi:
                 rid = rids[i] if rids else None
                 if rid is not None and rid in self._live:
                     raise InvalidRequest(f"rid {rid!r} is already in flight", field="rid")
+                # NOTE: the engine checks every id of a prompt in Python, here on the event loop:
+                # a prompt is cut to the window (or refused) first, so that work stays small.
+                call.prompt_ids = self.fit_prompt(call.prompt_ids, call.params)
                 handle = self.engine.submit(call.prompt_ids, call.params, request_id=rid)
                 self._live[handle.request_id] = handle
-                self.in_flight += 1
                 handles.append(handle)
         except BaseException:
             self.release(handles)
             raise
         return handles
 
+    def fit_prompt(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """``ids`` when prompt + ``max_tokens`` fit the context window; with ``truncate="left"``
+        its last ``context_length - max_tokens`` ids (at least one), as the engine would keep
+        them. Constant time unless it cuts (one slice).
+
+        Raises:
+            ContextLengthExceeded: (field ``prompt``) it does not fit and may not be cut.
+        """
+        limit = self.engine.context_length
+        if len(ids) + params.max_tokens <= limit:
+            return ids
+        if params.truncate == "left":
+            return ids[-max(limit - params.max_tokens, 1):]
+        raise ContextLengthExceeded(
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+            f"window ({limit} tokens); shorten it or pass truncate='left'", field="prompt")
+
     def release(self, handles: Sequence[Any]) -> None:
         """Forget ``handles``; abort those not finished (frees their KV slots). Idempotent."""
         for handle in handles:
             if self._live.pop(handle.request_id, None) is None:
                 continue
-            self.in_flight -= 1
             if not handle.done:
                 self.engine.abort(handle.request_id)
 

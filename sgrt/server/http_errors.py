@@ -85,6 +85,8 @@ def _param_of(message: str) -> str | None:
     path = None
     if " - at `$" in message:
         path = message.rsplit(" - at `$", 1)[1].rstrip("`").lstrip(".")
+    elif " in `$" in message:  # a dict's key: "... - at `key` in `$.metadata`"
+        path = message.rsplit(" in `$", 1)[1].rstrip("`").lstrip(".")
     unknown = None
     if "unknown field `" in message:
         unknown = message.split("unknown field `", 1)[1].split("`", 1)[0]
@@ -98,5 +100,8 @@ def _param_of(message: str) -> str | None:
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(JSON_ENCODER.encode(obj), status_code=status, media_type="application/json",
+    """``obj`` (msgspec-encodable) as a JSON response; ``obj`` may also be JSON already
+    encoded (``bytes``, e.g. by :meth:`sgrt.server.http_core.HttpApi.respond` off the loop)."""
+    data = obj if isinstance(obj, bytes) else JSON_ENCODER.encode(obj)
+    return Response(data, status_code=status, media_type="application/json",
                     headers={**BASE_HEADERS, **(headers or {})})

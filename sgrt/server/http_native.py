@@ -30,7 +30,8 @@
     ``{"prompt": str | [str]}`` or ``{"messages": [...]}`` -> ``{"tokens", "count",
     "max_model_len"}`` (a list of those for a list of prompts), as vLLM answers.
 ``POST /detokenize``
-    ``{"tokens": [...]}`` -> ``{"prompt": text}`` (special tokens kept).
+    ``{"tokens": [...]}`` (at most the model's context window of ids) -> ``{"prompt": text}``
+    (special tokens kept).
 ``POST /apply_chat_template``
     ``{"messages", "add_generation_prompt", "tools"?}`` -> ``{"text"}``.
 ``POST /flush_cache``
@@ -62,23 +63,34 @@ from sgrt.server import openai_protocol as op
 from sgrt.server import sglang_fields as sglang
 from sgrt.server.http_core import NATIVE_ENDPOINTS, HttpApi, EngineCall  # noqa: F401 - re-exported
 from sgrt.server.http_errors import ApiError, api_error_from, generation_error, json_response
+from sgrt.server.http_openai import check_token_ids
 from sgrt.server.http_streams import SSE_DONE, EventStream, sse
+from sgrt.server.limits import check_count, check_stop
 
 
 def _batch(req: op.GenerateRequest, api: HttpApi) -> tuple[list[list[int]], bool]:
-    """Prompt ids of every item and whether the request was a batch (a list)."""
+    """Prompt ids of every item (token ids checked against the vocabulary) and whether the
+    request was a batch (a list). A batch of more than ``max_queue`` prompts could never be
+    queued: refused before any is encoded."""
     if (req.text is None) == (req.input_ids is None):
         raise InvalidRequest("give exactly one of text and input_ids", field="text")
+    limit = api.limits.max_queue
     if req.text is not None:
         texts = [req.text] if isinstance(req.text, str) else list(req.text)
         if not texts:
             raise InvalidRequest("text must not be an empty list", field="text")
+        check_count(texts, limit, "max_queue", "text")
         return [oa.encode_text(api.tokenizer, t, api.bos_id) for t in texts], not isinstance(req.text, str)
     ids = req.input_ids
+    vocab = api.engine.vocab_size
     if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        check_token_ids(ids, vocab, "input_ids")
         return [list(ids)], False
     if isinstance(ids, list) and ids and all(
             isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in ids):
+        check_count(ids, limit, "max_queue", "input_ids")
+        for i, p in enumerate(ids):
+            check_token_ids(p, vocab, f"input_ids[{i}]")
         return [list(p) for p in ids], True
     raise InvalidRequest("input_ids must be a non-empty list of token ids or a list of such lists",
                          field="input_ids")
@@ -103,6 +115,11 @@ def _params(req: op.GenerateRequest, n: int, limits: Any = None) -> list[Samplin
             raise InvalidRequest("sampling_params must be an object", field="sampling_params")
         fields = sglang.sampling_fields(sp)
         if limits is not None:
+            check_stop(fields.get("stop"), limits.max_stop, limits.max_stop_chars, field="sampling_params.stop")
+            stop_ids = fields.get("stop_token_ids")
+            if isinstance(stop_ids, list):
+                check_count(stop_ids, limits.max_stop_token_ids, "max_stop_token_ids",
+                            "sampling_params.stop_token_ids")
             if "max_tokens" not in fields and limits.default_max_tokens is not None:
                 fields["max_tokens"] = limits.default_max_tokens
             mt, ceiling = fields.get("max_tokens"), limits.max_tokens_limit
@@ -161,8 +178,7 @@ async def generate(api: HttpApi, request: Request) -> Any:
     req: op.GenerateRequest = await api.decode(request, op.GenerateRequest)
     sglang.check_generate_fields({name: getattr(req, name) for name in (
         *sglang.IGNORED_GENERATE_FIELDS, *sglang.REFUSED_GENERATE_FIELDS)})
-    prompts, is_batch = await api.offload(_batch, req, api)
-    params = _params(req, len(prompts), api.limits)
+    prompts, is_batch, params = await api.offload(_prepare, req, api)
     rids = _per_item(req.rid, len(prompts), "rid") if req.rid is not None else None
     if req.stream and is_batch:
         raise InvalidRequest("stream takes one prompt, not a list", field="stream")
@@ -174,9 +190,20 @@ async def generate(api: HttpApi, request: Request) -> Any:
         events = _generate_events(api, primed[0], params[0], req.return_text_in_logprobs, start)
         return EventStream(events, lambda: api.release(handles))
     results = await api.results(request, handles)
-    out = [{"text": r.text, "meta_info": meta_info(api, r, p, req.return_text_in_logprobs, start)}
-           for r, p in zip(results, params)]
-    return json_response(out if is_batch else out[0])
+
+    def build() -> Any:  # NOTE: off the loop: a long prompt's logprobs are many entries
+        out = [{"text": r.text, "meta_info": meta_info(api, r, p, req.return_text_in_logprobs, start)}
+               for r, p in zip(results, params)]
+        return out if is_batch else out[0]
+
+    return await api.respond(build)
+
+
+def _prepare(req: op.GenerateRequest, api: HttpApi) -> tuple[list[list[int]], bool, list[SamplingParams]]:
+    """Prompts (encoded, or checked), whether it was a batch, and their params; CPU work run
+    off the event loop."""
+    prompts, is_batch = _batch(req, api)
+    return prompts, is_batch, _params(req, len(prompts), api.limits)
 
 
 async def _generate_events(api: HttpApi, primed: tuple[Any, AsyncIterator], params: SamplingParams,
@@ -212,37 +239,50 @@ async def tokenize(api: HttpApi, request: Request) -> Any:
         return {"tokens": ids, "count": len(ids), "max_model_len": limit}
 
     if req.messages is not None:
-        text = await api.offload(api.renderer.render, req.messages, oa.ToolPlan())
-        return json_response(one(await api.offload(api.tokenizer.encode, text)))
+        check_count(req.messages, api.limits.max_messages, "max_messages", "messages")
+        return await api.respond(lambda: one(api.tokenizer.encode(api.renderer.render(req.messages, oa.ToolPlan()))))
     encode = (lambda t: oa.encode_text(api.tokenizer, t, api.bos_id)) if req.add_special_tokens else \
         (lambda t: api.tokenizer.encode(t))
     if isinstance(req.prompt, str):
-        return json_response(one(await api.offload(encode, req.prompt)))
-    return json_response([one(ids) for ids in await api.offload(lambda: [encode(p) for p in req.prompt])])
+        return await api.respond(lambda: one(encode(req.prompt)))
+    return await api.respond(lambda: [one(encode(p)) for p in req.prompt])
 
 
 async def detokenize(api: HttpApi, request: Request) -> Any:
     req: op.DetokenizeRequest = await api.decode(request, op.DetokenizeRequest)
-    vocab = api.engine.vocab_size
-    for i, t in enumerate(req.tokens):
-        if not 0 <= t < vocab:
-            raise InvalidRequest(f"token ids must be in [0, {vocab}), got {t}", field=f"tokens[{i}]")
-    return json_response({"prompt": api.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+    # NOTE: the tokenizer's native decode holds the GIL for the whole call (~0.1 s per 500k ids),
+    # which no worker thread hides from the event loop: at most a context window of ids.
+    window = api.engine.context_length
+    if len(req.tokens) > window:
+        raise InvalidRequest(f"tokens has {len(req.tokens)} ids; the limit is the model's context window ({window})",
+                             field="tokens")
+
+    def run() -> dict[str, Any]:  # NOTE: off the loop all the same (the range check is Python)
+        check_token_ids(req.tokens, api.engine.vocab_size, "tokens")
+        return {"prompt": api.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    return await api.respond(run)
 
 
 async def apply_chat_template(api: HttpApi, request: Request) -> Any:
     req: op.ChatTemplateRequest = await api.decode(request, op.ChatTemplateRequest)
+    check_count(req.messages, api.limits.max_messages, "max_messages", "messages")
+    check_count(req.tools, api.limits.max_tools, "max_tools", "tools")
     kwargs: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt}
     if req.tools is not None:
         kwargs["tools"] = req.tools
-    try:
-        text = api.tokenizer.apply_chat_template(req.messages, **kwargs)
-    except InvalidRequest as e:
-        raise ApiError(400, str(e), param="chat_template" if "no chat template" in str(e) else e.field,
-                       code="no_chat_template" if "no chat template" in str(e) else "invalid_value") from None
-    except Exception as e:  # noqa: BLE001 - a template error is the caller's messages
-        raise InvalidRequest(f"the chat template failed on these messages: {e}", field="messages") from None
-    return json_response({"text": text})
+
+    def render() -> dict[str, Any]:  # NOTE: off the loop: rendering is Python (Jinja) per message
+        try:
+            return {"text": api.tokenizer.apply_chat_template(req.messages, **kwargs)}
+        except InvalidRequest as e:
+            no_template = "no chat template" in str(e)
+            raise ApiError(400, str(e), param="chat_template" if no_template else e.field,
+                           code="no_chat_template" if no_template else "invalid_value") from None
+        except Exception as e:  # noqa: BLE001 - a template error is the caller's messages
+            raise InvalidRequest(f"the chat template failed on these messages: {e}", field="messages") from None
+
+    return await api.respond(render)
 
 
 async def flush_cache(api: HttpApi, request: Request) -> Any:

@@ -40,19 +40,24 @@ async def chat_completions(api: HttpApi, request: Request) -> Any:
         events = _chat_events(api, rid, primed, plan, include_usage, bool(req.logprobs))
         return EventStream(events, lambda: api.release(handles))
     results = await api.results(request, handles)
-    choices = []
-    for i, result in enumerate(results):
+    for result in results:
         check_result(result)
-        out = oa.read_turn(result.text, plan, result.finish_reason)
-        message = op.ResponseMessage(content=out.content, reasoning_content=out.reasoning, tool_calls=out.calls)
-        logprobs = None
-        if req.logprobs and not out.calls:
-            logprobs = oa.chat_logprobs(result.token_ids, result.output_logprobs,
-                                        result.output_top_logprobs, api.texts)
-        choices.append(op.ChatChoice(index=i, message=message, logprobs=logprobs,
-                                     finish_reason=oa.finish_reason_of(result, bool(out.calls))))
-    return json_response(op.ChatCompletion(id=rid, created=int(time.time()), model=api.model_name,
-                                           choices=choices, usage=oa.usage_of(results[:1], results)))
+
+    def build() -> op.ChatCompletion:  # NOTE: off the loop: n choices of logprobs can be large
+        choices = []
+        for i, result in enumerate(results):
+            out = oa.read_turn(result.text, plan, result.finish_reason)
+            message = op.ResponseMessage(content=out.content, reasoning_content=out.reasoning, tool_calls=out.calls)
+            logprobs = None
+            if req.logprobs and not out.calls:
+                logprobs = oa.chat_logprobs(result.token_ids, result.output_logprobs,
+                                            result.output_top_logprobs, api.texts)
+            choices.append(op.ChatChoice(index=i, message=message, logprobs=logprobs,
+                                         finish_reason=oa.finish_reason_of(result, bool(out.calls))))
+        return op.ChatCompletion(id=rid, created=int(time.time()), model=api.model_name,
+                                 choices=choices, usage=oa.usage_of(results[:1], results))
+
+    return await api.respond(build)
 
 
 async def _chat_events(api: HttpApi, rid: str, primed: list[tuple[StreamChunk, AsyncIterator]], plan: oa.ToolPlan,
@@ -138,7 +143,50 @@ async def completions(api: HttpApi, request: Request) -> Any:
         raise InvalidRequest("suffix is not supported", field="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest("best_of must equal n (or be omitted)", field="best_of")
-    prompts = completion_prompts(req.prompt)
+    oa.check_request_limits(req, api.limits)
+    # NOTE: checking, encoding and (for echo) decoding a prompt of up to max_body_bytes of token
+    # ids is CPU work: off the event loop, like a chat turn's rendering.
+    calls = await api.offload(completion_calls, api, req)
+    handles = api.submit(calls, sglang_fields.request_ids(req.rid, len(calls)))
+    rid = oa.new_id("cmpl")
+    if req.stream:
+        primed = await api.prime(request, handles)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = _completion_events(api, rid, calls, primed, req, include_usage)
+        return EventStream(events, lambda: api.release(handles))
+    results = await api.results(request, handles)
+    for result in results:
+        check_result(result)
+
+    def build() -> op.Completion:  # NOTE: off the loop: echoed prompts' logprobs can be large
+        choices = []
+        for call, result in zip(calls, results):
+            text = result.text
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = _completion_logprobs(api, result, call, req.echo)
+            if req.echo:
+                text = call.prompt_text + text
+            choices.append(op.CompletionChoice(index=call.index, text=text, logprobs=logprobs,
+                                               finish_reason=oa.finish_reason_of(result)))
+        firsts = [r for c, r in zip(calls, results) if c.index % req.n == 0]
+        return op.Completion(id=rid, created=int(time.time()), model=api.model_name,
+                             choices=choices, usage=oa.usage_of(firsts, results))
+
+    return await api.respond(build)
+
+
+def completion_calls(api: HttpApi, req: op.CompletionRequest) -> list[EngineCall]:
+    """The engine calls of a text completion request: ``n`` per prompt (choice ``i * n + j``
+    is choice ``j`` of prompt ``i``), prompts encoded (or their token ids checked against the
+    vocabulary, and decoded for ``echo``) and fitted to the context window. CPU work: callers run
+    it off the event loop.
+
+    Raises:
+        InvalidRequest: a bad prompt (naming the item), ``n`` over ``max_n``, a bad field.
+        ContextLengthExceeded: a prompt that leaves no room in the context window.
+    """
+    prompts = completion_prompts(req.prompt, api.engine.vocab_size)
     check_n(req.n, len(prompts), api.limits.max_n)
     fields = oa.sampling_fields(req)
     if req.logprobs is not None:
@@ -150,40 +198,24 @@ async def completions(api: HttpApi, request: Request) -> Any:
         fields["logprob_start_len"] = 1
     calls: list[EngineCall] = []
     for p, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            ids, text = await api.offload(oa.encode_text, api.tokenizer, prompt, api.bos_id), prompt
-        else:
-            ids, text = prompt, (api.tokenizer.decode(prompt, skip_special_tokens=False) if req.echo else "")
+        ids = oa.encode_text(api.tokenizer, prompt, api.bos_id) if isinstance(prompt, str) else prompt
         if not ids:
             raise InvalidRequest("prompt is empty", field="prompt")
         f = dict(fields)
         f["max_tokens"] = oa.resolve_max_tokens(
             req.max_tokens, len(ids), api.context_room(), default=api.limits.default_max_tokens,
             ceiling=api.limits.max_tokens_limit, field="max_tokens")
+        first = oa.build_params(f, oa.COMPLETION_FIELD_NAMES, 0)
+        ids = api.fit_prompt(ids, first)  # before an echo decodes the whole prompt
+        if isinstance(prompt, str):
+            text = prompt
+        else:
+            text = api.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
         for j in range(req.n):
-            calls.append(EngineCall(ids, oa.build_params(f, oa.COMPLETION_FIELD_NAMES, j), p * req.n + j, p, text))
-    handles = api.submit(calls, sglang_fields.request_ids(req.rid, len(calls)))
-    rid = oa.new_id("cmpl")
-    if req.stream:
-        primed = await api.prime(request, handles)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = _completion_events(api, rid, calls, primed, req, include_usage)
-        return EventStream(events, lambda: api.release(handles))
-    results = await api.results(request, handles)
-    choices = []
-    for call, result in zip(calls, results):
-        check_result(result)
-        text = result.text
-        logprobs = None
-        if req.logprobs is not None:
-            logprobs = _completion_logprobs(api, result, call, req.echo)
-        if req.echo:
-            text = call.prompt_text + text
-        choices.append(op.CompletionChoice(index=call.index, text=text, logprobs=logprobs,
-                                           finish_reason=oa.finish_reason_of(result)))
-    firsts = [r for c, r in zip(calls, results) if c.index % req.n == 0]
-    return json_response(op.Completion(id=rid, created=int(time.time()), model=api.model_name,
-                                       choices=choices, usage=oa.usage_of(firsts, results)))
+            params = first if j == 0 else oa.build_params(f, oa.COMPLETION_FIELD_NAMES, j)
+            calls.append(EngineCall(ids, params, p * req.n + j, p, text))
+    return calls
+
 
 def _completion_logprobs(api: HttpApi, result: Any, call: EngineCall, echo: bool) -> op.CompletionLogprobs:
     ids = list(result.token_ids)
@@ -250,12 +282,13 @@ def check_result(result: Any) -> None:
         raise generation_error(result)
 
 
-def completion_prompts(prompt: Any) -> list[str | list[int]]:
+def completion_prompts(prompt: Any, vocab_size: int | None = None) -> list[str | list[int]]:
     """``prompt`` as a list of prompts: a string, a list of strings, a list of token ids, or a
-    list of lists of token ids.
+    list of lists of token ids (each id in ``[0, vocab_size)`` when ``vocab_size`` is given).
 
     Raises:
-        InvalidRequest: (field ``prompt``) anything else, or an empty list.
+        InvalidRequest: (field ``prompt``, or the id's own ``prompt[i]`` / ``prompt[i][j]``)
+            anything else, an empty list, or an id outside the vocabulary.
     """
     if isinstance(prompt, str):
         return [prompt]
@@ -263,9 +296,25 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            check_token_ids(prompt, vocab_size, "prompt")
             return [list(prompt)]
         if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
                for p in prompt):
+            for i, p in enumerate(prompt):
+                check_token_ids(p, vocab_size, f"prompt[{i}]")
             return [list(p) for p in prompt]
     raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids or a list of lists "
                          "of token ids (none empty)", field="prompt")
+
+
+def check_token_ids(ids: list[int], vocab_size: int | None, field: str) -> None:
+    """Raise :class:`InvalidRequest` naming ``field[i]`` for the first id outside
+    ``[0, vocab_size)`` (nothing when ``vocab_size`` is None). The tokenizer's native decoder
+    must never see one."""
+    if vocab_size is None or not ids:
+        return
+    if min(ids) >= 0 and max(ids) < vocab_size:  # NOTE: C-speed scans; the loop only finds which
+        return
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidRequest(f"token ids must be in [0, {vocab_size}), got {t}", field=f"{field}[{i}]")

@@ -16,9 +16,36 @@ llguidance syntax).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+
+from sgrt.errors import InvalidRequest
+
+#: OpenAI's ``metadata`` (Chat Completions, Responses): at most 16 pairs, keys of at most 64
+#: characters, string values of at most 512 (a 400 naming ``metadata`` otherwise).
+Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
+                     msgspec.Meta(max_length=16)]
+
+
+def convert(value: Any, kind: Any, field: str) -> Any:
+    """``value`` (decoded JSON) checked and converted to the wire type ``kind`` (a msgspec
+    Struct, a typed list...), for a part of a request whose type depends on another field (a
+    Responses input item's ``type``).
+
+    Raises:
+        InvalidRequest: naming ``field`` and the path inside it (``input[2].call_id``).
+    """
+    try:
+        return msgspec.convert(value, kind, strict=True)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        path = ""
+        if " - at `$" in text:
+            text, _, where = text.rpartition(" - at `$")
+            path = where.rstrip("`")
+        raise InvalidRequest(f"{field}{path}: {text}", field=f"{field}{path}") from None
+
 
 # ==== requests ====================================================================================
 
@@ -121,7 +148,7 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Accepted and ignored (they mean nothing for a local server).
     user: str | None = None
     store: bool | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None

@@ -13,14 +13,17 @@ sequence: ``response.created``, ``response.in_progress``, ``response.output_item
 ``response.completed`` or ``response.incomplete``), usage with cached tokens.
 
 A request is translated into a chat request (:func:`to_chat_request`), so tools, grammars and
-limits are the chat API's. ``store`` (default true) keeps the response and its conversation in
-a bounded LRU store (:class:`ResponseStore`, :data:`MAX_STORED_RESPONSES` entries per server,
-in memory, lost at restart); ``previous_response_id`` continues that conversation: its
+limits are the chat API's. Every field is typed (msgspec structs below): a wrong type is a 400
+naming it, never a failure further in. ``metadata`` has OpenAI's bounds (16 pairs, keys of 64
+characters, string values of 512). ``store`` (default true) keeps the response and its
+conversation in a bounded LRU store (:class:`ResponseStore`: :data:`MAX_STORED_RESPONSES`
+entries and ``max_store_bytes`` per server, in memory, lost at restart); ``previous_response_id`` continues that conversation: its
 messages are rendered again ahead of the new input, so the prompt starts with the previous
 turn's tokens and the radix cache serves them (``usage.input_tokens_details.cached_tokens``).
 """
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -39,33 +42,120 @@ from sgrt.server.http_core import EngineCall, HttpApi
 from sgrt.server.http_errors import ApiError, api_error_from, json_response
 from sgrt.server.http_openai import check_result
 from sgrt.server.http_streams import EventStream
+from sgrt.server.limits import HttpLimits, check_count
 
 #: Responses kept per server for ``previous_response_id`` / ``GET`` (least recently used
 #: dropped first).
 MAX_STORED_RESPONSES = 512
 
 
+# ---- wire types (every shape checked when the body is decoded, or, for an input item, whose
+# shape depends on its "type", when it is converted: nothing downstream meets a wrong type) ----
+
+
+class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``text.format``: ``{"type": "text" | "json_object" | "json_schema", ...}``."""
+
+    type: str
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``text``: the output's ``format`` (and ``verbosity``, ignored)."""
+
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One entry of ``tools``; only ``type: "function"`` is supported (others are refused by
+    name, so their own fields are not checked)."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolChoice(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """An object ``tool_choice``: ``{"type": "function", "name"}`` or ``{"type":
+    "allowed_tools", "mode", "tools"}``."""
+
+    type: str
+    name: str | None = None
+    mode: str | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class Reasoning(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``reasoning``: ``effort`` maps to the template's thinking switch."""
+
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    """A part of an input item's content (``input_text``, ``output_text``, ``refusal``...)."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+Content = str | list[ContentPart] | None
+
+
+class MessageItem(msgspec.Struct, kw_only=True):
+    type: str = "message"
+    role: str
+    content: Content = None
+
+
+class FunctionCallItem(msgspec.Struct, kw_only=True):
+    type: str
+    call_id: str
+    name: str
+    arguments: str | None = None
+
+
+class FunctionCallOutputItem(msgspec.Struct, kw_only=True):
+    type: str
+    call_id: str
+    output: Content = None
+
+
+ITEM_TYPES: dict[str, type] = {"message": MessageItem, "function_call": FunctionCallItem,
+                               "function_call_output": FunctionCallOutputItem}
+
+
 class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``POST /v1/responses`` (fields of OpenAI's ``ResponseCreateParams``; those that do not
-    apply to a local server are accepted and logged as ignored)."""
+    apply to a local server are accepted and logged as ignored). ``input`` items are objects
+    whose fields are checked per ``type`` (:func:`input_messages`); ``metadata`` follows
+    OpenAI's bounds (16 pairs, 64-character keys, 512-character string values)."""
 
     model: str | None = None
     input: str | list[dict[str, Any]] = ""
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = None
+    text: TextConfig | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_logprobs: int | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: Reasoning | None = None
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     store: bool | None = True
     previous_response_id: str | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: op.Metadata | None = None
     # Accepted and ignored (logged).
     user: str | None = None
     include: list[str] | None = None
@@ -90,43 +180,67 @@ IGNORED_FIELDS = ("user", "include", "truncation", "service_tier", "prompt_cache
 
 @dataclass
 class StoredResponse:
-    """A stored response: its JSON object and the conversation after it (chat messages)."""
+    """A stored response: its JSON object and the conversation after it (chat messages).
+    ``size`` is what it costs the store: its encoded bytes (set by :meth:`ResponseStore.put`
+    when left at 0)."""
 
     body: dict[str, Any]
     messages: list[op.ChatMessage]
+    size: int = 0
 
 
 class ResponseStore:
-    """Stored responses by id, at most ``capacity``, least recently used dropped first."""
+    """Stored responses by id: at most ``capacity`` of them and ``max_bytes`` (their JSON
+    encoding) together, least recently used dropped first; one larger than ``max_bytes`` alone
+    is not kept. Thread-safe (responses are stored from worker threads)."""
 
-    def __init__(self, capacity: int = MAX_STORED_RESPONSES):
+    def __init__(self, capacity: int = MAX_STORED_RESPONSES, max_bytes: int = 64 << 20):
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._lock = threading.Lock()
 
-    def put(self, rid: str, item: StoredResponse) -> None:
-        self._items[rid] = item
-        self._items.move_to_end(rid)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+    def put(self, rid: str, item: StoredResponse) -> bool:
+        """Store ``item`` under ``rid``; False when it alone exceeds ``max_bytes`` (not kept)."""
+        if not item.size:
+            item.size = len(msgspec.json.encode(item.body)) + len(msgspec.json.encode(item.messages))
+        with self._lock:
+            old = self._items.pop(rid, None)
+            if old is not None:
+                self.bytes -= old.size
+            if item.size > self.max_bytes:
+                return False
+            self._items[rid] = item
+            self.bytes += item.size
+            while len(self._items) > self.capacity or self.bytes > self.max_bytes:
+                _, dropped = self._items.popitem(last=False)
+                self.bytes -= dropped.size
+        return True
 
     def get(self, rid: str) -> StoredResponse | None:
-        item = self._items.get(rid)
-        if item is not None:
-            self._items.move_to_end(rid)
-        return item
+        with self._lock:
+            item = self._items.get(rid)
+            if item is not None:
+                self._items.move_to_end(rid)
+            return item
 
     def delete(self, rid: str) -> bool:
-        return self._items.pop(rid, None) is not None
+        with self._lock:
+            item = self._items.pop(rid, None)
+            if item is not None:
+                self.bytes -= item.size
+            return item is not None
 
     def __len__(self) -> int:
         return len(self._items)
 
 
 def store_of(api: HttpApi) -> ResponseStore:
-    """The server's response store (made on first use)."""
+    """The server's response store (made on first use, bounded by ``max_store_bytes``)."""
     store = getattr(api, "response_store", None)
     if store is None:
-        store = ResponseStore()
+        store = ResponseStore(max_bytes=api.limits.max_store_bytes)
         api.response_store = store
     return store
 
@@ -134,121 +248,124 @@ def store_of(api: HttpApi) -> ResponseStore:
 # ==== request -> chat =============================================================================
 
 
-def _text_of(content: Any, field: str) -> str:
+def _text_of(content: Content, field: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-                parts.append(str(part.get("text", "")))
-            elif kind == "refusal":
-                parts.append(str(part.get("refusal", "")))
-            else:
-                raise InvalidRequest(f"only text content parts are supported, got {kind!r}",
-                                     field=f"{field}[{j}].type")
-        return "".join(parts)
-    raise InvalidRequest("content must be a string or a list of parts", field=field)
+    parts = []
+    for j, part in enumerate(content):
+        if part.type in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
+            parts.append(part.text or "")
+        elif part.type == "refusal":
+            parts.append(part.refusal or "")
+        else:
+            raise InvalidRequest(f"only text content parts are supported, got {part.type!r}",
+                                 field=f"{field}[{j}].type")
+    return "".join(parts)
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[op.ChatMessage]:
     """``input`` as chat messages: consecutive ``function_call`` items join the assistant
-    message before them; ``function_call_output`` becomes a ``tool`` message.
+    message before them; ``function_call_output`` becomes a ``tool`` message. Each item is
+    checked against its type's wire struct first (``MessageItem``, ``FunctionCallItem``,
+    ``FunctionCallOutputItem``; ``reasoning`` items are skipped unread).
 
     Raises:
-        InvalidRequest: an unknown item type or role (``input[i]...``).
+        InvalidRequest: an unknown item type or role, or a field of the wrong type
+            (``input[i]...``).
     """
     if isinstance(items, str):
         return [op.ChatMessage(role="user", content=items)]
     out: list[op.ChatMessage] = []
-    for i, item in enumerate(items):
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise InvalidRequest(f"role must be user, system, developer or assistant, got {role!r}",
+    for i, raw in enumerate(items):
+        kind = raw.get("type", "message")
+        if kind == "reasoning":
+            continue  # the model's own earlier thinking: not rendered again (as templates drop it)
+        wire = ITEM_TYPES.get(kind) if isinstance(kind, str) else None
+        if wire is None:
+            raise InvalidRequest(f"input item type {kind!r} is not supported (message, function_call, "
+                                 "function_call_output, reasoning)", field=f"input[{i}].type")
+        item = op.convert(raw, wire, f"input[{i}]")
+        if isinstance(item, MessageItem):
+            if item.role not in ("user", "system", "developer", "assistant"):
+                raise InvalidRequest(f"role must be user, system, developer or assistant, got {item.role!r}",
                                      field=f"input[{i}].role")
-            out.append(op.ChatMessage(role=role, content=_text_of(item.get("content"), f"input[{i}].content")))
-        elif kind == "function_call":
-            for key in ("call_id", "name"):
-                if not isinstance(item.get(key), str):
-                    raise InvalidRequest(f"a function_call item needs {key}", field=f"input[{i}].{key}")
-            call = op.ToolCall(id=item["call_id"], function=op.ToolCallFunction(
-                name=item["name"], arguments=item.get("arguments") or "{}"))
+            out.append(op.ChatMessage(role=item.role, content=_text_of(item.content, f"input[{i}].content")))
+        elif isinstance(item, FunctionCallItem):
+            call = op.ToolCall(id=item.call_id, function=op.ToolCallFunction(
+                name=item.name, arguments=item.arguments or "{}"))
             if out and out[-1].role == "assistant":
                 out[-1].tool_calls = (out[-1].tool_calls or []) + [call]
             else:
                 out.append(op.ChatMessage(role="assistant", content=None, tool_calls=[call]))
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise InvalidRequest("a function_call_output item needs call_id", field=f"input[{i}].call_id")
-            out.append(op.ChatMessage(role="tool", tool_call_id=item["call_id"],
-                                      content=_text_of(item.get("output"), f"input[{i}].output")))
-        elif kind == "reasoning":
-            continue  # the model's own earlier thinking: not rendered again (as templates drop it)
         else:
-            raise InvalidRequest(f"input item type {kind!r} is not supported (message, function_call, "
-                                 "function_call_output, reasoning)", field=f"input[{i}].type")
+            out.append(op.ChatMessage(role="tool", tool_call_id=item.call_id,
+                                      content=_text_of(item.output, f"input[{i}].output")))
     return out
 
 
-def _tools(tools: list[dict[str, Any]] | None) -> list[op.ToolDef] | None:
+def _tools(tools: list[Tool] | None) -> list[op.ToolDef] | None:
     if not tools:
         return None
     out = []
     for i, t in enumerate(tools):
-        if t.get("type") != "function":
-            raise InvalidRequest(f"only function tools are supported, got {t.get('type')!r}", field=f"tools[{i}].type")
-        if not isinstance(t.get("name"), str):
+        if t.type != "function":
+            raise InvalidRequest(f"only function tools are supported, got {t.type!r}", field=f"tools[{i}].type")
+        if t.name is None:
             raise InvalidRequest("a function tool needs a name", field=f"tools[{i}].name")
-        params = t.get("parameters")
         out.append(op.ToolDef(function=op.FunctionDef(
-            name=t["name"], description=t.get("description") or "",
-            parameters=params if isinstance(params, dict) else {"type": "object", "properties": {}},
-            strict=t.get("strict"))))
+            name=t.name, description=t.description or "",
+            parameters=t.parameters if t.parameters is not None else {"type": "object", "properties": {}},
+            strict=t.strict)))
     return out
 
 
-def _tool_choice(choice: str | dict[str, Any] | None) -> str | op.NamedToolChoice | None:
+def _tool_choice(choice: str | ToolChoice | None) -> str | op.NamedToolChoice | None:
     if choice is None or isinstance(choice, str):
         return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return op.NamedToolChoice(function=op.ToolChoiceFunction(name=choice["name"]))
-    if choice.get("type") == "allowed_tools":
-        return choice.get("mode", "auto")
-    raise InvalidRequest(f"tool_choice {choice!r} is not supported (auto, none, required, or a function)",
-                         field="tool_choice")
+    if choice.type == "function" and choice.name is not None:
+        return op.NamedToolChoice(function=op.ToolChoiceFunction(name=choice.name))
+    if choice.type == "allowed_tools":
+        return choice.mode or "auto"
+    raise InvalidRequest(f"tool_choice of type {choice.type!r} is not supported (auto, none, required, or a "
+                         "function with its name)", field="tool_choice")
 
 
-def _response_format(text: dict[str, Any] | None) -> op.ResponseFormat | None:
-    fmt = (text or {}).get("format")
-    if not fmt:
+def _response_format(text: TextConfig | None) -> op.ResponseFormat | None:
+    fmt = text.format if text is not None else None
+    if fmt is None:
         return None
-    kind = fmt.get("type")
-    if kind == "json_schema":
+    if fmt.type == "json_schema":
         return op.ResponseFormat(type="json_schema", json_schema=op.JsonSchemaSpec(
-            name=fmt.get("name", "response"), schema=fmt.get("schema"), strict=fmt.get("strict")))
-    if kind in ("text", "json_object"):
-        return op.ResponseFormat(type=kind)
-    raise InvalidRequest(f"text.format.type must be text, json_object or json_schema, got {kind!r}",
+            name=fmt.name or "response", schema=fmt.schema, strict=fmt.strict))
+    if fmt.type in ("text", "json_object"):
+        return op.ResponseFormat(type=fmt.type)
+    raise InvalidRequest(f"text.format.type must be text, json_object or json_schema, got {fmt.type!r}",
                          field="text.format.type")
 
 
-def to_chat_request(req: ResponsesRequest, history: list[op.ChatMessage]) -> tuple[op.ChatCompletionRequest,
-                                                                                     list[op.ChatMessage]]:
+def to_chat_request(req: ResponsesRequest, history: list[op.ChatMessage],
+                    limits: Any = None) -> tuple[op.ChatCompletionRequest, list[op.ChatMessage]]:
     """The chat request of a Responses request after ``history`` (a stored conversation), and
     the conversation to store (history + input, without ``instructions``, which do not carry
-    over to the next response, as OpenAI documents)."""
+    over to the next response, as OpenAI documents). ``limits`` (:class:`HttpLimits`): the
+    conversation's messages count against ``max_messages``.
+
+    Raises:
+        InvalidRequest: a bad item, tool, ``tool_choice`` or ``text.format`` (named), or a
+            conversation over ``max_messages``.
+    """
+    limits = limits or HttpLimits()
     conversation = history + input_messages(req.input)
     if not conversation:
         raise InvalidRequest("input must not be empty", field="input")
+    if history:
+        check_count(conversation, limits.max_messages, "max_messages", "input")
     messages = list(conversation)
     if req.instructions:
         messages.insert(0, op.ChatMessage(role="system", content=req.instructions))
-    effort = (req.reasoning or {}).get("effort")
+    effort = req.reasoning.effort if req.reasoning is not None else None
     chat = op.ChatCompletionRequest(
         model=req.model, messages=messages, tools=_tools(req.tools), tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls, response_format=_response_format(req.text),
@@ -344,16 +461,25 @@ async def create_response(api: HttpApi, request: Request) -> Any:
     """``POST /v1/responses``: one engine request; a Response object, or its event stream."""
     req: ResponsesRequest = await api.decode(request, ResponsesRequest)
     ct.warn_ignored(req, IGNORED_FIELDS, thinking=True)
+    limits = api.limits
+    if isinstance(req.input, list):
+        check_count(req.input, limits.max_messages, "max_messages", "input")
+    check_count(req.tools, limits.max_tools, "max_tools", "tools")
     history: list[op.ChatMessage] = []
     if req.previous_response_id:
         prev = store_of(api).get(req.previous_response_id)
         if prev is None:
             raise ApiError(400, f"previous response {req.previous_response_id!r} not found (not stored, or "
-                           f"dropped: the store keeps {MAX_STORED_RESPONSES})", param="previous_response_id",
+                           f"dropped: the store keeps {MAX_STORED_RESPONSES} responses and max_store_bytes "
+                           f"({limits.max_store_bytes}))", param="previous_response_id",
                            code="previous_response_not_found")
         history = list(prev.messages)
-    chat, conversation = to_chat_request(req, history)
-    turn = await api.offload(ct.prepare_turn, api, chat)  # NOTE: off the loop
+
+    def prepare() -> tuple[ct.PreparedTurn, list[op.ChatMessage]]:  # NOTE: off the loop
+        chat, conversation = to_chat_request(req, history, limits)
+        return ct.prepare_turn(api, chat), conversation
+
+    turn, conversation = await api.offload(prepare)
     names = {**oa.CHAT_FIELD_NAMES, "max_tokens": "max_output_tokens"}
     handles = api.submit([EngineCall(turn.prompt_ids, oa.build_params(turn.fields, names), 0)])
     ctx = _Ctx(api, req, f"resp_{uuid.uuid4().hex}", int(time.time()), conversation)
@@ -362,8 +488,12 @@ async def create_response(api: HttpApi, request: Request) -> Any:
         return EventStream(_events(ctx, primed, turn.plan), lambda: api.release(handles))
     result = (await api.results(request, handles))[0]
     check_result(result)
-    out = oa.read_turn(result.text, turn.plan, result.finish_reason)
-    return json_response(_finish(ctx, out, result, output_items(out)))
+
+    def finish() -> dict[str, Any]:  # NOTE: off the loop: storing measures the conversation's bytes
+        out = oa.read_turn(result.text, turn.plan, result.finish_reason)
+        return _finish(ctx, out, result, output_items(out))
+
+    return await api.respond(finish)
 
 
 def _sse(seq: list[int], event: dict[str, Any]) -> bytes:
@@ -453,7 +583,7 @@ async def _events(ctx: _Ctx, primed: list, plan: oa.ToolPlan) -> AsyncIterator[b
                 check_result(ev.result)
                 for b in close_open():
                     yield b
-                body = _finish(ctx, ev.output, ev.result, output)
+                body = await ctx.api.offload(_finish, ctx, ev.output, ev.result, output)
                 kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
                 yield _sse(seq, {"type": kind, "response": body})
     except Exception as exc:  # noqa: BLE001 - reported in-stream: the status line is gone

@@ -66,7 +66,7 @@ def test_completions_and_generate_400(http_server):
         ({"model": MODEL_NAME, "prompt": [1, "a"]}, "prompt"),
         ({"model": MODEL_NAME, "prompt": "x", "suffix": "y"}, "suffix"),
         ({"model": MODEL_NAME, "prompt": "x", "logprobs": 99}, "logprobs"),
-        ({"model": MODEL_NAME, "prompt": [10 ** 9]}, "prompt"),
+        ({"model": MODEL_NAME, "prompt": [10 ** 9]}, "prompt[0]"),  # the id out of the vocabulary
     ]:
         status, _, out = raw(url, "POST", "/v1/completions", body)
         assert_error(status, out, 400, param)
