@@ -120,7 +120,10 @@ class ChatSession(Session):
                 field="type", session=self.id)
         choice = msg.tool_choice or self.tool_choice
         check_tool_choice(choice, self.tools)
-        params = self._params(msg.sampling, choice)
+        # NOTE: the first turn of a tool choice builds its grammar (every tool's schema): off the loop.
+        params = await asyncio.to_thread(self._params, msg.sampling, choice)
+        if self.closed:
+            return
         self.messages.append({"role": "user", "content": msg.content})
         self.tool_rounds = 0
         self._cancel_requested = False
@@ -144,7 +147,10 @@ class ChatSession(Session):
             await self.send(p.Done(session=self.id, turn=self.turn, reason="error"))
             return
         self._cancel_requested = False
-        self._spawn(self._generate(self._params(None, choice)))
+        params = await asyncio.to_thread(self._params, None, choice)
+        if self.closed:
+            return
+        self._spawn(self._generate(params))
 
     async def on_cancel(self) -> None:
         if self.busy:

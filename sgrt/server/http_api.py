@@ -139,6 +139,7 @@ def create_app(engine: Any, *, model_name: str, auth_token: str | None = None,
 
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
     app.add_middleware(metrics.RequestCounter, metrics=metrics.metrics_of(api))
+    app.add_middleware(FramingGuard)
     app.state.api = api
     return app
 
@@ -147,28 +148,61 @@ def create_app(engine: Any, *, model_name: str, auth_token: str | None = None,
 
 
 def guarded_protocol(limits: HttpLimits) -> type:
-    """uvicorn's HTTP protocol class with two guards uvicorn lacks: a header timeout (a
-    connection that has not sent a request's complete headers ``header_timeout_s`` after it
-    opened, or after its last response, is closed: half-open and slow-header clients cannot hold
-    sockets) and a connection cap (past ``max_connections`` open connections a new one is
-    closed at once)."""
+    """uvicorn's HTTP protocol class with the guards uvicorn lacks:
+
+    - a header timeout: a connection that has not sent a request's complete headers
+      ``header_timeout_s`` after it opened, or after its last response, is closed (half-open
+      and slow-header clients cannot hold sockets);
+    - a connection cap that cannot lock clients out: past ``max_connections`` open connections
+      a new one closes the connection that has waited longest for a request's headers (a
+      half-open, slow-header or idle keep-alive connection: nothing it sent was authenticated
+      yet); only when every connection is busy with a request is the new one refused;
+    - a write timeout: a response the client does not read for ``write_timeout_s`` (the
+      transport's buffer stays above its high-water mark) ends with the connection, which
+      aborts the request's engine work (a stream sees the disconnect).
+    """
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         _header_timer: asyncio.TimerHandle | None = None
+        _write_timer: asyncio.TimerHandle | None = None
         _armed_cycle: Any = None
+        _armed_at: float = 0.0
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            if len(self.connections) >= limits.max_connections:
-                logger.warning("refused an HTTP connection: max_connections (%d) open", limits.max_connections)
+            if len(self.connections) >= limits.max_connections and not self._evict_one():
+                logger.warning("refused an HTTP connection: max_connections (%d) open, all busy",
+                               limits.max_connections)
                 transport.abort()
                 return
             super().connection_made(transport)
             self._arm_header_timer()
 
+        # -- waiting for a request's headers ---------------------------------------------------
+        def waiting_for_headers(self) -> bool:
+            """Whether this connection is between requests (or before its first): it has not
+            sent a complete request head since its timer was armed."""
+            return (self._header_timer is not None and self.cycle is self._armed_cycle
+                    and not self.transport.is_closing())
+
+        def _evict_one(self) -> bool:
+            """Close the connection that has waited longest for a request's headers; False
+            when every open connection is serving a request."""
+            waiting = [c for c in self.connections if isinstance(c, GuardedHTTPProtocol) and c.waiting_for_headers()]
+            if not waiting:
+                return False
+            victim = min(waiting, key=lambda c: c._armed_at)
+            victim._disarm_header_timer()
+            victim.transport.abort()
+            self.connections.discard(victim)  # NOTE: connection_lost comes later (call_soon)
+            logger.info("max_connections (%d) open: closed a connection waiting for headers since %.1f s",
+                        limits.max_connections, self.loop.time() - victim._armed_at)
+            return True
+
         def _arm_header_timer(self) -> None:
             self._disarm_header_timer()
             self._armed_cycle = self.cycle
+            self._armed_at = self.loop.time()
             self._header_timer = self.loop.call_later(limits.header_timeout_s, self._header_timeout)
 
         def _disarm_header_timer(self) -> None:
@@ -186,13 +220,57 @@ def guarded_protocol(limits: HttpLimits) -> type:
             if not self.transport.is_closing():
                 self._arm_header_timer()
 
+        # -- a client that does not read -------------------------------------------------------
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(limits.write_timeout_s, self._write_timeout)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_timeout(self) -> None:
+            self._write_timer = None
+            if not self.transport.is_closing():
+                logger.warning("closed an HTTP connection whose client read nothing for write_timeout_s (%g s)",
+                               limits.write_timeout_s)
+                self.transport.abort()
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_header_timer()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
             if getattr(self, "transport", None) is None:  # refused in connection_made
                 return
             super().connection_lost(exc)
 
     return GuardedHTTPProtocol
+
+
+class FramingGuard:
+    """ASGI middleware: a request with both ``Content-Length`` and ``Transfer-Encoding`` is
+    answered 400 and its connection closed, unread (RFC 9112, section 6.1: such a message may be
+    an attempt at request smuggling; a server that answers it must close the connection). A
+    proxy in front that took the other header's framing would otherwise see a different body
+    than this server does."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            names = {name.lower() for name, _ in scope["headers"]}
+            if b"transfer-encoding" in names and b"content-length" in names:
+                err = ApiError(400, "the request has both Content-Length and Transfer-Encoding; send one "
+                               "(RFC 9112 section 6.1)", param="content-length", code="ambiguous_framing",
+                               headers={"connection": "close"})
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _UvicornServer(uvicorn.Server):

@@ -10,16 +10,30 @@ limit gets a typed ``error`` and nothing else changes; the connection and every 
 stay up. The only exceptions: an ``unauthorized`` first message (the connection closes, code
 1008) and a frame larger than the transport's hard cap (``4 * max_message_bytes``, code 1009).
 A client that disconnects aborts its sessions' generations, which frees their KV slots.
+
+Connections that have not authenticated cannot lock anyone out: a connection is *admitted* by
+its first valid message (``session.start`` with the auth token when the server has one) and
+must send it within ``auth_timeout_s`` of its upgrade (else it closes, code 1008); only
+admitted connections count against ``max_connections`` for new upgrades (503 past it), and a
+new TCP connection that finds ``max_connections`` open closes the oldest one not admitted yet
+(handshaking or silent) instead of waiting for it. A client that reads nothing for
+``write_timeout_s`` while the server has a message for it is disconnected.
+
+CPU work of a message runs off the event loop: opening a session (compiling its tools' schemas,
+probing the chat template) on a small pool of its own, a turn's tool grammar and prompt on
+worker threads.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import ipaddress
 import logging
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,18 +63,27 @@ class Connection:
         self.server = server
         self.sessions: dict[str, Session] = {}
         self.authed = server.auth_token is None
+        self.admitted = False  # its first valid (authenticated) message came: counts as a client
+        self.refused = False  # admitted too late: the server already had max_connections clients
         self.closed = False
         self.last_active = time.monotonic()
 
     async def send(self, msg: Any) -> None:
         """Send one message; a closed connection drops it silently (its sessions are being
-        shut down)."""
+        shut down). A client that has not read for ``write_timeout_s`` while this waits for
+        room in its socket is disconnected (a stalled reader must not hold its sessions)."""
         if self.closed:
             return
+        timeout = self.server.limits.write_timeout_s
         try:
-            await self.ws.send(p.encode(msg), text=True)
+            await asyncio.wait_for(self.ws.send(p.encode(msg), text=True), timeout)
         except ConnectionClosed:
             self.closed = True
+        except asyncio.TimeoutError:
+            self.closed = True
+            logger.warning("closed a WebSocket connection whose client read nothing for write_timeout_s (%g s)",
+                           timeout)
+            self.ws.transport.abort()
 
     async def close_session(self, session: Session, reason: str) -> None:
         """Abort the session's work, forget it and send ``done`` with ``reason``."""
@@ -103,9 +126,15 @@ class WsServer:
         self.registry = registry if registry is not None else ProgramRegistry.from_dir(programs_dir)
         self.connections: set[Connection] = set()
         self.num_sessions = 0
+        self.admitted = 0  # connections admitted (their first valid message came), open
+        # TCP connections not admitted yet, oldest first (handshaking, or upgraded and silent)
+        self._pending: dict[ServerConnection, float] = {}
         self._server: Server | None = None
         self._reaper: asyncio.Task | None = None
         self._chat_template: Any = None
+        # NOTE: its own pool: opening a session with large tools compiles their schemas for
+        # seconds; those must not take the default pool's threads that turns' prompts need.
+        self._session_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sgrt-ws-session")
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> "WsServer":
@@ -117,7 +146,8 @@ class WsServer:
         self._server = await serve(self._handle, **where, max_size=hard_cap,
                                    compression=None, ping_interval=20, ping_timeout=60,
                                    open_timeout=self.limits.open_timeout_s,
-                                   process_request=self._check_upgrade)
+                                   process_request=self._check_upgrade,
+                                   create_connection=self._connection_class())
         self.port = self._server.sockets[0].getsockname()[1]
         self._reaper = asyncio.get_running_loop().create_task(self._reap_idle())
         logger.info("sgrt session server on ws://%s:%d (programs: %s)", self.host, self.port,
@@ -138,6 +168,7 @@ class WsServer:
             await self._server.wait_closed()
         for conn in list(self.connections):
             await conn.shutdown()
+        self._session_pool.shutdown(wait=False, cancel_futures=True)
 
     async def serve_forever(self) -> None:
         assert self._server is not None, "call start() first"
@@ -150,7 +181,8 @@ class WsServer:
         await self.close()
 
     def stats(self) -> dict[str, Any]:
-        return {"connections": len(self.connections), "sessions": self.num_sessions}
+        return {"connections": len(self.connections), "sessions": self.num_sessions, "admitted": self.admitted,
+                "pending": len(self._pending)}
 
     def program_backend(self, on_text: Any) -> SessionBackend:
         """A DSL backend over the engine for one program session (the chat template is derived
@@ -167,17 +199,61 @@ class WsServer:
         :meth:`program_backend`."""
         return SessionContext(self.engine, self.limits, conn.send, self.program_backend)
 
+    async def _offload(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` on the session pool (2 threads), off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._session_pool, functools.partial(fn, *args))
+
+    # -- connections not admitted yet -----------------------------------------------------------
+    def _connection_class(self) -> type:
+        """websockets' connection class, told when a TCP connection opens and closes (so that
+        connections are tracked from accept, before any handshake)."""
+        server = self
+
+        class TrackedConnection(ServerConnection):
+            def connection_made(self, transport: Any) -> None:
+                server._on_accept(self)
+                super().connection_made(transport)
+
+            def connection_lost(self, exc: Exception | None) -> None:
+                server._pending.pop(self, None)
+                super().connection_lost(exc)
+
+        return TrackedConnection
+
+    def _on_accept(self, ws: ServerConnection) -> None:
+        """A TCP connection opened: it is pending until admitted. With ``max_connections``
+        open, the oldest pending connection is closed to make room (it sent nothing that
+        authenticated it, so it cannot hold a place an authenticated client needs)."""
+        while self._pending and len(self._pending) + self.admitted >= self.limits.max_connections:
+            victim, since = next(iter(self._pending.items()))
+            del self._pending[victim]
+            logger.info("max_connections (%d) open: closed a connection not authenticated after %.1f s",
+                        self.limits.max_connections, time.monotonic() - since)
+            if victim.transport is not None:
+                victim.transport.abort()
+        self._pending[ws] = time.monotonic()
+
+    def _admit(self, conn: Connection) -> bool:
+        """Count ``conn`` as a client (its first valid message came); False when the server
+        already has ``max_connections`` of them."""
+        if self.admitted >= self.limits.max_connections:
+            return False
+        self._pending.pop(conn.ws, None)
+        self.admitted += 1
+        conn.admitted = True
+        return True
+
     # -- one connection ------------------------------------------------------------------------
     def _check_upgrade(self, connection: ServerConnection, request: Any) -> Any:
         """Refuse an upgrade from a browser page of a foreign ``Origin`` (403: any web page the
-        user opens could otherwise drive the model) and upgrades over ``max_connections`` (503).
-        No Origin header means a non-browser client: allowed."""
+        user opens could otherwise drive the model) and upgrades while ``max_connections``
+        connections are admitted (503). No Origin header means a non-browser client: allowed."""
         origin = request.headers.get("Origin")
         if origin is not None and not origin_allowed(origin, self.limits.allowed_origins):
             logger.warning("refused a WebSocket upgrade from Origin %r", origin)
             return connection.respond(403, f"Origin {origin!r} is not allowed; start the server with "
                                       f"--allowed-origin {origin} to allow it\n")
-        if self._server is not None and len(self._server.handler_tasks) > self.limits.max_connections:
+        if self.admitted >= self.limits.max_connections:
             return connection.respond(503, f"too many connections (max_connections "
                                       f"{self.limits.max_connections}); retry later\n")
         return None
@@ -185,8 +261,24 @@ class WsServer:
     async def _handle(self, ws: ServerConnection) -> None:
         conn = Connection(ws, self)
         self.connections.add(conn)
+        deadline = time.monotonic() + self.limits.auth_timeout_s
         try:
-            async for raw in ws:
+            while True:
+                if conn.admitted:
+                    raw = await ws.recv()
+                else:
+                    try:
+                        raw = await asyncio.wait_for(ws.recv(), max(deadline - time.monotonic(), 0.0))
+                    except asyncio.TimeoutError:
+                        # NOTE: a silent client may not answer the close handshake either: at
+                        # most a second for it, then the socket goes.
+                        try:
+                            await asyncio.wait_for(ws.close(1008, f"no authenticated first message within "
+                                                                  f"auth_timeout_s ({self.limits.auth_timeout_s:g} s)"),
+                                                   1.0)
+                        except asyncio.TimeoutError:
+                            ws.transport.abort()
+                        break
                 conn.last_active = time.monotonic()
                 try:
                     await self._dispatch(conn, raw)
@@ -197,9 +289,14 @@ class WsServer:
                 if not conn.authed:  # refused first message
                     await ws.close(1008, "unauthorized")
                     break
+                if conn.refused:
+                    await ws.close(1013, "too many connections; retry later")
+                    break
         except ConnectionClosed:
             pass
         finally:
+            if conn.admitted:
+                self.admitted -= 1
             await conn.shutdown()
             self.connections.discard(conn)
 
@@ -231,6 +328,12 @@ class WsServer:
                                         message="the first message must be session.start with the server's auth_token"))
                 return
             conn.authed = True
+        if not conn.admitted and not self._admit(conn):
+            conn.refused = True
+            await conn.send(p.Error(code="limit.connections", session=msg.session, field="session",
+                                    message=f"the server already has max_connections "
+                                            f"({self.limits.max_connections}) clients; retry later"))
+            return
         if isinstance(msg, p.SessionStart):
             await self._start_session(conn, msg)
             return
@@ -254,6 +357,7 @@ class WsServer:
 
     async def _start_session(self, conn: Connection, msg: p.SessionStart) -> None:
         sid = msg.session
+        reserved = False
         try:
             if sid in conn.sessions:
                 raise p.ProtocolError("session_exists", f"session {sid!r} is already open", field="session", session=sid)
@@ -263,22 +367,37 @@ class WsServer:
             if self.num_sessions >= self.limits.max_sessions:
                 raise LimitExceeded("limit.sessions", f"the server already has max_sessions "
                                     f"({self.limits.max_sessions}) sessions", field="session")
+            # NOTE: the place is taken before the session is built off the loop, so that other
+            # connections' session.start cannot pass max_sessions meanwhile.
+            self.num_sessions += 1
+            reserved = True
+            ctx = self._session_context(conn)
             if msg.program is not None:
                 program = self.registry.get(msg.program)
                 if program is None:
                     known = ", ".join(self.registry.names()) or "none"
                     raise p.ProtocolError("unknown_program", f"no program {msg.program!r} is registered "
                                           f"(registered: {known})", field="program", session=sid)
-                session: Session = ProgramSession(sid, self._session_context(conn), msg, program)
+                session: Session = await self._offload(ProgramSession, sid, ctx, msg, program)
             else:
                 if msg.args:
                     raise InvalidRequest("args are for program sessions", field="args")
-                session = ChatSession(sid, self._session_context(conn), msg)
+                # NOTE: checking and compiling the tools' schemas and probing the chat template
+                # take seconds for large tools: off the loop.
+                session = await self._offload(ChatSession, sid, ctx, msg)
+            if conn.closed:  # the client left while the session was being built
+                self.num_sessions -= 1
+                return
         except (p.ProtocolError, SgrtError) as exc:
+            if reserved:
+                self.num_sessions -= 1
             await conn.send(error_for(exc, sid))
             return
+        except BaseException:
+            if reserved:
+                self.num_sessions -= 1
+            raise
         conn.sessions[sid] = session
-        self.num_sessions += 1
         tools = [t.name for t in msg.tools]
         await conn.send(p.Ready(session=sid, program=msg.program, tools=tools, limits=self.limits.to_dict()))
         await session.on_start()

@@ -127,13 +127,13 @@ async def test_half_open_connections_are_closed_and_connections_capped(ws_engine
         assert await asyncio.wait_for(reader.read(), 30) == b""  # EOF: the server closed it
         writer.close()
         async with connect(server.url) as a, connect(server.url) as b:
+            for ws in (a, b):  # admitted: their first message came
+                await ws.send(start("s"))
+                assert isinstance(await recv(ws), p.Ready)
             with pytest.raises(InvalidStatus) as info:
                 async with connect(server.url):
                     pass
             assert info.value.response.status_code == 503
-            for ws in (a, b):
-                await ws.send(start("s"))
-                assert isinstance(await recv(ws), p.Ready)
 
 
 # ---- a program's whole request tree is aborted -----------------------------------------------------
