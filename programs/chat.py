@@ -11,15 +11,22 @@ Over the session server (``sgrt serve --programs programs/``)::
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import sgrt
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer briefly."
 
 
+class HistoryMessage(TypedDict):
+    """One earlier message of ``history`` (a server checks a client's ``history`` against it)."""
+
+    role: str
+    content: NotRequired[str]
+
+
 @sgrt.function
-def chat(s, turns: list[str], system: str = DEFAULT_SYSTEM, history: list[dict[str, Any]] | None = None,
+def chat(s, turns: list[str], system: str = DEFAULT_SYSTEM, history: list[HistoryMessage] | None = None,
          max_tokens: int = 48):
     """Answer each of ``turns`` (user messages) in order, as one conversation.
 

@@ -13,9 +13,18 @@ Over the session server::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TypedDict
 
 import sgrt
+
+
+class Example(TypedDict):
+    """A labelled example given as an object (a server checks a client's ``examples`` against
+    ``(text, label)`` pairs or this)."""
+
+    text: str
+    label: str
+
 
 DEFAULT_LABELS = ["positive", "negative", "neutral"]
 DEFAULT_EXAMPLES: list[tuple[str, str]] = [
@@ -30,7 +39,8 @@ DEFAULT_INSTRUCTION = "Classify the sentiment of each text as positive, negative
 
 @sgrt.function
 def classify(s, text: str, labels: Sequence[str] = tuple(DEFAULT_LABELS),
-             examples: Sequence[Any] = tuple(DEFAULT_EXAMPLES), instruction: str = DEFAULT_INSTRUCTION):
+             examples: Sequence[tuple[str, str] | Example] = tuple(DEFAULT_EXAMPLES),
+             instruction: str = DEFAULT_INSTRUCTION):
     """Label ``text`` with one of ``labels``, after a few labelled examples.
 
     Inputs:

@@ -13,9 +13,19 @@ Over the session server (tools are plain JSON, so clients may send their own)::
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import sgrt
+
+
+class FunctionSpec(TypedDict):
+    """One tool: the OpenAI function shape, unwrapped (a server checks a client's ``tools``
+    against it)."""
+
+    name: str
+    description: NotRequired[str]
+    parameters: NotRequired[dict[str, Any]]
+
 
 #: Used when no tools are given: OpenAI-style function specs (name, description, parameters).
 DEFAULT_TOOLS: list[dict[str, Any]] = [
@@ -74,7 +84,7 @@ def _describe(tools: list[dict[str, Any]]) -> str:
 
 
 @sgrt.function
-def tool_use(s, request: str, tools: list[dict[str, Any]] | None = None, max_tokens: int = 96):
+def tool_use(s, request: str, tools: list[FunctionSpec] | None = None, max_tokens: int = 96):
     """Turn ``request`` into exactly one call of one of ``tools``.
 
     Inputs:

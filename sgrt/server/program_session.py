@@ -10,6 +10,7 @@ from typing import Any
 
 from sgrt.errors import CapacityError, InvalidRequest, RequestAborted
 from sgrt.server import protocol as p
+from sgrt.server.programs import check_program_args
 from sgrt.server.session import Session, SessionContext, in_thread, ws_sampling_params
 
 logger = logging.getLogger("sgrt.server")
@@ -25,6 +26,9 @@ class ProgramSession(Session):
         if start.tools:
             raise InvalidRequest("tools are for chat sessions; a program defines its own", field="tools")
         self.program = program
+        # NOTE: a wrong argument type is the client's error, answered before the program runs
+        # (not a program_failed from deep inside it).
+        self.args = check_program_args(program, start.args)
         ws_sampling_params({}, start.sampling, self.limits)  # refuse bad sampling at session.start
         # NOTE: the run() options every gen inherits: what the client set (each gen keeps its own
         # max_tokens unless the client set one; checked per call).
@@ -55,8 +59,7 @@ class ProgramSession(Session):
         def on_text(text: str) -> None:  # called on the program's threads
             loop.call_soon_threadsafe(queue.put_nowait, text)
 
-        self.run = ProgramRun(self.ctx.program_backend(on_text),
-                              self.program, self.start_msg.args, self.sampling)
+        self.run = ProgramRun(self.ctx.program_backend(on_text), self.program, self.args, self.sampling)
         self.run.start()
         if self._cancel_requested:
             self.run.abort()

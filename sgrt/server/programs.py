@@ -101,6 +101,75 @@ class ProgramRegistry:
         return sorted(self.programs)
 
 
+# ---- a client's arguments -----------------------------------------------------------------------
+
+def check_program_args(program: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """A client's ``args`` checked against the program's signature before it runs: every name
+    is one of its arguments, every argument without a default is given (or bound), and each
+    value has the argument's annotated type, converted as msgspec converts JSON values
+    (``list[str]``, ``dict[str, Any]``, a ``TypedDict``, ``int``: strictly, so ``"3"`` is not
+    an int). An annotation msgspec cannot check (or none) lets any value through; one that no
+    JSON value can satisfy (a callable) only lets its default through (``null`` for an
+    optional one).
+
+    Returns:
+        The arguments, converted (a ``tuple`` annotation gets a tuple).
+
+    Raises:
+        InvalidRequest: naming ``args.<name>`` (and the path inside it).
+    """
+    import inspect
+    import typing
+
+    import msgspec
+
+    from sgrt.errors import InvalidRequest
+
+    func = getattr(program, "func", program)
+    params = list(inspect.signature(func).parameters.values())[1:]  # the first is the state s
+    bound = getattr(program, "bound", {}) or {}
+    by_name = {p.name: p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    name = getattr(program, "__name__", "program")
+    for key in args:
+        if key not in by_name and not takes_any:
+            known = ", ".join(by_name) or "none"
+            raise InvalidRequest(f"program {name!r} has no argument {key!r} (its arguments: {known})",
+                                 field=f"args.{key}")
+    for key, param in by_name.items():
+        if param.default is param.empty and key not in args and key not in bound:
+            raise InvalidRequest(f"program {name!r} needs the argument {key!r}", field=f"args.{key}")
+    try:
+        hints = typing.get_type_hints(func)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve: names checked only
+        hints = {}
+    out = dict(args)
+    for key, value in args.items():
+        hint = hints.get(key)
+        if hint is None or hint is Any:
+            continue
+        try:
+            out[key] = msgspec.convert(value, hint, strict=True)
+        except msgspec.ValidationError as e:
+            text, _, where = str(e).partition(" - at `$")
+            path = where.rstrip("`")
+            raise InvalidRequest(f"argument {key!r} of program {name!r}: {text}", field=f"args.{key}{path}") from None
+        except TypeError:  # NOTE: msgspec has no JSON form of this type at all
+            if value is None and _allows_none(hint):
+                continue
+            raise InvalidRequest(f"argument {key!r} of program {name!r} cannot be given by a client (its type "
+                                 f"{hint} has no JSON form); leave it out", field=f"args.{key}") from None
+    return out
+
+
+def _allows_none(hint: Any) -> bool:
+    import types
+    import typing
+
+    return hint is type(None) or (typing.get_origin(hint) in (typing.Union, types.UnionType)
+                                  and type(None) in typing.get_args(hint))
+
+
 # ---- running one program ------------------------------------------------------------------------
 
 @dataclass

@@ -261,10 +261,9 @@ async def test_registered_program_runs_and_streams(ws_engine):
         assert summary and "".join(pieces) == summary
         msg = reply.messages[0]
         assert 0 < msg.completion_tokens <= 32 and msg.prompt_tokens > 0 and summary in msg.content
-        bad = await client.session(program="echo_summary", args={"txt": "typo"})
-        with pytest.raises(ServerError) as info:
-            await bad.result()
-        assert (info.value.code, info.value.field) == ("invalid_request", "args")
+        with pytest.raises(ServerError) as info:  # refused at session.start, before the program runs
+            await client.session(program="echo_summary", args={"txt": "typo"})
+        assert (info.value.code, info.value.field) == ("invalid_request", "args.txt")
         await client.close()
 
 
