@@ -274,3 +274,32 @@ def test_connection_cap(http_engine):
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         assert status == 200
+
+
+# ---- finished requests leave the queue count ------------------------------------------------------
+
+def test_finished_requests_leave_the_queue_count_before_they_are_released(http_engine):
+    """A request counts against max_queue until the engine finishes it, whether or not its
+    response has been sent (a client that stops reading a stream must not hold queue places)."""
+    from sgrt.engine import SamplingParams
+    from sgrt.server.http_core import EngineCall, HttpApi
+    from sgrt.server.http_errors import ApiError
+
+    api = HttpApi(http_engine, MODEL_NAME)
+    api.limits.max_queue = 4
+    ids = http_engine.tokenizer.encode("Hello")
+    calls = [EngineCall(ids, SamplingParams(max_tokens=4, ignore_eos=True), i) for i in range(4)]
+    handles = api.submit(calls)
+    assert api.in_flight == 4
+    with pytest.raises(ApiError) as info:  # full while they run
+        api.submit(calls[:1])
+    assert info.value.status == 429
+    for h in handles:
+        h.result(timeout=300)
+    assert api.in_flight == 0  # finished, never released
+    again = api.submit(calls)
+    for h in again:
+        h.result(timeout=300)
+    api.release(handles + again)
+    assert api.in_flight == 0
+    api.shutdown_workers()
