@@ -76,12 +76,19 @@ for a program's concurrent gens; a chat session runs one generation at a time]
 (``limit.max_tokens``), ``max_tools`` [32] and ``max_tool_rounds`` [8 tool results per user
 turn] (``limit.tools``), ``idle_timeout_s`` [300 s without a message, while nothing runs]
 (``limit.idle_timeout``, then ``done`` with reason ``"idle_timeout"``).
-``max_json_depth`` [64 levels of arrays/objects in a frame] (``limit.json_depth``). Out-of-range
-numbers (``sampling.seed`` outside 64 bits, ...) get ``invalid_request`` naming the field.
+``max_json_depth`` [64 levels of arrays/objects in a frame] (``limit.json_depth``),
+``max_stop`` [64] strings and ``max_stop_chars`` [8192] characters of ``sampling.stop``
+(``limit.stop``). Out-of-range numbers (``sampling.seed`` outside 64 bits, ...) and program
+``args`` that do not fit the program's signature get ``invalid_request`` naming the field.
 Before a connection exists: an upgrade whose ``Origin`` header is neither a loopback page nor in
 ``allowed_origins`` is refused with HTTP 403 (no Origin header: a non-browser client, allowed);
-past ``max_connections`` with 503; an upgrade not completed within ``open_timeout_s`` [10 s] is
-dropped. An ``internal`` error carries an incident id, never exception text.
+while ``max_connections`` clients are admitted with 503; an upgrade not completed within
+``open_timeout_s`` [10 s] is dropped. A connection is admitted by its first valid message
+(``session.start`` with ``auth_token`` when the server has one), which must come within
+``auth_timeout_s`` [5 s] of the upgrade (else close code 1008); a connection not admitted yet
+may be closed to make room for a new one. A client that reads nothing for ``write_timeout_s``
+[30 s] while the server has a message for it is disconnected. An ``internal`` error carries an
+incident id, never exception text.
 
 Example
 -------
