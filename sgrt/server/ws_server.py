@@ -76,7 +76,8 @@ class Connection:
             return
         timeout = self.server.limits.write_timeout_s
         try:
-            await asyncio.wait_for(self.ws.send(p.encode(msg), text=True), timeout)
+            async with asyncio.timeout(timeout):  # NOTE: no task per message, unlike wait_for
+                await self.ws.send(p.encode(msg), text=True)
         except ConnectionClosed:
             self.closed = True
         except asyncio.TimeoutError:

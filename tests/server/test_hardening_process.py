@@ -341,6 +341,35 @@ def test_a_response_that_is_not_read_is_cut_after_the_write_timeout(server):
     assert server.request("GET", "/health")[0] == 200
 
 
+async def test_a_websocket_client_that_does_not_read_is_disconnected(server):
+    """A client that sends and never reads (a 1 KiB receive buffer, websockets' reading paused
+    after one frame, no keepalive of its own): the server's answers (an unknown_session error
+    per frame) fill the socket, a send waits write_timeout_s (2 s), and the server cuts the
+    connection: the client's sends fail, and the server logs why."""
+    marker = "closed a WebSocket connection whose client read nothing"
+    before = server.log().count(marker)
+    host, port = server.ws_url.removeprefix("ws://").rsplit(":", 1)
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    raw.connect((host, int(port)))
+    raw.setblocking(False)
+    ws = await connect(server.ws_url, sock=raw, open_timeout=60, max_queue=1, ping_interval=None)
+    frame = json.dumps({"type": "cancel", "session": "nobody"})
+    await ws.send(json.dumps({"type": "session.start", "session": "s", "auth_token": TOKEN}))
+    with pytest.raises(ConnectionClosed):
+        # 300 s bounds the test on a loaded machine; it checks no speed. The sends block once the
+        # server stops reading (its own writes stalled), and fail once it has cut the connection.
+        async with asyncio.timeout(300):
+            while True:
+                await ws.send(frame)
+    deadline = time.monotonic() + 60  # the log line is written before the cut; this waits for the file
+    while server.log().count(marker) != before + 1:
+        assert time.monotonic() < deadline, server.log()[-2000:]
+        await asyncio.sleep(0.2)
+    ws.transport.abort()
+    assert await _ws_session(server) == "ready"
+
+
 # ==== 5. wire types ===============================================================================
 
 TOOL = {"type": "function", "function": {"name": "f", "description": "d",
