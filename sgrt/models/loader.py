@@ -30,14 +30,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from sgrt.errors import ModelLoadError
 from sgrt.models.checkpoint import (  # noqa: F401 - re-exported
     GGUFFile, family_config, family_of, gguf_config, gguf_family, gguf_hf_config, hf_name, read_hf_config,
     unpermute_rotary,
@@ -54,7 +57,7 @@ from sgrt.models.weight_files import (  # noqa: F401 - read_safetensors re-expor
 )
 from sgrt.models.weight_forms import Target, target_for
 from sgrt.models.weight_packer import Packer
-from sgrt.models.weight_store import MANIFEST_FILE, StoreWriter, is_complete, open_store
+from sgrt.models.weight_store import MANIFEST_FILE, DamagedStore, StoreWriter, WeightStore, open_store
 from sgrt.paths import cache_root  # noqa: F401 - re-exported
 
 logger = logging.getLogger("sgrt.models")
@@ -161,9 +164,16 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
     kind, src = resolve_spec(spec)
     source = _checkpoint(kind, src, spec, cache_dir)
     target = target_for(torch_dtype, quantization, torch_device)
-    folder, converted = _ensure_store(source, target, spec)
-    store = open_store(folder)
-    model = build_model(store, source.config, torch_dtype, torch_device, int4_activations)
+    store, converted = _ensure_store(source, target, spec)
+    try:
+        model = build_model(store, source.config, torch_dtype, torch_device, int4_activations)
+    except DamagedStore as e:
+        if converted:  # (packed just now: no second try would do better)
+            raise
+        _discard_store(e, spec)
+        store, converted = _ensure_store(source, target, spec)
+        model = build_model(store, source.config, torch_dtype, torch_device, int4_activations)
+    folder = store.folder
     tokenizer = _folder_tokenizer(source.tokenizer_folder, source.config)
     if prepack:
         pack_linear_layers(model, tuple(FUSED_PROJECTIONS))
@@ -222,20 +232,55 @@ def _hf_key(folder: Path, files: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def _ensure_store(source: _Checkpoint, target: Target, spec: str) -> tuple[Path, bool]:
-    """The checkpoint's store for ``target``, packed first if absent: ``(folder, packed_now)``.
+def _open_store(folder: Path, target: Target) -> WeightStore:
+    """The store in ``folder``, checked (:func:`open_store`) and packed for ``target``.
 
     Raises:
-        ModelLoadError: a weight missing or of the wrong shape, an unreadable tensor, or a cache
-            root that is not writable.
+        DamagedStore: it is not.
+    """
+    store = open_store(folder)
+    if store.meta.get("target") != target.key or store.meta.get("quantization") != target.quantization:
+        raise DamagedStore(folder, f"it was packed for {store.meta.get('target')!r}, not {target.key!r}")
+    return store
+
+
+def _discard_store(damage: DamagedStore, spec: str) -> None:
+    """Move a damaged store aside (and delete it) so that it is packed again; a process that has it
+    mapped keeps its pages.
+
+    Raises:
+        ModelLoadError: it cannot be moved (a read-only cache): names it and the fix.
+    """
+    stale = damage.folder.with_name(f".stale-{damage.folder.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(damage.folder, stale)
+    except FileNotFoundError:
+        return  # (another process moved it first)
+    except OSError as e:
+        raise ModelLoadError(f"model {spec!r}: {damage}; it cannot be replaced here ({e}): delete it, or set "
+                             f"SGRT_CACHE_DIR to a writable folder") from e
+    logger.warning("model %s: %s; packing it again", spec, damage)
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+def _ensure_store(source: _Checkpoint, target: Target, spec: str) -> tuple[WeightStore, bool]:
+    """The checkpoint's store for ``target``, opened (:func:`_open_store`); packed first where it
+    is absent or damaged: ``(store, packed_now)``.
+
+    Raises:
+        ModelLoadError: a weight missing or of the wrong shape, an unreadable tensor, a cache root
+            that is not writable, or a damaged store that cannot be replaced.
     """
     from sgrt.models.gguf_convert import _temporary_sibling
     from sgrt.models.registry import family_for_hf
     from sgrt.progress import progress
 
     final = source.entry / target.key
-    if is_complete(final):
-        return final, False
+    if os.path.lexists(final):
+        try:
+            return _open_store(final, target), False
+        except DamagedStore as e:
+            _discard_store(e, spec)
     tmp = _temporary_sibling(final, spec)
     tensors = CheckpointTensors(source.table, spec)
     writer = StoreWriter(tmp)
@@ -248,7 +293,8 @@ def _ensure_store(source: _Checkpoint, target: Target, spec: str) -> tuple[Path,
                      "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         writer.finish(meta)
         relax_permissions(tmp)
-        return final, publish_folder(tmp, final, MANIFEST_FILE)
+        published = publish_folder(tmp, final, MANIFEST_FILE)
+        return _open_store(final, target), published
     finally:
         writer.abandon()
         tensors.close()

@@ -116,6 +116,17 @@ class StoreWriter:
             self._fd = -1
 
 
+class DamagedStore(ModelLoadError):
+    """A weight store on disk that cannot be what its checkpoint packs to: files cut short or
+    overwritten, a manifest that is unreadable or disagrees with ``weights.bin`` or with the model
+    (:func:`open_store`, :func:`sgrt.models.assemble.build_model`). The loader moves such a store
+    aside and packs it again; the message names the store, what is wrong and the fix."""
+
+    def __init__(self, folder: Path, what: str):
+        super().__init__(f"weight store {folder} is damaged or stale: {what} (delete the folder to rebuild it)")
+        self.folder, self.what = Path(folder), what
+
+
 @dataclass
 class WeightStore:
     """An opened store: its tensors (views of one mapping of ``weights.bin``) and its ``meta``.
@@ -133,51 +144,96 @@ class WeightStore:
     nbytes: int
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        """The tensor ``name``.
+
+        Raises:
+            DamagedStore: the store has no such tensor.
+        """
         try:
             return self.tensors[name]
         except KeyError:
-            raise ModelLoadError(f"weight store {self.folder}: no tensor {name!r} (stale or damaged; "
-                                 f"delete the folder to rebuild it)") from None
+            raise DamagedStore(self.folder, f"no tensor {name!r}") from None
 
 
 def is_complete(folder: Path) -> bool:
-    """Whether ``folder`` holds a finished store of this format's version."""
+    """Whether ``folder`` holds a finished store of this format's version (its manifest; what
+    :func:`open_store` checks besides is not read here)."""
     try:
         m = json.loads((folder / MANIFEST_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return m.get("format") == FORMAT and m.get("version") == VERSION and (folder / WEIGHTS_FILE).is_file()
+    return (isinstance(m, dict) and m.get("format") == FORMAT and m.get("version") == VERSION
+            and (folder / WEIGHTS_FILE).is_file())
 
 
-def open_store(folder: Path) -> WeightStore:
-    """Map a finished store (see the module docstring); nothing is read but the manifest.
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """``folder``'s manifest, checked against its ``weights.bin`` without reading the weights: a
+    dict of this format's version whose tensors have known dtypes and shapes and lie back to back
+    in the order and at the offsets :class:`StoreWriter` gives them (each at the first multiple of
+    :data:`ALIGN` past the one before), filling ``weights.bin`` exactly.
 
     Raises:
-        ModelLoadError: no finished store there, or ``weights.bin`` is shorter than the manifest says.
+        DamagedStore: anything else (names what).
     """
     folder = Path(folder)
     try:
         m = json.loads((folder / MANIFEST_FILE).read_text())
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"weight store {folder}: cannot read {MANIFEST_FILE}: {e}") from e
-    if m.get("format") != FORMAT or m.get("version") != VERSION:
-        raise ModelLoadError(f"weight store {folder}: not a {FORMAT} v{VERSION} store")
+        raise DamagedStore(folder, f"cannot read {MANIFEST_FILE}: {e}") from e
+    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
+        raise DamagedStore(folder, f"{MANIFEST_FILE} is not a {FORMAT} v{VERSION} manifest")
+    if not isinstance(m.get("tensors"), dict) or not isinstance(m.get("meta"), dict):
+        raise DamagedStore(folder, f"{MANIFEST_FILE} lacks its tensors or meta")
+    end = 0
+    for name, info in m["tensors"].items():
+        if not (isinstance(info, dict) and info.get("dtype") in _DTYPES and isinstance(info.get("shape"), list)
+                and all(_is_count(d) for d in info["shape"]) and _is_count(info.get("offset"))):
+            raise DamagedStore(folder, f"tensor {name!r} has no valid dtype, shape and offset in {MANIFEST_FILE}")
+        if info["offset"] != _aligned(end):
+            raise DamagedStore(folder, f"tensor {name!r} is at byte {info['offset']} of {WEIGHTS_FILE}, where the "
+                                       f"tensors before it end at {end}")
+        end = info["offset"] + torch.Size(info["shape"]).numel() * _DTYPES[info["dtype"]].itemsize
+    try:
+        size = (folder / WEIGHTS_FILE).stat().st_size
+    except OSError as e:
+        raise DamagedStore(folder, f"cannot read {WEIGHTS_FILE}: {e}") from e
+    if size != _aligned(end):
+        raise DamagedStore(folder, f"{WEIGHTS_FILE} has {size} bytes where its tensors fill {_aligned(end)} "
+                                   f"(cut short or overwritten)")
+    return m
+
+
+def open_store(folder: Path) -> WeightStore:
+    """Map a finished store (see the module docstring); nothing is read but the manifest, which is
+    checked against ``weights.bin`` first (:func:`read_manifest`).
+
+    Raises:
+        DamagedStore: (a ModelLoadError) no finished store there, or a manifest that does not
+            describe its ``weights.bin`` (names what is wrong).
+    """
+    folder = Path(folder)
+    m = read_manifest(folder)
     path = folder / WEIGHTS_FILE
     size = path.stat().st_size
     tensors: dict[str, torch.Tensor] = {}
+    mapped = None
     if size:
         with open(path, "rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        # (the tensors keep the mapping alive: torch.frombuffer holds a reference to it)
-        for name, info in m["tensors"].items():
-            dtype = _DTYPES[info["dtype"]]
-            shape = tuple(info["shape"])
-            count = torch.Size(shape).numel()
-            if info["offset"] + count * torch.empty(0, dtype=dtype).element_size() > size:
-                raise ModelLoadError(f"weight store {folder}: {WEIGHTS_FILE} is shorter than tensor {name!r} "
-                                     f"needs (damaged; delete the folder to rebuild it)")
-            if count == 0:
-                tensors[name] = torch.empty(shape, dtype=dtype)
-                continue
-            tensors[name] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=info["offset"]).view(shape)
-    return WeightStore(folder, tensors, m.get("meta", {}), size)
+    # (the tensors keep the mapping alive: torch.frombuffer holds a reference to it)
+    for name, info in m["tensors"].items():
+        dtype, shape = _DTYPES[info["dtype"]], tuple(info["shape"])
+        count = torch.Size(shape).numel()
+        if count == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        tensors[name] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=info["offset"]).view(shape)
+    return WeightStore(folder, tensors, m["meta"], size)

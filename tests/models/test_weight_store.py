@@ -1,0 +1,144 @@
+"""Tests of damaged and stale caches (sgrt/models/weight_store.py, assemble.py, loader.py): a store
+whose files were cut short, overwritten or edited is refused by name before any weight is used,
+and a load packs such a store again (or, where it cannot replace it, says what to delete)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.model_files import Shape, Types, write_gguf
+from sgrt.errors import ModelLoadError
+from sgrt.models import load_model
+from sgrt.models.quant import native_kernel_available
+
+NATIVE = native_kernel_available()
+needs_native = pytest.mark.skipif(not NATIVE, reason="the native kernel did not build here")
+
+# One layer, every block form: q / k / v of three types (an int8-widened projection), Q4_0 o_proj
+# (4-bit), the tied head and embedding from the Q8_0 table (the compact stream, looked up).
+SMALL = Shape("llama", 1, 256, 512, 4, 2, context=512)
+TYPES = Types("Q4_0", {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q8_0", "token_embd": "Q8_0"})
+IDS = torch.tensor([1, 504, 7155, 4213, 30])
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> dict:
+    """A small GGUF, its cache (a float32 store and, with the native kernel, an int4 one) and the
+    logits of each, to copy and damage."""
+    root = tmp_path_factory.mktemp("store")
+    path = write_gguf(root / "small.gguf", SMALL, TYPES)
+    out = {"gguf": path, "cache": root / "cache", "logits": {}, "stores": {}}
+    for quantization in ("none", "int4") if NATIVE else ("none",):
+        dtype = "float32" if quantization == "none" else "bfloat16"
+        lm = load_model(str(path), dtype=dtype, quantization=quantization, cache_dir=out["cache"])
+        out["logits"][quantization] = lm.model.forward_simple(IDS)
+        out["stores"][quantization] = lm.path
+        out["config"] = lm.config
+    return out
+
+
+def _copy(small: dict, tmp_path: Path, quantization: str) -> tuple[Path, Path]:
+    """A private copy of the pristine cache: (cache root, the store of ``quantization``)."""
+    cache = tmp_path / "cache"
+    shutil.copytree(small["cache"], cache)
+    return cache, cache / small["stores"][quantization].relative_to(small["cache"])
+
+
+def _edit(store: Path, change) -> None:
+    m = json.loads((store / "manifest.json").read_text())
+    change(m)
+    (store / "manifest.json").write_text(json.dumps(m))
+
+
+def _first(m: dict, suffix: str) -> dict:
+    return next(v for k, v in m["tensors"].items() if k.endswith(suffix))
+
+
+def _truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+# (what was done to the store, quantization of the store it was done to, the change)
+DAMAGES = {
+    "weights.bin cut in half": ("none", lambda s: _truncate(s / "weights.bin", (s / "weights.bin").stat().st_size // 2)),
+    "weights.bin cut by 64 bytes": ("none", lambda s: _truncate(s / "weights.bin", (s / "weights.bin").stat().st_size - 64)),
+    "weights.bin empty": ("none", lambda s: _truncate(s / "weights.bin", 0)),
+    "weights.bin longer": ("none", lambda s: _truncate(s / "weights.bin", (s / "weights.bin").stat().st_size + 4096)),
+    "no weights.bin": ("none", lambda s: os.unlink(s / "weights.bin")),
+    "manifest not JSON": ("none", lambda s: (s / "manifest.json").write_text("{garbage")),
+    "manifest null": ("none", lambda s: (s / "manifest.json").write_text("null")),
+    "manifest a list": ("none", lambda s: (s / "manifest.json").write_text("[]")),
+    "no manifest": ("none", lambda s: os.unlink(s / "manifest.json")),
+    "no tensors": ("none", lambda s: _edit(s, lambda m: m.pop("tensors"))),
+    "tensors a list": ("none", lambda s: _edit(s, lambda m: m.__setitem__("tensors", []))),
+    "a tensor's offset moved": ("none", lambda s: _edit(s, lambda m: _first(m, "input_layernorm.weight").__setitem__(
+        "offset", _first(m, "input_layernorm.weight")["offset"] + 64))),
+    "a negative offset": ("none", lambda s: _edit(s, lambda m: _first(m, "norm.weight").__setitem__("offset", -64))),
+    "a norm's shape": ("none", lambda s: _edit(s, lambda m: _first(m, "input_layernorm.weight").__setitem__(
+        "shape", [128]))),
+    "a norm's dtype": ("none", lambda s: _edit(s, lambda m: _first(m, "input_layernorm.weight").__setitem__(
+        "dtype", "bfloat16"))),
+    "an unknown dtype": ("none", lambda s: _edit(s, lambda m: _first(m, "norm.weight").__setitem__("dtype", "int32"))),
+    "a tensor missing": ("none", lambda s: _edit(s, lambda m: m["tensors"].pop("norm.weight"))),
+    "no meta": ("none", lambda s: _edit(s, lambda m: m.pop("meta"))),
+    "no forms": ("none", lambda s: _edit(s, lambda m: m["meta"].pop("forms"))),
+    "another target's store": ("none", lambda s: _edit(s, lambda m: m["meta"].__setitem__(
+        "target", "bfloat16-none-plain-v1"))),
+    "a form's rows": ("int4", lambda s: _edit(s, lambda m: m["meta"]["forms"]["layers.0.o_proj"].__setitem__(
+        "rows", 128))),
+    "a form's bits": ("int4", lambda s: _edit(s, lambda m: m["meta"]["forms"]["layers.0.o_proj"].__setitem__(
+        "bits", 8))),
+    "a form's kernel bits": ("int4", lambda s: _edit(s, lambda m: m["meta"]["forms"]["layers.0.qkv_proj"].__setitem__(
+        "stream_bits", 4))),
+    "a form missing": ("int4", lambda s: _edit(s, lambda m: m["meta"]["forms"].pop("layers.0.o_proj"))),
+    "an unknown form": ("int4", lambda s: _edit(s, lambda m: m["meta"]["forms"]["layers.0.o_proj"].__setitem__(
+        "form", "int3"))),
+    "a form for no weight": ("int4", lambda s: _edit(s, lambda m: m["meta"]["forms"].__setitem__(
+        "layers.7.o_proj", m["meta"]["forms"]["layers.0.o_proj"]))),
+    "the embedding's source": ("int4", lambda s: _edit(s, lambda m: m["meta"].__setitem__("embedding", "group"))),
+    "the quantization": ("int4", lambda s: _edit(s, lambda m: m["meta"].__setitem__("quantization", "int8"))),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_store_is_packed_again(small, tmp_path, damage):
+    """Every way a store's two files can be cut short, overwritten or edited is found when the
+    store is opened or assembled (the layout of weights.bin, each tensor's dtype and shape, each
+    form against the model's shapes and the kernels' layouts), before a weight is used: the load
+    moves the store aside, packs it again and gives the file's logits, and leaves nothing behind."""
+    quantization, change = DAMAGES[damage]
+    if quantization not in small["stores"]:
+        pytest.skip("the native kernel did not build here")
+    cache, store = _copy(small, tmp_path, quantization)
+    change(store)
+    dtype = "float32" if quantization == "none" else "bfloat16"
+    lm = load_model(str(small["gguf"]), dtype=dtype, quantization=quantization, cache_dir=cache)
+    assert lm.converted and lm.path == store
+    assert torch.equal(lm.model.forward_simple(IDS), small["logits"][quantization])
+    assert sorted(p.name for p in store.parent.iterdir()) == sorted(
+        ["source.json", "tokenizer", *(p.name for p in small["stores"].values())])
+
+
+def test_a_damaged_store_that_cannot_be_replaced_is_named_with_the_fix(small, tmp_path, monkeypatch):
+    """Where the damaged store cannot be moved aside (a read-only cache), the load raises
+    ModelLoadError naming the store, what is wrong with it and what to do."""
+    cache, store = _copy(small, tmp_path, "none")
+    _truncate(store / "weights.bin", 100)
+    real = os.rename
+
+    def refuse(src, dst, *a, **k):
+        if Path(src) == store:
+            raise PermissionError(13, "Permission denied", str(src))
+        return real(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "rename", refuse)
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(small["gguf"]), dtype="float32", cache_dir=cache)
+    msg = str(e.value)
+    assert str(store) in msg and "weights.bin" in msg and "delete" in msg and "SGRT_CACHE_DIR" in msg
