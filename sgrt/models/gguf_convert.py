@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -31,9 +32,16 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # (Windows: no advisory locks; stale folders are then left alone)
+    fcntl = None  # type: ignore[assignment]
 
 import torch
 
@@ -42,14 +50,21 @@ from sgrt.models.checkpoint import GGUFFile, gguf_hf_config
 from sgrt.models.weight_files import TensorEntry, gguf_tensor_table
 from sgrt.paths import cache_root
 
+logger = logging.getLogger("sgrt.models")
+
 # Bump when what an entry holds changes, so stale entries are not reused.
 CONVERTER_VERSION = 2
 SOURCE_FILE = "source.json"
 TOKENIZER_DIR = "tokenizer"
 # Files up to this size are hashed whole (sha256 runs at ~0.5 GB/s: 0.2 s for the default model);
-# larger ones by size plus 1 MiB samples at 16 evenly spaced offsets.
+# larger ones by size plus SAMPLE_BYTES at 16 evenly spaced offsets and the last SAMPLE_BYTES, their
+# entry checked against a hash of the whole metadata (entry_problem).
 FULL_HASH_MAX_BYTES = 512 << 20
+SAMPLE_BYTES = 1 << 20
 _MIB = 1 << 20
+# A temporary or set-aside folder in the cache that no live builder holds and that is older than this
+# was left by a process that died (a killed load): the next build beside it deletes it.
+SWEEP_AFTER_SECONDS = 60.0
 
 # GGUF tensors that carry rotary metadata rather than weights (read by the families' gguf_extras
 # or gguf_config).
@@ -61,10 +76,13 @@ _DIGIT_SPLIT_PRE_TOKENIZERS = {"smollm"}
 
 
 def gguf_cache_key(path: Path) -> str:
-    """A 16-hex-digit digest naming ``path``'s cache entry; any change to the file changes it.
+    """A 16-hex-digit digest naming ``path``'s cache entry.
 
-    sha256 over the converter version, the size and the contents (whole file up to
-    ``FULL_HASH_MAX_BYTES``; past that, 1 MiB at 16 evenly spaced offsets plus the last MiB).
+    sha256 over the converter version, the size and the contents: the whole file up to
+    ``FULL_HASH_MAX_BYTES``, so any change to it changes the key; past that, ``SAMPLE_BYTES`` at 16
+    evenly spaced offsets plus the last ones, which a change of the same size can miss: such a
+    file's entry also holds a hash of the file's whole metadata, checked on every load
+    (:func:`entry_problem`: an in-place metadata edit, ``gguf-set-metadata``, is seen).
     """
     size = path.stat().st_size
     h = hashlib.sha256(f"sgrt-gguf-v{CONVERTER_VERSION}:{size}:".encode())
@@ -73,11 +91,62 @@ def gguf_cache_key(path: Path) -> str:
             while chunk := f.read(8 * _MIB):
                 h.update(chunk)
         else:
-            offsets = [size * i // 16 for i in range(16)] + [max(0, size - _MIB)]
+            offsets = [size * i // 16 for i in range(16)] + [max(0, size - SAMPLE_BYTES)]
             for off in offsets:
                 f.seek(off)
-                h.update(f.read(_MIB))
+                h.update(f.read(SAMPLE_BYTES))
     return h.hexdigest()[:16]
+
+
+def head_digest(path: Path, nbytes: int) -> str:
+    """sha256 of the first ``nbytes`` of ``path`` (a GGUF's metadata and tensor table: the bytes
+    before its tensor data)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while nbytes > 0 and (chunk := f.read(min(nbytes, 8 * _MIB))):
+            h.update(chunk)
+            nbytes -= len(chunk)
+    return h.hexdigest()
+
+
+def entry_problem(entry: Path, gguf_path: Path) -> tuple[str | None, bool]:
+    """What is wrong with ``entry`` as ``gguf_path``'s cache entry: ``(None, True)`` where nothing
+    is, else ``(what, stores_hold)``. Checked: ``source.json`` is one this converter writes, its
+    tensors lie inside the file, its size is the file's and (for a file keyed by samples,
+    :func:`gguf_cache_key`) its metadata hash the file's; ``tokenizer/`` holds the tokenizer's
+    files. ``stores_hold`` is False where the file's metadata is not the one the entry was read
+    from (its config, and so its stores, may differ)."""
+    try:
+        src = json.loads((entry / SOURCE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        return f"cannot read {SOURCE_FILE}: {e}", True
+    if not isinstance(src, dict) or src.get("format") != "sgrt-gguf-source" \
+            or src.get("converter_version") != CONVERTER_VERSION:
+        return f"{SOURCE_FILE} is not one converter version {CONVERTER_VERSION} writes", True
+    if not isinstance(src.get("hf_config"), dict) or not isinstance(src.get("tensors"), list):
+        return f"{SOURCE_FILE} lacks its config or tensor table", True
+    try:
+        size = gguf_path.stat().st_size
+    except OSError as e:
+        return f"cannot read {gguf_path}: {e}", True
+    for v in src["tensors"]:
+        try:
+            t = TensorEntry.from_json(v)
+        except (TypeError, ValueError, IndexError):
+            return f"{SOURCE_FILE} has a malformed tensor entry {str(v)[:80]}", True
+        if t.offset < 0 or t.offset + t.rows * t.row_bytes > size:
+            return f"tensor {t.name!r} runs past the file's {size} bytes", True
+    if src.get("size") != size:
+        return f"it was read from a file of {src.get('size')} bytes, this one has {size}", False
+    if size > FULL_HASH_MAX_BYTES:
+        head = src.get("head_bytes")
+        if not isinstance(head, int) or not 0 < head <= size or head_digest(gguf_path, head) != src.get("head_sha256"):
+            return f"{gguf_path}'s metadata is not the one it was read from (edited in place?)", False
+    tok = entry / TOKENIZER_DIR
+    missing = [f for f in ("tokenizer.json", "tokenizer_config.json") if not (tok / f).is_file()]
+    if missing:
+        return f"no {TOKENIZER_DIR}/{missing[0]}", True
+    return None, True
 
 
 def gguf_entry(gguf_path: Path, cache_dir: str | Path | None = None) -> Path:
@@ -85,9 +154,13 @@ def gguf_entry(gguf_path: Path, cache_dir: str | Path | None = None) -> Path:
     return cache_root(cache_dir) / "gguf" / f"{gguf_path.stem}-{gguf_cache_key(gguf_path)}"
 
 
-def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None = None) -> tuple[Path, bool]:
+def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None = None,
+                       repair: bool = False) -> tuple[Path, bool]:
     """``gguf_path``'s cache entry (module docstring), built first if absent: ``(folder,
-    built_now)``.
+    built_now)``. An entry with something wrong (:func:`entry_problem`), or any with ``repair``
+    (its tokenizer did not load), is read again: its ``source.json`` and ``tokenizer/`` are
+    replaced in place and its stores kept, unless the file's metadata is not the one it was read
+    from (then the whole entry is replaced).
 
     The entry is built in a child process (:func:`build_gguf_source` run by ``python -m
     sgrt.models.gguf_convert``): ``gguf``'s parse of a GGUF's metadata holds ~160 MB for a
@@ -96,28 +169,89 @@ def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None 
 
     Raises:
         ModelLoadError: an unreadable file, an architecture or tensor no family reads, a tokenizer
-            transformers cannot build, or a cache root that is not writable (the child's message).
+            transformers cannot build, or a cache root that is not writable (the child's message;
+            for a damaged entry, what is wrong with it too).
     """
     from sgrt.progress import progress
 
     final = gguf_entry(gguf_path, cache_dir)
-    if (final / SOURCE_FILE).is_file():
-        return final, False
-    tmp = _temporary_sibling(final, spec)
+    problem, stores_hold = None, True
+    if final.is_dir():
+        problem, stores_hold = ("its tokenizer did not load", True) if repair else entry_problem(final, gguf_path)
+        if problem is None:
+            return final, False
+        logger.warning("model %s: GGUF cache entry %s: %s; reading %s again", spec, final, problem, gguf_path)
     try:
-        # (the child imports this same sgrt: its root first on the path)
-        root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-        with progress(f"reading {gguf_path.name} (once; cached)"):
-            proc = subprocess.run([sys.executable, "-m", "sgrt.models.gguf_convert", str(gguf_path), str(tmp), spec],
-                                  capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            raise ModelLoadError(_child_error(proc, spec, gguf_path))
-        relax_permissions(tmp)
-        return final, publish_folder(tmp, final, SOURCE_FILE)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        if not stores_hold:
+            set_aside(final, spec)
+        with building(final, spec) as tmp:
+            # (the child imports this same sgrt: its root first on the path)
+            root = str(Path(__file__).resolve().parents[2])
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+            with progress(f"reading {gguf_path.name} (once; cached)"):
+                proc = subprocess.run([sys.executable, "-m", "sgrt.models.gguf_convert", str(gguf_path), str(tmp),
+                                       spec], capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                raise ModelLoadError(_child_error(proc, spec, gguf_path))
+            relax_permissions(tmp)
+            if final.is_dir():  # (a damaged entry: its stores stay)
+                _replace_parts(tmp, final, (TOKENIZER_DIR, SOURCE_FILE), spec)
+                return final, True
+            return final, publish_folder(tmp, final, SOURCE_FILE)
+    except ModelLoadError as e:
+        if problem is None:
+            raise
+        raise ModelLoadError(f"GGUF cache entry {final} is damaged or stale ({problem}) and was not rebuilt: {e}") from e
+    except OSError as e:
+        what = f"rebuild the cache entry {final} ({problem})" if problem else f"write the cache entry {final}"
+        raise ModelLoadError(f"model {spec!r}: cannot {what}: {e}; delete it, or set SGRT_CACHE_DIR to a "
+                             f"writable folder") from e
+
+
+def _replace_parts(tmp: Path, final: Path, parts: tuple[str, ...], spec: str) -> None:
+    """Move each of ``parts`` (files or folders) from ``tmp`` into ``final`` in turn, in place of
+    ``final``'s (a folder is swapped by two renames; another process's fresh one is kept)."""
+    for part in parts:
+        src, dst = tmp / part, final / part
+        if not src.is_dir():
+            os.replace(src, dst)
+            continue
+        if os.path.lexists(dst):
+            set_aside(dst, spec)
+        try:
+            os.rename(src, dst)
+        except OSError:
+            if not dst.is_dir():
+                raise
+
+
+def set_aside(path: Path, spec: str, why: str = "") -> None:
+    """Rename ``path`` (a damaged cache folder or file) to a ``.stale-`` sibling and delete it: a
+    process that has its files open or mapped keeps them. ``why``: what is wrong with it, for the
+    error.
+
+    Raises:
+        ModelLoadError: it cannot be renamed (a read-only cache; names it, ``why`` and the fix).
+    """
+    stale = path.with_name(f".stale-{path.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, stale)
+    except FileNotFoundError:
+        return  # (another process set it aside first)
+    except OSError as e:
+        raise ModelLoadError(f"model {spec!r}: {why + '; ' if why else ''}cannot replace {path} in the cache "
+                             f"({e}): delete it, or set SGRT_CACHE_DIR to a writable folder") from e
+    _delete(stale)
+
+
+def _delete(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except OSError:
+            pass
 
 
 def _child_error(proc: subprocess.CompletedProcess, spec: str, gguf_path: Path) -> str:
@@ -143,6 +277,7 @@ def build_gguf_source(gguf_path: Path, out: Path, spec: str) -> None:
     hf_cfg, family, facts = gguf_hf_config(reader, spec)
     family_config(family, hf_cfg, spec, "the GGUF metadata")  # (refuses what it cannot take, now)
     table = gguf_tensor_table(reader, family, gguf_path, spec, GGUF_ROPE_TENSORS)
+    head = int(getattr(reader, "data_offset", 0) or min((e.offset for e in table.values()), default=0))
     del reader
     tok = out / TOKENIZER_DIR
     _write_tokenizer(gguf_path, tok, facts, spec)
@@ -151,6 +286,7 @@ def build_gguf_source(gguf_path: Path, out: Path, spec: str) -> None:
     (out / SOURCE_FILE).write_text(json.dumps({
         "format": "sgrt-gguf-source", "converter_version": CONVERTER_VERSION,
         "source": str(gguf_path), "size": gguf_path.stat().st_size,
+        "head_bytes": head, "head_sha256": head_digest(gguf_path, head),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "hf_config": hf_cfg, "facts": {k: facts.get(k) for k in ("pre", "add_bos_token")},
         "tensors": [e.to_json() for e in table.values()],
@@ -174,18 +310,67 @@ def read_gguf_source(entry: Path, gguf_path: Path) -> tuple[dict[str, Any], dict
     return src["hf_config"], table
 
 
-def _temporary_sibling(final: Path, spec: str) -> Path:
-    """A fresh folder beside ``final`` to build it in.
+@contextmanager
+def building(final: Path, spec: str) -> Iterator[Path]:
+    """A fresh ``.tmp-`` folder beside ``final`` to build it in, locked (``flock``) while the
+    block runs and deleted after it unless it was renamed. Folders beside it that a process which
+    died left (``.tmp-`` ones no live builder holds, ``.stale-`` ones, each older than
+    :data:`SWEEP_AFTER_SECONDS`: a killed load's, which may be a store's size) are deleted first.
 
     Raises:
         ModelLoadError: the cache folder is not writable (names it and the fix).
     """
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+        sweep_dead_builds(final.parent)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     except OSError as e:
         raise ModelLoadError(f"model {spec!r}: cannot write the cache {final.parent}: {e}"
                              " (set SGRT_CACHE_DIR to a writable folder)") from e
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield tmp
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
+
+
+def sweep_dead_builds(folder: Path) -> list[Path]:
+    """Delete the ``.tmp-`` / ``.stale-`` entries of ``folder`` that processes which died left
+    (see :func:`building`); returns them. A ``.tmp-`` folder whose builder lives is locked and kept."""
+    swept = []
+    try:
+        candidates = [p for p in folder.iterdir() if p.name.startswith((".tmp-", ".stale-"))]
+    except OSError:
+        return swept
+    for p in candidates:
+        try:
+            if time.time() - p.lstat().st_mtime < SWEEP_AFTER_SECONDS:
+                continue
+            if not p.is_dir() or p.is_symlink() or fcntl is None:
+                if p.name.startswith(".stale-"):
+                    _delete(p)
+                    swept.append(p)
+                continue
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # (a live builder holds it)
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(p, ignore_errors=True)
+            swept.append(p)
+        finally:
+            os.close(fd)
+    if swept:
+        logger.info("deleted %d folder(s) left in %s by loads that did not finish", len(swept), folder)
+    return swept
 
 
 def relax_permissions(folder: Path) -> None:

@@ -31,9 +31,7 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,7 +172,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
         store, converted = _ensure_store(source, target, spec)
         model = build_model(store, source.config, torch_dtype, torch_device, int4_activations)
     folder = store.folder
-    tokenizer = _folder_tokenizer(source.tokenizer_folder, source.config)
+    tokenizer = _source_tokenizer(source, spec, cache_dir)
     if prepack:
         pack_linear_layers(model, tuple(FUSED_PROJECTIONS))
         pack_lm_head(model)
@@ -251,16 +249,10 @@ def _discard_store(damage: DamagedStore, spec: str) -> None:
     Raises:
         ModelLoadError: it cannot be moved (a read-only cache): names it and the fix.
     """
-    stale = damage.folder.with_name(f".stale-{damage.folder.name}-{uuid.uuid4().hex[:8]}")
-    try:
-        os.rename(damage.folder, stale)
-    except FileNotFoundError:
-        return  # (another process moved it first)
-    except OSError as e:
-        raise ModelLoadError(f"model {spec!r}: {damage}; it cannot be replaced here ({e}): delete it, or set "
-                             f"SGRT_CACHE_DIR to a writable folder") from e
+    from sgrt.models.gguf_convert import set_aside
+
+    set_aside(damage.folder, spec, str(damage))
     logger.warning("model %s: %s; packing it again", spec, damage)
-    shutil.rmtree(stale, ignore_errors=True)
 
 
 def _ensure_store(source: _Checkpoint, target: Target, spec: str) -> tuple[WeightStore, bool]:
@@ -271,7 +263,7 @@ def _ensure_store(source: _Checkpoint, target: Target, spec: str) -> tuple[Weigh
         ModelLoadError: a weight missing or of the wrong shape, an unreadable tensor, a cache root
             that is not writable, or a damaged store that cannot be replaced.
     """
-    from sgrt.models.gguf_convert import _temporary_sibling
+    from sgrt.models.gguf_convert import building
     from sgrt.models.registry import family_for_hf
     from sgrt.progress import progress
 
@@ -281,25 +273,23 @@ def _ensure_store(source: _Checkpoint, target: Target, spec: str) -> tuple[Weigh
             return _open_store(final, target), False
         except DamagedStore as e:
             _discard_store(e, spec)
-    tmp = _temporary_sibling(final, spec)
-    tensors = CheckpointTensors(source.table, spec)
-    writer = StoreWriter(tmp)
-    try:
-        family = family_for_hf(source.hf_config)
-        parts = canonical_parts(source.table, family, source.config, gguf=source.kind == "gguf")
-        with progress(f"packing {source.path.name} for {target.key} (once; cached)"):
-            meta = Packer(tensors, parts, source.config, target, source.kind == "gguf", writer).pack_model()
-        meta.update({"source": str(source.path), "target": target.key, "quantization": target.quantization,
-                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-        writer.finish(meta)
-        relax_permissions(tmp)
-        published = publish_folder(tmp, final, MANIFEST_FILE)
-        return _open_store(final, target), published
-    finally:
-        writer.abandon()
-        tensors.close()
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with building(final, spec) as tmp:
+        tensors = CheckpointTensors(source.table, spec)
+        writer = StoreWriter(tmp)
+        try:
+            family = family_for_hf(source.hf_config)
+            parts = canonical_parts(source.table, family, source.config, gguf=source.kind == "gguf")
+            with progress(f"packing {source.path.name} for {target.key} (once; cached)"):
+                meta = Packer(tensors, parts, source.config, target, source.kind == "gguf", writer).pack_model()
+            meta.update({"source": str(source.path), "target": target.key, "quantization": target.quantization,
+                         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+            writer.finish(meta)
+            relax_permissions(tmp)
+            published = publish_folder(tmp, final, MANIFEST_FILE)
+        finally:
+            writer.abandon()
+            tensors.close()
+    return _open_store(final, target), published
 
 
 def _parameter_bytes(model: Any) -> int:
@@ -316,6 +306,22 @@ def load_tokenizer(spec: str = DEFAULT_MODEL, cache_dir: str | Path | None = Non
     """
     kind, src = resolve_spec(spec)
     source = _checkpoint(kind, src, spec, cache_dir)
+    return _source_tokenizer(source, spec, cache_dir)
+
+
+def _source_tokenizer(source: _Checkpoint, spec: str, cache_dir: str | Path | None) -> Tokenizer:
+    """The checkpoint's tokenizer (:func:`_folder_tokenizer`); a GGUF's cache entry whose tokenizer
+    does not load is read from the file again, once.
+
+    Raises:
+        ModelLoadError: the tokenizer does not load (names the folder).
+    """
+    try:
+        return _folder_tokenizer(source.tokenizer_folder, source.config)
+    except ModelLoadError:
+        if source.kind != "gguf":
+            raise
+    ensure_gguf_source(source.path, spec, cache_dir, repair=True)
     return _folder_tokenizer(source.tokenizer_folder, source.config)
 
 

@@ -142,3 +142,143 @@ def test_a_damaged_store_that_cannot_be_replaced_is_named_with_the_fix(small, tm
         load_model(str(small["gguf"]), dtype="float32", cache_dir=cache)
     msg = str(e.value)
     assert str(store) in msg and "weights.bin" in msg and "delete" in msg and "SGRT_CACHE_DIR" in msg
+
+
+# ---- a GGUF's cache entry ------------------------------------------------------------------------
+
+def _entry(small: dict, cache: Path) -> Path:
+    return cache / small["stores"]["none"].parent.relative_to(small["cache"])
+
+
+def _edit_source(entry: Path, change) -> None:
+    src = json.loads((entry / "source.json").read_text())
+    change(src)
+    (entry / "source.json").write_text(json.dumps(src))
+
+
+# (what was done to the entry, what entry_problem says of it: None where only loading the
+# tokenizer finds it)
+ENTRY_DAMAGES = {
+    "no source.json": (lambda e: os.unlink(e / "source.json"), "cannot read source.json"),
+    "source.json not JSON": (lambda e: (e / "source.json").write_text('{"format": "sgrt-gguf-source", "hf'),
+                             "cannot read source.json"),
+    "source.json empty": (lambda e: (e / "source.json").write_text("{}"), "is not one converter version"),
+    "source.json of another converter": (
+        lambda e: _edit_source(e, lambda s: s.__setitem__("converter_version", 1)), "is not one converter version"),
+    "a tensor past the file's end": (
+        lambda e: _edit_source(e, lambda s: s["tensors"][-1].__setitem__(2, 1 << 40)), "runs past the file's"),
+    "a tensor entry cut short": (lambda e: _edit_source(e, lambda s: s["tensors"][0].pop()), "malformed tensor entry"),
+    "no hf_config": (lambda e: _edit_source(e, lambda s: s.pop("hf_config")), "lacks its config"),
+    "another file's size": (lambda e: _edit_source(e, lambda s: s.__setitem__("size", s["size"] + 1)),
+                            "from a file of"),
+    "no tokenizer folder": (lambda e: shutil.rmtree(e / "tokenizer"), "no tokenizer/tokenizer.json"),
+    "no tokenizer.json": (lambda e: os.unlink(e / "tokenizer" / "tokenizer.json"), "no tokenizer/tokenizer.json"),
+    "no tokenizer_config.json": (lambda e: os.unlink(e / "tokenizer" / "tokenizer_config.json"),
+                                 "no tokenizer/tokenizer_config.json"),
+    "tokenizer.json not JSON": (lambda e: (e / "tokenizer" / "tokenizer.json").write_text("{garbage"), None),
+    "tokenizer_config.json not JSON": (
+        lambda e: (e / "tokenizer" / "tokenizer_config.json").write_text("{garbage"), None),
+}
+
+
+@pytest.mark.parametrize("damage", list(ENTRY_DAMAGES))
+def test_a_damaged_gguf_entry_is_found(small, tmp_path, damage):
+    """Every way a GGUF entry's source.json or tokenizer can be missing, unreadable, of another
+    converter or inconsistent with the file is found before it is used: by entry_problem (which
+    a load runs on every entry it finds), or, for tokenizer files that are not JSON, by loading
+    the tokenizer, a ModelLoadError naming the folder (the load then reads the entry again)."""
+    from sgrt.models.gguf_convert import entry_problem
+    from sgrt.models.loader import _folder_tokenizer
+
+    cache, _ = _copy(small, tmp_path, "none")
+    entry = _entry(small, cache)
+    assert entry_problem(entry, small["gguf"]) == (None, True)  # (the pristine copy)
+    change, said = ENTRY_DAMAGES[damage]
+    change(entry)
+    problem, stores_hold = entry_problem(entry, small["gguf"])
+    if said is None:
+        assert problem is None
+        with pytest.raises(ModelLoadError, match="no loadable tokenizer in .*tokenizer"):
+            _folder_tokenizer(entry / "tokenizer", small["config"])
+    else:
+        assert problem is not None and said in problem
+        assert stores_hold == (damage != "another file's size")
+
+
+@pytest.mark.parametrize("damage", ["no source.json", "tokenizer.json not JSON"])
+def test_a_damaged_gguf_entry_is_read_again_keeping_its_stores(small, tmp_path, damage):
+    """A damaged entry (found by entry_problem, or by its tokenizer failing to load) is read from
+    the GGUF again, its source.json and tokenizer replaced in place: the load gives the file's
+    logits and tokens, and the entry's weight stores, which depend on the file's bytes alone, are
+    kept (not packed again); nothing is left beside them."""
+    from sgrt.models import load_tokenizer
+
+    cache, store = _copy(small, tmp_path, "none")
+    ENTRY_DAMAGES[damage][0](_entry(small, cache))
+    text = "Hello tiny world, 人工智能 😀"
+    want = load_tokenizer(str(small["gguf"]), cache_dir=small["cache"]).encode(text)
+    lm = load_model(str(small["gguf"]), dtype="float32", cache_dir=cache)
+    assert lm.path == store and not lm.converted
+    assert torch.equal(lm.model.forward_simple(IDS), small["logits"]["none"])
+    assert lm.tokenizer.encode(text) == want and lm.config == small["config"]
+    assert sorted(p.name for p in store.parent.iterdir()) == sorted(
+        ["source.json", "tokenizer", *(p.name for p in small["stores"].values())])
+    assert sorted(p.name for p in store.parent.parent.iterdir()) == [store.parent.name]
+
+
+def test_metadata_edited_in_place_is_read_again(small, tmp_path, monkeypatch):
+    """A file past the whole-file hash limit is keyed by its size and samples of its bytes, which
+    an in-place metadata edit of the same size (gguf-set-metadata: here the end-of-text id) can
+    miss; the entry's hash of the whole metadata sees it, and the entry is read again, stores
+    included (they follow from the config)."""
+    import gguf
+
+    from sgrt.models import gguf_convert
+
+    monkeypatch.setattr(gguf_convert, "FULL_HASH_MAX_BYTES", 1 << 20)
+    monkeypatch.setattr(gguf_convert, "SAMPLE_BYTES", 4096)
+    path = tmp_path / "small.gguf"
+    shutil.copy(small["gguf"], path)
+    cache = tmp_path / "cache"
+    # (the pristine entry, under the key the file has past the limit: the first load is warm)
+    shutil.copytree(_entry(small, small["cache"]), gguf_convert.gguf_entry(path, cache))
+    first = load_model(str(path), dtype="float32", cache_dir=cache)
+    assert first.config.eos_token_id == 2 and not first.converted
+    key = gguf_convert.gguf_cache_key(path)
+    reader = gguf.GGUFReader(str(path), "r+")
+    field = reader.fields["tokenizer.ggml.eos_token_id"]
+    field.parts[field.data[0]][0] = 7
+    reader.data.flush()
+    del reader, field
+    assert gguf_convert.gguf_cache_key(path) == key  # (the samples did not see the edit)
+    again = load_model(str(path), dtype="float32", cache_dir=cache)
+    assert again.config.eos_token_id == 7 and 7 in again.tokenizer.eos_token_ids
+    assert again.converted
+    assert torch.equal(again.model.forward_simple(IDS), small["logits"]["none"])
+
+
+def test_temporary_folders_of_dead_builders_are_swept(small, tmp_path):
+    """A process killed while it packed a store or read a GGUF leaves its temporary folder (a
+    store's is as large as the store); the next build beside it deletes the folders no live
+    builder holds, and keeps a live one's."""
+    import fcntl
+
+    cache, store = _copy(small, tmp_path, "none")
+    entry = store.parent
+    shutil.rmtree(store)
+    dead = [entry / f".tmp-{store.name}-dead1", entry / f".stale-{store.name}-dead2",
+            entry.parent / f".tmp-{entry.name}-dead3"]
+    live = entry / f".tmp-{store.name}-live"
+    for folder in (*dead, live):
+        folder.mkdir()
+        (folder / "weights.bin").write_bytes(b"\0" * 4096)
+        os.utime(folder, (0, 0))  # (older than the sweep's grace period)
+    fd = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (a builder at work)
+        os.unlink(entry / "source.json")  # (the entry is read again: a build in gguf/ too)
+        lm = load_model(str(small["gguf"]), dtype="float32", cache_dir=cache)
+        assert lm.converted and torch.equal(lm.model.forward_simple(IDS), small["logits"]["none"])
+        assert [f for f in dead if f.exists()] == [] and live.is_dir()
+    finally:
+        os.close(fd)
