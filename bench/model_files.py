@@ -25,10 +25,14 @@ import numpy as np
 # -15.5 d; the K-quants' dmin times a random 6-bit min ~ their d times a random 6-bit scale
 # times half the code range.
 _FIELDS = {"Q4_0": ((0, 1.0),), "Q4_1": ((0, 1.0), (2, -7.5)), "Q5_0": ((0, 1.0),), "Q5_1": ((0, 1.0), (2, -15.5)),
-           "Q8_0": ((0, 1.0),), "Q4_K": ((0, 1.0), (2, 7.5)), "Q5_K": ((0, 1.0), (2, 15.5)), "Q6_K": ((208, 1.0),)}
+           "Q8_0": ((0, 1.0),), "Q4_K": ((0, 1.0), (2, 7.5)), "Q5_K": ((0, 1.0), (2, 15.5)), "Q6_K": ((208, 1.0),),
+           # (types sgrt's kernels have no form for, each dequantized at load: Q2_K's dmin times a
+           # random 4-bit min ~ its d times a random 4-bit scale times half the code range)
+           "Q2_K": ((80, 1.0), (82, 1.5)), "Q3_K": ((108, 1.0),), "IQ4_NL": ((0, 1.0),), "IQ4_XS": ((0, 1.0),)}
 # a scale per type, for weights of ~0.01-0.05
 _SCALE = {"Q4_0": 0.004, "Q4_1": 0.004, "Q5_0": 0.002, "Q5_1": 0.002, "Q8_0": 0.0003, "Q4_K": 0.0002,
-          "Q5_K": 0.0001, "Q6_K": 0.0001}
+          "Q5_K": 0.0001, "Q6_K": 0.0001, "Q2_K": 0.0005, "Q3_K": 0.0002, "IQ4_NL": 0.0002, "IQ4_XS": 0.00001}
+_FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # (BF16: its bits, as gguf writes them)
 
 
 @dataclass(frozen=True)
@@ -105,11 +109,14 @@ def _random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) ->
 
 
 def _tensor(kind: str, rows: int, cols: int | None, rng: np.random.Generator) -> np.ndarray:
-    if kind in ("F32", "F16"):
+    if kind in _FLOATS:
         shape = (rows,) if cols is None else (rows, cols)
         std = 0.02 if cols is not None else 0.1
         w = rng.standard_normal(shape, dtype=np.float32) * std + (1.0 if cols is None else 0.0)
-        return w.astype(np.float16 if kind == "F16" else np.float32)
+        if kind == "BF16":  # (rounded to nearest even)
+            bits = w.view(np.uint32)
+            return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return w.astype(_FLOATS[kind])
     return _random_blocks(kind, rows, cols, rng)
 
 
@@ -139,11 +146,19 @@ def gguf_tensors(shape: Shape, types: Types, vocab: int) -> list[tuple[str, str,
     return out
 
 
-def write_gguf(path: Path, shape: Shape, types: Types, seed: int = 0) -> Path:
-    """Write a random-weight GGUF of ``shape`` with ``types`` at ``path`` (module docstring)."""
+def write_gguf(path: Path, shape: Shape, types: Types, seed: int = 0, vocab: int | None = None) -> Path:
+    """Write a random-weight GGUF of ``shape`` with ``types`` at ``path`` (module docstring).
+    ``vocab``: keep only the tokenizer's first ``vocab`` tokens (>= 256 + its 17 special tokens)
+    and the merges that make them, for tests: SmolLM2's merge ``i`` makes token ``252 + i``, so
+    the cut tokenizer is a whole BPE tokenizer, read from a GGUF in a fraction of the time."""
     import gguf
 
     tok = _tokenizer_fields()
+    if vocab is not None:
+        first_merged = len(tok["tokenizer.ggml.tokens"]) - len(tok["tokenizer.ggml.merges"])
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+            tok[key] = tok[key][:vocab]
+        tok["tokenizer.ggml.merges"] = tok["tokenizer.ggml.merges"][:max(0, vocab - first_merged)]
     vocab = len(tok["tokenizer.ggml.tokens"])
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), shape.arch)
@@ -171,11 +186,11 @@ def write_gguf(path: Path, shape: Shape, types: Types, seed: int = 0) -> Path:
     tensors = gguf_tensors(shape, types, vocab)
     for name, kind, rows, cols in tensors:
         qt = gguf.GGMLQuantizationType[kind]
-        if kind in ("F32", "F16"):
+        if kind in _FLOATS:
             n = rows * (cols or 1)
             dims = (rows,) if cols is None else (rows, cols)
-            w.add_tensor_info(name, dims, np.dtype(np.float16 if kind == "F16" else np.float32),
-                              n * (2 if kind == "F16" else 4))
+            dtype = np.dtype(_FLOATS[kind])
+            w.add_tensor_info(name, dims, dtype, n * dtype.itemsize, raw_dtype=qt if kind == "BF16" else None)
         else:
             block, size = gguf.GGML_QUANT_SIZES[qt]
             w.add_tensor_info(name, (rows, cols // block * size), np.dtype(np.uint8), rows * (cols // block) * size,
