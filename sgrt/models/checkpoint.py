@@ -8,6 +8,7 @@ none of them.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +38,23 @@ class GGUFFile:
         """The file's ``gguf.GGUFReader`` (parsed now if not yet).
 
         Raises:
-            ModelLoadError: the file cannot be parsed (names the file and the spec).
+            ModelLoadError: the file cannot be parsed (names the file, the spec and what is wrong:
+                :func:`~sgrt.models.gguf_check.gguf_layout_problem`).
         """
         if self._reader is None:
             import gguf
 
+            from sgrt.models.gguf_check import gguf_layout_problem
+
             try:
                 self._reader = gguf.GGUFReader(str(self.path))
-            except Exception as e:  # gguf raises ValueError / struct.error on a corrupt file
-                raise ModelLoadError(f"model {self.spec!r}: cannot read GGUF {self.path}: {e}") from e
+            except Exception as e:  # (numpy's and struct's errors deep in gguf on a damaged file)
+                try:
+                    why = gguf_layout_problem(self.path)
+                except OSError as oe:
+                    why = str(oe)
+                raise ModelLoadError(f"model {self.spec!r}: cannot read GGUF {self.path}: "
+                                     f"{why or f'{type(e).__name__}: {e}'}") from e
         return self._reader
 
 
@@ -65,9 +74,14 @@ def gguf_family(reader: Any, spec: str) -> Family:
     arch = _field(reader, "general.architecture")
     fam = family_for_gguf(arch)
     if fam is None:
-        raise ModelLoadError(f"model {spec!r}: GGUF architecture {arch!r} is not supported "
-                             f"(supported: {supported_names()['gguf']})")
+        raise ModelLoadError(f"model {spec!r}: GGUF architecture {arch!r} of {gguf_name(reader, spec)} is not "
+                             f"supported (supported: {supported_names()['gguf']})")
     return fam
+
+
+def gguf_name(reader: Any, spec: str) -> str:
+    """The path of an open GGUF (``spec`` where the reader does not know it), for messages."""
+    return getattr(getattr(reader, "data", None), "filename", None) or spec
 
 
 def hf_name(gguf_name: str, family: Family | None = None) -> str | None:
@@ -96,52 +110,71 @@ def gguf_hf_config(reader: Any, spec: str) -> tuple[dict, Family, dict]:
     tokenizer facts, from GGUF metadata.
 
     Raises:
-        ModelLoadError: architecture not registered, or a rotary variant we do not read.
+        ModelLoadError: architecture not registered, a rotary variant we do not read, or a shape
+            field missing or not a positive integer (names the key and the file).
     """
     family = gguf_family(reader, spec)
     arch = _field(reader, "general.architecture")
+    where = f"the GGUF metadata of {gguf_name(reader, spec)}"
 
     def meta(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
 
+    def count(key: str, default: int | None = None) -> int:
+        """``<arch>.<key>``, a positive integer (``default`` where absent)."""
+        v = meta(key, default)
+        if v is None:
+            raise ModelLoadError(f"model {spec!r}: {where} lacks {arch}.{key}")
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ModelLoadError(f"model {spec!r}: {where} has {arch}.{key} = {v!r}, not a positive integer")
+        return v
+
+    def number(key: str, default: float) -> float:
+        """``<arch>.<key>``, a finite number (``default`` where absent)."""
+        v = meta(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ModelLoadError(f"model {spec!r}: {where} has {arch}.{key} = {v!r}, not a number")
+        return float(v)
+
     tensors = {t.name: t for t in reader.tensors}
-    n_heads = int(meta("attention.head_count"))
-    hidden = int(meta("embedding_length"))
-    head_dim = int(meta("attention.key_length", hidden // n_heads))
+    n_heads = count("attention.head_count")
+    hidden = count("embedding_length")
+    if meta("attention.key_length") is None and hidden % n_heads:
+        raise ModelLoadError(f"model {spec!r}: {where} has {arch}.embedding_length = {hidden}, not a multiple of "
+                             f"{arch}.attention.head_count = {n_heads}, and no {arch}.attention.key_length")
+    head_dim = count("attention.key_length", hidden // n_heads)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     n_tokens = len(tokens.data) if tokens is not None else None
-    eps = float(meta("attention.layer_norm_rms_epsilon", 1e-5))
+    eps = number("attention.layer_norm_rms_epsilon", 1e-5)
     hf: dict[str, Any] = {
         "architectures": [family.hf_architectures[0]],
         "model_type": family.hf_model_types[0],
-        "vocab_size": int(meta("vocab_size", n_tokens)),
+        "vocab_size": count("vocab_size", n_tokens),
         "hidden_size": hidden,
-        "intermediate_size": int(meta("feed_forward_length")),
-        "num_hidden_layers": int(meta("block_count")),
+        "intermediate_size": count("feed_forward_length"),
+        "num_hidden_layers": count("block_count"),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(meta("attention.head_count_kv", n_heads)),
+        "num_key_value_heads": count("attention.head_count_kv", n_heads),
         "head_dim": head_dim,
-        "max_position_embeddings": int(meta("context_length", 2048)),
+        "max_position_embeddings": count("context_length", 2048),
         "rms_norm_eps": float(f"{eps:.6g}"),  # stored as float32: 9.9999997e-06 -> 1e-05
-        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "rope_theta": number("rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
-    window = meta("attention.sliding_window")
-    if window:
-        hf["sliding_window"] = int(window)
-    rope_dim = int(meta("rope.dimension_count", head_dim))
+    if meta("attention.sliding_window"):
+        hf["sliding_window"] = count("attention.sliding_window")
+    rope_dim = count("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         hf["partial_rotary_factor"] = rope_dim / head_dim
     scaling = meta("rope.scaling.type")
     if scaling in ("linear", "yarn"):
-        hf["rope_scaling"] = {"rope_type": scaling, "factor": float(meta("rope.scaling.factor", 1.0))}
-        original = meta("rope.scaling.original_context_length")
-        if original:
-            hf["rope_scaling"]["original_max_position_embeddings"] = int(original)
+        hf["rope_scaling"] = {"rope_type": scaling, "factor": number("rope.scaling.factor", 1.0)}
+        if meta("rope.scaling.original_context_length"):
+            hf["rope_scaling"]["original_max_position_embeddings"] = count("rope.scaling.original_context_length")
     elif scaling not in (None, "none"):
         raise ModelLoadError(f"model {spec!r}: GGUF rope scaling {scaling!r} is not supported")
     if "rope_freqs.weight" in tensors:
@@ -191,18 +224,32 @@ def read_hf_config(folder: Path, spec: str) -> ModelConfig:
     return family_config(family, cfg, spec, str(path))
 
 
+# ModelConfig's sizes, each a positive integer in any model
+_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim")
+
+
 def family_config(family: Family, cfg: dict, spec: str, where: str) -> ModelConfig:
     """``cfg`` (an HF config dict) read by ``family``; ``where`` names its source in errors.
 
     Raises:
-        ModelLoadError: a missing field or a value the family refuses.
+        ModelLoadError: a missing field, a value the family refuses, or a shape no model has (a
+            size that is not a positive integer, query heads not a multiple of key / value heads;
+            names the field).
     """
     try:
         config = family.config_from_hf(cfg)
     except KeyError as e:
         raise ModelLoadError(f"model {spec!r}: {where} lacks field {e}") from e
-    except ValueError as e:
+    except (TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelLoadError(f"model {spec!r}: {where}: {e}") from e
+    for name in _SHAPE_FIELDS:
+        v = getattr(config, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ModelLoadError(f"model {spec!r}: {where} has {name} = {v!r}, not a positive integer")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ModelLoadError(f"model {spec!r}: {where} has num_attention_heads = {config.num_attention_heads}, not a "
+                             f"multiple of num_key_value_heads = {config.num_key_value_heads}")
     config.architecture = family.hf_architectures[0]
     return config
 

@@ -22,11 +22,13 @@ one (benchmarks against other engines, tests); loads never use it.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,6 +67,8 @@ _MIB = 1 << 20
 # A temporary or set-aside folder in the cache that no live builder holds and that is older than this
 # was left by a process that died (a killed load): the next build beside it deletes it.
 SWEEP_AFTER_SECONDS = 60.0
+# errno values of a write to a cache that has no room or is read-only
+CACHE_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 
 # GGUF tensors that carry rotary metadata rather than weights (read by the families' gguf_extras
 # or gguf_config).
@@ -201,7 +205,8 @@ def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None 
     except ModelLoadError as e:
         if problem is None:
             raise
-        raise ModelLoadError(f"GGUF cache entry {final} is damaged or stale ({problem}) and was not rebuilt: {e}") from e
+        raise ModelLoadError(f"GGUF cache entry {final} is damaged or stale ({problem}) and was not rebuilt: "
+                             f"{e}") from e
     except OSError as e:
         what = f"rebuild the cache entry {final} ({problem})" if problem else f"write the cache entry {final}"
         raise ModelLoadError(f"model {spec!r}: cannot {what}: {e}; delete it, or set SGRT_CACHE_DIR to a "
@@ -255,13 +260,42 @@ def _delete(path: Path) -> None:
 
 
 def _child_error(proc: subprocess.CompletedProcess, spec: str, gguf_path: Path) -> str:
-    """The child's ModelLoadError message (its last stdout line, JSON), else what it printed."""
+    """The child's error message (its last stdout line, JSON), else how it ended and what it
+    printed."""
     lines = proc.stdout.strip().splitlines()
     try:
         return json.loads(lines[-1])["error"]
     except (IndexError, ValueError, KeyError, TypeError):
-        return (f"model {spec!r}: reading {gguf_path} failed (exit status {proc.returncode}): "
-                + (proc.stderr.strip()[-2000:] or "no message"))
+        pass
+    if proc.returncode < 0:
+        try:
+            name = signal.Signals(-proc.returncode).name
+        except ValueError:
+            name = f"signal {-proc.returncode}"
+        how = f"the process reading it was killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+    else:
+        how = f"exit status {proc.returncode}"
+    return f"model {spec!r}: reading {gguf_path} failed ({how}): " + (proc.stderr.strip()[-2000:] or "no message")
+
+
+def read_gguf_metadata(gguf_path: Path, spec: str) -> tuple[dict[str, Any], dict[str, Any],
+                                                             dict[str, TensorEntry], int]:
+    """One parse of ``gguf_path``: its HF-style config, tokenizer facts, tensor table, and the
+    bytes before its tensor data (the metadata, hashed into the entry).
+
+    Raises:
+        ModelLoadError: a file that is not a whole GGUF (what is wrong: :func:`~sgrt.models.
+            gguf_check.gguf_layout_problem`), metadata no family takes (names the key), or a
+            tensor no family has or sgrt cannot read (names it).
+    """
+    from sgrt.models.checkpoint import family_config
+
+    reader = GGUFFile(gguf_path, spec).reader()
+    hf_cfg, family, facts = gguf_hf_config(reader, spec)
+    family_config(family, hf_cfg, spec, f"the GGUF metadata of {gguf_path}")  # (refuses what it cannot take, now)
+    table = gguf_tensor_table(reader, family, gguf_path, spec, GGUF_ROPE_TENSORS)
+    head = int(getattr(reader, "data_offset", 0) or min((e.offset for e in table.values()), default=0))
+    return hf_cfg, facts, table, head
 
 
 def build_gguf_source(gguf_path: Path, out: Path, spec: str) -> None:
@@ -271,14 +305,7 @@ def build_gguf_source(gguf_path: Path, out: Path, spec: str) -> None:
     Raises:
         ModelLoadError: as :func:`ensure_gguf_source`.
     """
-    from sgrt.models.checkpoint import family_config
-
-    reader = GGUFFile(gguf_path, spec).reader()
-    hf_cfg, family, facts = gguf_hf_config(reader, spec)
-    family_config(family, hf_cfg, spec, "the GGUF metadata")  # (refuses what it cannot take, now)
-    table = gguf_tensor_table(reader, family, gguf_path, spec, GGUF_ROPE_TENSORS)
-    head = int(getattr(reader, "data_offset", 0) or min((e.offset for e in table.values()), default=0))
-    del reader
+    hf_cfg, facts, table, head = read_gguf_metadata(gguf_path, spec)
     tok = out / TOKENIZER_DIR
     _write_tokenizer(gguf_path, tok, facts, spec)
     (tok / "generation_config.json").write_text(json.dumps(
@@ -482,12 +509,26 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     _os.environ.setdefault("HF_HUB_OFFLINE", "1")  # (never a hub: the tokenizer is the file's)
+    path, out, spec = Path(args[0]), Path(args[1]), args[2]
     try:
-        build_gguf_source(Path(args[0]), Path(args[1]), args[2])
+        build_gguf_source(path, out, spec)
     except ModelLoadError as e:
-        print(json.dumps({"error": str(e)}))
-        return 1
-    return 0
+        error = str(e)
+    except OSError as e:
+        if e.errno in CACHE_FULL_ERRNOS or (e.filename and str(e.filename).startswith(str(out))):
+            error = (f"model {spec!r}: cannot write the cache entry of {path} in {out.parent}: {e} (free space "
+                     f"there, or set SGRT_CACHE_DIR to a writable folder with room)")
+        else:
+            error = f"model {spec!r}: cannot read {path}: {e}"
+    except Exception as e:  # (a fault of the file that no check above names; the traceback for us)
+        import traceback
+
+        traceback.print_exc()
+        error = f"model {spec!r}: reading GGUF {path} failed: {type(e).__name__}: {e}"
+    else:
+        return 0
+    print(json.dumps({"error": error}))
+    return 1
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ The safetensors header (an 8-byte little-endian length, then JSON: ``dtype``, ``
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -35,6 +36,7 @@ from sgrt.models.config import ModelConfig
 
 # safetensors dtype -> (our type name, bytes an element); only float weights load
 _SAFETENSORS_TYPES = {"F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2)}
+DEFAULT_GGUF_ALIGNMENT = 32  # (GGUF's, where general.alignment does not say)
 _FLOAT_TYPES = {"F32": (np.float32, torch.float32), "F16": (np.float16, torch.float16),
                 "BF16": (np.uint16, torch.bfloat16)}
 
@@ -144,6 +146,22 @@ class CheckpointTensors:
         return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(r1 - r0, entry.cols))
 
 
+@functools.lru_cache(maxsize=None)
+def readable_type(kind: str) -> bool:
+    """Whether :meth:`CheckpointTensors.read_float` reads tensors of ``kind`` (a float type, or a
+    GGML type ``gguf`` dequantizes: tried on one zero block)."""
+    import gguf
+
+    if kind in _FLOAT_TYPES:
+        return True
+    try:
+        qtype = gguf.GGMLQuantizationType[kind]
+        gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
+    except (KeyError, NotImplementedError):
+        return False
+    return True
+
+
 def gguf_tensor_table(reader: Any, family: Any, path: Path, spec: str,
                       skip: frozenset[str] = frozenset()) -> dict[str, TensorEntry]:
     """The tensors of an open ``gguf.GGUFReader`` by HF name (``family.gguf_hf_name``), GGUF's
@@ -151,18 +169,30 @@ def gguf_tensor_table(reader: Any, family: Any, path: Path, spec: str,
     (rotary metadata tensors).
 
     Raises:
-        ModelLoadError: a tensor with no counterpart in the family.
+        ModelLoadError: a tensor with no counterpart in the family, of more than 2 dimensions, or
+            of a type :meth:`CheckpointTensors.read_float` cannot read (names it and the file).
     """
     import gguf
 
     out: dict[str, TensorEntry] = {}
+    align = reader.fields.get("general.alignment")
+    alignment = int(align.contents()) if align is not None else DEFAULT_GGUF_ALIGNMENT
     for t in reader.tensors:
+        if (int(t.data_offset) - int(reader.data_offset)) % alignment:
+            raise ModelLoadError(f"model {spec!r}: GGUF tensor {t.name!r} in {path} starts at byte {t.data_offset}, "
+                                 f"not on the file's {alignment}-byte alignment (a corrupt tensor description)")
         if t.name in skip:
             continue
         name = family.gguf_hf_name(t.name)
         if name is None:
             raise ModelLoadError(f"model {spec!r}: GGUF tensor {t.name!r} has no {family.name} counterpart")
         dims = [int(x) for x in t.shape]
+        if len(dims) > 2:
+            raise ModelLoadError(f"model {spec!r}: GGUF tensor {t.name!r} in {path} has {len(dims)} dimensions "
+                                 f"{dims}; weights have 1 or 2")
+        if not readable_type(t.tensor_type.name):
+            raise ModelLoadError(f"model {spec!r}: GGUF tensor {t.name!r} in {path} has type {t.tensor_type.name}, "
+                                 f"which sgrt cannot read (gguf has no dequantization for it)")
         shape = (dims[1], dims[0]) if len(dims) == 2 else (dims[0],)
         block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
         out[name] = TensorEntry(name, str(path), int(t.data_offset), t.tensor_type.name, shape,

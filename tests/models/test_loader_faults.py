@@ -1,0 +1,247 @@
+"""Tests of the loader against the faults users meet (sgrt/models/gguf_check.py, gguf_convert.py,
+checkpoint.py): a GGUF cut short or corrupt is refused by a ModelLoadError naming the file and
+what is wrong; tensor types the kernels have no form for are dequantized a chunk of rows at a
+time.
+
+The GGUFs are small random-weight files with a 512-token cut of SmolLM2's tokenizer, so a GGUF
+read (a child process) takes seconds."""
+from __future__ import annotations
+
+import errno
+import json
+import signal
+import struct
+import subprocess
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from bench.model_files import Shape, Types, write_gguf
+from sgrt.errors import ModelLoadError
+from sgrt.models import gguf_convert, load_model, weight_packer
+from sgrt.models.checkpoint import unpermute_rotary
+from sgrt.models.gguf_check import gguf_layout_problem
+from sgrt.models.quant import native_kernel_available
+
+TINY = Shape("llama", 1, 256, 512, 4, 2, context=512)
+TYPES = Types("Q4_0", {"token_embd": "Q8_0"})
+VOCAB = 512
+IDS = torch.tensor([1, 300, 17, 460, 2])
+STORE = "float32-none-plain-v1"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    """A small GGUF, a cache holding its entry and float32 store, and that model's logits."""
+    root = tmp_path_factory.mktemp("faults")
+    path = write_gguf(root / "tiny.gguf", TINY, TYPES, vocab=VOCAB)
+    lm = load_model(str(path), dtype="float32", cache_dir=root / "cache")
+    assert lm.path.name == STORE
+    return {"gguf": path, "cache": root / "cache", "entry": lm.path.parent, "logits": lm.model.forward_simple(IDS)}
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+# ---- a GGUF cut short or corrupt -------------------------------------------------------------------
+
+def _layout(path: Path) -> dict:
+    """Byte offsets in the file: the start of each metadata entry's value (by key) and of each
+    tensor description (by name), and where the data starts."""
+    r = gguf.GGUFReader(str(path))
+    values = {k: f.offset + 8 + len(k.encode()) + 4 for k, f in r.fields.items()}
+    tensors = {t.name: t.field.offset + 8 + len(t.name.encode()) for t in r.tensors}
+    return {"values": values, "tensors": tensors, "data": r.data_offset,
+            "first_tensor": r.tensors[0].field.offset, "dims": {t.name: len(t.shape) for t in r.tensors}}
+
+
+def _set(data: bytes, at: int, fmt: str, value: int) -> bytes:
+    b = bytearray(data)
+    struct.pack_into(fmt, b, at, value)
+    return bytes(b)
+
+
+def _type_at(lay: dict, name: str) -> int:
+    """Where tensor ``name``'s type id is (after its dimension count and dimensions)."""
+    return lay["tensors"][name] + 4 + 8 * lay["dims"][name]
+
+
+# (how the file is damaged, what the error says about it)
+CORRUPTIONS = {
+    "empty": (lambda d, lay: b"", "the file is empty"),
+    "a text file": (lambda d, lay: b"not a model\n" * 20, "does not start with GGUF's magic"),
+    "version 99": (lambda d, lay: _set(d, 4, "<I", 99), "GGUF version 99"),
+    "cut in the header": (lambda d, lay: d[:16], "ends inside the header"),
+    "cut in the vocabulary": (lambda d, lay: d[:lay["values"]["tokenizer.ggml.tokens"] + 2000],
+                              "'tokenizer.ggml.tokens': an array of 512 items, more than the file holds"),
+    "cut in the merges": (lambda d, lay: d[:lay["values"]["tokenizer.ggml.merges"] + 3000],
+                          "the file ends inside metadata 'tokenizer.ggml.merges', item"),
+    "cut in the tensor descriptions": (lambda d, lay: d[:lay["first_tensor"] + 30],
+                                       "ends inside the description of tensor 'token_embd.weight'"),
+    "cut before the data": (lambda d, lay: d[:lay["data"]], "tensor 'token_embd.weight' (Q8_0, 512 x 256) lies"),
+    "cut in the last tensor": (lambda d, lay: d[:-1000], "tensor 'output_norm.weight' (F32, 256) lies at"),
+    "2**62 metadata entries": (lambda d, lay: _set(d, 16, "<Q", 1 << 62), "claims 4611686018427387904 metadata"),
+    "2**62 tensors": (lambda d, lay: _set(d, 8, "<Q", 1 << 62), "claims 4611686018427387904 tensors"),
+    "a key of 2**60 bytes": (lambda d, lay: _set(d, 24, "<Q", 1 << 60), "metadata entry 0 has a string of"),
+    "an array of 2**60 tokens": (lambda d, lay: _set(d, lay["values"]["tokenizer.ggml.tokens"] + 4, "<Q", 1 << 60),
+                                 "'tokenizer.ggml.tokens': an array of 1152921504606846976 items"),
+    "a tensor of 2**30 dimensions": (lambda d, lay: _set(d, lay["tensors"]["output_norm.weight"], "<I", 1 << 30),
+                                     "'output_norm.weight' has 1073741824 dimensions"),
+    "dimensions whose product overflows": (
+        lambda d, lay: _set(_set(d, lay["tensors"]["blk.0.attn_q.weight"] + 4, "<Q", 1 << 33),
+                            lay["tensors"]["blk.0.attn_q.weight"] + 12, "<Q", 1 << 31),
+        "'blk.0.attn_q.weight' (Q4_0, 2147483648 x 8589934592) lies"),
+    "rows not whole blocks": (lambda d, lay: _set(d, lay["tensors"]["blk.0.attn_q.weight"] + 4, "<Q", 250),
+                              "rows of 250 values are not whole Q4_0 blocks of 32"),
+    "an unknown tensor type": (lambda d, lay: _set(d, _type_at(lay, "output_norm.weight"), "<I", 99),
+                               "type id 99, which is no GGML type"),
+    "a data offset past the end": (lambda d, lay: _set(d, _type_at(lay, "output_norm.weight") + 4, "<Q", 1 << 40),
+                                   "'output_norm.weight' (F32, 256) lies at bytes 1099511"),
+    "a misaligned data offset": (lambda d, lay: _set(d, _type_at(lay, "output_norm.weight") + 4, "<Q", 1),
+                                 "'output_norm.weight' in {path} starts at byte"),
+    # (read by gguf, refused by what sgrt makes of it)
+    "an integer tensor": (lambda d, lay: _set(d, _type_at(lay, "output_norm.weight"), "<I",
+                                              gguf.GGMLQuantizationType.I32),
+                          "tensor 'output_norm.weight' in {path} has type I32, which sgrt cannot read"),
+    "no embedding length": (lambda d, lay: d.replace(b"llama.embedding_length", b"llama.embedding_lengtX"),
+                            "metadata of {path} lacks llama.embedding_length"),
+    "zero heads": (lambda d, lay: _set(d, lay["values"]["llama.attention.head_count"], "<I", 0),
+                   "llama.attention.head_count = 0, not a positive integer"),
+    "heads that do not divide the width": (
+        lambda d, lay: _set(d, lay["values"]["llama.attention.head_count"], "<I", 3),
+        "llama.embedding_length = 256, not a multiple of llama.attention.head_count = 3"),
+    "query heads not a multiple of kv heads": (
+        lambda d, lay: _set(d, lay["values"]["llama.attention.head_count_kv"], "<I", 3),
+        "num_attention_heads = 4, not a multiple of num_key_value_heads = 3"),
+    "an architecture no family reads": (lambda d, lay: d.replace(b"\x05\x00\x00\x00\x00\x00\x00\x00llama",
+                                                                 b"\x05\x00\x00\x00\x00\x00\x00\x00llamb", 1),
+                                        "GGUF architecture 'llamb' of {path} is not supported"),
+}
+
+
+def _corrupt(tiny: dict, tmp_path: Path, damage: str) -> tuple[Path, str]:
+    """The tiny GGUF damaged as ``damage`` says, at ``tmp_path/<name>.gguf``: (path, expected message)."""
+    change, said = CORRUPTIONS[damage]
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(change(tiny["gguf"].read_bytes(), _layout(tiny["gguf"])))
+    return path, said.format(path=path)
+
+
+@pytest.mark.parametrize("damage", list(CORRUPTIONS))
+def test_a_corrupt_gguf_is_named_with_what_is_wrong(tiny, tmp_path, damage):
+    """Every way a GGUF's header, metadata, tensor descriptions or data extents can be cut short or
+    overwritten is refused by the one parse a load makes (read_gguf_metadata, which the reading
+    child runs) with a ModelLoadError that names the file and what is wrong, never numpy's or
+    struct's errors, a hang or an allocation the size of a bogus count."""
+    path, said = _corrupt(tiny, tmp_path, damage)
+    with pytest.raises(ModelLoadError) as e:
+        gguf_convert.read_gguf_metadata(path, "spec")
+    msg = str(e.value)
+    assert str(path) in msg and said in msg, msg
+    assert "reshape" not in msg and "index" not in msg and "Traceback" not in msg
+
+
+def test_the_layout_check_passes_whole_files(tiny):
+    """The check that explains a failed parse finds nothing wrong with whole files: the tiny one
+    and the default model's (Gemma-size vocabularies, chat template, every metadata type)."""
+    from sgrt.models.specs import default_gguf_path
+
+    assert gguf_layout_problem(tiny["gguf"]) is None
+    assert gguf_layout_problem(default_gguf_path()) is None
+
+
+@pytest.mark.parametrize("damage", ["cut in the last tensor", "zero heads", "an integer tensor"])
+def test_a_corrupt_gguf_fails_the_load_with_its_message(tiny, tmp_path, damage):
+    """Through load_model (the file read in a child process): the child's message reaches the
+    caller whole, as a ModelLoadError, and the cache keeps nothing of the attempt."""
+    path, said = _corrupt(tiny, tmp_path, damage)
+    cache = tmp_path / "cache"
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(path), dtype="float32", cache_dir=cache)
+    assert said in str(e.value) and "Traceback" not in str(e.value)
+    assert _listing(cache / "gguf") == []
+
+
+def test_an_unexpected_failure_in_the_reading_child_is_typed(tiny, tmp_path, monkeypatch, capsys):
+    """The child (gguf_convert.main) turns what its checks did not foresee into a message naming
+    the file and the exception, and a cache with no room into the fix; a child killed by a signal
+    is named as such by the parent."""
+    out = tmp_path / "entry"
+    out.mkdir()
+
+    def fails(exc):
+        def build(*a, **k):
+            raise exc
+        return build
+
+    monkeypatch.setattr(gguf_convert, "build_gguf_source", fails(RuntimeError("a surprise")))
+    assert gguf_convert.main([str(tiny["gguf"]), str(out), "spec"]) == 1
+    error = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+    assert error == f"model 'spec': reading GGUF {tiny['gguf']} failed: RuntimeError: a surprise"
+
+    full = OSError(errno.ENOSPC, "No space left on device", str(out / "tokenizer" / "tokenizer.json"))
+    monkeypatch.setattr(gguf_convert, "build_gguf_source", fails(full))
+    assert gguf_convert.main([str(tiny["gguf"]), str(out), "spec"]) == 1
+    error = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+    assert f"cannot write the cache entry of {tiny['gguf']} in {tmp_path}" in error
+    assert "No space left on device" in error and "SGRT_CACHE_DIR" in error
+
+    killed = subprocess.CompletedProcess([], -signal.SIGKILL, "", "")
+    msg = gguf_convert._child_error(killed, "spec", tiny["gguf"])
+    assert f"reading {tiny['gguf']} failed (the process reading it was killed by SIGKILL (out of memory?))" in msg
+
+
+# ---- tensor types the kernels have no form for --------------------------------------------------------
+
+ODD_TYPES = Types("Q4_0", {"attn_q": "Q2_K", "attn_k": "Q3_K", "attn_v": "IQ4_NL", "attn_output": "IQ4_XS",
+                           "ffn_gate": "BF16", "ffn_up": "F16", "token_embd": "Q8_0"})
+# GGUF name -> canonical weight (q / k rows in llama.cpp's rotary order, unpermuted by heads)
+ODD_ROLES = {"blk.0.attn_q.weight": ("qkv_proj", 0, TINY.heads), "blk.0.attn_k.weight": ("qkv_proj", 1, TINY.kv_heads),
+             "blk.0.attn_v.weight": ("qkv_proj", 2, None), "blk.0.attn_output.weight": ("o_proj", 0, None),
+             "blk.0.ffn_gate.weight": ("gate_up_proj", 0, None), "blk.0.ffn_up.weight": ("gate_up_proj", 1, None),
+             "blk.0.ffn_down.weight": ("down_proj", 0, None)}
+
+
+def test_types_the_kernels_cannot_read_are_dequantized_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """Q2_K, Q3_K, IQ4_NL, IQ4_XS, BF16 and F16 projections (no form of sgrt's kernels) load: in
+    float32 each is gguf's dequantization of the file's tensor, read 16 rows at a time where the
+    chunk is that small (never the tensor whole); in int4 mode they are quantized at load and the
+    logits stay near float32's."""
+    from sgrt.models.weight_files import CheckpointTensors
+
+    path = write_gguf(tmp_path / "odd.gguf", TINY, ODD_TYPES, vocab=VOCAB)
+    reads = []
+    real = CheckpointTensors.read_float
+
+    def spy(self, entry, r0, r1):
+        reads.append((entry.name, r1 - r0, entry.rows))
+        return real(self, entry, r0, r1)
+
+    monkeypatch.setattr(CheckpointTensors, "read_float", spy)
+    monkeypatch.setattr(weight_packer, "CHUNK_WEIGHTS", 16 * TINY.hidden)  # (16 rows of 256 columns)
+    lm = load_model(str(path), dtype="float32", cache_dir=tmp_path / "cache", prepack=False)
+    layer = lm.model.layers[0]
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.name in ODD_ROLES:
+            proj, i, heads = ODD_ROLES[t.name]
+            w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+            w = w.reshape(int(t.shape[1]), int(t.shape[0]))
+            parts.setdefault(proj, {})[i] = unpermute_rotary(w, heads) if heads else w
+    for proj, pieces in parts.items():
+        assert torch.equal(getattr(layer, proj).weight, torch.cat([pieces[i] for i in sorted(pieces)])), proj
+    # (a chunk of q / k rows reads the whole heads it touches, to unpermute them: 64 rows)
+    assert {rows for n, rows, total in reads if n.endswith("gate_proj.weight")} == {16}
+    assert {rows for n, rows, total in reads if n.endswith("q_proj.weight")} == {TINY.hidden // TINY.heads}
+    logits = lm.model.forward_simple(IDS)
+    assert bool(logits.isfinite().all())
+    if native_kernel_available():
+        q = load_model(str(path), dtype="bfloat16", quantization="int4", cache_dir=tmp_path / "cache")
+        # qkv, o_proj and gate_up quantized from dequantized rows; down_proj and the head the file's blocks
+        assert q.counts["quantized"] == 3 and q.counts["blocks"] == 2
+        got = q.model.forward_simple(IDS).float()
+        assert (got - logits).abs().max() < 0.1 * logits.abs().max()
