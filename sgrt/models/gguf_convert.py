@@ -67,6 +67,9 @@ _MIB = 1 << 20
 # A temporary or set-aside folder in the cache that no live builder holds and that is older than this
 # was left by a process that died (a killed load): the next build beside it deletes it.
 SWEEP_AFTER_SECONDS = 60.0
+# How long a load waits for another process building the entry or store it needs before building
+# it too (a pack of an 8B model takes minutes on 2 cores).
+WAIT_FOR_BUILDER_SECONDS = 1800.0
 # errno values of a write to a cache that has no room or is read-only
 CACHE_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 
@@ -179,11 +182,20 @@ def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None 
     from sgrt.progress import progress
 
     final = gguf_entry(gguf_path, cache_dir)
-    problem, stores_hold = None, True
-    if final.is_dir():
-        problem, stores_hold = ("its tokenizer did not load", True) if repair else entry_problem(final, gguf_path)
-        if problem is None:
+
+    def check(repair: bool) -> tuple[str | None, bool]:
+        if not final.is_dir():
+            return None, True
+        return ("its tokenizer did not load", True) if repair else entry_problem(final, gguf_path)
+
+    problem, stores_hold = check(repair)
+    if problem is None and final.is_dir():
+        return final, False
+    if wait_for_builders(final, spec):  # (another process built or repaired it meanwhile)
+        problem, stores_hold = check(False)
+        if problem is None and final.is_dir():
             return final, False
+    if problem is not None:
         logger.warning("model %s: GGUF cache entry %s: %s; reading %s again", spec, final, problem, gguf_path)
     try:
         if not stores_hold:
@@ -363,6 +375,50 @@ def building(final: Path, spec: str) -> Iterator[Path]:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
         os.close(fd)
+
+
+def wait_for_builders(final: Path, spec: str, timeout: float | None = None) -> bool:
+    """Wait while other processes build ``final`` (each holds its ``.tmp-`` folder beside it
+    locked: :func:`building`), up to ``timeout`` seconds (:data:`WAIT_FOR_BUILDER_SECONDS`); True
+    if it waited, and the caller looks for ``final`` again. Two processes loading the same
+    uncached model so pack it once; where both start building at the same instant, or a builder
+    outlasts the wait (a stopped process), both build, and the first rename wins
+    (:func:`publish_folder`)."""
+    if fcntl is None:
+        return False
+    deadline = time.monotonic() + (WAIT_FOR_BUILDER_SECONDS if timeout is None else timeout)
+    try:
+        siblings = [p for p in final.parent.iterdir() if p.name.startswith(f".tmp-{final.name}-")]
+    except OSError:
+        return False
+    waited = False
+    for p in siblings:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue  # (finished or swept meanwhile)
+        try:
+            if _locked(fd):  # (else free: a dead builder's, left to the sweep)
+                from sgrt.progress import progress
+
+                logger.info("model %s: waiting for another process that is building %s", spec, final)
+                with progress(f"waiting for another process building {final.name}"):
+                    while _locked(fd) and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                waited = True
+        finally:
+            os.close(fd)
+    return waited
+
+
+def _locked(fd: int) -> bool:
+    """Whether another open file holds ``fd``'s ``flock`` (tried, and let go at once)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
 
 
 def sweep_dead_builds(folder: Path) -> list[Path]:

@@ -45,8 +45,8 @@ from sgrt.models.checkpoint import (  # noqa: F401 - re-exported
 )
 from sgrt.models.config import ModelConfig
 from sgrt.models.gguf_convert import (  # noqa: F401 - re-exported
-    CONVERTER_VERSION, FULL_HASH_MAX_BYTES, TOKENIZER_DIR, ensure_gguf_source, export_hf_folder, gguf_cache_key,
-    publish_folder, read_gguf_source, relax_permissions,
+    CACHE_FULL_ERRNOS, CONVERTER_VERSION, FULL_HASH_MAX_BYTES, TOKENIZER_DIR, ensure_gguf_source, export_hf_folder,
+    gguf_cache_key, publish_folder, read_gguf_source, relax_permissions,
 )
 from sgrt.models.specs import DEFAULT_MODEL, default_gguf_path, resolve_spec  # noqa: F401 - re-exported
 from sgrt.models.tokenizer import Tokenizer
@@ -255,28 +255,42 @@ def _discard_store(damage: DamagedStore, spec: str) -> None:
     logger.warning("model %s: %s; packing it again", spec, damage)
 
 
+def _existing_store(final: Path, target: Target, spec: str) -> WeightStore | None:
+    """The store at ``final``, opened, or None where there is none (a damaged one is moved aside:
+    :func:`_discard_store`)."""
+    if not os.path.lexists(final):
+        return None
+    try:
+        return _open_store(final, target)
+    except DamagedStore as e:
+        _discard_store(e, spec)
+        return None
+
+
 def _ensure_store(source: _Checkpoint, target: Target, spec: str) -> tuple[WeightStore, bool]:
     """The checkpoint's store for ``target``, opened (:func:`_open_store`); packed first where it
     is absent or damaged: ``(store, packed_now)``.
 
     Raises:
         ModelLoadError: a weight missing or of the wrong shape, an unreadable tensor, a cache root
-            that is not writable, or a damaged store that cannot be replaced.
+            that is not writable or full (names the store and the fix), or a damaged store that
+            cannot be replaced.
     """
-    from sgrt.models.gguf_convert import building
+    from sgrt.models.gguf_convert import building, wait_for_builders
     from sgrt.models.registry import family_for_hf
     from sgrt.progress import progress
 
     final = source.entry / target.key
-    if os.path.lexists(final):
-        try:
-            return _open_store(final, target), False
-        except DamagedStore as e:
-            _discard_store(e, spec)
+    store = _existing_store(final, target, spec)
+    if store is None and wait_for_builders(final, spec):  # (another process was packing it)
+        store = _existing_store(final, target, spec)
+    if store is not None:
+        return store, False
     with building(final, spec) as tmp:
         tensors = CheckpointTensors(source.table, spec)
-        writer = StoreWriter(tmp)
+        writer = None
         try:
+            writer = StoreWriter(tmp)
             family = family_for_hf(source.hf_config)
             parts = canonical_parts(source.table, family, source.config, gguf=source.kind == "gguf")
             with progress(f"packing {source.path.name} for {target.key} (once; cached)"):
@@ -286,8 +300,15 @@ def _ensure_store(source: _Checkpoint, target: Target, spec: str) -> tuple[Weigh
             writer.finish(meta)
             relax_permissions(tmp)
             published = publish_folder(tmp, final, MANIFEST_FILE)
+        except OSError as e:
+            if e.errno in CACHE_FULL_ERRNOS:
+                raise ModelLoadError(f"model {spec!r}: cannot write the weight store {final}: {e}; free space in "
+                                     f"{final.parent} (a store takes about the checkpoint's size), or set "
+                                     f"SGRT_CACHE_DIR to a writable folder with room") from e
+            raise ModelLoadError(f"model {spec!r}: packing {source.path} into {final} failed: {e}") from e
         finally:
-            writer.abandon()
+            if writer is not None:
+                writer.abandon()
             tensors.close()
     return _open_store(final, target), published
 

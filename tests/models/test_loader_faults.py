@@ -1,7 +1,9 @@
 """Tests of the loader against the faults users meet (sgrt/models/gguf_check.py, gguf_convert.py,
-checkpoint.py): a GGUF cut short or corrupt is refused by a ModelLoadError naming the file and
-what is wrong; tensor types the kernels have no form for are dequantized a chunk of rows at a
-time.
+checkpoint.py, loader.py): a GGUF cut short or corrupt is refused by a ModelLoadError naming the
+file and what is wrong; a load killed while it writes the cache leaves nothing the next load uses;
+two processes loading one uncached model pack it once and agree; a full or read-only cache is
+named with the fix, and a read-only one still loads what it holds; tensor types the kernels have
+no form for are dequantized a chunk of rows at a time.
 
 The GGUFs are small random-weight files with a 512-token cut of SmolLM2's tokenizer, so a GGUF
 read (a child process) takes seconds."""
@@ -9,9 +11,14 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
+import os
+import shutil
 import signal
 import struct
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import gguf
@@ -26,6 +33,7 @@ from sgrt.models.checkpoint import unpermute_rotary
 from sgrt.models.gguf_check import gguf_layout_problem
 from sgrt.models.quant import native_kernel_available
 
+ROOT = Path(__file__).resolve().parents[2]
 TINY = Shape("llama", 1, 256, 512, 4, 2, context=512)
 TYPES = Types("Q4_0", {"token_embd": "Q8_0"})
 VOCAB = 512
@@ -41,6 +49,16 @@ def tiny(tmp_path_factory) -> dict:
     lm = load_model(str(path), dtype="float32", cache_dir=root / "cache")
     assert lm.path.name == STORE
     return {"gguf": path, "cache": root / "cache", "entry": lm.path.parent, "logits": lm.model.forward_simple(IDS)}
+
+
+def _copy_cache(tiny: dict, tmp_path: Path, store: bool = True) -> tuple[Path, Path]:
+    """A private copy of the cache (without the store unless ``store``): (cache, entry)."""
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny["cache"], cache)
+    entry = cache / tiny["entry"].relative_to(tiny["cache"])
+    if not store:
+        shutil.rmtree(entry / STORE)
+    return cache, entry
 
 
 def _listing(folder: Path) -> list[str]:
@@ -245,3 +263,226 @@ def test_types_the_kernels_cannot_read_are_dequantized_a_chunk_at_a_time(tmp_pat
         assert q.counts["quantized"] == 3 and q.counts["blocks"] == 2
         got = q.model.forward_simple(IDS).float()
         assert (got - logits).abs().max() < 0.1 * logits.abs().max()
+
+
+# ---- a load killed while it writes the cache ----------------------------------------------------------
+
+KILLED_WHILE_PACKING = """
+import os, signal, sys
+from sgrt.models import load_model, weight_store
+real = weight_store.StoreWriter.write
+def write(self, *a, **k):
+    real(self, *a, **k)
+    os.kill(os.getpid(), signal.SIGKILL)  # (after the first chunk: a weights.bin half written)
+weight_store.StoreWriter.write = write
+load_model(sys.argv[1], dtype="float32", cache_dir=sys.argv[2])
+"""
+
+
+def test_a_load_killed_while_packing_leaves_nothing_the_next_load_uses(tiny, tmp_path, monkeypatch):
+    """A process killed in the middle of packing leaves its temporary folder (a partial
+    weights.bin) and no store; the next load packs the store again, gives the file's logits, and
+    deletes the dead process's folder."""
+    cache, entry = _copy_cache(tiny, tmp_path, store=False)
+    proc = subprocess.run([sys.executable, "-c", KILLED_WHILE_PACKING, str(tiny["gguf"]), str(cache)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    left = [p for p in entry.iterdir() if p.name.startswith(".tmp-")]
+    assert len(left) == 1 and (left[0] / "weights.bin").is_file() and not (entry / STORE).exists()
+    monkeypatch.setattr(gguf_convert, "SWEEP_AFTER_SECONDS", 0.0)
+    lm = load_model(str(tiny["gguf"]), dtype="float32", cache_dir=cache)
+    assert lm.converted and lm.path == entry / STORE
+    assert torch.equal(lm.model.forward_simple(IDS), tiny["logits"])
+    assert _listing(entry) == sorted(["source.json", "tokenizer", STORE])
+
+
+def test_a_killed_gguf_reader_is_named_and_the_next_load_reads_the_file(tiny, tmp_path, monkeypatch):
+    """The child reading a GGUF killed after writing part of the entry (an OOM kill): the load
+    raises a ModelLoadError naming the file and the signal, nothing of the entry stays, and the
+    next load reads the file and gives its logits."""
+    cache = tmp_path / "cache"
+    real = subprocess.run
+
+    def killed_child(cmd, **kw):
+        out = cmd[-2]  # (the entry's temporary folder)
+        return real([sys.executable, "-c", "import os, signal, sys; open(sys.argv[1] + '/source.json', 'w')"
+                     ".write('{\"format'); os.kill(os.getpid(), signal.SIGKILL)", out], **kw)
+
+    monkeypatch.setattr(gguf_convert.subprocess, "run", killed_child)
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(tiny["gguf"]), dtype="float32", cache_dir=cache)
+    assert f"reading {tiny['gguf']} failed (the process reading it was killed by SIGKILL" in str(e.value)
+    assert _listing(cache / "gguf") == []
+    monkeypatch.setattr(gguf_convert.subprocess, "run", real)
+    lm = load_model(str(tiny["gguf"]), dtype="float32", cache_dir=cache)
+    assert lm.converted and torch.equal(lm.model.forward_simple(IDS), tiny["logits"])
+
+
+# ---- two processes, one uncached model -----------------------------------------------------------------
+
+class _Said(logging.Handler):
+    """Sets ``event`` when a record's message holds ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text, self.event = text, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+def test_a_load_waits_for_another_process_packing_the_same_store(tiny, tmp_path, monkeypatch):
+    """A load that finds another builder's locked temporary folder for its store waits for it and
+    maps what that builder published, packing nothing itself (here the other builder is this
+    thread, holding the lock as another process would: flock locks conflict between open files)."""
+    from sgrt.models.weight_store import MANIFEST_FILE
+
+    cache, entry = _copy_cache(tiny, tmp_path, store=False)
+    packs = []
+    real = weight_packer.Packer.pack_model
+    monkeypatch.setattr(weight_packer.Packer, "pack_model", lambda self: packs.append(1) or real(self))
+    said = _Said("waiting for another process that is building")
+    logger = logging.getLogger("sgrt.models")
+    logger.addHandler(said)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    result: dict = {}
+
+    def load() -> None:
+        try:
+            result["lm"] = load_model(str(tiny["gguf"]), dtype="float32", cache_dir=cache)
+        except BaseException as e:  # (reported by the assertions below)
+            result["error"] = e
+
+    try:
+        with gguf_convert.building(entry / STORE, "spec") as tmp:
+            loader = threading.Thread(target=load)
+            loader.start()
+            assert said.event.wait(120), result.get("error")
+            for f in (tiny["entry"] / STORE).iterdir():
+                shutil.copy(f, tmp / f.name)
+            assert gguf_convert.publish_folder(tmp, entry / STORE, MANIFEST_FILE)
+        loader.join(120)
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(old_level)
+    assert "error" not in result, result.get("error")
+    lm = result["lm"]
+    assert packs == [] and not lm.converted and lm.path == entry / STORE
+    assert torch.equal(lm.model.forward_simple(IDS), tiny["logits"])
+
+
+def test_a_builder_that_does_not_finish_is_waited_for_only_so_long(tiny, tmp_path, monkeypatch):
+    """A builder that holds its folder and never publishes (a stopped process) is waited for
+    WAIT_FOR_BUILDER_SECONDS; then the load packs the store itself and gives the file's logits."""
+    cache, entry = _copy_cache(tiny, tmp_path, store=False)
+    monkeypatch.setattr(gguf_convert, "WAIT_FOR_BUILDER_SECONDS", 0.5)
+    with gguf_convert.building(entry / STORE, "spec"):
+        lm = load_model(str(tiny["gguf"]), dtype="float32", cache_dir=cache)
+        assert lm.converted and torch.equal(lm.model.forward_simple(IDS), tiny["logits"])
+    assert _listing(entry) == sorted(["source.json", "tokenizer", STORE])
+
+
+TWO_LOADS = """
+import json, sys
+from sgrt.models import load_model
+import torch
+lm = load_model(sys.argv[1], dtype="float32", cache_dir=sys.argv[2])
+print(json.dumps({"converted": lm.converted, "path": str(lm.path),
+                  "logits": lm.model.forward_simple(torch.tensor(json.loads(sys.argv[3]))).tolist()}))
+"""
+
+
+def test_two_processes_loading_one_uncached_model(tiny, tmp_path):
+    """Two processes started together on an empty cache both load the model, with the file's
+    logits, from one entry and one store (exactly one of them published the store), and leave no
+    temporary folder."""
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, "-c", TWO_LOADS, str(tiny["gguf"]), str(cache), json.dumps(IDS.tolist())]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    loads = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert sorted(ld["converted"] for ld in loads) == [False, True]
+    for ld in loads:
+        assert torch.equal(torch.tensor(ld["logits"]), tiny["logits"])
+    (entry,) = (cache / "gguf").iterdir()
+    assert {ld["path"] for ld in loads} == {str(entry / STORE)}
+    assert _listing(entry) == sorted(["source.json", "tokenizer", STORE])
+
+
+# ---- a full or read-only cache ---------------------------------------------------------------------------
+
+def test_a_full_disk_while_packing_is_named_with_the_fix(tiny, tmp_path, monkeypatch):
+    """No room for the store: a ModelLoadError names the store, the OS's reason and the fix, and
+    the partial store is deleted."""
+    cache, entry = _copy_cache(tiny, tmp_path, store=False)
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(tiny["gguf"]), dtype="float32", cache_dir=cache)
+    msg = str(e.value)
+    assert f"cannot write the weight store {entry / STORE}" in msg
+    assert "No space left on device" in msg and "SGRT_CACHE_DIR" in msg
+    assert _listing(entry) == ["source.json", "tokenizer"]
+
+
+def _read_only(monkeypatch, root: Path) -> None:
+    """Make every way sgrt writes files fail under ``root`` as a read-only filesystem does."""
+    import builtins
+    import io
+
+    def under(path) -> bool:
+        try:
+            return Path(os.fsdecode(path)).resolve().is_relative_to(root.resolve())
+        except (TypeError, ValueError):
+            return False
+
+    def refuse(path):
+        raise OSError(errno.EROFS, "Read-only file system", os.fsdecode(path))
+
+    real_open, real_os_open = builtins.open, os.open
+    writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+    def open_(file, mode="r", *a, **k):
+        if isinstance(file, (str, bytes, os.PathLike)) and set(mode) & set("wax+") and under(file):
+            refuse(file)
+        return real_open(file, mode, *a, **k)
+
+    def os_open(path, flags, *a, **k):
+        if flags & writes and under(path):
+            refuse(path)
+        return real_os_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(io, "open", open_)  # (pathlib's)
+    monkeypatch.setattr(os, "open", os_open)
+    for name in ("mkdir", "rmdir", "unlink", "remove"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda p, *a, _real=real, **k: refuse(p) if under(p) else _real(p, *a, **k))
+    for name in ("rename", "replace"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda s, d, *a, _real=real, **k: refuse(s) if under(s) or under(d)
+                            else _real(s, d, *a, **k))
+
+
+def test_a_read_only_cache_loads_what_it_holds_and_names_the_fix_for_the_rest(tiny, tmp_path, monkeypatch):
+    """A read-only cache: a load of what it holds writes nothing and gives the file's logits; a
+    load that needs a new store raises a ModelLoadError naming the folder and SGRT_CACHE_DIR."""
+    cache, entry = _copy_cache(tiny, tmp_path)
+    before = _listing(entry)
+    _read_only(monkeypatch, cache)
+    with pytest.raises(OSError):  # (the simulation holds)
+        (entry / "probe").write_text("")
+    lm = load_model(str(tiny["gguf"]), dtype="float32", cache_dir=cache)
+    assert not lm.converted and torch.equal(lm.model.forward_simple(IDS), tiny["logits"])
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(tiny["gguf"]), dtype="bfloat16", cache_dir=cache)
+    msg = str(e.value)
+    assert f"cannot write the cache {entry}" in msg and "Read-only file system" in msg and "SGRT_CACHE_DIR" in msg
+    assert _listing(entry) == before

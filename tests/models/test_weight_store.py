@@ -269,7 +269,7 @@ def test_temporary_folders_of_dead_builders_are_swept(small, tmp_path):
     shutil.rmtree(store)
     dead = [entry / f".tmp-{store.name}-dead1", entry / f".stale-{store.name}-dead2",
             entry.parent / f".tmp-{entry.name}-dead3"]
-    live = entry / f".tmp-{store.name}-live"
+    live = entry / ".tmp-bfloat16-int8-plain-v1-live"  # (another target's: a load of this one does not wait)
     for folder in (*dead, live):
         folder.mkdir()
         (folder / "weights.bin").write_bytes(b"\0" * 4096)
