@@ -16,7 +16,7 @@ Engines: ``sgrt`` (``sgrt serve``, ``--sgrt-args``: default int4, bfloat16 activ
 default KV pool), ``llamacpp`` (``bench/llamacpp_server.py``, the xllamacpp wheel, on the default
 model's GGUF, ``--parallel 16``, 2 threads, context ``--llamacpp-ctx``), ``vllm`` (``--vllm-venv``'s
 ``vllm.entrypoints.openai.api_server`` on the default model exported as an HF folder, bfloat16,
-4 GB of KV space: README's scale-out section has its install). Engines run one after another, the
+4 GB of KV space: docs/SCALING.md has its install). Engines run one after another, the
 machine otherwise quiet; say the load.
 
 Run: ``python bench/serving.py [--engines sgrt,llamacpp,vllm] [--workloads batch1,c16,agent]``
