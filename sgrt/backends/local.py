@@ -27,21 +27,21 @@ from sgrt.backends.base import (
     stop_stream_at_regex,
     strip_next_token,
 )
-from sgrt.engine import Result, SamplingParams, StreamChunk
+from sgrt.engine import EngineClient, Result, SamplingParams, StreamChunk
 from sgrt.errors import InvalidRequest, RequestAborted
 from sgrt.models.tokenizer import encode_prompt_text, plain_text_bos_id
 
 
 class LocalBackend(BaseBackend):
-    """A backend over an in-process engine (anything with the ``Engine`` request API).
+    """A backend over an in-process engine (an :class:`~sgrt.engine.client.EngineClient`).
 
     Args:
-        engine: the engine (``submit``, ``abort``, ``flush_cache``, ``stats``, ``tokenizer``).
+        engine: the engine (``submit``, ``abort``, ``flush_cache``, ``stats``, ``info``).
         chat_template: an explicit ``sgrt.lang.ChatTemplate``; by default it is derived from the
             tokenizer's chat template.
     """
 
-    def __init__(self, engine: Any, chat_template: Any = None):
+    def __init__(self, engine: EngineClient, chat_template: Any = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         if chat_template is not None:
@@ -268,27 +268,23 @@ class LocalBackend(BaseBackend):
         self.engine.abort(request_id)
 
     def _device(self) -> str:
-        return str(getattr(getattr(self.engine, "model", None), "device", "cpu"))
+        return self.engine.info.device
 
     @property
     def model_info(self) -> dict[str, Any]:
         """SGLang's ``/get_model_info`` answer for this model: ``model_path``, ``tokenizer_path``,
         ``is_generation``, ``has_image_understanding``, ``has_audio_understanding``,
-        ``model_type``, ``architectures``."""
-        loaded = getattr(self.engine, "loaded", None)
-        path = str(getattr(loaded, "checkpoint_path", "") or "") if loaded is not None else ""
-        tokenizer = getattr(loaded, "tokenizer_path", None) if loaded is not None else None
-        config = getattr(loaded, "config", None)
-        arch = getattr(config, "architecture", None)
+        ``model_type``, ``architectures`` (from the engine's :class:`~sgrt.engine.EngineInfo`)."""
+        info = self.engine.info
         return {
-            "model_path": path,  # (the GGUF file or HF folder loaded)
-            "tokenizer_path": str(tokenizer) if tokenizer is not None else path,
+            "model_path": info.model_path,  # (the GGUF file or HF folder loaded)
+            "tokenizer_path": info.tokenizer_path or info.model_path,
             "is_generation": True,
             "has_image_understanding": False,
             "has_audio_understanding": False,
-            "model_type": getattr(config, "model_type", None),
-            "architectures": [arch] if arch else [],
-            "source": str(getattr(loaded, "source", "") or "") if loaded is not None else "",
+            "model_type": info.model_type,
+            "architectures": list(info.architectures),
+            "source": info.source,
         }
 
     def get_server_info(self) -> dict[str, Any]:
@@ -297,18 +293,14 @@ class LocalBackend(BaseBackend):
         ``version``...), plus ``backend``, ``model_source`` and the engine's ``stats``."""
         import sgrt
 
+        engine_info = self.engine.info
         info = dict(self.model_info)
         info["backend"] = type(self).__name__
         info["model_source"] = info.pop("source")
-        info["model_path"] = info["model_path"]  # also SGLang's server-args key
-        config = getattr(self.engine, "config", None)
-        info["context_length"] = getattr(self.engine, "context_length", None)
-        pool = getattr(self.engine, "pool", None)
-        info["max_total_num_tokens"] = getattr(pool, "num_slots", getattr(config, "max_total_tokens", None))
-        model = getattr(self.engine, "model", None)
-        dtype = getattr(model, "dtype", None)
-        info["dtype"] = str(dtype).replace("torch.", "") if dtype is not None else None
-        info["device"] = self._device()
+        info["context_length"] = engine_info.context_length
+        info["max_total_num_tokens"] = engine_info.max_total_tokens
+        info["dtype"] = engine_info.dtype
+        info["device"] = engine_info.device
         info["served_model_name"] = info["model_path"].rstrip("/").rsplit("/", 1)[-1] or None
         info["skip_tokenizer_init"] = False
         info["version"] = sgrt.__version__

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import gc
 import logging
 import queue
@@ -22,6 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
+from sgrt.engine.client import EngineInfo
 from sgrt.engine.handle import RequestHandle
 from sgrt.engine.intake import Intake
 from sgrt.engine.kv_pool import KVPool, default_pool_tokens
@@ -251,6 +253,24 @@ class Engine:
         self._thread.start()
 
     # ==== public API (any thread) ============================================================
+    @functools.cached_property
+    def info(self) -> EngineInfo:
+        """The served model and this engine's limits (:class:`~sgrt.engine.client.EngineInfo`),
+        the one view of them that servers read."""
+        loaded, cfg = self.loaded, self.loaded.config
+        path = str(loaded.path or "")
+        # NOTE: the id reported when the operator names none: the spec it resolved to, else the
+        # store's name (what the HTTP server always reported).
+        name = str(loaded.source or "") or path.rstrip("/").rsplit("/", 1)[-1]
+        return EngineInfo(
+            model_name=name or "sgrt-model", context_length=self.context_length, vocab_size=self.vocab_size,
+            max_total_tokens=self.pool.num_slots, tokenizer=self.tokenizer,
+            max_running_requests=self.config.scheduler.max_running_requests, model_path=path,
+            tokenizer_path=str(loaded.tokenizer_path or path), source=str(loaded.source or ""),
+            model_type=getattr(cfg, "model_type", None),
+            architectures=tuple(a for a in [getattr(cfg, "architecture", None)] if a),
+            dtype=str(self.model.dtype).replace("torch.", ""), device=str(self.model.device))
+
     def describe(self) -> str:
         """What runs: the model's dtype, quantization and weight bytes (:meth:`sgrt.models.
         LoadedModel.describe`), the KV pool's tokens and bytes, the context length and the

@@ -52,6 +52,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from sgrt.engine.client import EngineClient
 from sgrt.server import http_native as native
 from sgrt.server import anthropic_api, http_openai, metrics, responses_api
 from sgrt.server.http_core import HttpApi, HttpLimits
@@ -69,12 +70,12 @@ DEFAULT_PORT = 8000
 # ==== the app =====================================================================================
 
 
-def create_app(engine: Any, *, model_name: str, auth_token: str | None = None,
+def create_app(engine: EngineClient, *, model_name: str, auth_token: str | None = None,
                limits: HttpLimits | None = None, **limit_fields: Any) -> Starlette:
     """The Starlette app of the HTTP API over ``engine``.
 
     Args:
-        engine: a running :class:`sgrt.engine.Engine` (not owned: the caller shuts it down).
+        engine: a running :class:`~sgrt.engine.client.EngineClient` (not owned: the caller shuts it down).
         model_name: the model id to report (any requested ``model`` is accepted).
         auth_token: when set, every endpoint but ``/health`` needs it (``Authorization: Bearer`` or ``x-api-key``).
         limits: an :class:`HttpLimits`; or pass its fields as keywords (``max_queue=32``).
@@ -314,7 +315,7 @@ class HttpServer:
         self.api.shutdown_workers()
 
 
-async def serve_http(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+async def serve_http(engine: EngineClient, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                      auth_token: str | None = None, *, model_name: str | None = None,
                      log_level: str = "warning", limits: HttpLimits | None = None,
                      sock: socket.socket | None = None, **limit_fields: Any) -> HttpServer:
@@ -324,7 +325,7 @@ async def serve_http(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_
     Args:
         engine: the :class:`sgrt.engine.Engine` (its owner shuts it down).
         auth_token: when set, requests need it (``Authorization: Bearer`` or ``x-api-key``).
-        model_name: the model id to report (default: the engine's model source or path).
+        model_name: the model id to report (default: ``engine.info.model_name``).
         limits, **limit_fields: :class:`HttpLimits` or its fields (``max_queue=...``).
         sock: a listening socket bound beforehand (``sgrt serve`` binds before loading the model).
 
@@ -334,7 +335,7 @@ async def serve_http(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_
     if not _is_loopback(host) and not auth_token:
         logger.warning("serving HTTP on %s without an auth token: anyone who can reach it can use the model",
                        host)
-    app = create_app(engine, model_name=model_name or default_model_name(engine), auth_token=auth_token,
+    app = create_app(engine, model_name=model_name or engine.info.model_name, auth_token=auth_token,
                      limits=limits, **limit_fields)
     if sock is None:
         from sgrt.server.sockets import bind_socket
@@ -354,16 +355,6 @@ async def serve_http(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_
     return HttpServer(app, server, task, host, sock.getsockname()[1])
 
 
-def default_model_name(engine: Any) -> str:
-    """The model id to report when none is given: the loaded model's name, source or path."""
-    loaded = getattr(engine, "loaded", None)
-    for attr in ("name", "source", "path"):
-        value = getattr(loaded, attr, None) if loaded is not None else None
-        if value:
-            return str(value) if attr != "path" else str(value).rstrip("/").rsplit("/", 1)[-1]
-    return "sgrt-model"
-
-
 class HttpServerThread:
     """The HTTP API on a background thread with its own event loop (tests, benchmarks,
     notebooks). ``start()`` returns once it listens; ``stop()`` shuts it down.
@@ -371,7 +362,7 @@ class HttpServerThread:
     Args: as :func:`serve_http` (``port=0`` picks a free loopback port).
     """
 
-    def __init__(self, engine: Any, host: str = DEFAULT_HOST, port: int = 0, **options: Any):
+    def __init__(self, engine: EngineClient, host: str = DEFAULT_HOST, port: int = 0, **options: Any):
         self.engine = engine
         self.host = host
         self.port = port

@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 import sgrt
-from sgrt.engine import SamplingParams, StreamChunk
+from sgrt.engine import EngineClient, RequestHandle, SamplingParams, StreamChunk
 from sgrt.errors import ContextLengthExceeded, InvalidRequest
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
@@ -52,17 +52,19 @@ class HttpApi:
     """The state behind the routes: the engine, limits, auth, in-flight accounting.
 
     Args:
-        engine: the :class:`sgrt.engine.Engine` (its owner starts and shuts it down).
+        engine: the :class:`~sgrt.engine.client.EngineClient` (its owner starts and shuts it
+            down); sizes are read from its ``info``.
         model_name: the model id reported by ``/v1/models`` and in responses. Requests may
             name any model; it is not checked.
         auth_token: when set, requests need it (``Authorization: Bearer`` or ``x-api-key``).
         limits: :class:`HttpLimits`.
     """
 
-    def __init__(self, engine: Any, model_name: str, auth_token: str | None = None,
+    def __init__(self, engine: EngineClient, model_name: str, auth_token: str | None = None,
                  limits: HttpLimits | None = None):
         self.engine = engine
-        self.tokenizer = engine.tokenizer
+        self.info = engine.info
+        self.tokenizer = self.info.tokenizer
         self.model_name = model_name
         self.auth_token = auth_token or None
         self.limits = limits or HttpLimits()
@@ -72,7 +74,7 @@ class HttpApi:
         self.bodies_read = 0  # request bodies read in full (tests use it to order events)
         self.closing = False
         self.created = int(time.time())
-        self._live: dict[str, Any] = {}  # request id -> handle, for in-flight accounting
+        self._live: dict[str, RequestHandle] = {}  # request id -> handle, for in-flight accounting
         self._heavy_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sgrt-http-heavy")
 
     # ---- request plumbing ---------------------------------------------------------------------
@@ -209,7 +211,7 @@ class HttpApi:
             del self._live[rid]
         return len(self._live)
 
-    def submit(self, calls: Sequence[EngineCall], rids: Sequence[str | None] | None = None) -> list[Any]:
+    def submit(self, calls: Sequence[EngineCall], rids: Sequence[str | None] | None = None) -> list[RequestHandle]:
         """Submit every call or none: 429 when they would take the in-flight count past
         ``max_queue``; an engine refusal (InvalidRequest, ...) aborts those already submitted."""
         limit = self.limits.max_queue
@@ -218,7 +220,7 @@ class HttpApi:
             raise ApiError(429, f"too many requests in flight ({in_flight} + {len(calls)} > max_queue "
                            f"{limit}); retry later", type="rate_limit_error", code="queue_full",
                            headers={"retry-after": "1"})
-        handles: list[Any] = []
+        handles: list[RequestHandle] = []
         try:
             for i, call in enumerate(calls):
                 rid = rids[i] if rids else None
@@ -243,7 +245,7 @@ class HttpApi:
         Raises:
             ContextLengthExceeded: (field ``prompt``) it does not fit and may not be cut.
         """
-        limit = self.engine.context_length
+        limit = self.info.context_length
         if len(ids) + params.max_tokens <= limit:
             return ids
         if params.truncate == "left":
@@ -252,7 +254,7 @@ class HttpApi:
             f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
             f"window ({limit} tokens); shorten it or pass truncate='left'", field="prompt")
 
-    def release(self, handles: Sequence[Any]) -> None:
+    def release(self, handles: Sequence[RequestHandle]) -> None:
         """Forget ``handles``; abort those not finished (frees their KV slots). Idempotent."""
         for handle in handles:
             if self._live.pop(handle.request_id, None) is None:
@@ -267,18 +269,18 @@ class HttpApi:
             if not handle.done:
                 self.engine.abort(rid)
 
-    async def results(self, request: Request, handles: list[Any]) -> list[Any]:
+    async def results(self, request: Request, handles: list[RequestHandle]) -> list[Any]:
         """Await every handle's Result; a client disconnect aborts them all (ClientGone)."""
         try:
             return await until_disconnect(request, asyncio.gather(*(h.aresult() for h in handles)))
         finally:
             self.release(handles)
 
-    async def prime(self, request: Request, handles: list[Any]) -> list[tuple[StreamChunk, AsyncIterator]]:
+    async def prime(self, request: Request, handles: list[RequestHandle]) -> list[tuple[StreamChunk, AsyncIterator]]:
         """Wait for each handle's first chunk (so that an error before the first token, such as
         a grammar that does not compile, is still answered with a status code)."""
 
-        async def first(handle: Any) -> tuple[StreamChunk, AsyncIterator]:
+        async def first(handle: RequestHandle) -> tuple[StreamChunk, AsyncIterator]:
             it = handle.astream()
             return await it.__anext__(), it
 
@@ -290,15 +292,15 @@ class HttpApi:
 
     def context_room(self) -> int:
         """Tokens one request may hold: the smaller of the context window and the KV pool."""
-        return min(self.engine.context_length, self.engine.pool.num_slots)
+        return self.info.context_room
 
     # ---- models, health -----------------------------------------------------------------------
     def model_card(self) -> op.ModelCard:
         bos = self.bos_id
         return op.ModelCard(
-            id=self.model_name, created=self.created, max_model_len=self.engine.context_length,
+            id=self.model_name, created=self.created, max_model_len=self.info.context_length,
             sgrt={"version": sgrt.__version__, "native": list(NATIVE_ENDPOINTS),
-                  "context_length": self.engine.context_length, "max_total_tokens": self.engine.pool.num_slots,
+                  "context_length": self.info.context_length, "max_total_tokens": self.info.max_total_tokens,
                   "bos_token": None if bos is None else self.tokenizer.decode([bos], skip_special_tokens=False),
                   "limits": self.limits.to_dict()})
 
@@ -319,6 +321,6 @@ class HttpApi:
         return json_response(body)
 
 
-def engine_alive(engine: Any) -> bool:
+def engine_alive(engine: EngineClient) -> bool:
     """Whether the engine's loop is running."""
     return engine.is_alive()

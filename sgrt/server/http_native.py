@@ -82,7 +82,7 @@ def _batch(req: op.GenerateRequest, api: HttpApi) -> tuple[list[list[int]], bool
         check_count(texts, limit, "max_queue", "text")
         return [oa.encode_text(api.tokenizer, t, api.bos_id) for t in texts], not isinstance(req.text, str)
     ids = req.input_ids
-    vocab = api.engine.vocab_size
+    vocab = api.info.vocab_size
     if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         check_token_ids(ids, vocab, "input_ids")
         return [list(ids)], False
@@ -233,7 +233,7 @@ async def tokenize(api: HttpApi, request: Request) -> Any:
     req: op.TokenizeRequest = await api.decode(request, op.TokenizeRequest)
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequest("give exactly one of prompt and messages", field="prompt")
-    limit = api.engine.context_length
+    limit = api.info.context_length
 
     def one(ids: list[int]) -> dict[str, Any]:
         return {"tokens": ids, "count": len(ids), "max_model_len": limit}
@@ -252,13 +252,13 @@ async def detokenize(api: HttpApi, request: Request) -> Any:
     req: op.DetokenizeRequest = await api.decode(request, op.DetokenizeRequest)
     # NOTE: the tokenizer's native decode holds the GIL for the whole call (~0.1 s per 500k ids),
     # which no worker thread hides from the event loop: at most a context window of ids.
-    window = api.engine.context_length
+    window = api.info.context_length
     if len(req.tokens) > window:
         raise InvalidRequest(f"tokens has {len(req.tokens)} ids; the limit is the model's context window ({window})",
                              field="tokens")
 
     def run() -> dict[str, Any]:  # NOTE: off the loop all the same (the range check is Python)
-        check_token_ids(req.tokens, api.engine.vocab_size, "tokens")
+        check_token_ids(req.tokens, api.info.vocab_size, "tokens")
         return {"prompt": api.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     return await api.respond(run)
@@ -313,4 +313,4 @@ async def server_info(api: HttpApi, request: Request) -> Any:
 
     api.check_auth(request)
     return json_response({**_model_info(api), "served_model_name": api.model_name, "tp_size": 1, "dp_size": 1,
-                          "context_length": api.engine.context_length, "version": sgrt.__version__})
+                          "context_length": api.info.context_length, "version": sgrt.__version__})

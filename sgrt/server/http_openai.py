@@ -186,7 +186,7 @@ def completion_calls(api: HttpApi, req: op.CompletionRequest) -> list[EngineCall
         InvalidRequest: a bad prompt (naming the item), ``n`` over ``max_n``, a bad field.
         ContextLengthExceeded: a prompt that leaves no room in the context window.
     """
-    prompts = completion_prompts(req.prompt, api.engine.vocab_size)
+    prompts = completion_prompts(req.prompt, api.info.vocab_size)
     check_n(req.n, len(prompts), api.limits.max_n)
     fields = oa.sampling_fields(req)
     if req.logprobs is not None:

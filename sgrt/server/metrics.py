@@ -27,13 +27,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from starlette.requests import Request
 from starlette.responses import Response
 
+from sgrt.engine.client import EngineClient
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class _EngineCollector:
     """Gauges, counters and histograms read from the engine when scraped."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: EngineClient):
         self.engine = engine
 
     def collect(self) -> Any:
@@ -57,7 +59,7 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(value))
-        yield from self._observed(getattr(self.engine, "metrics", None))
+        yield from self._observed(self.engine.metrics)
 
     @staticmethod
     def _observed(m: Any) -> Any:
@@ -85,7 +87,7 @@ class _EngineCollector:
 class ServerMetrics:
     """The metrics of one HTTP server over one engine (its own registry)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: EngineClient):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("sgrt_http_requests", "HTTP requests answered", ["method", "path", "status"],

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sgrt.backends.local import LocalBackend
+from sgrt.engine import EngineClient, EngineInfo, RequestHandle, StreamChunk
 from sgrt.errors import RequestAborted
 from sgrt.server.protocol import LimitExceeded
 
@@ -192,19 +193,48 @@ class RequestTree:
     :meth:`abort_all` aborts the whole tree at once, children included, and refuses anything
     submitted afterwards (a branch thread that was about to start its next ``gen``).
 
-    Everything but ``submit`` is the wrapped engine's (``tokenizer``, ``abort``, ``stats``...).
+    An :class:`~sgrt.engine.client.EngineClient` itself: ``submit`` and ``stream`` are recorded;
+    ``info``, ``tokenizer``, ``abort``, ``flush_cache``, ``is_alive``, ``stats`` and ``metrics``
+    are the wrapped engine's.
     """
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: EngineClient):
         self._engine = engine
         self._lock = threading.Lock()
-        self._live: dict[str, Any] = {}  # request id -> handle, pruned when done
+        self._live: dict[str, RequestHandle] = {}  # request id -> handle, pruned when done
         self.aborted = False
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+    # ---- the wrapped engine's -----------------------------------------------------------------
+    @property
+    def info(self) -> EngineInfo:
+        return self._engine.info
 
-    def submit(self, prompt: Any, params: Any = None, request_id: str | None = None) -> Any:
+    @property
+    def tokenizer(self) -> Any:
+        return self._engine.tokenizer
+
+    @property
+    def metrics(self) -> Any:
+        return self._engine.metrics
+
+    def abort(self, request_id: str) -> None:
+        self._engine.abort(request_id)
+
+    def flush_cache(self) -> None:
+        self._engine.flush_cache()
+
+    def is_alive(self) -> bool:
+        return self._engine.is_alive()
+
+    def stats(self) -> dict[str, Any]:
+        return self._engine.stats()
+
+    # ---- recorded -----------------------------------------------------------------------------
+    def stream(self, prompt: str | list[int], params: Any = None) -> Iterator[StreamChunk]:
+        """``Engine.stream``, recorded (see :meth:`submit`)."""
+        return iter(self.submit(prompt, params))
+
+    def submit(self, prompt: Any, params: Any = None, request_id: str | None = None) -> RequestHandle:
         """``Engine.submit``, recorded. Raises :class:`RequestAborted` once the tree was aborted."""
         with self._lock:
             if self.aborted:
@@ -241,7 +271,7 @@ class SessionBackend(LocalBackend):
             or ``limit.generations`` (more than ``max_generations_per_session`` in flight).
     """
 
-    def __init__(self, engine: Any, chat_template: Any, on_text: Callable[[str], None], limits: Any):
+    def __init__(self, engine: EngineClient, chat_template: Any, on_text: Callable[[str], None], limits: Any):
         super().__init__(engine, chat_template=chat_template)
         self.tree = RequestTree(engine)
         self.engine = self.tree  # NOTE: every request of the run goes through the tree (abort_all)

@@ -14,9 +14,12 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sgrt.server.sockets import bind_socket  # noqa: F401 - also re-exported
+
+if TYPE_CHECKING:  # NOTE: the CLI binds its ports before torch (and the engine) is imported
+    from sgrt.engine.client import EngineClient
 
 
 @dataclass
@@ -165,7 +168,7 @@ def limits_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     return http, ws
 
 
-def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8765, http_port: int | None = 8000,
+def run_server(engine: EngineClient, host: str = "127.0.0.1", port: int = 8765, http_port: int | None = 8000,
                programs_dir: str | Path | None = None, auth_token: str | None = None,
                model_name: str | None = None, http_limits: Any = None, ws_limits: Any = None,
                listeners: Listeners | None = None) -> None:

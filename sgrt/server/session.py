@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from sgrt.engine import SamplingParams
+from sgrt.engine import EngineClient, SamplingParams
 from sgrt.errors import CapacityError, ContextLengthExceeded, GrammarError, InvalidRequest
 from sgrt.server import protocol as p
 from sgrt.server.limits import check_stop
@@ -94,7 +94,7 @@ class SessionContext:
             (``on_text(str)`` is called, on the program's threads, with each streamed piece).
     """
 
-    engine: Any
+    engine: EngineClient
     limits: Any
     send: Callable[[Any], Awaitable[None]]
     program_backend: Callable[[Callable[[str], None]], Any]

@@ -40,6 +40,7 @@ from typing import Any
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
+from sgrt.engine.client import EngineClient
 from sgrt.errors import InvalidRequest, SgrtError
 from sgrt.server import protocol as p
 from sgrt.server.limits import WsLimits, json_depth, origin_allowed
@@ -114,7 +115,7 @@ class WsServer:
         host, port: where it listens (``port`` is the bound one when 0 was asked for).
     """
 
-    def __init__(self, engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+    def __init__(self, engine: EngineClient, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                  programs_dir: str | Path | None = None, auth_token: str | None = None,
                  limits: WsLimits | None = None, registry: ProgramRegistry | None = None,
                  sock: Any = None):
@@ -431,7 +432,7 @@ def internal_error(exc: BaseException, session: str | None = None) -> p.Error:
                    message=f"internal error (incident {incident}; details in the server log)")
 
 
-async def serve_ws(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+async def serve_ws(engine: EngineClient, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                    programs_dir: str | Path | None = None, auth_token: str | None = None,
                    limits: WsLimits | None = None, sock: Any = None) -> WsServer:
     """Start the session server on ``host:port`` (``port=0`` picks a free one) and return it
@@ -453,7 +454,7 @@ async def serve_ws(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
     return await server.start()
 
 
-def run_ws_server(engine: Any = None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+def run_ws_server(engine: EngineClient | None = None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                   programs_dir: str | Path | None = None, auth_token: str | None = None,
                   limits: WsLimits | None = None, model: str | None = None) -> None:
     """Serve until interrupted (Ctrl-C); what ``sgrt serve`` runs.

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from sgrt.engine import RequestHandle, Result, SamplingParams, StreamChunk
+from sgrt.engine import EngineInfo, RequestHandle, Result, SamplingParams, StreamChunk
 
 REPO = Path(__file__).resolve().parents[2]
 PROGRAMS_DIR = REPO / "programs"
@@ -55,11 +55,16 @@ async def wait_engine_idle(engine: Any, timeout: float = 120.0) -> None:
 
 
 class FakeEngine:
-    """Engine stand-in that answers each request with the next scripted text, a token per
-    ``delay`` seconds, through a real :class:`RequestHandle`. Records prompts and params."""
+    """Engine stand-in (an :class:`~sgrt.engine.client.EngineClient`) that answers each request
+    with the next scripted text, a token per ``delay`` seconds, through a real
+    :class:`RequestHandle`. Records prompts and params."""
+
+    metrics = None
 
     def __init__(self, tokenizer: Any, script: list[str], delay: float = 0.002):
         self.tokenizer = tokenizer
+        self.info = EngineInfo(model_name="fake", context_length=4096, vocab_size=len(tokenizer),
+                               max_total_tokens=4096, tokenizer=tokenizer)
         self.script = deque(script)
         self.delay = delay
         self.prompts: list[list[int]] = []
@@ -96,6 +101,15 @@ class FakeEngine:
 
     def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
+
+    def stream(self, prompt: Any, params: SamplingParams) -> Any:
+        return iter(self.submit(prompt, params))
+
+    def flush_cache(self) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return True
 
     def stats(self) -> dict[str, Any]:
         return {"running": 0, "waiting": 0}
