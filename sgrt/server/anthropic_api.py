@@ -277,7 +277,7 @@ async def create_message(api: HttpApi, request: Request) -> Any:
     check_count(req.messages, limits.max_messages, "max_messages", "messages")
     check_count(req.tools, limits.max_tools, "max_tools", "tools")
     turn = await api.offload(lambda: ct.prepare_turn(api, to_chat_request(req)))  # NOTE: off the loop
-    handles = api.submit([EngineCall(turn.prompt_ids, oa.build_params(turn.fields, oa.CHAT_FIELD_NAMES), 0)])
+    handles = api.submit([EngineCall(turn.prompt_ids, turn.params[0], 0)])
     mid = f"msg_{uuid.uuid4().hex}"
     if req.stream:
         primed = await api.prime(request, handles)

@@ -14,8 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sgrt.engine import Result, StreamChunk
-from sgrt.errors import InvalidRequest
+from sgrt.engine import Result, SamplingParams, StreamChunk
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
 from sgrt.server import sglang_fields
@@ -45,17 +44,19 @@ def warn_ignored(req: Any, names: tuple[str, ...] = IGNORED_CHAT_FIELDS, *, thin
 
 @dataclass
 class PreparedTurn:
-    """A turn ready for the engine: the plan, the prompt's ids and the engine requests."""
+    """A turn ready for the engine: the plan, the prompt's ids and one
+    :class:`SamplingParams` per choice."""
 
     plan: oa.ToolPlan
     prompt_ids: list[int]
-    fields: dict[str, Any]
+    params: list[SamplingParams]
 
 
-def prepare_turn(api: Any, req: op.ChatCompletionRequest) -> PreparedTurn:
-    """Plan, render and build the sampling fields of a chat request (``max_tokens`` resolved,
-    logprobs set). CPU work (rendering, tokenizing): callers run it off the event loop
-    (``api.offload``).
+def prepare_turn(api: Any, req: op.ChatCompletionRequest,
+                 field_names: dict[str, str] = oa.CHAT_FIELD_NAMES) -> PreparedTurn:
+    """Plan, render and build the params of a chat request (:func:`~sgrt.server.
+    openai_sampling.chat_params`; errors name fields as ``field_names`` says). CPU work
+    (rendering, tokenizing): callers run it off the event loop (``api.offload``).
 
     Raises:
         InvalidRequest: a bad field (named), one over the server's limits
@@ -70,18 +71,8 @@ def prepare_turn(api: Any, req: op.ChatCompletionRequest) -> PreparedTurn:
     plan = oa.plan_tools(req, api.limits.max_tools, renderer.traits.tool_format)
     text = renderer.render(req.messages, plan, req.reasoning_effort)
     ids = api.tokenizer.encode(text)
-    fields = oa.sampling_fields(req)
-    plan.finish(fields)
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    fields["max_tokens"] = oa.resolve_max_tokens(
-        requested, len(ids), api.context_room(), default=api.limits.default_max_tokens,
-        ceiling=api.limits.max_tokens_limit, field=name)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise InvalidRequest("top_logprobs needs logprobs: true", field="top_logprobs")
-    fields["return_logprob"] = bool(req.logprobs)
-    fields["top_logprobs_num"] = req.top_logprobs or 0
-    return PreparedTurn(plan, ids, fields)
+    params = oa.chat_params(req, plan, len(ids), api.context_room(), api.limits, field_names)
+    return PreparedTurn(plan, ids, params)
 
 
 @dataclass

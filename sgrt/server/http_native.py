@@ -104,9 +104,15 @@ def _per_item(value: Any, n: int, name: str) -> list[Any]:
     return [value] * n
 
 
-def _params(req: op.GenerateRequest, n: int, limits: Any = None) -> list[SamplingParams]:
-    """One SamplingParams per prompt. ``limits`` (:class:`HttpLimits`): ``default_max_tokens``
-    fills an unset max_tokens (else the engine's default) and ``max_tokens_limit`` caps it."""
+def generate_params(req: op.GenerateRequest, n: int, limits: Any = None) -> list[SamplingParams]:
+    """The ``/generate`` translator (SGLang's native API): one :class:`SamplingParams` per
+    prompt of the ``n`` prompts, from ``sampling_params`` (one object, or one per prompt) and
+    the request's logprob fields. ``limits`` (:class:`HttpLimits`): ``default_max_tokens``
+    fills an unset max_tokens (else the engine's default) and ``max_tokens_limit`` caps it.
+
+    Raises:
+        InvalidRequest: a bad field (``sampling_params.<name>``, ``logprob_start_len``...).
+    """
     items = _per_item(req.sampling_params if req.sampling_params is not None else {}, n, "sampling_params")
     starts = _per_item(req.logprob_start_len, n, "logprob_start_len")
     out = []
@@ -203,7 +209,7 @@ def _prepare(req: op.GenerateRequest, api: HttpApi) -> tuple[list[list[int]], bo
     """Prompts (encoded, or checked), whether it was a batch, and their params; CPU work run
     off the event loop."""
     prompts, is_batch = _batch(req, api)
-    return prompts, is_batch, _params(req, len(prompts), api.limits)
+    return prompts, is_batch, generate_params(req, len(prompts), api.limits)
 
 
 async def _generate_events(api: HttpApi, primed: tuple[Any, AsyncIterator], params: SamplingParams,

@@ -27,11 +27,9 @@ async def chat_completions(api: HttpApi, request: Request) -> Any:
     answer, or an :class:`EventStream` of ``chat.completion.chunk`` events (tool calls streamed
     incrementally: id and name first, then argument fragments)."""
     req: op.ChatCompletionRequest = await api.decode(request, op.ChatCompletionRequest)
-    check_n(req.n, 1, api.limits.max_n)
     turn = await api.offload(ct.prepare_turn, api, req)  # NOTE: rendering and tokenizing off the loop
     plan = turn.plan
-    calls = [EngineCall(turn.prompt_ids, oa.build_params(turn.fields, oa.CHAT_FIELD_NAMES, i), i)
-             for i in range(req.n)]
+    calls = [EngineCall(turn.prompt_ids, params, i) for i, params in enumerate(turn.params)]
     handles = api.submit(calls, sglang_fields.request_ids(req.rid, len(calls)))
     rid = oa.new_id("chatcmpl")
     if req.stream:
@@ -187,33 +185,19 @@ def completion_calls(api: HttpApi, req: op.CompletionRequest) -> list[EngineCall
         ContextLengthExceeded: a prompt that leaves no room in the context window.
     """
     prompts = completion_prompts(req.prompt, api.info.vocab_size)
-    check_n(req.n, len(prompts), api.limits.max_n)
-    fields = oa.sampling_fields(req)
-    if req.logprobs is not None:
-        fields["return_logprob"] = True
-        fields["top_logprobs_num"] = req.logprobs
-    if req.echo and req.logprobs is not None:
-        # NOTE: from position 1: position 0 has no log-probability anyway, and a start of 0
-        # misses a radix-cache hit's positions in the engine (see _completion_logprobs).
-        fields["logprob_start_len"] = 1
+    oa.check_n(req.n, len(prompts), api.limits.max_n)
     calls: list[EngineCall] = []
     for p, prompt in enumerate(prompts):
         ids = oa.encode_text(api.tokenizer, prompt, api.bos_id) if isinstance(prompt, str) else prompt
         if not ids:
             raise InvalidRequest("prompt is empty", field="prompt")
-        f = dict(fields)
-        f["max_tokens"] = oa.resolve_max_tokens(
-            req.max_tokens, len(ids), api.context_room(), default=api.limits.default_max_tokens,
-            ceiling=api.limits.max_tokens_limit, field="max_tokens")
-        first = oa.build_params(f, oa.COMPLETION_FIELD_NAMES, 0)
-        ids = api.fit_prompt(ids, first)  # before an echo decodes the whole prompt
+        choices = oa.completion_params(req, len(ids), api.context_room(), api.limits)
+        ids = api.fit_prompt(ids, choices[0])  # before an echo decodes the whole prompt
         if isinstance(prompt, str):
             text = prompt
         else:
             text = api.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
-        for j in range(req.n):
-            params = first if j == 0 else oa.build_params(f, oa.COMPLETION_FIELD_NAMES, j)
-            calls.append(EngineCall(ids, params, p * req.n + j, p, text))
+        calls.extend(EngineCall(ids, params, p * req.n + j, p, text) for j, params in enumerate(choices))
     return calls
 
 
@@ -265,13 +249,6 @@ async def _completion_events(api: HttpApi, rid: str, calls: list[EngineCall], pr
     except Exception as exc:  # noqa: BLE001 - reported in-stream
         yield sse(op.ErrorResponse(error=api_error_from(exc).info))
     yield SSE_DONE
-
-def check_n(n: Any, prompts: int, max_n: int) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise InvalidRequest(f"n must be an int >= 1, got {n!r}", field="n")
-    if n * prompts > max_n:
-        raise InvalidRequest(f"n ({n}) x prompts ({prompts}) exceeds the server's limit ({max_n} choices)", field="n")
-
 
 def check_result(result: Any) -> None:
     """Raise for a request that failed inside the engine (an abort with an error)."""

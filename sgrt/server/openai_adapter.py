@@ -28,8 +28,8 @@ from sgrt.server.openai_chat import (  # noqa: F401
     plan_tools, read_turn, think_mode,
 )
 from sgrt.server.openai_sampling import (  # noqa: F401
-    CHAT_FIELD_NAMES, COMPLETION_FIELD_NAMES, build_params, check_request_limits, resolve_max_tokens,
-    response_format_schema, sampling_fields,
+    CHAT_FIELD_NAMES, COMPLETION_FIELD_NAMES, build_params, chat_params, check_n, check_request_limits,
+    completion_params, resolve_max_tokens, response_format_schema, sampling_fields,
 )
 
 

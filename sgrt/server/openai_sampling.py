@@ -129,6 +129,72 @@ def build_params(fields: dict[str, Any], field_names: dict[str, str], choice: in
         raise type(e)(str(e), field=name) from None
 
 
+def check_n(n: Any, prompts: int, max_n: int) -> None:
+    """``n`` (choices per prompt) is an int >= 1 and ``n * prompts`` within ``max_n``: the one
+    check of OpenAI's ``n`` (chat and text completions).
+
+    Raises:
+        InvalidRequest: field ``n``.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidRequest(f"n must be an int >= 1, got {n!r}", field="n")
+    if n * prompts > max_n:
+        raise InvalidRequest(f"n ({n}) x prompts ({prompts}) exceeds the server's limit ({max_n} choices)", field="n")
+
+
+def chat_params(req: op.ChatCompletionRequest, plan: Any, prompt_len: int, room: int, limits: Any,
+                field_names: dict[str, str] = CHAT_FIELD_NAMES) -> list[SamplingParams]:
+    """The chat completions translator (also the Responses and Messages APIs', through their
+    translated chat request): the ``n`` choices' :class:`SamplingParams` of ``req`` (OpenAI's
+    ``POST /v1/chat/completions`` fields), with the turn grammar of ``plan`` (a
+    :class:`~sgrt.server.openai_chat.ToolPlan`, finished here), ``max_tokens`` resolved
+    against ``room`` (tokens one request may hold) for a prompt of ``prompt_len`` tokens, and
+    ``limits`` (:class:`~sgrt.server.limits.HttpLimits`).
+
+    Raises:
+        InvalidRequest: a bad field, named as the client sent it (``field_names``: SamplingParams
+            name -> request name), ``n`` over ``max_n``.
+        ContextLengthExceeded: the prompt leaves no room for an answer.
+    """
+    check_n(req.n, 1, limits.max_n)
+    fields = sampling_fields(req)
+    plan.finish(fields)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    fields["max_tokens"] = resolve_max_tokens(
+        requested, prompt_len, room, default=limits.default_max_tokens, ceiling=limits.max_tokens_limit,
+        field=name)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", field="top_logprobs")
+    fields["return_logprob"] = bool(req.logprobs)
+    fields["top_logprobs_num"] = req.top_logprobs or 0
+    return [build_params(fields, field_names, i) for i in range(req.n)]
+
+
+def completion_params(req: op.CompletionRequest, prompt_len: int, room: int, limits: Any) -> list[SamplingParams]:
+    """The text completions translator: the ``n`` choices' :class:`SamplingParams` of one
+    prompt of ``prompt_len`` tokens (OpenAI's ``POST /v1/completions`` fields; ``logprobs``
+    and ``echo`` included), ``max_tokens`` resolved against ``room``. ``n`` itself is checked
+    against the prompt count by the caller (:func:`check_n`).
+
+    Raises:
+        InvalidRequest: a bad field (named as the client sent it).
+        ContextLengthExceeded: the prompt leaves no room for an answer.
+    """
+    fields = sampling_fields(req)
+    if req.logprobs is not None:
+        fields["return_logprob"] = True
+        fields["top_logprobs_num"] = req.logprobs
+    if req.echo and req.logprobs is not None:
+        # NOTE: from position 1: position 0 has no log-probability anyway, and a start of 0
+        # misses a radix-cache hit's positions in the engine (see _completion_logprobs).
+        fields["logprob_start_len"] = 1
+    fields["max_tokens"] = resolve_max_tokens(
+        req.max_tokens, prompt_len, room, default=limits.default_max_tokens, ceiling=limits.max_tokens_limit,
+        field="max_tokens")
+    return [build_params(fields, COMPLETION_FIELD_NAMES, j) for j in range(req.n)]
+
+
 def resolve_max_tokens(requested: int | None, prompt_len: int, context_len: int, *,
                        default: int | None, ceiling: int | None, field: str) -> int:
     """``max_tokens`` for one request: the client's, else ``default``, else the rest of the

@@ -477,11 +477,10 @@ async def create_response(api: HttpApi, request: Request) -> Any:
 
     def prepare() -> tuple[ct.PreparedTurn, list[op.ChatMessage]]:  # NOTE: off the loop
         chat, conversation = to_chat_request(req, history, limits)
-        return ct.prepare_turn(api, chat), conversation
+        return ct.prepare_turn(api, chat, {**oa.CHAT_FIELD_NAMES, "max_tokens": "max_output_tokens"}), conversation
 
     turn, conversation = await api.offload(prepare)
-    names = {**oa.CHAT_FIELD_NAMES, "max_tokens": "max_output_tokens"}
-    handles = api.submit([EngineCall(turn.prompt_ids, oa.build_params(turn.fields, names), 0)])
+    handles = api.submit([EngineCall(turn.prompt_ids, turn.params[0], 0)])
     ctx = _Ctx(api, req, f"resp_{uuid.uuid4().hex}", int(time.time()), conversation)
     if req.stream:
         primed = await api.prime(request, handles)
