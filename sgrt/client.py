@@ -75,12 +75,14 @@ class Reply:
     """The outcome of one ``send`` (a user message and every tool round it caused).
 
     ``text`` is the last assistant message; ``messages`` every ``message`` the server sent in
-    this exchange (one per generation), ``tool_calls`` the calls answered on the way, ``reason``
+    this exchange (one per generation), ``reasoning`` the reasoning streamed on the way (a
+    thinking model's ``<think>`` blocks), ``tool_calls`` the calls answered on the way, ``reason``
     the ``done`` reason. ``ttft`` is the server's time to first token of the first generation
     (seconds); ``client_ttft`` the client's, from sending to the first token or message.
     """
 
     text: str = ""
+    reasoning: str = ""
     finish_reason: str | None = None
     reason: str | None = None
     messages: list[p.Message] = field(default_factory=list)
@@ -118,7 +120,8 @@ class Client:
     async def session(self, *, session_id: str | None = None, system: str | None = None,
                       tools: list[Tool | dict] | None = None, sampling: dict[str, Any] | None = None,
                       program: str | None = None, args: dict[str, Any] | None = None,
-                      tool_choice: str = "auto", timeout: float = 30.0) -> "AgentSession":
+                      tool_choice: str = "auto", parallel_tool_calls: bool = False,
+                      timeout: float = 30.0) -> "AgentSession":
         """Open a session and wait for ``ready``.
 
         Raises:
@@ -130,7 +133,8 @@ class Client:
         self.sessions[sid] = s
         msg = p.SessionStart(session=sid, program=program, args=args or {}, system=system,
                              sampling=msgspec.convert(sampling, p.Sampling) if sampling else None,
-                             tools=[t.spec() for t in tool_objs], tool_choice=tool_choice)
+                             tools=[t.spec() for t in tool_objs], tool_choice=tool_choice,
+                             parallel_tool_calls=parallel_tool_calls)
         if not self._sent_start:
             msg.auth_token = self.auth_token
             self._sent_start = True
@@ -284,6 +288,8 @@ class AgentSession:
                 reply.client_ttft = time.perf_counter() - t0
             if on_token is not None:
                 on_token(event.text)
+        elif isinstance(event, p.Reasoning):
+            reply.reasoning += event.text
         elif isinstance(event, p.Message):
             if reply.client_ttft is None:
                 reply.client_ttft = time.perf_counter() - t0

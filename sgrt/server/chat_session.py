@@ -1,37 +1,39 @@
 """A plain chat session over the WebSocket protocol, with optional client-side tools under a
 grammar (the base class and the rules every session shares are in :mod:`sgrt.server.session`).
 
+A turn is planned, rendered, constrained and read back by the same code as the HTTP chat APIs
+(:class:`~sgrt.server.openai_chat.ChatRenderer`, :class:`~sgrt.server.openai_chat.ToolPlan`,
+:class:`~sgrt.server.tool_formats.TurnStreamer`): tool calls in the model family's own format
+(Hermes / Qwen, Llama 3, Mistral, generic), several per generation with
+``parallel_tool_calls``, their arguments streamed as ``tool_call.delta``, and a thinking
+model's ``<think>`` block streamed apart as ``reasoning``.
+
 Chat turns re-submit the whole conversation, as token ids that extend the previous turn's ids
-exactly (prompt + generated tokens + the new messages' tokens), so the radix cache matches
-everything before the new messages and turn N prefills only its new tokens. Between turns the
-conversation is unlocked in the cache: under memory pressure it is evicted (LRU) like any other
-entry and recomputed on the next turn, so idle sessions never block new requests.
+exactly (prompt + generated tokens + the new messages' tokens) when the rendered text extends
+it, so the radix cache matches everything before the new messages and turn N prefills only its
+new tokens. Between turns the conversation is unlocked in the cache: under memory pressure it is
+evicted (LRU) like any other entry and recomputed on the next turn, so idle sessions never block
+new requests.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sgrt.engine import SamplingParams
+from sgrt.engine import Result, SamplingParams
 from sgrt.errors import CapacityError, InvalidRequest
+from sgrt.server import openai_protocol as op
 from sgrt.server import protocol as p
+from sgrt.server import tool_formats as tf
+from sgrt.server.openai_chat import ChatRenderer, ToolPlan, plan_choice
 from sgrt.server.protocol import LimitExceeded
 from sgrt.server.session import Session, SessionContext, ws_sampling_params
-from sgrt.server.tools import (
-    check_tool_choice,
-    check_tools,
-    parse_tool_call,
-    template_renders_tools,
-    template_tools,
-    tool_grammar,
-    tool_results_as_user,
-    tools_system_prompt,
-    validate_tool_grammar,
-)
+from sgrt.server.tools import check_tool_choice, check_tools, validate_tool_grammar
 
 logger = logging.getLogger("sgrt.server")
 
@@ -44,8 +46,18 @@ class _Conversation:
     text: str
 
 
+@dataclass
+class _Turn:
+    """A generation ready to submit: the prompt (ids and text), its params and its plan."""
+
+    ids: list[int]
+    text: str
+    params: SamplingParams
+    plan: ToolPlan
+
+
 class ChatSession(Session):
-    """Plain chat: ``user`` -> one assistant turn (streamed), possibly a tool call that the
+    """Plain chat: ``user`` -> one assistant turn (streamed), possibly tool calls that the
     client answers with ``tool_result``, after which the turn continues."""
 
     kind = "chat"
@@ -61,53 +73,42 @@ class ChatSession(Session):
         self.sampling_base = start.sampling.fields_set() if start.sampling else {}
         check_tool_choice(start.tool_choice, self.tools)
         self.tool_choice = start.tool_choice
-        self._grammars: dict[str, str | None] = {}
+        self.parallel = start.parallel_tool_calls
         self.tokenizer = self.engine.tokenizer
-        self.messages: list[dict[str, Any]] = []
-        self._template_tools: list[dict] | None = None
-        system = start.system
-        if self.tools:
-            tmpl = template_tools(self.tools)
-            if template_renders_tools(self.tokenizer, tmpl):
-                self._template_tools = tmpl
-            else:
-                desc = tools_system_prompt(self.tools)
-                system = f"{system}\n\n{desc}" if system else desc
-        if system:
-            self.messages.append({"role": "system", "content": system})
+        self.renderer = ChatRenderer(self.tokenizer)
+        self.messages: list[op.ChatMessage] = []
+        if start.system:
+            self.messages.append(op.ChatMessage(role="system", content=start.system))
         self.conv: _Conversation | None = None
         self.handle: Any = None
         self.open_calls: dict[str, str] = {}
         self.tool_rounds = 0
         self._call_ids = itertools.count(1)
-        self._tool_role = "tool"
 
     # -- prompt ----------------------------------------------------------------------------------
-    def _render(self) -> str:
-        messages = self.messages
-        if self._tool_role != "tool":
-            messages = tool_results_as_user(messages)
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tools=self._template_tools)
-        except InvalidRequest:
-            raise
-        except Exception:  # noqa: BLE001 - e.g. a template that refuses the "tool" role
-            if self._tool_role == "tool" and any(m["role"] == "tool" for m in messages):
-                self._tool_role = "user"
-                return self._render()
-            raise
+    def _prepare(self, messages: list[op.ChatMessage], override: p.Sampling | None, choice: str) -> _Turn:
+        """Plan, render and tokenize a generation over ``messages`` and build its params (CPU
+        work: callers run it off the event loop). The ids extend the previous generation's ids
+        exactly when the rendered text extends its text (the usual case).
 
-    def _prompt(self) -> tuple[list[int], str]:
-        """Token ids of the conversation with the generation prompt; they extend the previous
-        turn's ids exactly when the rendered text extends its text (the usual case)."""
-        text = self._render()
+        Raises:
+            InvalidRequest / LimitExceeded / GrammarError: a bad sampling override (field
+                ``sampling.<name>``), a tool schema that does not compile, a template failure.
+        """
+        plan = plan_choice(self.tools, choice, self.parallel, self.renderer.traits.tool_format)
+        plan.guard_none = True
+        text = self.renderer.render(messages, plan)
+        extra: dict[str, Any] = {}
+        plan.finish(extra)
+        params = ws_sampling_params(self.sampling_base, override, self.limits, **extra)
         conv = self.conv
         if conv is not None and text.startswith(conv.text):
-            return conv.ids + self.tokenizer.encode(text[len(conv.text):]), text
-        # NOTE: the template re-rendered earlier text differently (e.g. a stop string cut the
-        # reply): tokenize everything; the cache still matches whatever prefix is equal.
-        return self.tokenizer.encode(text), text
+            ids = conv.ids + self.tokenizer.encode(text[len(conv.text):])
+        else:
+            # NOTE: the template re-rendered earlier text differently (e.g. a stop string cut the
+            # reply): tokenize everything; the cache still matches whatever prefix is equal.
+            ids = self.tokenizer.encode(text)
+        return _Turn(ids, text, params, plan)
 
     # -- messages --------------------------------------------------------------------------------
     async def on_user(self, msg: p.User) -> None:
@@ -120,14 +121,15 @@ class ChatSession(Session):
                 field="type", session=self.id)
         choice = msg.tool_choice or self.tool_choice
         check_tool_choice(choice, self.tools)
-        # NOTE: the first turn of a tool choice builds its grammar (every tool's schema): off the loop.
-        params = await asyncio.to_thread(self._params, msg.sampling, choice)
+        user = op.ChatMessage(role="user", content=msg.content)
+        # NOTE: rendering, tokenizing and the first turn of a tool choice (every tool's schema): off the loop.
+        turn = await asyncio.to_thread(self._prepare, [*self.messages, user], msg.sampling, choice)
         if self.closed:
             return
-        self.messages.append({"role": "user", "content": msg.content})
+        self.messages.append(user)
         self.tool_rounds = 0
         self._cancel_requested = False
-        self._spawn(self._generate(params))
+        self._spawn(self._generate(turn))
 
     async def on_tool_result(self, msg: p.ToolResult) -> None:
         if msg.call_id not in self.open_calls:
@@ -136,7 +138,7 @@ class ChatSession(Session):
         choice = msg.tool_choice or "auto"
         check_tool_choice(choice, self.tools)
         name = self.open_calls.pop(msg.call_id)
-        self.messages.append({"role": "tool", "name": name, "content": msg.content})
+        self.messages.append(op.ChatMessage(role="tool", name=name, tool_call_id=msg.call_id, content=msg.content))
         if self.open_calls:
             return
         self.tool_rounds += 1
@@ -147,10 +149,10 @@ class ChatSession(Session):
             await self.send(p.Done(session=self.id, turn=self.turn, reason="error"))
             return
         self._cancel_requested = False
-        params = await asyncio.to_thread(self._params, None, choice)
+        turn = await asyncio.to_thread(self._prepare, list(self.messages), None, choice)
         if self.closed:
             return
-        self._spawn(self._generate(params))
+        self._spawn(self._generate(turn))
 
     async def on_cancel(self) -> None:
         if self.busy:
@@ -166,28 +168,14 @@ class ChatSession(Session):
             self.engine.abort(handle.request_id)
 
     # -- one generation --------------------------------------------------------------------------
-    def _grammar(self, choice: str) -> str | None:
-        if choice not in self._grammars:
-            self._grammars[choice] = tool_grammar(self.tools, choice)
-        return self._grammars[choice]
-
-    def _params(self, override: p.Sampling | None, choice: str) -> SamplingParams:
-        """The turn's params, built once: the session's sampling, the turn's override and the
-        tool grammar of ``choice``."""
-        grammar = self._grammar(choice)
-        extra = {} if grammar is None else {"grammar": grammar}
-        return ws_sampling_params(self.sampling_base, override, self.limits, **extra)
-
-    async def _generate(self, params: SamplingParams) -> None:
+    async def _generate(self, prepared: _Turn) -> None:
         self.turn += 1
         turn = self.turn
-        # NOTE: rendering + tokenizing a long conversation is CPU work: off the event loop.
-        ids, text = await asyncio.to_thread(self._prompt)
-        grammar = params.grammar
+        plan = prepared.plan
         try:
-            handle = self.engine.submit(ids, params)
+            handle = self.engine.submit(prepared.ids, prepared.params)
         except (InvalidRequest, CapacityError) as exc:
-            if self.messages and self.messages[-1]["role"] == "user":
+            if self.messages and self.messages[-1].role == "user":
                 self.messages.pop()  # the turn never ran; the client may retry shorter
             await self.send_error(exc)
             await self.send(p.Done(session=self.id, turn=turn, reason="error"))
@@ -196,14 +184,12 @@ class ChatSession(Session):
         if self._cancel_requested:
             self.engine.abort(handle.request_id)
         result = None
-        is_call: bool | None = None if grammar is not None else False
+        streamer = tf.TurnStreamer(plan.fmt, may_call=plan.may_call, think=plan.think)
+        call_ids: list[str] = []
         try:
             async for chunk in handle.astream():
-                if chunk.text:
-                    if is_call is None:
-                        is_call = chunk.text[0] == "{"
-                    if not is_call:
-                        await self.send(p.Token(session=self.id, turn=turn, text=chunk.text))
+                for ev in streamer.feed(chunk.text, final=chunk.finished):
+                    await self._send_event(turn, ev, call_ids)
                 if chunk.finished:
                     result = chunk.result
         except InvalidRequest as exc:  # refused before it ran, e.g. a grammar that fails to compile
@@ -214,20 +200,44 @@ class ChatSession(Session):
             self.handle = None
             if result is None:  # cancelled task (disconnect, close) or a send that failed
                 self.engine.abort(handle.request_id)
-        await self._finish_turn(turn, ids, text, result, bool(is_call))
+        await self._finish_turn(turn, prepared, result, streamer, call_ids)
 
-    async def _finish_turn(self, turn: int, ids: list[int], text: str, result: Any, is_call: bool) -> None:
+    async def _send_event(self, turn: int, ev: tf.StreamEvent, call_ids: list[str]) -> None:
+        """One streamed increment as its protocol message."""
+        if ev.kind == "text":
+            await self.send(p.Token(session=self.id, turn=turn, text=ev.text))
+        elif ev.kind == "reasoning":
+            await self.send(p.Reasoning(session=self.id, turn=turn, text=ev.text))
+        elif ev.kind == "call":
+            call_ids.append(f"call-{next(self._call_ids)}")
+            await self.send(p.ToolCallDelta(session=self.id, turn=turn, index=ev.index, call_id=call_ids[ev.index],
+                                            name=ev.name))
+        elif ev.kind == "args":
+            await self.send(p.ToolCallDelta(session=self.id, turn=turn, index=ev.index, call_id=call_ids[ev.index],
+                                            arguments=ev.text))
+
+    async def _finish_turn(self, turn: int, prepared: _Turn, result: Result, streamer: tf.TurnStreamer,
+                           call_ids: list[str]) -> None:
         out_ids = list(result.token_ids)
-        self.conv = _Conversation(ids + out_ids, text + self.tokenizer.decode(out_ids, skip_special_tokens=False))
-        self.messages.append({"role": "assistant", "content": result.text})
-        call = None
-        if is_call and result.finish_reason == "stop":
-            parsed = parse_tool_call(result.text, self.tools)
-            if parsed is not None:
-                call = p.ToolCallInfo(call_id=f"call-{next(self._call_ids)}", name=parsed[0], arguments=parsed[1])
+        self.conv = _Conversation(prepared.ids + out_ids,
+                                  prepared.text + self.tokenizer.decode(out_ids, skip_special_tokens=False))
+        parsed = streamer.parsed
+        finished = tf.finished_calls(parsed, prepared.plan.specs) if result.finish_reason == "stop" else None
+        calls: list[p.ToolCallInfo] = []
+        for k, c in enumerate(finished or []):
+            cid = call_ids[k] if k < len(call_ids) else f"call-{next(self._call_ids)}"
+            calls.append(p.ToolCallInfo(call_id=cid, name=c.name, arguments=json.loads(c.arguments)))
+        if calls:
+            self.messages.append(op.ChatMessage(
+                role="assistant", content=parsed.content.strip() or None,
+                tool_calls=[op.ToolCall(id=c.call_id, function=op.ToolCallFunction(
+                    name=c.name, arguments=json.dumps(c.arguments))) for c in calls]))
+        else:
+            content = parsed.content if prepared.plan.think is not None else result.text
+            self.messages.append(op.ChatMessage(role="assistant", content=content))
         await self.send(p.Message(
             session=self.id, turn=turn, content=result.text, finish_reason=result.finish_reason,
-            tool_call=call, ttft=result.ttft, prompt_tokens=result.prompt_tokens,
+            tool_call=calls[0] if calls else None, ttft=result.ttft, prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens, cached_tokens=result.cached_tokens))
         if result.finish_reason == "abort" and result.error and not self._cancel_requested:
             if result.request_error is not None:  # the request's own fault (its grammar hit a limit)
@@ -240,10 +250,12 @@ class ChatSession(Session):
                                                 "in the server log)"))
             await self.send(p.Done(session=self.id, turn=turn, reason="error"))
             return
-        if call is not None and not self._cancel_requested:
-            self.open_calls[call.call_id] = call.name
-            await self.send(p.ToolCall(session=self.id, turn=turn, call_id=call.call_id, name=call.name,
-                                       arguments=call.arguments))
+        if calls and not self._cancel_requested:
+            for call in calls:
+                self.open_calls[call.call_id] = call.name
+            for call in calls:
+                await self.send(p.ToolCall(session=self.id, turn=turn, call_id=call.call_id, name=call.name,
+                                           arguments=call.arguments))
             return
         reason = "cancelled" if self._cancel_requested else "turn"
         await self.send(p.Done(session=self.id, turn=turn, reason=reason))

@@ -44,6 +44,10 @@ class ToolPlan:
     grammar: str | None = None
     answer_schema: dict[str, Any] | None = None
     trigger_token: int | None = None
+    #: with ``mode="none"`` and tools in a format whose calls start with ``{``: constrain the
+    #: text not to start with ``{`` (WebSocket sessions, so that a small model cannot imitate a
+    #: call it saw earlier in the conversation).
+    guard_none: bool = False
 
     @property
     def may_call(self) -> bool:
@@ -69,10 +73,37 @@ class ToolPlan:
             self.grammar = tf.turn_grammar(self.chosen, mode=self.mode if self.may_call else "none",
                                            parallel=self.parallel, fmt=self.fmt, think=self.think,
                                            answer_schema=self.answer_schema, trigger_token=self.trigger_token)
+        elif (self.guard_none and self.specs and self.mode == "none" and self.think is None
+              and not self.fmt.trigger and not any(k in fields for k in ("regex", "grammar", "json_schema"))):
+            self.grammar = TEXT_ONLY_GRAMMAR
         if self.grammar is not None:
             fields["grammar"] = self.grammar
         if self.fmt.trigger and self.may_call:
             fields["skip_special_tokens"] = False  # the trigger may be a special token
+
+
+#: Free text that does not start with ``{`` (``tool_choice="none"`` in a WebSocket session).
+TEXT_ONLY_GRAMMAR = "start: TEXT\nTEXT: /[^{](.|\\n)*/\n"
+
+
+def plan_choice(specs: list[ToolSpec], choice: str, parallel: bool | None, fmt: tf.ToolFormat = tf.GENERIC) -> ToolPlan:
+    """The plan of a turn over checked tool ``specs`` and a string ``choice``: ``"auto"``,
+    ``"required"``, ``"none"`` or a tool's name (the WebSocket protocol's ``tool_choice``).
+    ``parallel`` None: several calls allowed when there are several tools.
+
+    Raises:
+        InvalidRequest: (field ``tool_choice``) a name that is not one of ``specs``.
+    """
+    par = parallel if parallel is not None else len(specs) > 1
+    if not specs or choice == "none":
+        return ToolPlan(specs=list(specs), mode="none", fmt=fmt, parallel=par)
+    if choice in ("auto", "required"):
+        return ToolPlan(specs=list(specs), mode=choice, chosen=list(specs), parallel=par, fmt=fmt)
+    chosen = [s for s in specs if s.name == choice]
+    if not chosen:
+        raise InvalidRequest(f"tool_choice must be auto, required, none or a tool name, got {choice!r}",
+                             field="tool_choice")
+    return ToolPlan(specs=list(specs), mode="named", chosen=chosen, parallel=False, fmt=fmt)
 
 
 def plan_tools(req: Any, max_tools: int, fmt: tf.ToolFormat = tf.GENERIC) -> ToolPlan:

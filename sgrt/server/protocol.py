@@ -15,7 +15,8 @@ Client to server
     :class:`ToolSpec`: ``name``, ``description``, ``parameters`` = JSON Schema of the arguments);
     ``tool_choice`` (``"auto"``: the model chooses text or a call, the default; ``"required"``:
     a call of some tool; a tool's name: a call of that tool; ``"none"``: text only, not
-    starting with ``{``);
+    starting with ``{``); ``parallel_tool_calls`` (default false: at most one call per
+    generation; true: one or more calls, in the model family's own separator);
     ``auth_token`` (required in the first message of a connection when the server has a token).
     Answered by ``ready``. A program session runs its program at once and ends with ``done``
     (reason ``"program"``).
@@ -42,8 +43,17 @@ Server to client
     The session exists: ``session``, ``program``, ``tools`` (names), ``limits`` (the server's
     limits, see :class:`sgrt.server.ws_server.WsLimits`).
 ``token``
-    ``session``, ``turn``, ``text``: a streamed text delta of the assistant's turn. A turn that
-    is a tool call (its first character is ``{``) is not streamed; it arrives as ``tool_call``.
+    ``session``, ``turn``, ``text``: a streamed text delta of the assistant's answer. Reasoning
+    and tool calls are not in it (they arrive as ``reasoning`` and ``tool_call.delta``).
+``reasoning``
+    ``session``, ``turn``, ``text``: a streamed delta of a thinking model's reasoning (its
+    ``<think>`` block), ahead of the answer's tokens. (New in this version; older clients skip
+    message types they do not know.)
+``tool_call.delta``
+    ``session``, ``turn``, ``index`` (the call's place in the turn, from 0), ``call_id``,
+    ``name`` (in the first delta of a call, else empty) and ``arguments`` (a fragment of the
+    arguments' JSON text): a call streamed as it is generated. The complete call still arrives
+    as ``tool_call`` after ``message``.
 ``message``
     A finished generation: ``session``, ``turn``, ``role`` (``"assistant"``), ``content`` (the
     whole text), ``finish_reason`` (``stop`` / ``length`` / ``abort``), ``tool_call`` (or null),
@@ -52,7 +62,13 @@ Server to client
     for program sessions ``outputs`` (the program's variables).
 ``tool_call``
     ``session``, ``turn``, ``call_id``, ``name``, ``arguments`` (an object that matches the
-    tool's schema). The server then waits for the matching ``tool_result``.
+    tool's schema): one per call of the generation (several with ``parallel_tool_calls``), in
+    order. The server then waits for a ``tool_result`` of every one before the turn continues.
+
+Tool calls are generated in the model family's own format, detected from its chat template:
+Hermes / Qwen ``<tool_call>{...}</tool_call>`` (text may come first), Llama 3 JSON, Mistral
+``[TOOL_CALLS][...]``, else sgrt's generic ``{"name": ..., "arguments": {...}}``; ``message``'s
+``content`` is the whole generated text and ``tool_call`` its first call.
 ``error``
     ``code`` (see :data:`ERROR_CODES`), ``message`` (human readable, names the field and the
     limit), ``field`` (dotted path of the offending field, or null), ``session`` (or null).
@@ -208,6 +224,7 @@ class SessionStart(_Base, tag="session.start"):
     sampling: Sampling | None = None
     tools: list[ToolSpec] = msgspec.field(default_factory=list)
     tool_choice: str = "auto"
+    parallel_tool_calls: bool = False
     auth_token: str | None = None
 
 
@@ -264,6 +281,27 @@ class Token(_Base, tag="token"):
     text: str
 
 
+class Reasoning(_Base, tag="reasoning"):
+    """A streamed delta of the assistant's reasoning (a thinking model's ``<think>`` block)."""
+
+    session: str
+    turn: int
+    text: str
+
+
+class ToolCallDelta(_Base, tag="tool_call.delta"):
+    """A tool call as it is generated: the first delta of call ``index`` carries its
+    ``call_id`` and ``name`` (``arguments`` empty), later ones fragments of its arguments' JSON
+    text (``call_id`` repeated, ``name`` empty)."""
+
+    session: str
+    turn: int
+    index: int
+    call_id: str
+    name: str = ""
+    arguments: str = ""
+
+
 class ToolCall(_Base, tag="tool_call"):
     """The model called a client tool; answer with ``tool_result``."""
 
@@ -307,7 +345,7 @@ class Done(_Base, tag="done"):
     turn: int = 0
 
 
-ServerMessage = Union[Ready, Token, ToolCall, Message, Error, Done]
+ServerMessage = Union[Ready, Token, Reasoning, ToolCallDelta, ToolCall, Message, Error, Done]
 
 _encoder = msgspec.json.Encoder()
 _client_decoder = msgspec.json.Decoder(ClientMessage)

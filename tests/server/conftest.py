@@ -72,11 +72,11 @@ class FakeEngine:
         self.aborted: set[str] = set()
         self._ids = itertools.count()
 
-    def submit(self, prompt: Any, params: SamplingParams) -> RequestHandle:
+    def submit(self, prompt: Any, params: SamplingParams, request_id: str | None = None) -> RequestHandle:
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
         self.prompts.append(ids)
         self.params.append(params)
-        rid = f"fake-{next(self._ids)}"
+        rid = request_id or f"fake-{next(self._ids)}"
         handle = RequestHandle(rid, self.abort)
         text = self.script.popleft() if self.script else "ok"
         threading.Thread(target=self._run, args=(handle, ids, text, params), daemon=True).start()
@@ -91,10 +91,12 @@ class FakeEngine:
             if handle.request_id in self.aborted:
                 break
             sent.append(tok)
-            handle.push(StreamChunk(handle.request_id, self.tokenizer.decode([tok]), [tok]))
+            text = self.tokenizer.decode([tok], skip_special_tokens=params.skip_special_tokens)
+            handle.push(StreamChunk(handle.request_id, text, [tok]))
         aborted = len(sent) < len(out)
         reason = "abort" if aborted else ("length" if len(out) == params.max_tokens else "stop")
-        result = Result(request_id=handle.request_id, text=self.tokenizer.decode(sent), token_ids=sent,
+        text = self.tokenizer.decode(sent, skip_special_tokens=params.skip_special_tokens)
+        result = Result(request_id=handle.request_id, text=text, token_ids=sent,
                         finish_reason=reason, prompt_tokens=len(prompt), completion_tokens=len(sent),
                         ttft=self.delay, total_time=time.monotonic() - t0)
         handle.push(StreamChunk(handle.request_id, "", [], finished=True, result=result))

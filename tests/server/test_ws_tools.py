@@ -41,9 +41,15 @@ async def test_tool_call_round_trip(tokenizer):
         async with await AgentSession.connect(server.url, tools=[calc_tool(calls)],
                                               sampling={"max_tokens": 40}) as s:
             assert s.ready.tools == ["calculator"]
-            events = [e async for e in s.stream("What is 17 * 23?")]
+            streamed = [e async for e in s.stream("What is 17 * 23?")]
+            # the call is not streamed as tokens but as tool_call.delta (name first, then the
+            # arguments' JSON text in fragments); the answer after the tool result is
+            deltas = [e for e in streamed if type(e).__name__ == "ToolCallDelta"]
+            assert deltas[0].name == "calculator" and deltas[0].call_id == "call-1" and deltas[0].arguments == ""
+            assert "".join(d.arguments for d in deltas) == '{"expression": "17 * 23"}'
+            assert {d.index for d in deltas} == {0} and all(d.name == "" for d in deltas[1:])
+            events = [e for e in streamed if type(e).__name__ != "ToolCallDelta"]
             kinds = [type(e).__name__ for e in events]
-            # the call is not streamed as tokens; the answer after the tool result is
             assert kinds[:2] == ["Message", "ToolCall"], kinds
             assert kinds[-1] == "Done" and events[-1].reason == "turn"
             first, call = events[0], events[1]
@@ -135,7 +141,7 @@ async def test_real_model_turns_under_the_tool_grammar(ws_engine):
             s = await client.session(tools=specs, sampling={"max_tokens": 48})
             events = []
             async for e in s.stream(q, answer_tools=False, tool_choice=choice):
-                if type(e).__name__ != "Token":
+                if type(e).__name__ not in ("Token", "ToolCallDelta", "Reasoning"):
                     events.append(e)
                 if type(e).__name__ == "ToolCall":
                     break  # the server now waits for our tool_result
