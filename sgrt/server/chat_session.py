@@ -2,8 +2,8 @@
 grammar (the base class and the rules every session shares are in :mod:`sgrt.server.session`).
 
 A turn is planned, rendered, constrained and read back by the same code as the HTTP chat APIs
-(:class:`~sgrt.server.openai_chat.ChatRenderer`, :class:`~sgrt.server.openai_chat.ToolPlan`,
-:class:`~sgrt.server.tool_formats.TurnStreamer`): tool calls in the model family's own format
+(:class:`~sgrt.server.turns.plan.ChatRenderer`, :class:`~sgrt.server.turns.plan.ToolPlan`,
+:class:`~sgrt.server.turns.formats.TurnStreamer`): tool calls in the model family's own format
 (Hermes / Qwen, Llama 3, Mistral, generic), several per generation with
 ``parallel_tool_calls``, their arguments streamed as ``tool_call.delta``, and a thinking
 model's ``<think>`` block streamed apart as ``reasoning``.
@@ -29,11 +29,11 @@ from sgrt.engine import Result, SamplingParams
 from sgrt.errors import CapacityError, InvalidRequest
 from sgrt.server import openai_protocol as op
 from sgrt.server import protocol as p
-from sgrt.server import tool_formats as tf
-from sgrt.server.openai_chat import ChatRenderer, ToolPlan, plan_choice
+from sgrt.server.turns import formats as tf
+from sgrt.server.turns.plan import ChatRenderer, ToolPlan, plan_choice
 from sgrt.server.protocol import LimitExceeded
 from sgrt.server.session import Session, SessionContext, ws_sampling_params
-from sgrt.server.tools import check_tool_choice, check_tools, validate_tool_grammar
+from sgrt.server.turns.tools import check_tool_choice, check_tools, validate_tool_grammar
 
 logger = logging.getLogger("sgrt.server")
 

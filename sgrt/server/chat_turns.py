@@ -18,7 +18,7 @@ from sgrt.engine import Result, SamplingParams, StreamChunk
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
 from sgrt.server import sglang_fields
-from sgrt.server import tool_formats as tf
+from sgrt.server.turns import formats as tf
 from sgrt.server.http_streams import merge_streams
 
 logger = logging.getLogger("sgrt.server.http")

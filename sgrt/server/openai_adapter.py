@@ -3,10 +3,10 @@
 Pure functions over the engine's tokenizer and the wire structs of
 :mod:`sgrt.server.openai_protocol`; the HTTP layer (:mod:`sgrt.server.http_api`) does the I/O.
 Sampling (the translator to ``SamplingParams``) is in :mod:`sgrt.server.openai_sampling`, chat
-prompts and tools in :mod:`sgrt.server.openai_chat`; this module keeps tokens and results, and
+prompts and tools in :mod:`sgrt.server.turns.plan`; this module keeps tokens and results, and
 re-exports both (``openai_adapter.build_params``, ``openai_adapter.ToolPlan`` ...).
 
-Tool calls reuse the session server's format (:mod:`sgrt.server.tools`): a call is the JSON
+Tool calls reuse the session server's format (:mod:`sgrt.server.turns.tools`): a call is the JSON
 object ``{"name": <tool>, "arguments": {...}}``, generated under a Lark grammar with one
 ``%json`` alternative per tool. ``tool_choice="auto"`` adds a free-text alternative (text that
 does not start with ``{``); ``"required"`` and a named tool leave only calls. Tools are described
@@ -23,7 +23,7 @@ from sgrt.models.tokenizer import encode_prompt_text, plain_text_bos_id
 from sgrt.server import openai_protocol as op
 
 # NOTE: the two halves that moved out stay reachable as openai_adapter.<name>.
-from sgrt.server.openai_chat import (  # noqa: F401
+from sgrt.server.turns.plan import (  # noqa: F401
     REASONING_OFF, ChatRenderer, ToolPlan, TurnOutput, calls_only_grammar, format_calls, new_call_id,
     plan_tools, read_turn, think_mode,
 )

@@ -147,7 +147,7 @@ def chat_params(req: op.ChatCompletionRequest, plan: Any, prompt_len: int, room:
     """The chat completions translator (also the Responses and Messages APIs', through their
     translated chat request): the ``n`` choices' :class:`SamplingParams` of ``req`` (OpenAI's
     ``POST /v1/chat/completions`` fields), with the turn grammar of ``plan`` (a
-    :class:`~sgrt.server.openai_chat.ToolPlan`, finished here), ``max_tokens`` resolved
+    :class:`~sgrt.server.turns.plan.ToolPlan`, finished here), ``max_tokens`` resolved
     against ``room`` (tokens one request may hold) for a prompt of ``prompt_len`` tokens, and
     ``limits`` (:class:`~sgrt.server.limits.HttpLimits`).
 

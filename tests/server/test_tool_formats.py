@@ -7,10 +7,10 @@ import json
 import pytest
 from pydantic import BaseModel
 
-from sgrt.server import tool_formats as tf
+from sgrt.server.turns import formats as tf
 from sgrt.server.openai_adapter import think_mode
 from sgrt.server.protocol import ToolSpec
-from sgrt.server.schema_embed import embed_schema, rewrite_ref
+from sgrt.server.turns.schema_embed import embed_schema, rewrite_ref
 
 
 class Address(BaseModel):
@@ -162,7 +162,7 @@ def test_stream_reasoning_and_held_trigger():
 
 def test_ws_session_tools_embed_defs(compiler, tokenizer):
     """The WebSocket sessions' tool grammar embeds the parameters the same way."""
-    from sgrt.server.tools import tool_grammar, validate_tool_grammar
+    from sgrt.server.turns.tools import tool_grammar, validate_tool_grammar
 
     validate_tool_grammar([SAVE])  # raised "Pointer '/$defs/Address' does not exist" before
     g = tool_grammar([SAVE], "required")

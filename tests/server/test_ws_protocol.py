@@ -8,7 +8,7 @@ import pytest
 from sgrt.errors import InvalidRequest
 from sgrt.server import protocol as p
 from sgrt.server.programs import ProgramRegistry
-from sgrt.server.tools import check_tools, parse_tool_call, tool_grammar, tools_system_prompt
+from sgrt.server.turns.tools import check_tools, parse_tool_call, tool_grammar, tools_system_prompt
 from tests.server.conftest import PROGRAMS_DIR
 
 CALC = p.ToolSpec(name="calculator", description="arithmetic", parameters={

@@ -12,8 +12,8 @@ from typing import Any
 from sgrt.errors import InvalidRequest
 from sgrt.server import openai_protocol as op
 from sgrt.server.protocol import ToolSpec
-from sgrt.server import tool_formats as tf
-from sgrt.server.tools import (
+from sgrt.server.turns import formats as tf
+from sgrt.server.turns.tools import (
     TOOL_NAME, template_renders_tools, template_tools, tool_results_as_user, tools_system_prompt,
 )
 
@@ -192,7 +192,7 @@ class ChatRenderer:
     Assistant tool calls go as ``tool_calls`` to a template in a known family's format, else as
     their text in the family's (or the generic) format; ``tool`` messages as the ``tool`` role,
     or as a user message when the template refuses that role. ``traits`` (detected from the
-    template: :func:`sgrt.server.tool_formats.detect_traits`) give the tool-call format and the
+    template: :func:`sgrt.server.turns.formats.detect_traits`) give the tool-call format and the
     reasoning switch; they can be replaced (tests, an operator forcing a format).
     """
 

@@ -19,7 +19,7 @@ mistral   ``[TOOL_CALLS][{...}, {...}]``                            no          
 the system prompt). The grammar lets the model write free text or, after the family's trigger
 (``<tool_call>``, ``[TOOL_CALLS]``, or ``{`` at the start), only well-formed calls of the given
 tools (one ``%json`` alternative per tool, its parameters embedded with
-:func:`sgrt.server.schema_embed.embed_schema`); with ``parallel`` one or more calls, else one.
+:func:`sgrt.server.turns.schema_embed.embed_schema`); with ``parallel`` one or more calls, else one.
 
 Reasoning: a template that writes ``<think>`` marks a thinking model. Its ``<think> ...
 </think>`` block is free text (a lazy lexeme, so it ends at the first ``</think>``) ahead of
@@ -35,7 +35,7 @@ from typing import Any
 
 from sgrt.errors import GrammarError
 from sgrt.server.protocol import ToolSpec
-from sgrt.server.schema_embed import embed_schema
+from sgrt.server.turns.schema_embed import embed_schema
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 #: Most whitespace characters between ``</think>`` and the answer (Qwen 3 writes two newlines):
@@ -118,7 +118,7 @@ def detect_traits(template: str | None) -> TemplateTraits:
 def call_schema(tool: ToolSpec, args_key: str = "arguments") -> dict[str, Any]:
     """JSON Schema of one call of ``tool``: ``{"name": <const>, <args_key>: <parameters>}``,
     the parameters' ``$defs`` hoisted to the root and their references rewritten
-    (:func:`~sgrt.server.schema_embed.embed_schema`), normalized as every sgrt JSON constraint
+    (:func:`~sgrt.server.turns.schema_embed.embed_schema`), normalized as every sgrt JSON constraint
     is (objects closed unless the schema says otherwise, free strings capped), with the
     :data:`JSON_LAYOUT` separators.
 

@@ -10,7 +10,7 @@ syntax, passed as ``SamplingParams.grammar``)::
                    "arguments": <the tool's parameters schema>}, ...}
 
 (the parameters' ``$defs`` hoisted to the call schema's root, so that nested models work:
-:mod:`sgrt.server.schema_embed`), so the model chooses between free text (which cannot start with ``{``) and exactly one
+:mod:`sgrt.server.turns.schema_embed`), so the model chooses between free text (which cannot start with ``{``) and exactly one
 ``{"name": ..., "arguments": ...}`` object whose arguments match that tool's schema. The grammar
 guarantees the shape; the system prompt (:func:`tools_system_prompt`) tells the model when to use
 which. ``tool_choice`` narrows it, as in OpenAI's API: ``"required"`` (a call of some tool),
@@ -55,13 +55,13 @@ def check_tools(tools: list[ToolSpec], max_tools: int) -> None:
 
 def call_schema(tool: ToolSpec) -> dict[str, Any]:
     """JSON Schema of one call of ``tool``: ``{"name": <const>, "arguments": <parameters>}``
-    (:func:`sgrt.server.tool_formats.call_schema`: the parameters' ``$defs`` hoisted and their
+    (:func:`sgrt.server.turns.formats.call_schema`: the parameters' ``$defs`` hoisted and their
     references rewritten, normalized, one space after ``:`` and ``,``).
 
     Raises:
         GrammarError: the parameters use a keyword sgrt cannot enforce (names it).
     """
-    from sgrt.server.tool_formats import call_schema as format_call_schema
+    from sgrt.server.turns.formats import call_schema as format_call_schema
 
     return format_call_schema(tool)
 
@@ -136,9 +136,9 @@ def validate_tool_grammar(tools: list[ToolSpec]) -> None:
 def tools_system_prompt(tools: list[ToolSpec], fmt: Any = None, parallel: bool = False) -> str:
     """Plain-text description of ``tools`` for the system prompt (used when the model's chat
     template does not render ``tools=`` itself), with an example call in ``fmt``
-    (a :class:`sgrt.server.tool_formats.ToolFormat`; default: the generic one-JSON-object
+    (a :class:`sgrt.server.turns.formats.ToolFormat`; default: the generic one-JSON-object
     format) and, with ``parallel``, how to make several calls in one reply."""
-    from sgrt.server.tool_formats import GENERIC
+    from sgrt.server.turns.formats import GENERIC
 
     fmt = fmt or GENERIC
     key = fmt.args_key
