@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sgrt.engine import Result, SamplingParams
-from sgrt.errors import CapacityError, InvalidRequest
+from sgrt.errors import CapacityError, InvalidRequest, SgrtError
 from sgrt.server import openai_protocol as op
 from sgrt.server import protocol as p
 from sgrt.server.turns import formats as tf
@@ -110,6 +110,21 @@ class ChatSession(Session):
             ids = self.tokenizer.encode(text)
         return _Turn(ids, text, params, plan)
 
+    async def _prepared(self, messages: list[op.ChatMessage], override: p.Sampling | None,
+                        choice: str) -> _Turn | None:
+        """:meth:`_prepare` off the event loop. A client error (a bad field, a schema that does
+        not compile) is raised to the caller, which answers it with ``error``; anything else
+        fails the turn as a running one does: an ``internal`` error, then ``done`` ("error"),
+        and None."""
+        try:
+            return await asyncio.to_thread(self._prepare, messages, override, choice)
+        except (SgrtError, p.ProtocolError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported (error_for logs it, with an incident id)
+            await self.send_error(exc)
+            await self.send(p.Done(session=self.id, turn=self.turn, reason="error"))
+            return None
+
     # -- messages --------------------------------------------------------------------------------
     async def on_user(self, msg: p.User) -> None:
         if self.busy:
@@ -123,8 +138,8 @@ class ChatSession(Session):
         check_tool_choice(choice, self.tools)
         user = op.ChatMessage(role="user", content=msg.content)
         # NOTE: rendering, tokenizing and the first turn of a tool choice (every tool's schema): off the loop.
-        turn = await asyncio.to_thread(self._prepare, [*self.messages, user], msg.sampling, choice)
-        if self.closed:
+        turn = await self._prepared([*self.messages, user], msg.sampling, choice)
+        if turn is None or self.closed:
             return
         self.messages.append(user)
         self.tool_rounds = 0
@@ -149,8 +164,8 @@ class ChatSession(Session):
             await self.send(p.Done(session=self.id, turn=self.turn, reason="error"))
             return
         self._cancel_requested = False
-        turn = await asyncio.to_thread(self._prepare, list(self.messages), None, choice)
-        if self.closed:
+        turn = await self._prepared(list(self.messages), None, choice)
+        if turn is None or self.closed:
             return
         self._spawn(self._generate(turn))
 

@@ -82,10 +82,10 @@ async def test_tool_parameters_with_no_finite_instance_are_refused_at_start(ws_e
 async def test_unexpected_errors_carry_no_exception_text(ws_engine, monkeypatch):
     from sgrt.server import chat_session as session_mod
 
-    def broken(self):
+    def broken(self, *args):
         raise RuntimeError("secret detail /home/user/x")
 
-    monkeypatch.setattr(session_mod.ChatSession, "_prompt", broken)
+    monkeypatch.setattr(session_mod.ChatSession, "_prepare", broken)
     async with running_server(ws_engine) as server:
         async with connect(server.url) as ws:
             await ws.send(start("s", sampling={"max_tokens": 1}))
