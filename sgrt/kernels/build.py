@@ -1,11 +1,13 @@
 """Compile-on-first-use loading of sgrt's native CPU operator libraries.
 
-Each library is one C++ file that registers its operators with ``TORCH_LIBRARY`` (no Python
-module, so compilation is quick: 10-40 s on 2 cores). :func:`load_library` builds it with
-``torch.utils.cpp_extension.load`` into ``$SGRT_CACHE_DIR/kernels/<hash>`` (default
-``~/.cache/sgrt/kernels/<hash>``); the hash covers the source, torch's version, the flags and
-the CPU's feature flags (the flags may target this CPU), so a later process, or another
-checkout of the same source, loads the cached ``.so`` in milliseconds. A lock file holding the
+Each library is one C++ file, or several, that registers its operators with ``TORCH_LIBRARY``
+(no Python module, so compilation is quick: 10-40 s on 2 cores), compiled with
+:data:`INCLUDE_DIR` on the include path (``sgrt/bf16.h``: what the libraries share). :func:`load_library` builds it with ``torch.utils.cpp_extension.load`` into
+``$SGRT_CACHE_DIR/kernels/<hash>`` (default ``~/.cache/sgrt/kernels/<hash>``); the hash covers
+the sources, the headers they may include (:data:`INCLUDE_DIR`'s and the library's own),
+torch's version, the flags and the CPU's feature flags (the flags may target this CPU), so a
+later process, or another checkout of the same sources, loads the cached ``.so`` in
+milliseconds, and a changed header rebuilds every library. A lock file holding the
 builder's PID makes concurrent first uses build once (a lock whose process died is taken over),
 and a checksum written after each successful build keeps a truncated ``.so`` from being loaded.
 
@@ -22,7 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -34,6 +36,9 @@ logger = logging.getLogger("sgrt.kernels")
 # library links no OpenMP runtime of its own, the symbols resolve to the libgomp that torch has
 # already loaded (the same thread pool as torch's own ops).
 BASE_CFLAGS = ["-O3", "-std=c++20", "-fopenmp", "-fopenmp-simd"]
+
+# The headers every library may include (#include "sgrt/...").
+INCLUDE_DIR = Path(__file__).with_name("include")
 
 BUILD_WAIT_S = 600.0  # the longest a process waits for another one's build (then PyTorch ops)
 
@@ -72,8 +77,11 @@ def disabled() -> bool:
     return os.environ.get("SGRT_NATIVE_KERNELS", "").strip() == "0"
 
 
-def load_library(name: str, source: Path, cflags: list[str], required_cpu_flags: tuple[str, ...] = ()) -> str | None:
-    """Compile (or reuse) ``source`` as library ``name`` and load it into this process.
+def load_library(name: str, sources: Path | Sequence[Path], cflags: list[str],
+                 required_cpu_flags: tuple[str, ...] = (), headers: Sequence[Path] = ()) -> str | None:
+    """Compile (or reuse) ``sources`` (one file or several) as library ``name`` and load it into
+    this process. ``headers``: the library's own headers beside its sources, which its cache key
+    covers as it does :data:`INCLUDE_DIR`'s.
 
     Returns None once the library's operators are registered, else the reason they are not
     (disabled, a missing CPU feature, or the build / load error), logged once as a warning.
@@ -87,7 +95,8 @@ def load_library(name: str, source: Path, cflags: list[str], required_cpu_flags:
         return _loaded[name]
     with _lock:
         if name not in _loaded:
-            _loaded[name] = _try_load(name, source, cflags, required_cpu_flags)
+            files = [sources] if isinstance(sources, Path) else list(sources)
+            _loaded[name] = _try_load(name, files, list(headers), cflags, required_cpu_flags)
             if _loaded[name] is not None:
                 _warn_once(name, _loaded[name])
         return _loaded[name]
@@ -107,15 +116,29 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
 
-def _try_load(name: str, source: Path, cflags: list[str], required: tuple[str, ...]) -> str | None:
+def _digest(files: list[Path], cflags: list[str], flags: set[str]) -> str:
+    """The build's cache key: every input file's name and bytes (and :data:`INCLUDE_DIR`'s
+    headers'), torch's version, the flags, the CPU's flags."""
+    h = hashlib.sha256()
+    for file in files + sorted(INCLUDE_DIR.rglob("*.h")):
+        h.update(file.name.encode() + b"\0")
+        h.update(hashlib.sha256(file.read_bytes()).digest())
+    for part in (torch.__version__, " ".join(BASE_CFLAGS + cflags), " ".join(sorted(flags))):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
+def _try_load(name: str, sources: list[Path], headers: list[Path], cflags: list[str],
+              required: tuple[str, ...]) -> str | None:
     flags = cpu_flags()
     missing = [f for f in required if f not in flags]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
-    h = hashlib.sha256(source.read_bytes())
-    for part in (torch.__version__, " ".join(BASE_CFLAGS + cflags), " ".join(sorted(flags))):
-        h.update(part.encode())
-    digest = h.hexdigest()[:16]
+    what = sources[0].name if len(sources) == 1 else f"{sources[0].parent.name}/ ({len(sources)} files)"
+    try:
+        digest = _digest(sources + headers, cflags, flags)
+    except OSError as e:
+        return f"reading the sources of {what} failed: {e}"
     ext = f"{name}_{digest}"
     build_dir = cache_dir() / digest
     so = build_dir / f"{ext}.so"
@@ -126,12 +149,12 @@ def _try_load(name: str, source: Path, cflags: list[str], required: tuple[str, .
             if not _verified(so):
                 from sgrt.progress import progress
 
-                with progress(f"building native kernel {source.name} (once; cached)"):
-                    _build(ext, source, cflags, build_dir, so)
-                logger.info("compiled %s in %.1f s (%s)", source.name, time.perf_counter() - t0, build_dir)
+                with progress(f"building native kernel {what} (once; cached)"):
+                    _build(ext, sources, cflags, build_dir, so)
+                logger.info("compiled %s in %.1f s (%s)", what, time.perf_counter() - t0, build_dir)
             torch.ops.load_library(str(so))
     except Exception as e:  # noqa: BLE001 - any build or load failure leaves the plain-PyTorch path
-        return f"building or loading {source.name} failed: {type(e).__name__}: {e}"
+        return f"building or loading {what} failed: {type(e).__name__}: {e}"
     return None
 
 
@@ -146,7 +169,7 @@ def _verified(so: Path) -> bool:
         return False
 
 
-def _build(ext: str, source: Path, cflags: list[str], build_dir: Path, so: Path) -> None:
+def _build(ext: str, sources: list[Path], cflags: list[str], build_dir: Path, so: Path) -> None:
     """Compile and link with torch's builder (ninja), then write the checksum file."""
     for leftover in (so, so.with_suffix(".sha256"), build_dir / "lock"):
         # torch's own lock is only ever taken under ours, so one here was left by a killed build.
@@ -154,8 +177,9 @@ def _build(ext: str, source: Path, cflags: list[str], build_dir: Path, so: Path)
     _put_ninja_on_path()
     from torch.utils import cpp_extension
 
-    cpp_extension.load(name=ext, sources=[str(source)], extra_cflags=BASE_CFLAGS + cflags,
-                       build_directory=str(build_dir), is_python_module=False, verbose=False)
+    cpp_extension.load(name=ext, sources=[str(s) for s in sources], extra_cflags=BASE_CFLAGS + cflags,
+                       extra_include_paths=[str(INCLUDE_DIR)], build_directory=str(build_dir),
+                       is_python_module=False, verbose=False)
     # NOTE: cpp_extension.load also loaded the library into this process; loading it again
     # below is a no-op.
     so.with_suffix(".sha256").write_text(hashlib.sha256(so.read_bytes()).hexdigest())

@@ -44,6 +44,8 @@
 #include <cstring>
 #include <vector>
 
+#include "sgrt/bf16.h"
+
 namespace {
 
 // Weight rows read side by side a thread: sequential streams far apart (see the header). (The
@@ -107,13 +109,6 @@ inline void dot_rows(const T* const* w, int64_t K, const T* wtail, const float* 
   for (int r = 0; r < R; ++r) out[r] = hsum_one(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
-inline uint16_t to_bf16(float f) {  // round to nearest even; NaN stays a (quiet) NaN
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((b >> 16) | 0x40);
-  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
 // x as fp32, zero padded to KP, for one call: per thread, grown and never shrunk, so that a decode
 // step's ~120 calls allocate nothing (the plan calls dense_raw below directly).
 float* x_buffer(int64_t n) {
@@ -137,8 +132,7 @@ float* widen_x(const T* xp, int64_t M, int64_t xs, int64_t K) {
       if constexpr (std::is_same_v<T, float>) {
         v = src[k];
       } else {
-        const uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
-        std::memcpy(&v, &bits, 4);
+        v = sgrt::bf16::to_float(src[k]);
       }
       const int64_t base = k / STEP_K * STEP_K, j = k % STEP_K;
       dst[std::is_same_v<T, float> ? k : base + (j % 2) * 8 + j / 2] = v;
@@ -175,7 +169,7 @@ void rows_range(const float* xf, int64_t M, const T* wp, int64_t N, int64_t K, T
       T* yrow = yp + m * N;
       for (int r = 0; r < R; ++r) {
         if constexpr (std::is_same_v<T, float>) yrow[idx[r]] = out[r];
-        else yrow[idx[r]] = to_bf16(out[r]);
+        else yrow[idx[r]] = sgrt::bf16::from_float_keep_nan(out[r]);  // (a NaN keeps its sign: as before)
       }
     }
   };

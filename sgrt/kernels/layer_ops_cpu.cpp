@@ -34,26 +34,14 @@
 #include <immintrin.h>
 #endif
 
+#include "sgrt/bf16.h"
+
 using at::Tensor;
 
 namespace {
 
-// Scalar types the ops accept: float32 (no rounding) and bfloat16 (rounds to bfloat16).
-// float <-> bfloat16 written out (branch-free, so that loops over them vectorize); the same
-// results as c10::BFloat16's conversions: round to nearest even, NaN kept a (quiet) NaN.
-inline float bits_to_f(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-inline uint16_t f_to_bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
-}
-
+// Scalar types the ops accept: float32 (no rounding) and bfloat16 (rounds to bfloat16, with
+// c10::BFloat16's conversion: sgrt::bf16::from_float, branch-free so that loops vectorize).
 // The kernels work on raw storage: float, or the uint16_t bits of a bfloat16 (a struct type
 // would keep GCC from vectorizing the loops). raw<T> maps a tensor's scalar type to it.
 template <typename T>
@@ -65,14 +53,14 @@ inline raw<T>* raw_ptr(const Tensor& t) {
 }
 
 inline float to_f(float v) { return v; }
-inline float to_f(uint16_t v) { return bits_to_f(static_cast<uint32_t>(v) << 16); }
+inline float to_f(uint16_t v) { return sgrt::bf16::to_float(v); }
 
 template <typename R>
 inline R from_f(float v);
 template <>
 inline float from_f<float>(float v) { return v; }
 template <>
-inline uint16_t from_f<uint16_t>(float v) { return f_to_bf16_bits(v); }
+inline uint16_t from_f<uint16_t>(float v) { return sgrt::bf16::from_float(v); }
 
 // v rounded to R's precision, kept as float.
 template <typename R>

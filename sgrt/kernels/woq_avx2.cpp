@@ -64,6 +64,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "sgrt/bf16.h"
+
 namespace {
 
 constexpr int64_t BLOCK_N = 16;
@@ -138,14 +140,8 @@ inline Header header_of(int64_t bits) {
   return {c ? HEADER_BYTES / 2 : HEADER_BYTES, c ? -static_cast<float>(c) : 0.0f};
 }
 
-// fp32 -> bf16, round to nearest even (NaN stays NaN: its quiet bit survives the add)
-inline __m128i to_bf16(__m256 v) {
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: 4 words, twice
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-}
+// 8 fp32 outputs -> bf16, round to nearest even (sgrt/bf16.h: no NaN test, see there)
+using sgrt::bf16::from_float8;
 
 // One row of x (bf16, k values) -> per block of 32: dx and qsum (as float), and the integer
 // activations Q = 254 q1 + q2 as q1, q2 (int8, for the 4-bit kernel) or Q (int16, 8-bit kernel);
@@ -358,8 +354,8 @@ inline void block4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_
     sums4<R, ACT8>(p, rows, b, so, y0, y1);
   }
   for (int r = 0; r < R; ++r) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(y0[r]));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(y1[r]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), from_float8(y0[r]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), from_float8(y1[r]));
   }
 }
 
@@ -456,8 +452,8 @@ inline void block4x2(const uint8_t* w, const RowArgs* rows, int64_t KB, int grou
     asm volatile("" : : "r"(&yacc[0][0]) : "memory");
   }
   for (int r = 0; r < 2; ++r) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(_mm256_load_ps(yacc[r])));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(_mm256_load_ps(yacc[r] + 8)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), from_float8(_mm256_load_ps(yacc[r])));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), from_float8(_mm256_load_ps(yacc[r] + 8)));
   }
 }
 
@@ -541,8 +537,8 @@ inline void block4x4w(const uint8_t* w, const RowArgs* rows, int64_t KB, int gro
     asm volatile("" : : "r"(&yacc[0][0]) : "memory");
   }
   for (int r = 0; r < 4; ++r) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(_mm256_load_ps(yacc[r])));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(_mm256_load_ps(yacc[r] + 8)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), from_float8(_mm256_load_ps(yacc[r])));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), from_float8(_mm256_load_ps(yacc[r] + 8)));
   }
 }
 
@@ -592,8 +588,8 @@ inline void block4_streams(const uint8_t* const* w, const RowArgs& row, uint16_t
     }
   }
   for (int s = 0; s < S; ++s) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[s]), to_bf16(y0[s]));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[s] + 8), to_bf16(y1[s]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[s]), from_float8(y0[s]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[s] + 8), from_float8(y1[s]));
   }
 }
 
@@ -662,8 +658,8 @@ inline void block8(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_
     for (int r = 0; r < R; ++r) epilogue(a0[r], a1[r], so, rows[r].dx[b], rows[r].qs[b], y0[r], y1[r]);
   }
   for (int r = 0; r < R; ++r) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(y0[r]));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(y1[r]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), from_float8(y0[r]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), from_float8(y1[r]));
   }
 }
 
@@ -705,8 +701,8 @@ inline void block8_streams(const uint8_t* const* w, const RowArgs& row, uint16_t
     }
   }
   for (int s = 0; s < S; ++s) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[s]), to_bf16(y0[s]));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[s] + 8), to_bf16(y1[s]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[s]), from_float8(y0[s]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[s] + 8), from_float8(y1[s]));
   }
 }
 
@@ -760,10 +756,10 @@ SGRT_TARGET_AVX512 inline __m512 epilogue512(__m512i s, __m512 sc, __m512 of, fl
   return _mm512_add_ps(y, _mm512_mul_ps(_mm512_set1_ps(dx), t));
 }
 
-// 16 fp32 outputs -> bf16 (to_bf16's rounding, per half)
+// 16 fp32 outputs -> bf16 (from_float8's rounding, per half)
 SGRT_TARGET_AVX512 inline void store_bf16_512(uint16_t* y, __m512 v) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(y), to_bf16(_mm512_castps512_ps256(v)));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(y + 8), to_bf16(_mm512_extractf32x8_ps(v, 1)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(y), from_float8(_mm512_castps512_ps256(v)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(y + 8), from_float8(_mm512_extractf32x8_ps(v, 1)));
 }
 
 // A group header -> its 16 scales and 16 offsets as fp32 (load_header's values: stored offsets,
@@ -1071,8 +1067,8 @@ inline void block8x4(const uint8_t* w, const RowArgs* rows, int64_t KB, int grou
     asm volatile("" : : "r"(&yacc[0][0]) : "memory");
   }
   for (int r = 0; r < 4; ++r) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(_mm256_load_ps(yacc[r])));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(_mm256_load_ps(yacc[r] + 8)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), from_float8(_mm256_load_ps(yacc[r])));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), from_float8(_mm256_load_ps(yacc[r] + 8)));
   }
 }
 
@@ -1094,12 +1090,12 @@ SGRT_TARGET_AVX512 inline __m512i pair16(const int16_t* q) {
   return _mm512_set1_epi32(v);
 }
 
-// The 16 float sums of each of R rows -> their bf16 outputs (to_bf16 on each half)
+// The 16 float sums of each of R rows -> their bf16 outputs (from_float8 on each half)
 template <int R>
 SGRT_TARGET_AVX512 inline void store16(const __m512* y, const RowArgs* rows) {
   for (int r = 0; r < R; ++r) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), to_bf16(_mm512_castps512_ps256(y[r])));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), to_bf16(_mm512_extractf32x8_ps(y[r], 1)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y), from_float8(_mm512_castps512_ps256(y[r])));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows[r].y + 8), from_float8(_mm512_extractf32x8_ps(y[r], 1)));
   }
 }
 
@@ -1459,10 +1455,7 @@ void linear_into(const uint16_t* xb, int64_t M, const uint8_t* wp, int64_t n, in
       const uint16_t* src = yp + m * n + b0 * BLOCK_N;
       float* dst = yf + m * n + b0 * BLOCK_N;
 #pragma omp simd
-      for (int64_t j = 0; j < (b1 - b0) * BLOCK_N; ++j) {
-        const uint32_t u = static_cast<uint32_t>(src[j]) << 16;
-        std::memcpy(dst + j, &u, 4);
-      }
+      for (int64_t j = 0; j < (b1 - b0) * BLOCK_N; ++j) dst[j] = sgrt::bf16::to_float(src[j]);
     }
   });
 }
@@ -1602,7 +1595,7 @@ at::Tensor woq_dequantize_rows(const at::Tensor& packed, const at::Tensor& scale
           const float a = sc[r], o = of[r];
           for (int64_t j = 0; j < group; j += 8) {
             const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(src + j), _mm256_set1_ps(a)), _mm256_set1_ps(o));
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), to_bf16(v));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), from_float8(v));
           }
         }
       }
