@@ -2,7 +2,8 @@
 
 Each library is one C++ file, or several, that registers its operators with ``TORCH_LIBRARY``
 (no Python module, so compilation is quick: 10-40 s on 2 cores), compiled with
-:data:`INCLUDE_DIR` on the include path (``sgrt/bf16.h``: what the libraries share). :func:`load_library` builds it with ``torch.utils.cpp_extension.load`` into
+:data:`INCLUDE_DIR` on the include path (``sgrt/bf16.h``, ``sgrt/raw_calls.h``: what the
+libraries share). :func:`load_library` builds it with ``torch.utils.cpp_extension.load`` into
 ``$SGRT_CACHE_DIR/kernels/<hash>`` (default ``~/.cache/sgrt/kernels/<hash>``); the hash covers
 the sources, the headers they may include (:data:`INCLUDE_DIR`'s and the library's own),
 torch's version, the flags and the CPU's feature flags (the flags may target this CPU), so a

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "sgrt/bf16.h"
+#include "sgrt/raw_calls.h"
 
 namespace {
 
@@ -216,8 +217,8 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // y [M, N] = x [M, K] @ w [N, K].T on raw storage (contiguous rows; bf16: bfloat16 bits, else
-// float32), arguments valid (dense_linear checks them): what the decode plan
-// (sgrt/kernels/layer_ops_cpu.cpp, DenseRaw) calls directly. Change both together.
+// float32), arguments valid (dense_linear checks them): sgrt::DenseRaw (sgrt/raw_calls.h), what
+// the decode plan (sgrt/kernels/layer_ops_cpu.cpp) calls directly.
 void dense_raw(const void* x, int64_t M, const void* w, int64_t N, int64_t K, bool bf16, void* y) {
   if (M == 0) return;
   if (bf16)
@@ -229,7 +230,7 @@ void dense_raw(const void* x, int64_t M, const void* w, int64_t N, int64_t K, bo
 // dense_raw's part `part` of `parts`, for a thread of a team the caller already runs (the decode
 // plan's one OpenMP region a step): this thread widens x into its own buffer and computes outputs
 // [N * part / parts, N * (part + 1) / parts) of every row. No parallel region, no wait; the same
-// bits as dense_raw (an output does not depend on the split). Change DensePart there with it.
+// bits as dense_raw (an output does not depend on the split): sgrt::DensePart.
 void dense_part(const void* x, int64_t M, const void* w, int64_t N, int64_t K, bool bf16, void* y, int64_t part,
                 int64_t parts) {
   const int64_t r0 = N * part / parts, r1 = N * (part + 1) / parts;
@@ -243,16 +244,16 @@ void dense_part(const void* x, int64_t M, const void* w, int64_t N, int64_t K, b
   }
 }
 
-int64_t raw_entry() { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&dense_raw)); }
-int64_t team_entry() { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&dense_part)); }
+// linear's raw calls for the decode plan (sgrt/raw_calls.h): a signature that differs from the
+// declared one does not compile here.
+constexpr sgrt::RawCalls kLinearCalls = sgrt::dense_raw_calls(&dense_raw, &dense_part);
+int64_t linear_raw_calls() { return sgrt::raw_calls_address(kLinearCalls); }
 
 }  // namespace
 
 TORCH_LIBRARY(sgrt_dense_avx2, m) {
   m.def("linear(Tensor x, Tensor weight) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(dense_linear));
-  // the address of dense_raw, for the decode plan (no tensor arguments: a catch-all kernel)
-  m.def("raw_entry() -> int", &raw_entry);
-  // the address of dense_part, for the plan's thread team
-  m.def("team_entry() -> int", &team_entry);
+  // the address of linear's sgrt::RawCalls, for the decode plan (no tensor arguments: a catch-all kernel)
+  m.def("linear_raw_calls() -> int", &linear_raw_calls);
 }

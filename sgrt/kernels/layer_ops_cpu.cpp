@@ -35,6 +35,7 @@
 #endif
 
 #include "sgrt/bf16.h"
+#include "sgrt/raw_calls.h"
 
 using at::Tensor;
 
@@ -1191,33 +1192,16 @@ Tensor decode_attention_qkv_(Tensor qkv, const Tensor& cos, const Tensor& sin, i
 using WoqLinear = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, int64_t,
                          int64_t);
 using DenseLinear = Tensor(const Tensor&, const Tensor&);
-// The kernels' computations on raw storage, behind their registered operators, which the plan calls
-// directly where the kernel library exports one (its `raw_entry() -> int` operator gives the
-// address): no dispatcher, no argument checks and no output allocation per call. MUST match
-// linear_raw in woq_avx2.cpp and dense_raw in dense_avx2.cpp.
-// WoqRaw: y [M, n] bf16 bits = x [M, k] bf16 bits @ the fused weight stream (bits 4 / 8, group).
-using WoqRaw = void(const uint16_t* x, int64_t M, const uint8_t* packed, int64_t n, int64_t k, int64_t bits,
-                    int64_t group, uint16_t* y);
-// DenseRaw: y [M, N] = x [M, K] @ w [N, K].T, contiguous rows, bfloat16 bits (bf16) or float32.
-using DenseRaw = void(const void* x, int64_t M, const void* w, int64_t N, int64_t K, bool bf16, void* y);
-// Their in-team entries (`team_entry() -> int`; linear_part, dense_part): the same computation's
-// share `part` of `parts` (a split of the output features), for a thread of a team the caller
-// runs; no parallel region of their own, no waiting. MUST match those functions.
-using WoqPart = void(const uint16_t* x, int64_t M, const uint8_t* packed, int64_t n, int64_t k, int64_t bits,
-                     int64_t group, uint16_t* y, int64_t part, int64_t parts);
-using DensePart = void(const void* x, int64_t M, const void* w, int64_t N, int64_t K, bool bf16, void* y,
-                       int64_t part, int64_t parts);
 
 // One fused projection: the weight-only quantized kernel's arguments (bits 4 / 8, as GroupLinear
-// passes them), or the dense kernel's (bits 0, as DenseLinear passes them); the kernel's raw entry
-// where its library has one.
+// passes them), or the dense kernel's (bits 0, as DenseLinear passes them); the kernel's raw calls
+// where its library has them (sgrt/raw_calls.h: its computation on raw storage behind the
+// registered operator, which the plan calls directly: no dispatcher, no argument checks and no
+// output allocation per call), else all null.
 struct Projection {
   Tensor weight, scales, offsets;
   int64_t n = 0, k = 0, bits = 0, group = 0;
-  WoqRaw* woq_raw = nullptr;
-  DenseRaw* dense_raw = nullptr;
-  WoqPart* woq_part = nullptr;
-  DensePart* dense_part = nullptr;
+  sgrt::RawCalls calls;
   // the projection's own operator (int4 projections with int8 activations run linear_q8 beside
   // int8 ones on linear in one model)
   std::optional<c10::TypedOperatorHandle<WoqLinear>> woq_op;
@@ -1371,28 +1355,32 @@ struct DecodePlan : torch::CustomClassHolder {
     auto& dispatcher = c10::Dispatcher::singleton();
     auto handle = dispatcher.findSchemaOrThrow(op.c_str(), "");
     Projection proj{std::move(weight), std::move(scales), std::move(offsets), n, k, bits, group};
-    // The operator's raw entry, if its library has one: `<op>_raw_entry`, or for `ns::linear` the
-    // library's `ns::raw_entry` (sgrt_woq_avx2::linear_q8 is linear_q8_raw_entry, and so on).
-    const std::string ns = op.substr(0, op.find("::"));
-    auto entry = dispatcher.findSchema({op + "_raw_entry", ""});
-    if (!entry && op == ns + "::linear") entry = dispatcher.findSchema({ns + "::raw_entry", ""});
-    const int64_t address = entry ? entry->typed<int64_t()>().call() : 0;
-    // Its in-team entry likewise: `<op>_team_entry`, or for `ns::linear` the library's `ns::team_entry`.
-    auto team = dispatcher.findSchema({op + "_team_entry", ""});
-    if (!team && op == ns + "::linear") team = dispatcher.findSchema({ns + "::team_entry", ""});
-    const int64_t team_address = team ? team->typed<int64_t()>().call() : 0;
     if (bits > 0) {
       proj.woq_op = handle.typed<WoqLinear>();
       // the operator's own argument checks, once, on an x of no rows (the raw calls skip them)
       proj.woq_op->call(at::empty({0, k}, at::kBFloat16), proj.weight, proj.scales, proj.offsets, n, k, bits, group);
-      proj.woq_raw = reinterpret_cast<WoqRaw*>(static_cast<intptr_t>(address));
-      proj.woq_part = reinterpret_cast<WoqPart*>(static_cast<intptr_t>(team_address));
     } else {
       dense = handle.typed<DenseLinear>();
       TORCH_CHECK(proj.weight.dim() == 2, "a dense projection's weight must be [N, K]");
       dense->call(at::empty({0, proj.weight.size(1)}, proj.weight.options()), proj.weight);
-      proj.dense_raw = reinterpret_cast<DenseRaw*>(static_cast<intptr_t>(address));
-      proj.dense_part = reinterpret_cast<DensePart*>(static_cast<intptr_t>(team_address));
+    }
+    // The operator's raw calls, if its library has them (`<op>_raw_calls() -> int`: their address),
+    // checked here, once: a library built against another sgrt/raw_calls.h is an error now rather
+    // than a call through a mismatched signature later. Only this projection's kind is kept.
+    if (auto entry = dispatcher.findSchema({op + "_raw_calls", ""})) {
+      const auto* calls = reinterpret_cast<const sgrt::RawCalls*>(static_cast<intptr_t>(entry->typed<int64_t()>().call()));
+      TORCH_CHECK(calls != nullptr, op, "_raw_calls gave a null address");
+      TORCH_CHECK(sgrt::raw_calls_match(*calls), op, "_raw_calls: raw-call ABI version ", calls->version, " (",
+                  calls->size, " bytes), but sgrt_layer was built for version ", sgrt::kRawCallsVersion, " (",
+                  sizeof(sgrt::RawCalls), " bytes) of sgrt/raw_calls.h: the native libraries loaded in this ",
+                  "process were built from different sources");
+      if (bits > 0) {
+        proj.calls.woq_raw = calls->woq_raw;
+        proj.calls.woq_part = calls->woq_part;
+      } else {
+        proj.calls.dense_raw = calls->dense_raw;
+        proj.calls.dense_part = calls->dense_part;
+      }
     }
     *p = std::move(proj);
     TORCH_CHECK(p != &l.qkv || !l.qkv_bias || l.qkv_bias->numel() == p->out_features(), "the qkv bias has ",
@@ -1405,7 +1393,7 @@ struct DecodePlan : torch::CustomClassHolder {
   Tensor project(const Projection& p, const Tensor& x, Tensor& out, const Team& t) const {
     TORCH_CHECK(p.weight.defined(), "a projection was not set");
     if (p.bits > 0) {
-      if (!t.team && (p.woq_raw == nullptr || !raw_entries))
+      if (!t.team && (p.calls.woq_raw == nullptr || !raw_entries))
         return p.woq_op->call(x, p.weight, p.scales, p.offsets, p.n, p.k, p.bits, p.group);
       TORCH_CHECK(x.dim() == 2 && x.size(1) == p.k && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
                   "a projection's input must be contiguous bfloat16 [B, ", p.k, "]");
@@ -1413,27 +1401,27 @@ struct DecodePlan : torch::CustomClassHolder {
       const uint8_t* wp = p.weight.const_data_ptr<uint8_t>();
       if (t.team) {
         TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == p.n, "the team's buffers were sized for other layers");
-        p.woq_part(xp, x.size(0), wp, p.n, p.k, p.bits, p.group, reinterpret_cast<uint16_t*>(out.data_ptr()), t.part,
+        p.calls.woq_part(xp, x.size(0), wp, p.n, p.k, p.bits, p.group, reinterpret_cast<uint16_t*>(out.data_ptr()), t.part,
                    t.parts);
         return out;
       }
       Workspace::get(out, x.size(0), p.n, x.options());
-      p.woq_raw(xp, x.size(0), wp, p.n, p.k, p.bits, p.group, reinterpret_cast<uint16_t*>(out.data_ptr()));
+      p.calls.woq_raw(xp, x.size(0), wp, p.n, p.k, p.bits, p.group, reinterpret_cast<uint16_t*>(out.data_ptr()));
       return out;
     }
-    if (!t.team && (p.dense_raw == nullptr || !raw_entries)) return dense->call(x, p.weight);
+    if (!t.team && (p.calls.dense_raw == nullptr || !raw_entries)) return dense->call(x, p.weight);
     const int64_t n = p.weight.size(0), k = p.weight.size(1);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.is_contiguous() && x.scalar_type() == p.weight.scalar_type(),
                 "a projection's input must be contiguous [B, ", k, "] in the weight's dtype");
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     if (t.team) {
       TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n, "the team's buffers were sized for other layers");
-      p.dense_part(x.const_data_ptr(), x.size(0), p.weight.const_data_ptr(), n, k, bf16, out.data_ptr(), t.part,
+      p.calls.dense_part(x.const_data_ptr(), x.size(0), p.weight.const_data_ptr(), n, k, bf16, out.data_ptr(), t.part,
                    t.parts);
       return out;
     }
     Workspace::get(out, x.size(0), n, x.options());
-    p.dense_raw(x.const_data_ptr(), x.size(0), p.weight.const_data_ptr(), n, k, bf16, out.data_ptr());
+    p.calls.dense_raw(x.const_data_ptr(), x.size(0), p.weight.const_data_ptr(), n, k, bf16, out.data_ptr());
     return out;
   }
 
@@ -1444,7 +1432,7 @@ struct DecodePlan : torch::CustomClassHolder {
     raw_entries = enable;
     int64_t n = 0;
     for (const PlanLayer& l : layers)
-      for (const Projection* p : {&l.qkv, &l.o, &l.gate_up, &l.down}) n += p->woq_raw || p->dense_raw;
+      for (const Projection* p : {&l.qkv, &l.o, &l.gate_up, &l.down}) n += p->calls.woq_raw || p->calls.dense_raw;
     return n;
   }
 
@@ -1532,7 +1520,7 @@ struct DecodePlan : torch::CustomClassHolder {
     for (const PlanLayer& l : layers) {
       for (auto [p, q] : {std::pair{&l.qkv, &first.qkv}, std::pair{&l.o, &first.o}, std::pair{&l.gate_up, &first.gate_up},
                           std::pair{&l.down, &first.down}}) {
-        if (!p->weight.defined() || (p->bits > 0 ? p->woq_part == nullptr : p->dense_part == nullptr)) return false;
+        if (!p->weight.defined() || (p->bits > 0 ? p->calls.woq_part == nullptr : p->calls.dense_part == nullptr)) return false;
         if (p->out_features() != q->out_features()) return false;
       }
     }

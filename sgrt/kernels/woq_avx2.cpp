@@ -65,6 +65,7 @@
 #include <vector>
 
 #include "sgrt/bf16.h"
+#include "sgrt/raw_calls.h"
 
 namespace {
 
@@ -1436,7 +1437,7 @@ void linear_blocks5(const int8_t* q1, const int8_t* q2, const int16_t* Q, const 
 // (woq_linear checks them). The computation behind sgrt_woq_avx2.linear (ACT8: linear_q8),
 // without a tensor in sight: x quantized once (rows split across threads), then the output blocks
 // split across threads (at::parallel_for, one OpenMP region each). The decode plan
-// (sgrt/kernels/layer_ops_cpu.cpp) calls it directly outside its thread team (raw entries below).
+// (sgrt/kernels/layer_ops_cpu.cpp) calls it directly outside its thread team (raw calls below).
 // yf: where given, y widened to float32 as well (exactly: y.float()'s values), each thread its own
 // output blocks right after computing them, while they are in its cache (the LM head's logits:
 // a second parallel pass over them cost ~100 us a step for SmolLM2's 49k, ~200 for Gemma 3's 262k).
@@ -1498,8 +1499,6 @@ void linear_part_q8_prefill(const uint16_t* xb, int64_t M, const uint8_t* wp, in
   if (M >= Q8_PREFILL_ROWS) linear_part<true>(xb, M, wp, n, k, bits, group, yp, part, parts);
   else linear_part<false>(xb, M, wp, n, k, bits, group, yp, part, parts);
 }
-
-using LinearRaw = void(const uint16_t*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t, uint16_t*);
 
 // The checks of sgrt_woq_avx2.linear on its arguments (the decode plan runs them once per weight,
 // with an x of no rows, before it calls linear_raw directly).
@@ -1605,7 +1604,7 @@ at::Tensor woq_dequantize_rows(const at::Tensor& packed, const at::Tensor& scale
 }
 
 // The operators linear, linear_q8, linear_q8_prefill: check_args, then the raw computation F.
-template <LinearRaw* F>
+template <sgrt::WoqRaw* F>
 at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                       const at::Tensor& offsets, int64_t n, int64_t k, int64_t bits, int64_t group) {
   check_args(x, packed, scales, offsets, n, k, bits, group);
@@ -1628,13 +1627,16 @@ at::Tensor woq_linear_float(const at::Tensor& x, const at::Tensor& packed, const
   return yf;
 }
 
-// The addresses of the operators' raw computations, for the decode plan's direct calls (no
-// dispatcher, no tensors a call): `raw_entry` / `team_entry` are linear's per-call entry
-// (linear_raw) and in-team entry (linear_part), `<op>_raw_entry` / `<op>_team_entry` another
-// operator's (DecodePlan::set_projection looks them up so). The plan declares the same signatures
-// (WoqRaw / WoqPart in layer_ops_cpu.cpp): change both together.
-template <auto F>
-int64_t entry_of() { return static_cast<int64_t>(reinterpret_cast<intptr_t>(F)); }
+// Each operator's raw calls (sgrt/raw_calls.h: its per-call computation and its in-team one),
+// for the decode plan's direct calls (no dispatcher, no tensors a call); `<op>_raw_calls() -> int`
+// gives their address (DecodePlan::set_projection looks them up so). A function whose signature
+// differs from sgrt::WoqRaw / WoqPart does not compile here.
+constexpr sgrt::RawCalls kLinearCalls = sgrt::woq_raw_calls(&linear_raw<false>, &linear_part<false>);
+constexpr sgrt::RawCalls kLinearQ8Calls = sgrt::woq_raw_calls(&linear_raw<true>, &linear_part<true>);
+constexpr sgrt::RawCalls kLinearQ8PrefillCalls = sgrt::woq_raw_calls(&linear_raw_q8_prefill, &linear_part_q8_prefill);
+
+template <const sgrt::RawCalls& C>
+int64_t raw_calls_of() { return sgrt::raw_calls_address(C); }
 
 }  // namespace
 
@@ -1654,10 +1656,7 @@ TORCH_LIBRARY(sgrt_woq_avx2, m) {
   m.def("dequantize_rows(Tensor packed, Tensor scales, Tensor offsets, int n, int k, int bits, int group, int r0, int r1) -> Tensor");
   m.impl("dequantize_rows", c10::DispatchKey::CPU, TORCH_FN(woq_dequantize_rows));
   // (no tensor arguments: registered as catch-all kernels)
-  m.def("raw_entry() -> int", &entry_of<&linear_raw<false>>);
-  m.def("team_entry() -> int", &entry_of<&linear_part<false>>);
-  m.def("linear_q8_raw_entry() -> int", &entry_of<&linear_raw<true>>);
-  m.def("linear_q8_team_entry() -> int", &entry_of<&linear_part<true>>);
-  m.def("linear_q8_prefill_raw_entry() -> int", &entry_of<&linear_raw_q8_prefill>);
-  m.def("linear_q8_prefill_team_entry() -> int", &entry_of<&linear_part_q8_prefill>);
+  m.def("linear_raw_calls() -> int", &raw_calls_of<kLinearCalls>);
+  m.def("linear_q8_raw_calls() -> int", &raw_calls_of<kLinearQ8Calls>);
+  m.def("linear_q8_prefill_raw_calls() -> int", &raw_calls_of<kLinearQ8PrefillCalls>);
 }

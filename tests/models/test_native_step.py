@@ -6,12 +6,14 @@ int4, and tiny random models with each family's switches; and the per-layer path
 where the plan does not apply. A change to one path that is not made to the other fails here."""
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
 from sgrt.engine.attention import PagedAttention, RowSpec
 from sgrt.engine.kv_pool import KVPool
-from sgrt.kernels import layer_ops, woq
+from sgrt.kernels import dense, layer_ops, woq
 from sgrt.models import packed
 from sgrt.models.layers import FUSED_PROJECTIONS, CausalAttention, CausalLM
 
@@ -119,6 +121,57 @@ def test_dispatcher_and_raw_entries_give_the_same_bits(smollm_int4, smollm_bf16)
         finally:
             plan.use_raw_entries(True)
         assert torch.equal(raw, dispatched)
+
+
+class _RawCalls(ctypes.Structure):
+    """sgrt::RawCalls (sgrt/kernels/include/sgrt/raw_calls.h) as a provider lays it out."""
+    _fields_ = [("size", ctypes.c_uint32), ("version", ctypes.c_uint32), ("woq_raw", ctypes.c_void_p),
+                ("woq_part", ctypes.c_void_p), ("dense_raw", ctypes.c_void_p), ("dense_part", ctypes.c_void_p)]
+
+
+def _real_raw_calls() -> _RawCalls:
+    """A copy of a loaded kernel library's raw calls (its size and version are this build's)."""
+    for ns in ("sgrt_dense_avx2", "sgrt_woq_avx2"):
+        if (dense.available() if ns == "sgrt_dense_avx2" else woq.isa() == "avx2"):
+            return _RawCalls.from_address(getattr(torch.ops, ns).linear_raw_calls())
+    pytest.skip("no kernel library with raw calls loads here")
+
+
+def test_raw_calls_of_another_abi_are_refused():
+    """The plan checks a kernel library's raw calls when it takes the projection: a struct of
+    another size or version (a library built from other sources) is refused with the reason; one
+    of this build's with no functions leaves the projection on the dispatcher."""
+    real = _real_raw_calls()
+    assert real.size == ctypes.sizeof(_RawCalls) and real.version >= 1
+    assert real.woq_raw or real.dense_raw  # (the library's kind's pair is filled)
+    fake = _RawCalls(real.size, real.version)
+    lib = torch.library.Library("sgrt_abi_test", "DEF")  # a provider registered from Python
+    try:
+        lib.define("linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int n, int k, int bits, "
+                   "int group) -> Tensor")
+        lib.impl("linear", lambda x, packed, scales, offsets, n, k, bits, group: x.new_empty(x.shape[0], n), "CPU")
+        lib.define("linear_raw_calls() -> int")
+        lib.impl("linear_raw_calls", lambda: ctypes.addressof(fake), "CompositeExplicitAutograd")
+        bf16 = torch.bfloat16
+
+        def take() -> torch.ScriptObject:
+            plan = torch.classes.sgrt_layer.DecodePlan(torch.zeros(4, 64, dtype=bf16), None, torch.ones(64, dtype=bf16),
+                                                       1e-6, 1, 64, [torch.zeros(4, 64)], [torch.zeros(4, 64)])
+            plan.add_layer(torch.ones(64, dtype=bf16), torch.ones(64, dtype=bf16), None, None, None, None, None, 0, 0,
+                           1.0, False)
+            empty = torch.empty(0, dtype=torch.float16)
+            plan.set_projection("o_proj", "sgrt_abi_test::linear", torch.zeros(1, dtype=torch.uint8), empty, empty,
+                                64, 64, 4, 32)
+            return plan
+
+        assert take().use_raw_entries(True) == 0  # matching, but no functions: the dispatcher
+        for size, version in ((real.size, real.version + 1), (real.size - 8, real.version)):
+            fake.size, fake.version = size, version
+            with pytest.raises(RuntimeError, match=f"raw-call ABI version {version} \\({size} bytes\\), but "
+                                                   f"sgrt_layer was built for version {real.version}"):
+                take()
+    finally:
+        lib._destroy()
 
 
 @pytest.mark.parametrize("which", ["int4", "bfloat16", "float32"])
@@ -488,7 +541,7 @@ def test_int8_activations_take_the_step_with_their_operator(acts):
     plan = q8.native_step.plan
     threads = torch.get_num_threads()
     try:
-        # 2 threads: the raw path runs in the plan's thread team (each operator's <op>_team_entry)
+        # 2 threads: the raw path runs in the plan's thread team (each operator's in-team entry, <op>_raw_calls)
         torch.set_num_threads(2)
         assert plan.use_thread_team(True)
         assert_step_matches_layers(q8, [30, 9])
