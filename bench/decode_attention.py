@@ -1,6 +1,6 @@
 """Decode attention over the KV pool, the kernel alone: this tree against a base commit.
 
-Times ``torch.ops.sgrt_layer.decode_attention`` (``sgrt/kernels/layer_ops_cpu.cpp``) at batch 1
+Times ``torch.ops.sgrt_layer.decode_attention`` (``sgrt/kernels/layer_ops_cpu/attention.cpp``) at batch 1
 on synthetic caches shaped like a model's (``--shape``: ``smollm2`` = 9 query heads, 3 kv heads,
 head_dim 64; ``gemma3`` = 4, 1, 256; or ``H,HKV,D``), at each ``--contexts`` length, in
 ``--dtype`` (bfloat16: the KV pool of a bfloat16 or int4 model). One pass calls the kernel on

@@ -218,7 +218,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
 
 // y [M, N] = x [M, K] @ w [N, K].T on raw storage (contiguous rows; bf16: bfloat16 bits, else
 // float32), arguments valid (dense_linear checks them): sgrt::DenseRaw (sgrt/raw_calls.h), what
-// the decode plan (sgrt/kernels/layer_ops_cpu.cpp) calls directly.
+// the decode plan (sgrt/kernels/layer_ops_cpu/decode_plan.cpp) calls directly.
 void dense_raw(const void* x, int64_t M, const void* w, int64_t N, int64_t K, bool bf16, void* y) {
   if (M == 0) return;
   if (bf16)

@@ -1,4 +1,5 @@
-"""Fused CPU operators for a decoder layer's non-matmul work (``layer_ops_cpu.cpp``).
+"""Fused CPU operators for a decoder layer's non-matmul work (``layer_ops_cpu/``: the library
+``sgrt_layer``, one C++ file per concern, ``register.cpp`` lists them).
 
 A decode step of a small model on a CPU spends as much time dispatching small eager ops as in
 its matmuls: RMSNorm is 6 ops, the rotary embedding 7, attention over the KV pool (gather keys
@@ -41,7 +42,11 @@ import torch
 
 from sgrt.kernels.build import load_library, operator_entry
 
-SOURCE = Path(__file__).with_name("layer_ops_cpu.cpp")
+SOURCE_DIR = Path(__file__).with_name("layer_ops_cpu")
+# The library's translation units and its own headers (sgrt/kernels/build.py compiles the one and
+# keys its cache on both).
+SOURCES = sorted(SOURCE_DIR.glob("*.cpp"))
+HEADERS = sorted(SOURCE_DIR.glob("*.h"))
 # -ffp-contract=off: no fused multiply-add where the eager code rounds between the two.
 # -fno-trapping-math: lets GCC turn the kernels' branches (clamps, NaN checks) into selects, so
 # that their loops vectorize (silu_mul: 4x faster); values are unchanged, only the FP exception
@@ -56,7 +61,7 @@ _fakes_registered = False
 def available() -> bool:
     """Whether ``torch.ops.sgrt_layer`` is loaded (compiles on the first call; never raises)."""
     global _fakes_registered
-    ok = load_library("sgrt_layer", SOURCE, CFLAGS) is None
+    ok = load_library("sgrt_layer", SOURCES, CFLAGS, headers=HEADERS) is None
     if ok and not _fakes_registered:
         with _fakes_lock:
             if not _fakes_registered:

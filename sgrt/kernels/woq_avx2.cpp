@@ -1437,7 +1437,7 @@ void linear_blocks5(const int8_t* q1, const int8_t* q2, const int16_t* Q, const 
 // (woq_linear checks them). The computation behind sgrt_woq_avx2.linear (ACT8: linear_q8),
 // without a tensor in sight: x quantized once (rows split across threads), then the output blocks
 // split across threads (at::parallel_for, one OpenMP region each). The decode plan
-// (sgrt/kernels/layer_ops_cpu.cpp) calls it directly outside its thread team (raw calls below).
+// (sgrt/kernels/layer_ops_cpu/decode_plan.cpp) calls it directly outside its thread team (raw calls below).
 // yf: where given, y widened to float32 as well (exactly: y.float()'s values), each thread its own
 // output blocks right after computing them, while they are in its cache (the LM head's logits:
 // a second parallel pass over them cost ~100 us a step for SmolLM2's 49k, ~200 for Gemma 3's 262k).

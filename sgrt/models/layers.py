@@ -257,9 +257,10 @@ class DecoderLayer(nn.Module):
         the next layer's norm, where the fused path does both in one call.
 
         NOTE: a decode-only forward on the native path runs this in C++ instead (``DecodePlan``
-        in ``sgrt/kernels/layer_ops_cpu.cpp``, :mod:`sgrt.models.native_step`), which must call the
-        same operators in the same order: change both together (``tests/models/test_native_step.py``
-        compares them bit for bit for every family's switches)."""
+        in ``sgrt/kernels/layer_ops_cpu/decode_plan.cpp``, :mod:`sgrt.models.native_step`), which
+        must call the same operators in the same order: change both together
+        (``tests/models/test_native_step.py`` compares them bit for bit for every family's
+        switches)."""
         # NOTE: submodules' forward() is called directly: nn.Module.__call__ (hook dispatch) costs
         # ~1.5 us a call, 5 calls a layer, 150 a decode step. Module hooks do not run here. They
         # are read from self._modules: attribute access to a submodule goes through

@@ -4,9 +4,9 @@ A batch-1 decode step of a small model on a CPU is bound by per-op overhead, not
 ``DecoderLayer.forward`` makes ~8 Python -> operator round trips a layer (norms, projections,
 attention), ~100 us a layer on the 2-core development machine against ~90 us of kernel time for
 SmolLM2-135M int4 (issue 21). :class:`NativeDecodeStep` hands the whole stack to
-``torch.classes.sgrt_layer.DecodePlan`` (``sgrt/kernels/layer_ops_cpu.cpp``), which runs the
-embedding, every layer and the final norm in one call, calling the same operators in the same
-order as the per-layer native path (:class:`sgrt.models.layers.NativeLayerOps`), so that its
+``torch.classes.sgrt_layer.DecodePlan`` (``sgrt/kernels/layer_ops_cpu/decode_plan.cpp``), which
+runs the embedding, every layer and the final norm in one call, calling the same operators in the
+same order as the per-layer native path (:class:`sgrt.models.layers.NativeLayerOps`), so that its
 hidden states and the K/V it writes are bit-identical to that path's
 (``tests/models/test_native_step.py``).
 

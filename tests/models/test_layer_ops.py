@@ -1,4 +1,4 @@
-"""The fused CPU layer operators (sgrt/kernels/layer_ops_cpu.cpp) against the PyTorch code they
+"""The fused CPU layer operators (sgrt/kernels/layer_ops_cpu/) against the PyTorch code they
 replace: same values (bit-identical or within float32 rounding of sums), errors that name the
 argument, and the default model giving the same logits and greedy text with and without them."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The one-call native decode step (sgrt/models/native_step.py, DecodePlan in
-sgrt/kernels/layer_ops_cpu.cpp) against the per-layer native path it replaces
+sgrt/kernels/layer_ops_cpu/decode_plan.cpp) against the per-layer native path it replaces
 (DecoderLayer.forward with NativeLayerOps): the final hidden states and every K/V it writes into
 the pool bit for bit equal, on the real default model (int4, bfloat16, float32), Gemma 3 270M
 int4, and tiny random models with each family's switches; and the per-layer path taken exactly

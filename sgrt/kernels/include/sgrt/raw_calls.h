@@ -1,5 +1,5 @@
 // The raw-call ABI between sgrt's native libraries: how the decode plan (library sgrt_layer,
-// sgrt/kernels/layer_ops_cpu.cpp) calls the projection kernels of the other libraries
+// sgrt/kernels/layer_ops_cpu/decode_plan.cpp) calls the projection kernels of the other libraries
 // (sgrt_woq_avx2: woq_avx2.cpp, sgrt_dense_avx2: dense_avx2.cpp) directly: no dispatcher, no
 // tensors, no argument checks and no output allocation per call (~120 calls a decode step).
 //

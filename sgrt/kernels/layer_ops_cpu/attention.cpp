@@ -1,0 +1,641 @@
+// Decode attention over the KV pool (torch.ops.sgrt_layer.decode_attention, and the decode
+// plan's attention): one query per row, straight from the pool's slots (no gathered copy), the
+// query heads of a kv head reading its keys once; long contexts split into chunks of
+// kDecodeChunk keys merged by their log-sum-exp (flash decoding, attention.h). The work items
+// (plan_attention) are made once a call, or once a step by the plan's thread team
+// (decode_plan.cpp), and run by attend_share on each thread.
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "attention.h"
+
+namespace [[gnu::visibility("hidden")]] sgrt_layer {
+
+// ---- decode attention over the KV pool -------------------------------------------------------
+// One query per row: q [B, H, D]; k_cache / v_cache [S, Hkv, D] (one layer of the pool);
+// slots [B, L] int64 (row b's context is slots[b, :kv_lens[b]]); -> [B, H * D] in q's dtype.
+// Softmax attention with scale 1/sqrt(D), scores and sums in float32; the H / Hkv query heads
+// of a kv head read its keys once (grouped-query attention, Ainslie et al., arXiv:2305.13245).
+
+namespace {
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t d) {
+#pragma omp simd
+  for (int64_t j = 0; j < d; ++j) dst[j] = to_f(src[j]);
+}
+
+#if defined(__AVX512F__)
+// 16 floats from 16 floats, or from 16 bfloat16 bit patterns (widened exactly).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// scores[i * stride + j] = q_i . k_j for the g query rows qf (g x d floats, already scaled), row i
+// against kv head kv_of[i] (non-decreasing: the rows of one kv head next to each other) of the
+// keys at slots rs[0..len) (key j's head h at kbase + rs[j] * row + h * d). Key-outer: each key's
+// row is read once for all g query rows, its kv heads in order, so one item that spans kv heads
+// reads whole rows in slot order (what the hardware prefetcher follows); a query row's
+// instructions are the same whichever rows share the call, so its bits do not depend on that.
+template <typename R, int DC>
+void score_keys(const float* qf, int64_t g, int64_t d_, const R* kbase, const int64_t* kv_of, const int64_t* rs,
+                int64_t len, int64_t row, float* scores, int64_t stride) {
+  const int64_t d = DC > 0 ? DC : d_;
+#if defined(__AVX512F__)
+  if constexpr (DC > 0 && DC % 16 == 0) {
+    constexpr int NV = DC / 16;
+    for (int64_t j = 0; j < len; ++j) {
+      const R* kr = kbase + rs[j] * row;
+      __m512 kv[NV];
+      for (int64_t i = 0; i < g; ++i) {
+        if (i == 0 || kv_of[i] != kv_of[i - 1])
+          for (int v = 0; v < NV; ++v) kv[v] = load16(kr + kv_of[i] * DC + 16 * v);
+        const float* qi = qf + i * DC;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qi), kv[0]);
+        for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * v), kv[v], a);
+        scores[i * stride + j] = _mm512_reduce_add_ps(a);
+      }
+    }
+    return;
+  }
+#endif
+  std::vector<float> kf(d);
+  for (int64_t j = 0; j < len; ++j) {
+    for (int64_t i = 0; i < g; ++i) {
+      if (i == 0 || kv_of[i] != kv_of[i - 1]) load_row(kbase + rs[j] * row + kv_of[i] * d, kf.data(), d);
+      const float* qi = qf + i * d;
+      const float* kk = kf.data();
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t c = 0; c < d; ++c) s += qi[c] * kk[c];
+      scores[i * stride + j] = s;
+    }
+  }
+}
+
+// acc[i * d + c] += sum_j p[i * stride + j] * v_j[c], row i against kv head kv_of[i] of the values
+// at slots rs[0..len) (as score_keys: key-outer, each value row read once a key).
+template <typename R, int DC>
+void accumulate_values(const float* p, int64_t g, int64_t d_, const R* vbase, const int64_t* kv_of,
+                       const int64_t* rs, int64_t len, int64_t row, int64_t stride, float* acc) {
+  const int64_t d = DC > 0 ? DC : d_;
+#if defined(__AVX512F__)
+  if constexpr (DC > 0 && DC % 16 == 0) {
+    constexpr int NV = DC / 16;
+    for (int64_t j = 0; j < len; ++j) {
+      const R* vr = vbase + rs[j] * row;
+      __m512 vv[NV];
+      for (int64_t i = 0; i < g; ++i) {
+        if (i == 0 || kv_of[i] != kv_of[i - 1])
+          for (int v = 0; v < NV; ++v) vv[v] = load16(vr + kv_of[i] * DC + 16 * v);
+        __m512 w = _mm512_set1_ps(p[i * stride + j]);
+        float* ai = acc + i * DC;
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ai + 16 * v, _mm512_fmadd_ps(w, vv[v], _mm512_loadu_ps(ai + 16 * v)));
+      }
+    }
+    return;
+  }
+#endif
+  std::vector<float> vf(d);
+  for (int64_t j = 0; j < len; ++j) {
+    for (int64_t i = 0; i < g; ++i) {
+      if (i == 0 || kv_of[i] != kv_of[i - 1]) load_row(vbase + rs[j] * row + kv_of[i] * d, vf.data(), d);
+      const float* vv = vf.data();
+      float w = p[i * stride + j];
+      float* ai = acc + i * d;
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) ai[c] += w * vv[c];
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define SGRT_BLOCKED_ATTENTION 1
+// The loops of a split context's chunks (head_dim a multiple of 8), for a group of G <= 4 query
+// heads of one kv head. Keys and values are widened from bfloat16 in registers (no buffer); each
+// key row is loaded once for the G heads; 8 keys' dot products are reduced together (one
+// horizontal reduction per 8 scores); the output accumulators stay in registers over a block of
+// keys. Rows are addressed through the slot table, so the hardware prefetcher cannot follow them
+// when the slots are scattered: the rows kPrefetchAhead keys ahead are prefetched explicitly.
+// Sums: a score is each lane's FMA chain over head_dim in order then a fixed tree of the 8 lanes;
+// an output value is the FMA chain over the chunk's keys in order (both as the widening kernel of
+// before, so split contexts kept their results). One-chunk contexts keep the per-key loops above.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+constexpr int64_t kPrefetchAhead = 16;
+
+// Every cache line of the d values at p, into the cache level `hint` names.
+template <int Hint, typename R>
+inline void prefetch_row(const R* p, int64_t d) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t o = 0; o < d * static_cast<int64_t>(sizeof(R)); o += 64) _mm_prefetch(c + o, static_cast<_mm_hint>(Hint));
+}
+
+// [sum(a[0]), ..., sum(a[7])]: the lane sums of 8 vectors, (l0 + l1) + (l2 + l3) + ((l4 + l5) + (l6 + l7)).
+inline __m256 lane_sums8(const __m256* a) {
+  __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// The vector width of the grouped loops below: 8 lanes (AVX2), or 16 on AVX-512 CPUs where
+// head_dim is a multiple of 16 (half the instructions a value). `keys`: keys a pass over head_dim
+// in score_keys_grouped (2 G or 4 G independent FMA chains); `w4`: value vectors a head when 4
+// heads share a pass (the accumulators must fit in the 16 / 32 vector registers). `fold` halves
+// a 16-lane score partial into 8 lanes (its halves added lane by lane) for lane_sums8's tree.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int n = 8, keys = 2, w4 = 2;
+  static V zero() { return _mm256_setzero_ps(); }
+  template <typename R>
+  static V load(const R* p) { return load8(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static __m256 fold(V a) { return a; }
+};
+#if defined(__AVX512F__)
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int n = 16, keys = 4, w4 = 4;
+  static V zero() { return _mm512_setzero_ps(); }
+  template <typename R>
+  static V load(const R* p) { return load16(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static __m256 fold(V a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  }
+};
+#endif
+
+// score_keys' contract for G query heads (qf: G rows of d floats), DC: head_dim if known at
+// compile time (else 0: d), a multiple of L::n. L::keys keys per pass over head_dim; the last
+// block of fewer than 8 keys repeats its last key (its extra scores are not stored). kpf / vpf /
+// npf: the rows kPrefetchAhead keys ahead to prefetch (npf values from each), the values into L2
+// for accumulate_values_grouped.
+template <typename L, typename R, int G, int DC>
+void score_keys_grouped(const float* qf, int64_t d_, const R* kbase, const int64_t* rs, int64_t len, int64_t row,
+                        float* scores, int64_t stride, const R* kpf, const R* vpf, int64_t npf) {
+  using V = typename L::V;
+  constexpr int KP = L::keys;
+  const int64_t d = DC > 0 ? DC : d_;
+  for (int64_t j0 = 0; j0 < len; j0 += 8) {
+    const int64_t last = std::min<int64_t>(8, len - j0) - 1;
+    __m256 part[G][8];
+    for (int64_t k = 0; k < 8; k += KP) {
+      const R* kr[KP];
+      for (int u = 0; u < KP; ++u) {
+        const int64_t j = j0 + std::min<int64_t>(k + u, last);
+        kr[u] = kbase + rs[j] * row;
+        if (k + u <= last && j + kPrefetchAhead < len) {
+          prefetch_row<_MM_HINT_T0>(kpf + rs[j + kPrefetchAhead] * row, npf);
+          prefetch_row<_MM_HINT_T1>(vpf + rs[j + kPrefetchAhead] * row, npf);
+        }
+      }
+      V a[G][KP];
+      for (int i = 0; i < G; ++i)
+        for (int u = 0; u < KP; ++u) a[i][u] = L::zero();
+      for (int64_t c = 0; c < d; c += L::n) {
+        V x[KP];
+        for (int u = 0; u < KP; ++u) x[u] = L::load(kr[u] + c);
+        for (int i = 0; i < G; ++i) {
+          const V qv = L::load(qf + i * d + c);
+          for (int u = 0; u < KP; ++u) a[i][u] = L::fma(qv, x[u], a[i][u]);
+        }
+      }
+      for (int i = 0; i < G; ++i)
+        for (int u = 0; u < KP; ++u) part[i][k + u] = L::fold(a[i][u]);
+    }
+    for (int i = 0; i < G; ++i) {
+      const __m256 sums = lane_sums8(part[i]);
+      float* si = scores + i * stride + j0;
+      if (last == 7) {
+        _mm256_storeu_ps(si, sums);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, sums);
+        std::copy(tmp, tmp + last + 1, si);
+      }
+    }
+  }
+}
+
+// accumulate_values' contract for G query heads (acc: G rows of d floats), W vectors of L::n
+// output values per head in registers at a time: blocks of kValueBlock keys (their rows stay in
+// L1 between the passes over head_dim), each pass W * L::n values of the G heads over the block's
+// keys.
+constexpr int64_t kValueBlock = 32;
+template <typename L, typename R, int G, int W, int DC>
+void accumulate_values_grouped(const float* p, int64_t d_, const R* vbase, const int64_t* rs, int64_t len, int64_t row,
+                               int64_t stride, float* acc) {
+  using V = typename L::V;
+  const int64_t d = DC > 0 ? DC : d_;
+  for (int64_t j0 = 0; j0 < len; j0 += kValueBlock) {
+    const int64_t j1 = std::min(len, j0 + kValueBlock);
+    for (int64_t c0 = 0; c0 < d; c0 += L::n * W) {
+      V o[G][W];
+      for (int i = 0; i < G; ++i)
+        for (int w = 0; w < W; ++w) o[i][w] = L::load(acc + i * d + c0 + L::n * w);
+      for (int64_t j = j0; j < j1; ++j) {
+        const R* vr = vbase + rs[j] * row + c0;
+        V pj[G];
+        for (int i = 0; i < G; ++i) pj[i] = L::set1(p[i * stride + j]);
+        for (int w = 0; w < W; ++w) {
+          const V x = L::load(vr + L::n * w);
+          for (int i = 0; i < G; ++i) o[i][w] = L::fma(pj[i], x, o[i][w]);
+        }
+      }
+      for (int i = 0; i < G; ++i)
+        for (int w = 0; w < W; ++w) L::store(acc + i * d + c0 + L::n * w, o[i][w]);
+    }
+  }
+}
+
+// The grouped loops over gi query heads (any count; groups of at most 4 heads, each group
+// reading the keys and values again, from cache), in L's lanes (d: a multiple of L::n).
+template <typename L, typename R, int DC>
+void score_keys_in(const float* qf, int64_t gi, int64_t d, const R* kbase, const int64_t* rs, int64_t len, int64_t row,
+                   float* scores, int64_t stride, const R* kpf, const R* vpf, int64_t npf) {
+  for (int64_t i = 0; i < gi; i += 4) {
+    const float* q = qf + i * d;
+    float* s = scores + i * stride;
+    switch (std::min<int64_t>(4, gi - i)) {
+      case 4: score_keys_grouped<L, R, 4, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
+      case 3: score_keys_grouped<L, R, 3, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
+      case 2: score_keys_grouped<L, R, 2, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
+      default: score_keys_grouped<L, R, 1, DC>(q, d, kbase, rs, len, row, s, stride, kpf, vpf, npf); break;
+    }
+  }
+}
+
+template <typename L, typename R, int DC>
+void accumulate_values_in(const float* p, int64_t gi, int64_t d, const R* vbase, const int64_t* rs, int64_t len,
+                          int64_t row, int64_t stride, float* acc) {
+  for (int64_t i = 0; i < gi; i += 4) {
+    const float* pi = p + i * stride;
+    float* a = acc + i * d;
+    const int64_t n = std::min<int64_t>(4, gi - i);
+    if (d % (4 * L::n) == 0) {  // 4 vectors a head, L::w4 for 4 heads
+      switch (n) {
+        case 4: accumulate_values_grouped<L, R, 4, L::w4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        case 3: accumulate_values_grouped<L, R, 3, 4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        case 2: accumulate_values_grouped<L, R, 2, 4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        default: accumulate_values_grouped<L, R, 1, 4, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+      }
+    } else {
+      switch (n) {
+        case 4: accumulate_values_grouped<L, R, 4, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        case 3: accumulate_values_grouped<L, R, 3, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        case 2: accumulate_values_grouped<L, R, 2, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+        default: accumulate_values_grouped<L, R, 1, 1, DC>(pi, d, vbase, rs, len, row, stride, a); break;
+      }
+    }
+  }
+}
+
+// The grouped loops in 16 lanes where the CPU and head_dim allow, else in 8 (d: a multiple of 8).
+// The 16-lane sums run in another order than the 8-lane ones (each lane's chain over head_dim
+// is half as long, then folded): float32 results an ulp or so apart.
+template <typename R, int DC>
+void score_keys_blocked(const float* qf, int64_t gi, int64_t d, const R* kbase, const int64_t* rs, int64_t len,
+                        int64_t row, float* scores, int64_t stride, const R* kpf, const R* vpf, int64_t npf) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) return score_keys_in<Lanes16, R, DC>(qf, gi, d, kbase, rs, len, row, scores, stride, kpf, vpf, npf);
+#endif
+  score_keys_in<Lanes8, R, DC>(qf, gi, d, kbase, rs, len, row, scores, stride, kpf, vpf, npf);
+}
+
+template <typename R, int DC>
+void accumulate_values_blocked(const float* p, int64_t gi, int64_t d, const R* vbase, const int64_t* rs, int64_t len,
+                               int64_t row, int64_t stride, float* acc) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) return accumulate_values_in<Lanes16, R, DC>(p, gi, d, vbase, rs, len, row, stride, acc);
+#endif
+  accumulate_values_in<Lanes8, R, DC>(p, gi, d, vbase, rs, len, row, stride, acc);
+}
+#endif
+
+}  // namespace
+
+// Items ordered row, chunk, query heads; partials of split rows laid out row, chunk, kv head: row
+// r's chunk c, kv head kh at first_part[r] + c * hkv + kh. An item is a (row, chunk, kv head) with
+// its g query heads; where those items are fewer than 4 a thread and do not divide evenly among
+// `threads` (SmolLM2's 3 kv heads on 2 threads: 2 : 1; Gemma 3's one: 1 : 0), a (row, chunk)'s
+// query heads are cut into `threads` contiguous ranges instead (9: 5 + 4 heads, 4: 2 + 2), which
+// may span kv heads: an item reads the key / value rows of its kv heads key by key, so a thread
+// reads the slots' rows in order (the hardware prefetcher follows; per query head, as before,
+// each thread re-read a kv head's keys once a head, ~3.5 GB/s from memory at 128 keys).
+void plan_attention(AttendWork& w, int64_t b, int64_t h, int64_t hkv, int64_t d, const int64_t* ln, int64_t max_kv,
+                    int64_t threads) {
+  const int64_t g = h / hkv;
+  w.g = g;
+  w.hkv = hkv;
+  w.d = d;
+  w.span = std::min(max_kv, kDecodeChunk);
+  w.part_size = g * (d + 2);
+  w.items.clear();
+  w.merges.clear();
+  w.first_part.assign(b, -1);
+  int64_t base = 0;
+  for (int64_t r = 0; r < b; ++r) base += (ln[r] + kDecodeChunk - 1) / kDecodeChunk * hkv;
+  const bool ranges = threads > 1 && base % threads != 0 && base < 4 * threads;
+  const int64_t cuts = ranges ? std::min(threads, h) : hkv;  // items a (row, chunk)
+  int64_t parts = 0;
+  for (int64_t r = 0; r < b; ++r) {
+    const int64_t len = ln[r], chunks = (len + kDecodeChunk - 1) / kDecodeChunk;
+    if (chunks > 1) w.first_part[r] = parts;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t part0 = chunks > 1 ? parts : -1;
+      if (chunks > 1) parts += hkv;
+      for (int64_t t = 0; t < cuts; ++t) {
+        w.items.push_back({r, c * kDecodeChunk, std::min(kDecodeChunk, len - c * kDecodeChunk), part0, h * t / cuts,
+                           h * (t + 1) / cuts});
+      }
+    }
+    if (chunks > 1)
+      for (int64_t k = 0; k < hkv * g; ++k) w.merges.push_back(r * hkv * g + k);
+  }
+  w.partials.resize(parts * w.part_size);
+}
+
+namespace {
+
+// Per-thread scratch of the attention items, grown and never shrunk.
+struct AttendScratch {
+  std::vector<float> qf, scores, acc, sums, maxes;
+  std::vector<int64_t> kv_of;
+};
+
+AttendScratch& attend_scratch() {
+  thread_local AttendScratch s;
+  return s;
+}
+
+template <typename T>
+T* at_least(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  return v.data();
+}
+
+// The largest of x[0..n) (n >= 1), any NaN among them giving NaN or a number (the softmax's
+// scores then come out NaN either way). Eight independent lanes: std::max_element's compare and
+// branch per element was a tenth of a long context's attention.
+inline float max_of(const float* x, int64_t n) {
+  float m[8];
+  for (int k = 0; k < 8; ++k) m[k] = x[0];
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int k = 0; k < 8; ++k) m[k] = m[k] < x[j + k] ? x[j + k] : m[k];
+  for (; j < n; ++j) m[0] = m[0] < x[j] ? x[j] : m[0];
+  float r = m[0];
+  for (int k = 1; k < 8; ++k) r = r < m[k] ? m[k] : r;
+  return r;
+}
+
+// Items [begin, end) of w. DC: head_dim known at compile time (64, 128, 256: AVX-512 paths whose loops
+// over it unroll), or 0 for any other head_dim (portable loops). Returns false, with *bad_slot set
+// to a slot outside [0, num_slots), if it met one (nothing of a bad item is read, and out is left
+// partly unwritten).
+template <typename T, int DC>
+bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end, int64_t* bad_slot) {
+  using R = raw<T>;
+  const int64_t d = DC > 0 ? DC : w.d;
+  const int64_t g = w.g, hkv = w.hkv, h = g * hkv, span = w.span, row = hkv * d;
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  const R* qp = static_cast<const R*>(a.q);
+  const R* kp = static_cast<const R*>(a.k);
+  const R* vp = static_cast<const R*>(a.v);
+  R* op = static_cast<R*>(a.out);
+  AttendScratch& sc = attend_scratch();
+  float* const qf = at_least(sc.qf, h * d);
+  float* const scores = at_least(sc.scores, h * span);
+  float* const acc = at_least(sc.acc, h * d);
+  float* const sums = at_least(sc.sums, h);
+  float* const maxes = at_least(sc.maxes, h);
+  int64_t* const kv_of = at_least(sc.kv_of, h);
+  bool ok = true;
+  for (int64_t it = begin; it < end; ++it) {
+    const AttendItem& item = w.items[it];
+    const int64_t r = item.r, len = item.n, q0 = item.q0, gi = item.q1 - item.q0;
+    const int64_t* rs = a.sl + r * a.max_kv + item.c0;
+    // The slots are checked here, in parallel, rather than in a serial pass over every slot of
+    // every row before the call (that pass grows with the context, once a layer).
+    int64_t lo = 0, hi = 0;
+    for (int64_t j = 0; j < len; ++j) {
+      lo = std::min(lo, rs[j]);
+      hi = std::max(hi, rs[j]);
+    }
+    if (lo < 0 || hi >= a.num_slots) {
+      *bad_slot = lo < 0 ? lo : hi;
+      ok = false;
+      continue;
+    }
+    for (int64_t i = 0; i < gi; ++i) {
+      float* qi = qf + i * d;
+      load_row(qp + r * a.qs0 + (q0 + i) * a.qs1, qi, d);
+      for (int64_t c = 0; c < d; ++c) qi[c] *= scale;
+      kv_of[i] = (q0 + i) / g;
+    }
+#ifdef SGRT_BLOCKED_ATTENTION
+    const bool blocked = item.part0 >= 0 && d % 8 == 0;
+    constexpr int BDC = DC <= 128 ? DC : 0;  // (the blocked loops unrolled over 256 values ran 0.88x)
+#else
+    const bool blocked = false;
+#endif
+    // the item's query heads as runs of one kv head each: [i, e) against kv head kh
+    auto runs = [&](auto&& f) {
+      for (int64_t i = 0, e; i < gi; i = e) {
+        for (e = i + 1; e < gi && kv_of[e] == kv_of[i];) ++e;
+        f(i, e, kv_of[i]);
+      }
+    };
+    if (blocked) {
+#ifdef SGRT_BLOCKED_ATTENTION
+      runs([&](int64_t i, int64_t e, int64_t kh) {
+        // kv head 0's run prefetches the whole rows (its chunk's other kv heads, next in this
+        // thread's work, then find theirs in cache)
+        const bool whole = kh == 0;
+        score_keys_blocked<R, BDC>(qf + i * d, e - i, d, kp + kh * d, rs, len, row, scores + i * span, span,
+                                   whole ? kp : kp + kh * d, whole ? vp : vp + kh * d, whole ? row : d);
+      });
+#endif
+    } else {
+      score_keys<R, DC>(qf, gi, d, kp, kv_of, rs, len, row, scores, span);
+    }
+    for (int64_t i = 0; i < gi; ++i) {
+      float* si = scores + i * span;
+      float m = max_of(si, len);
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t j = 0; j < len; ++j) {
+        si[j] = fast_exp(si[j] - m);
+        total += si[j];
+      }
+      sums[i] = total;
+      maxes[i] = m;
+    }
+    std::fill(acc, acc + gi * d, 0.f);
+    if (blocked) {
+#ifdef SGRT_BLOCKED_ATTENTION
+      runs([&](int64_t i, int64_t e, int64_t kh) {
+        accumulate_values_blocked<R, BDC>(scores + i * span, e - i, d, vp + kh * d, rs, len, row, span, acc + i * d);
+      });
+#endif
+    } else {
+      accumulate_values<R, DC>(scores, gi, d, vp, kv_of, rs, len, row, span, acc);
+    }
+    for (int64_t i = 0; i < gi; ++i) {
+      const int64_t q = q0 + i;
+      if (item.part0 < 0) {
+        R* o = op + r * h * d + q * d;
+        float inv = 1.f / sums[i];
+        for (int64_t c = 0; c < d; ++c) o[c] = from_f<R>(acc[i * d + c] * inv);
+      } else {
+        float* pp = w.partials.data() + (item.part0 + q / g) * w.part_size;
+        const int64_t k = q % g;
+        pp[k] = maxes[i];
+        pp[g + k] = sums[i];
+        std::copy(acc + i * d, acc + (i + 1) * d, pp + 2 * g + k * d);
+      }
+    }
+  }
+  return ok;
+}
+
+// Merges [begin, end) of w: a split (row, kv head, query head)'s chunks in chunk order, weights
+// exp(m_c - max_c m_c).
+template <typename T>
+void merge_items(const AttendArgs& a, const AttendWork& w, int64_t begin, int64_t end) {
+  using R = raw<T>;
+  const int64_t g = w.g, hkv = w.hkv, d = w.d, h = g * hkv;
+  R* op = static_cast<R*>(a.out);
+  float* const acc = at_least(attend_scratch().acc, d);
+  for (int64_t mi = begin; mi < end; ++mi) {
+    const int64_t rk = w.merges[mi] / g, i = w.merges[mi] % g, r = rk / hkv, kh = rk % hkv;
+    const int64_t chunks = (a.ln[r] + kDecodeChunk - 1) / kDecodeChunk;
+    const float* p0 = w.partials.data() + (w.first_part[r] + kh) * w.part_size;
+    const int64_t step = hkv * w.part_size;  // from one chunk's partial to the next's
+    float m = -INFINITY;
+    for (int64_t c = 0; c < chunks; ++c) m = std::max(m, p0[c * step + i]);
+    float total = 0.f;
+    std::fill(acc, acc + d, 0.f);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* pc = p0 + c * step;
+      float wt = std::exp(pc[i] - m);
+      total += wt * pc[g + i];
+      const float* ac = pc + 2 * g + i * d;
+#pragma omp simd
+      for (int64_t e = 0; e < d; ++e) acc[e] += wt * ac[e];
+    }
+    R* o = op + r * h * d + (kh * g + i) * d;
+    float inv = 1.f / total;
+    for (int64_t e = 0; e < d; ++e) o[e] = from_f<R>(acc[e] * inv);
+  }
+}
+
+}  // namespace
+
+// This thread's share, part of parts, of w's items (merges: of its merges), q's dtype and
+// head_dim chosen here. Returns false with *bad_slot set as attend_items does.
+bool attend_share(at::ScalarType dtype, const AttendArgs& a, AttendWork& w, bool merges, int64_t part, int64_t parts,
+                  int64_t* bad_slot) {
+  const int64_t n = static_cast<int64_t>(merges ? w.merges.size() : w.items.size());
+  const int64_t begin = n * part / parts, end = n * (part + 1) / parts;
+  bool ok = true;
+  dispatch_float(dtype, [&]<typename scalar_t>() {
+    if (merges) {
+      merge_items<scalar_t>(a, w, begin, end);
+    } else if (w.d == 64) {
+      ok = attend_items<scalar_t, 64>(a, w, begin, end, bad_slot);
+    } else if (w.d == 128) {
+      ok = attend_items<scalar_t, 128>(a, w, begin, end, bad_slot);
+    } else if (w.d == 256) {  // (Gemma 3)
+      ok = attend_items<scalar_t, 256>(a, w, begin, end, bad_slot);
+    } else {
+      ok = attend_items<scalar_t, 0>(a, w, begin, end, bad_slot);
+    }
+  });
+  return ok;
+}
+
+// decode_attention's checks on the caches and slot tables, for a q of b rows of h heads of d values
+// in `dtype` (the plan runs them once a step, for every layer, before its thread team starts).
+void check_cache_and_tables(const Tensor& k_cache, const Tensor& v_cache, at::ScalarType dtype, int64_t b, int64_t h,
+                            int64_t d, const Tensor& slots, const Tensor& kv_lens) {
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "k_cache and v_cache must be contiguous [slots, kv_heads, head_dim] in q's dtype");
+  const int64_t hkv = k_cache.size(1);
+  TORCH_CHECK(h > 0 && hkv > 0 && d > 0, "heads, kv_heads and head_dim must be positive, got ", h, ", ", hkv, ", ", d);
+  TORCH_CHECK(k_cache.size(2) == d && h % hkv == 0, "head_dim must match and heads must be a multiple of kv_heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) == b && slots.is_contiguous(),
+              "slots must be contiguous int64 [B, max_kv]");
+  TORCH_CHECK(kv_lens.scalar_type() == at::kLong && kv_lens.dim() == 1 && kv_lens.size(0) == b &&
+                  kv_lens.is_contiguous(),
+              "kv_lens must be contiguous int64 [B]");
+  const int64_t* ln = kv_lens.const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < b; ++r) {
+    TORCH_CHECK(ln[r] >= 1 && ln[r] <= slots.size(1), "kv_lens[", r, "] = ", ln[r], " outside 1..", slots.size(1));
+  }
+}
+
+// q: its data and its row / head strides (a [B, H, D] tensor's, or the QKV projection's output
+// read in place by the decode plan).
+AttendArgs attend_args(const void* q, int64_t qs0, int64_t qs1, const Tensor& k_cache, const Tensor& v_cache,
+                       const Tensor& slots, const Tensor& kv_lens, Tensor& out) {
+  return {q, qs0, qs1, k_cache.const_data_ptr(), v_cache.const_data_ptr(), k_cache.size(0),
+          slots.const_data_ptr<int64_t>(), kv_lens.const_data_ptr<int64_t>(), slots.size(1), out.data_ptr()};
+}
+
+// out: a [B, H * D] buffer of q's dtype to write into, or undefined.
+Tensor decode_attention_into(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
+                             const Tensor& kv_lens, Tensor out) {
+  check_cpu_float(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, heads, head_dim] with a contiguous last dim");
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
+  Tensor lens = kv_lens.contiguous();
+  check_cache_and_tables(k_cache, v_cache, q.scalar_type(), b, h, d, slots, lens);
+  out = out.defined() ? out : at::empty({b, h * d}, q.options());
+  const AttendArgs a = attend_args(q.const_data_ptr(), q.stride(0), q.stride(1), k_cache, v_cache, slots, lens, out);
+  thread_local AttendWork own;  // (its vectors reused call to call)
+  AttendWork& w = own;  // (a lambda naming a thread_local would read the running thread's own one)
+  const int64_t threads = at::get_num_threads();
+  plan_attention(w, b, h, k_cache.size(1), d, a.ln, a.max_kv, threads);
+  std::vector<int64_t> bad(threads, 0);
+  std::vector<uint8_t> is_bad(threads, 0);
+  const auto dtype = q.scalar_type();
+  for (bool merges : {false, true}) {
+    const int64_t n = static_cast<int64_t>(merges ? w.merges.size() : w.items.size());
+    if (n == 0) continue;
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) is_bad[t] = !attend_share(dtype, a, w, merges, t, threads, &bad[t]);
+    });
+    for (int64_t t = 0; t < threads; ++t) TORCH_CHECK(!is_bad[t], "slot ", bad[t], " outside the pool's ", a.num_slots, " slots");
+  }
+  return out;
+}
+
+Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
+                        const Tensor& kv_lens) {
+  return decode_attention_into(q, k_cache, v_cache, slots, kv_lens, Tensor());
+}
+
+}  // namespace sgrt_layer
