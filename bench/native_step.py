@@ -9,9 +9,10 @@ this thread), or with ``--clock wall`` wall time (``time.perf_counter``: what to
 ``--threads 2``, where the calling thread's CPU time leaves out what it waits for), medians in ms; the ratio is per-layer / one-call (above 1: the step is faster).
 Both paths give bit-identical hidden states (checked here once per model too).
 
-``--base REV``: also commit ``REV``'s one-call step, in this process: its ``layer_ops_cpu.cpp``,
-``woq_avx2.cpp`` and ``dense_avx2.cpp`` compiled as libraries ``sgrt_layer_base`` /
-``sgrt_woq_avx2_base`` / ``sgrt_dense_avx2_base`` and its ``sgrt/models/native_step.py`` building
+``--base REV``: also commit ``REV``'s one-call step, in this process: its ``layer_ops_cpu/`` (or,
+before the split, ``layer_ops_cpu.cpp``), ``woq_avx2.cpp`` and ``dense_avx2.cpp`` compiled as
+libraries ``sgrt_layer_base`` / ``sgrt_woq_avx2_base`` / ``sgrt_dense_avx2_base`` (with its own
+``sgrt/kernels/include``) and its ``sgrt/models/native_step.py`` building
 the plan on them (AVX2 builds; the base plan must take this model), alternated with the other
 paths; the ratio base / one-call (above 1: this tree's step is faster). Bit-identical to this tree's.
 The base plan takes the same weights in the full 8-bit stream where this tree's are compact
@@ -143,16 +144,19 @@ def main() -> None:
               **figures)
 
 
-BASE_LIBRARIES = {  # base library -> (source, the module whose build flags it takes)
-    "sgrt_layer": ("sgrt/kernels/layer_ops_cpu.cpp", "layer_ops"),
-    "sgrt_woq_avx2": ("sgrt/kernels/woq_avx2.cpp", "woq"),
-    "sgrt_dense_avx2": ("sgrt/kernels/dense_avx2.cpp", "dense"),
+BASE_LIBRARIES = {  # base library -> (its sources in sgrt/kernels: the first pattern that matches,
+    #                                 the module whose build flags it takes)
+    "sgrt_layer": (("layer_ops_cpu/*.cpp", "layer_ops_cpu.cpp"), "layer_ops"),
+    "sgrt_woq_avx2": (("woq_avx2.cpp",), "woq"),
+    "sgrt_dense_avx2": (("dense_avx2.cpp",), "dense"),
 }
 
 
 def load_base(rev: str):
     """Commit ``rev``'s decode plan in this process: its three libraries compiled under ``_base``
     names, and its ``native_step.build`` with the names changed to them. Returns that build."""
+    import io
+    import tarfile
     import tempfile
 
     from sgrt.kernels import dense, layer_ops, woq
@@ -166,20 +170,43 @@ def load_base(rev: str):
         sys.exit("--base needs the AVX2 builds of the native kernels")
     flags = {"layer_ops": (layer_ops.CFLAGS, ()), "woq": (woq.CFLAGS_AVX2, woq.REQUIRED_CPU_FLAGS_AVX2),
              "dense": (dense.CFLAGS, dense.REQUIRED_CPU_FLAGS)}
-    for lib, (path, module) in BASE_LIBRARIES.items():
-        src = show(path).replace(f"TORCH_LIBRARY({lib},", f"TORCH_LIBRARY({lib}_base,")
-        src = src.replace(f"TORCH_LIBRARY_IMPL({lib},", f"TORCH_LIBRARY_IMPL({lib}_base,")
-        file = Path(tempfile.gettempdir()) / f"{lib}_base_{rev}.cpp"
-        file.write_text(src)
-        why = load_library(f"{lib}_base", file, *flags[module])
-        if why is not None:
-            sys.exit(f"base {lib}: {why}")
+    # the commit's sgrt/kernels (sources, their headers, its include folder) in a folder of its own,
+    # needed only while the libraries build (they are cached by content, sgrt/kernels/build.py)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "sgrt/kernels"], check=True,
+                             capture_output=True).stdout
+    with tempfile.TemporaryDirectory(prefix=f"sgrt_base_{rev}_") as tree:
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(tree, filter="data")
+        kernels = Path(tree) / "sgrt" / "kernels"
+        for lib, (patterns, module) in BASE_LIBRARIES.items():
+            sources = next((found for p in patterns if (found := sorted(kernels.glob(p)))), [])
+            if not sources:
+                sys.exit(f"base {lib}: no {' or '.join(patterns)} in {rev}:sgrt/kernels")
+            for file in sources:  # (the registration is in one of them)
+                src = file.read_text().replace(f"TORCH_LIBRARY({lib},", f"TORCH_LIBRARY({lib}_base,")
+                file.write_text(src.replace(f"TORCH_LIBRARY_IMPL({lib},", f"TORCH_LIBRARY_IMPL({lib}_base,"))
+            headers = sorted(sources[0].parent.glob("*.h")) if sources[0].parent != kernels else []
+            why = load_library(f"{lib}_base", sources, *flags[module], headers=headers,
+                               include_dir=kernels / "include")
+            if why is not None:
+                sys.exit(f"base {lib}: {why}")
     src = show("sgrt/models/native_step.py")
     for lib in BASE_LIBRARIES:
         src = src.replace(f"{lib}::", f"{lib}_base::").replace(f"torch.classes.{lib}.", f"torch.classes.{lib}_base.")
     module = types.ModuleType("native_step_base")
     sys.modules[module.__name__] = module  # (its dataclass looks itself up there)
     exec(compile(src, f"{rev}:sgrt/models/native_step.py", "exec"), module.__dict__)
+    if hasattr(module, "_woq_op"):
+        # The weight-only operator's name comes from this tree's woq.op_name at run time, not from
+        # the text renamed above: without this the base plan called this tree's kernel (through the
+        # dispatcher, where its raw-call names differ from the base's).
+        this_tree = module._woq_op
+
+        def base_woq_op(*args, **kwargs):
+            op = this_tree(*args, **kwargs)
+            return op and op.replace("sgrt_woq_avx2::", "sgrt_woq_avx2_base::")
+
+        module._woq_op = base_woq_op
     return lambda model: full_streams(model, module.build)
 
 

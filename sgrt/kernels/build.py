@@ -79,10 +79,12 @@ def disabled() -> bool:
 
 
 def load_library(name: str, sources: Path | Sequence[Path], cflags: list[str],
-                 required_cpu_flags: tuple[str, ...] = (), headers: Sequence[Path] = ()) -> str | None:
+                 required_cpu_flags: tuple[str, ...] = (), headers: Sequence[Path] = (),
+                 include_dir: Path = INCLUDE_DIR) -> str | None:
     """Compile (or reuse) ``sources`` (one file or several) as library ``name`` and load it into
     this process. ``headers``: the library's own headers beside its sources, which its cache key
-    covers as it does :data:`INCLUDE_DIR`'s.
+    covers as it does ``include_dir``'s (:data:`INCLUDE_DIR`, or another tree's for a bench that
+    builds an older commit's sources).
 
     Returns None once the library's operators are registered, else the reason they are not
     (disabled, a missing CPU feature, or the build / load error), logged once as a warning.
@@ -97,7 +99,7 @@ def load_library(name: str, sources: Path | Sequence[Path], cflags: list[str],
     with _lock:
         if name not in _loaded:
             files = [sources] if isinstance(sources, Path) else list(sources)
-            _loaded[name] = _try_load(name, files, list(headers), cflags, required_cpu_flags)
+            _loaded[name] = _try_load(name, files, list(headers), include_dir, cflags, required_cpu_flags)
             if _loaded[name] is not None:
                 _warn_once(name, _loaded[name])
         return _loaded[name]
@@ -117,11 +119,11 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
 
-def _digest(files: list[Path], cflags: list[str], flags: set[str]) -> str:
-    """The build's cache key: every input file's name and bytes (and :data:`INCLUDE_DIR`'s
-    headers'), torch's version, the flags, the CPU's flags."""
+def _digest(files: list[Path], include_dir: Path, cflags: list[str], flags: set[str]) -> str:
+    """The build's cache key: every input file's name and bytes (and ``include_dir``'s headers'),
+    torch's version, the flags, the CPU's flags."""
     h = hashlib.sha256()
-    for file in files + sorted(INCLUDE_DIR.rglob("*.h")):
+    for file in files + sorted(include_dir.rglob("*.h")):
         h.update(file.name.encode() + b"\0")
         h.update(hashlib.sha256(file.read_bytes()).digest())
     for part in (torch.__version__, " ".join(BASE_CFLAGS + cflags), " ".join(sorted(flags))):
@@ -129,7 +131,7 @@ def _digest(files: list[Path], cflags: list[str], flags: set[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def _try_load(name: str, sources: list[Path], headers: list[Path], cflags: list[str],
+def _try_load(name: str, sources: list[Path], headers: list[Path], include_dir: Path, cflags: list[str],
               required: tuple[str, ...]) -> str | None:
     flags = cpu_flags()
     missing = [f for f in required if f not in flags]
@@ -137,7 +139,7 @@ def _try_load(name: str, sources: list[Path], headers: list[Path], cflags: list[
         return f"the CPU lacks {', '.join(missing)}"
     what = sources[0].name if len(sources) == 1 else f"{sources[0].parent.name}/ ({len(sources)} files)"
     try:
-        digest = _digest(sources + headers, cflags, flags)
+        digest = _digest(sources + headers, include_dir, cflags, flags)
     except OSError as e:
         return f"reading the sources of {what} failed: {e}"
     ext = f"{name}_{digest}"
@@ -151,7 +153,7 @@ def _try_load(name: str, sources: list[Path], headers: list[Path], cflags: list[
                 from sgrt.progress import progress
 
                 with progress(f"building native kernel {what} (once; cached)"):
-                    _build(ext, sources, cflags, build_dir, so)
+                    _build(ext, sources, include_dir, cflags, build_dir, so)
                 logger.info("compiled %s in %.1f s (%s)", what, time.perf_counter() - t0, build_dir)
             torch.ops.load_library(str(so))
     except Exception as e:  # noqa: BLE001 - any build or load failure leaves the plain-PyTorch path
@@ -170,7 +172,7 @@ def _verified(so: Path) -> bool:
         return False
 
 
-def _build(ext: str, sources: list[Path], cflags: list[str], build_dir: Path, so: Path) -> None:
+def _build(ext: str, sources: list[Path], include_dir: Path, cflags: list[str], build_dir: Path, so: Path) -> None:
     """Compile and link with torch's builder (ninja), then write the checksum file."""
     for leftover in (so, so.with_suffix(".sha256"), build_dir / "lock"):
         # torch's own lock is only ever taken under ours, so one here was left by a killed build.
@@ -179,7 +181,7 @@ def _build(ext: str, sources: list[Path], cflags: list[str], build_dir: Path, so
     from torch.utils import cpp_extension
 
     cpp_extension.load(name=ext, sources=[str(s) for s in sources], extra_cflags=BASE_CFLAGS + cflags,
-                       extra_include_paths=[str(INCLUDE_DIR)], build_directory=str(build_dir),
+                       extra_include_paths=[str(include_dir)], build_directory=str(build_dir),
                        is_python_module=False, verbose=False)
     # NOTE: cpp_extension.load also loaded the library into this process; loading it again
     # below is a no-op.
