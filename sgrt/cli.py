@@ -362,12 +362,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     from sgrt.models.catalog import list_local_models
-    from sgrt.models.registry import supported_names
+    from sgrt.models.family_names import supported_architectures
 
     entries = list_local_models(args.paths)
     for e in entries:
         print(f"{e.spec}\t{e.where}\t{e.family or 'NOT LOADABLE'}\t{e.detail}\t{e.size / 1e9:.2f} GB\t{e.path}")
-    names = supported_names()
+    names = supported_architectures()
     print(f"[sgrt] families: HF {', '.join(names['hf'])}; GGUF {', '.join(names['gguf'])}", file=sys.stderr)
     return 0 if all(e.family for e in entries if e.where == "path") else 1
 
