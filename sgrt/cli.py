@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,6 +65,14 @@ def _output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines and no timing lines on stderr")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="level of sgrt's log messages on stderr")
+
+
+def _chat_template_arg(p: argparse.ArgumentParser) -> None:
+    from sgrt.models.chat_templates import NAMED_CHAT_TEMPLATES
+
+    p.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                   help=f"the chat template to use instead of the model's: a name ({', '.join(NAMED_CHAT_TEMPLATES)}), "
+                        "a Jinja file or @file (for models whose file has none)")
 
 
 def _grammar_limit_args(p: argparse.ArgumentParser) -> None:
@@ -121,10 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--regex", default=None, help="constrain the output to this regex")
     gen.add_argument("--grammar", default=None, help="constrain the output to this Lark grammar (text or a "
                      "name from grammars/)")
+    _chat_template_arg(gen)
     _model_args(gen)
     _sampling_args(gen)
     chat = sub.add_parser("chat", help="interactive chat with the chat template applied", formatter_class=_Help)
     chat.add_argument("--system", default=None, help="system prompt")
+    _chat_template_arg(chat)
     _model_args(chat)
     _sampling_args(chat)
     models = sub.add_parser("models", help="list the models loadable here (default, packaged, cached, PATHs)",
@@ -142,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--programs", default=None, help="folder of @sgrt.function programs to register")
     serve.add_argument("--auth-token", default=os.environ.get("SGRT_AUTH_TOKEN"),
                        help="required first-message token (default: $SGRT_AUTH_TOKEN)%(default).0s")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model names the HTTP API answers to (the first is reported); a request naming "
+                            "another model gets 404 model_not_found (None: the --model value, its file name "
+                            "and stem)")
+    _chat_template_arg(serve)
     _model_args(serve)
     add_limit_args(serve)
     return parser
@@ -176,8 +192,9 @@ def _constraint(args: argparse.Namespace) -> dict[str, Any]:
 def check_args(args: argparse.Namespace) -> None:
     """Everything that can be checked without the model, so that a typo fails in a second, not
     after the model load: sampling values, the engine's sizes, the grammar limits, and the
-    constraint (parsed, checked against the limits and the schema rewrites), and whether
-    --int4-activations applies (--quantization int4, the AVX2 kernel).
+    constraint (parsed, checked against the limits and the schema rewrites), whether
+    --int4-activations applies (--quantization int4, the AVX2 kernel), the chat template, and
+    (``chat``) that the model has one.
 
     Raises:
         InvalidRequest / GrammarError: naming the flag's field.
@@ -206,6 +223,13 @@ def check_args(args: argparse.Namespace) -> None:
 
         check_int4_activations(args.int4_activations, parse_quantization(args.quantization), torch.device(args.device))
     _grammar_limits(args)
+    args.chat_template_text = None
+    if args.chat_template is not None:
+        from sgrt.models.chat_templates import resolve_chat_template
+
+        args.chat_template_text = resolve_chat_template(args.chat_template)
+    elif args.command == "chat":
+        _check_model_can_chat(args.model)
 
 
 def _check_constraint(args: argparse.Namespace, kind: str, spec: str) -> None:
@@ -240,6 +264,21 @@ def _check_constraint(args: argparse.Namespace, kind: str, spec: str) -> None:
         raise GrammarError(f"--{kind.replace('_', '-')} is not a valid constraint: {first}", field=kind)
 
 
+def _check_model_can_chat(spec: str) -> None:
+    """Refuse (before the load) a model whose files carry no chat template, naming the fix."""
+    from sgrt.errors import InvalidRequest
+    from sgrt.models.catalog import chat_template_state
+    from sgrt.models.chat_templates import NAMED_CHAT_TEMPLATES, suggested_template
+
+    has_template, family = chat_template_state(spec)
+    if has_template is False:
+        name = suggested_template(family)
+        fix = f"--chat-template {name}" if name else f"--chat-template NAME ({', '.join(NAMED_CHAT_TEMPLATES)})"
+        raise InvalidRequest(f"model {spec!r} has no chat template, so sgrt chat cannot turn messages into a "
+                             f"prompt; give one: {fix} or a Jinja file (or use sgrt generate --raw)",
+                             field="chat_template")
+
+
 def _setup_output(args: argparse.Namespace) -> None:
     from sgrt.progress import set_progress
 
@@ -249,7 +288,8 @@ def _setup_output(args: argparse.Namespace) -> None:
         set_progress(False)
 
 
-def _engine(args: argparse.Namespace):
+def _engine(args: argparse.Namespace) -> Any:
+    """Load the engine the flags describe (the chat template set after the load)."""
     from sgrt.engine import Engine
     from sgrt.progress import progress
 
@@ -258,6 +298,8 @@ def _engine(args: argparse.Namespace):
         engine = Engine(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
                         int4_activations=args.int4_activations, max_total_tokens=args.max_total_tokens, grammar_limits=_grammar_limits(args),
                         grammar_compile_timeout_s=args.grammar_compile_timeout)
+    if getattr(args, "chat_template_text", None):
+        engine.tokenizer.hf.chat_template = args.chat_template_text
     if not args.quiet:
         print(f"[sgrt] loaded {args.model} in {time.perf_counter() - t0:.1f} s: {engine.describe()}", file=sys.stderr)
     return engine
@@ -329,6 +371,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _served_names(args: argparse.Namespace) -> list[str]:
+    """The names the HTTP API answers to: ``--served-model-name``, else the ``--model`` value
+    and, for a path, its file name and stem."""
+    if args.served_model_name:
+        return list(dict.fromkeys(args.served_model_name))
+    names = [args.model]
+    if "/" in args.model or os.sep in args.model:
+        path = Path(args.model.rstrip("/"))
+        names += [path.name, path.stem]
+    return list(dict.fromkeys(n for n in names if n))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from sgrt.server.serve import bind_listeners, limits_from_args, run_server
 
@@ -351,10 +405,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except BaseException:
         listeners.close()
         raise
+    names = _served_names(args)
     try:
         run_server(engine, host=args.host, port=args.port, http_port=http_port, programs_dir=args.programs,
-                   auth_token=args.auth_token, model_name=args.model, http_limits=http_limits,
-                   ws_limits=ws_limits, listeners=listeners)
+                   auth_token=args.auth_token, model_name=names[0], model_aliases=names[1:],
+                   http_limits=http_limits, ws_limits=ws_limits, listeners=listeners)
     finally:
         engine.shutdown()
     return 0

@@ -85,6 +85,7 @@ def test_raw_is_a_plain_completion(runtime, capsys):
     (["--max-ref-depth", "0"], "max_ref_depth must be an int >= 1"),
     (["--regex", "a", "--json-schema", "{}"], "at most one of"),
     (["--int4-activations", "int8"], "int4_activations='int8' applies to quantization='int4'"),
+    (["--chat-template", "nope"], "--chat-template 'nope' is neither a template name (chatml, gemma, llama3, phi3)"),
 ])
 def test_bad_arguments_fail_before_the_model_load(args, names, capsys, monkeypatch):
     import sgrt.engine
