@@ -240,8 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     _chat_template_arg(gen)
     _model_args(gen)
     _sampling_args(gen)
-    chat = sub.add_parser("chat", help="interactive chat with the chat template applied", formatter_class=_Help)
+    chat = sub.add_parser("chat", help="interactive chat with the chat template applied", formatter_class=_Help,
+                          description="Chat with the model. A paste is one message; \"\"\" opens and closes a\n"
+                                      "multi-line message; Ctrl-C stops an answer, Ctrl-D or /bye ends the chat;\n"
+                                      "/help lists the commands (/clear, /system, /set, /stats).")
     chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--verbose", action="store_true", help="print stats after every answer (/set verbose)")
     _chat_template_arg(chat)
     _model_args(chat)
     _sampling_args(chat)
@@ -586,30 +590,21 @@ def _json_report(args: argparse.Namespace, params: Any, result: Any) -> dict[str
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from sgrt.cli_chat import ChatRepl
+
     engine = _engine(args)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("[sgrt] type a message; an empty line or Ctrl-D quits", file=sys.stderr)
     try:
-        while True:
-            try:
-                line = input("> ")
-            except EOFError:
-                break
-            if not line.strip():
-                break
-            messages.append({"role": "user", "content": line})
-            prompt = engine.tokenizer.apply_chat_template(messages)
-            result = engine.submit(prompt, _sampling(args))
-            text = []
-            for chunk in result:
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                text.append(chunk.text)
-            sys.stdout.write("\n")
-            messages.append({"role": "assistant", "content": "".join(text)})
+        if not _has_chat_template(engine):  # (a model the check before the load could not read)
+            from sgrt.errors import InvalidRequest
+
+            raise InvalidRequest(f"model {args.model!r} has no chat template; give one with --chat-template",
+                                 field="chat_template")
+        if not args.quiet:
+            print(f"[sgrt] chatting with {args.model}: /help for commands, \"\"\" for a multi-line message, "
+                  "Ctrl-C stops an answer, Ctrl-D or /bye ends the chat", file=sys.stderr)
+        return ChatRepl(engine, _sampling(args), system=args.system, verbose=args.verbose).run()
     finally:
         engine.shutdown()
-    return EXIT_OK
 
 
 def _served_names(args: argparse.Namespace) -> list[str]:
