@@ -302,3 +302,23 @@ def test_model_from_the_environment():
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1].startswith("sgrt: error: model 'no-such-model-41' not found")
 
+
+def test_readme_documents_the_command_line():
+    """The README's CLI section names every flag of generate / chat / models (the grammar limits
+    as a family) and each issue-41 item: chat keys and commands, exit statuses, variables."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = readme.index("### The command line")
+    section = readme[start:readme.index("\n## ", start)]
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("generate", "chat", "models"):
+        for action in sub.choices[name]._actions:
+            if action.help == argparse.SUPPRESS or action.dest == "help" or action.dest.startswith("limit_llguidance"):
+                continue
+            longest = max(action.option_strings, key=len, default=None)
+            if longest is not None:
+                assert any(flag in section for flag in action.option_strings), (name, longest)
+    for item in ('"""', "Ctrl-C", "Ctrl-D", "/help", "/clear", "/system TEXT", "/set temperature", "/stats",
+                 "/bye", "| 3 |", "| 130 |", "SGRT_MODEL", "SGRT_THREADS", "SGRT_CTX_SIZE", "`incomplete`",
+                 "--chat-template NAME"):
+        assert item in section, item
+    assert "--served-model-name" in readme and "model_not_found" in readme
