@@ -77,7 +77,8 @@ def create_app(engine: EngineClient, *, model_name: str, auth_token: str | None 
     Args:
         engine: a running :class:`~sgrt.engine.client.EngineClient` (not owned: the caller shuts it down).
         model_name: the model id to report; a request's ``model`` must be it or one of
-            ``model_aliases`` (or absent), else 404 ``model_not_found``.
+            ``model_aliases`` (or absent), else 404 ``model_not_found`` (SGLang's native
+            ``/generate`` excepted: it ignores ``model``, as SGLang does).
         model_aliases: other names the API answers to (``sgrt serve --served-model-name``).
         auth_token: when set, every endpoint but ``/health`` needs it (``Authorization: Bearer`` or ``x-api-key``).
         limits: an :class:`HttpLimits`; or pass its fields as keywords (``max_queue=32``).

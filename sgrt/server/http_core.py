@@ -56,7 +56,8 @@ class HttpApi:
             down); sizes are read from its ``info``.
         model_name: the model id reported by ``/v1/models`` and in responses.
         model_aliases: other names a request's ``model`` may give; any other name is answered
-            404 ``model_not_found`` (as OpenAI and vLLM answer), no name at all is accepted.
+            404 ``model_not_found`` (as OpenAI and vLLM answer), no name at all is accepted;
+            SGLang's native ``/generate`` ignores ``model`` (what a router forwards, as SGLang does).
         auth_token: when set, requests need it (``Authorization: Bearer`` or ``x-api-key``).
         limits: :class:`HttpLimits`.
     """
@@ -172,10 +173,10 @@ class HttpApi:
         self.check_content_type(request, body)
         return body
 
-    async def decode(self, request: Request, kind: type) -> Any:
+    async def decode(self, request: Request, kind: type, check_model: bool = True) -> Any:
         """Origin, auth, Content-Type, availability, body, nesting depth and strict decoding into
-        ``kind``. Depth check and decoding run on a worker thread (a 4 MB body must not hold
-        the event loop)."""
+        ``kind``, then (``check_model``) the body's ``model`` against :attr:`model_names`. Depth
+        check and decoding run on a worker thread (a 4 MB body must not hold the event loop)."""
         body = await self.request_body(request)
         self.check_available()
         _heavy_request.set(len(body) > HEAVY_BODY_BYTES)
@@ -191,7 +192,8 @@ class HttpApi:
                 raise InvalidRequest("the request body nests too deeply", field="body") from None
 
         req = await self.offload(parse)
-        self.check_model(getattr(req, "model", None))
+        if check_model:
+            self.check_model(getattr(req, "model", None))
         return req
 
     async def offload(self, fn: Any, *args: Any) -> Any:

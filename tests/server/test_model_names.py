@@ -45,6 +45,13 @@ def test_unknown_model_is_404_and_served_names_pass(named_server, path, body):
         assert status == 200, (name, payload)
 
 
+def test_native_generate_ignores_model_as_sglang_does(named_server):
+    """An SGLang router forwards its client's ``model`` to /generate, which SGLang ignores."""
+    status, _, payload = raw(named_server.url, "POST", "/generate",
+                             {"text": "Hi", "model": "gpt-4o", "sampling_params": {"max_new_tokens": 1}})
+    assert status == 200 and payload["meta_info"]["completion_tokens"] == 1, payload
+
+
 def test_models_lists_every_name(named_server):
     status, _, payload = raw(named_server.url, "GET", "/v1/models")
     assert status == 200 and [card["id"] for card in payload["data"]] == NAMES
