@@ -89,10 +89,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Every flag's help ends with its default (and the environment variable that sets it);
+    """Every flag's help ends with its default (and the environment variable that sets it), once:
+    a help text that says its default in words (``(default: the context window)``) keeps its own;
     descriptions keep their line breaks."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
+        if action.help and "(default: " in action.help:
+            return action.help
         text = super()._get_help_string(action) or ""
         var = ENV_DEFAULTS.get(action.dest)
         if var and action.option_strings and text.endswith("(default: %(default)s)"):

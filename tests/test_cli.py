@@ -49,7 +49,9 @@ def test_every_flag_has_help_with_its_default():
             assert action.help, f"sgrt {name} {action.option_strings[0]} has no help"
             if action.dest == "auth_token":
                 continue  # its default is a secret: see test_help_never_prints_the_auth_token
-            assert "%(default)s" in formatter._get_help_string(action), (name, action.option_strings)
+            help_text = formatter._get_help_string(action)
+            assert "%(default)s" in help_text or "(default: " in help_text, (name, action.option_strings)
+        assert not re.search(r"\(default: [^()]*\) \(default: ", " ".join(sub.format_help().split())), name
         if name == "models":
             continue  # lists files: no engine options
         text = " ".join(sub.format_help().split())
