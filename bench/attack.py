@@ -112,7 +112,8 @@ class Server:
     def start(self) -> None:
         self.ws_port, self.http_port = free_port(), free_port()
         cmd = [sys.executable, "-m", "sgrt.cli", "serve", "--port", str(self.ws_port), "--http-port",
-               str(self.http_port), "--programs", str(REPO / "programs"), "--auth-token", TOKEN, *self.extra]
+               str(self.http_port), "--programs", str(REPO / "programs"), "--auth-token", TOKEN,
+               "--served-model-name", "m", *self.extra]  # (the attacks name their model "m")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         for line in self.proc.stdout:  # type: ignore[union-attr]
             if "OpenAI-compatible API on" in line:

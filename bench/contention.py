@@ -89,7 +89,7 @@ def idle_server_cpu(seconds: float) -> float:
                 break
             except OSError:
                 time.sleep(0.5)
-        body = json.dumps({"model": "x", "prompt": PROMPT, "max_tokens": 32, "stream": True}).encode()
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 32, "stream": True}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                      {"Content-Type": "application/json"})
         urllib.request.urlopen(req, timeout=120).read()

@@ -2,37 +2,117 @@
 
 Defaults match the engine's (DESIGN.md): greedy unless ``--temperature`` is given.
 ``generate`` applies the model's chat template to TEXT unless ``--raw`` (as ``ollama run`` and
-``llama-cli`` do). Arguments are checked before the model loads (a bad ``--json-schema`` is
-refused at once); every error is one ``sgrt: error: ...`` line and a non-zero status. Long waits
-show a progress line on a terminal (``--quiet`` or a non-terminal stderr: none).
+``llama-cli`` do) and reads TEXT from stdin when it is ``-`` or missing. Arguments are checked
+before the model loads (a bad ``--json-schema``, a chat without a chat template are refused at
+once), and nothing heavy (torch, transformers) is imported before it is needed: ``--help``,
+``--version``, argument errors and ``sgrt models`` start in a fraction of a second. Every error
+is one ``sgrt: error: ...`` line. Long waits show a progress line on a terminal (``--quiet`` or a
+non-terminal stderr: none).
+
+Exit statuses (:data:`EXIT_STATUSES`): 0 done; 1 the command failed (a model that does not load,
+an aborted request, a server that cannot bind); 2 bad arguments, found before the model loads;
+3 a constrained answer cut by ``--max-tokens`` before its constraint was complete (the output
+is not valid; a warning on stderr says so); 130 interrupted (Ctrl-C outside a chat answer).
+
+Defaults from the environment (:data:`ENV_DEFAULTS`): a flag given on the command line wins,
+then the variable, then the built-in default.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import json
 import logging
 import os
+import re
 import sys
 import time
+from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INCOMPLETE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_STATUSES = {
+    EXIT_OK: "done",
+    EXIT_FAILED: "the command failed (model load, aborted request, server start)",
+    EXIT_USAGE: "bad arguments (found before the model loads)",
+    EXIT_INCOMPLETE: "a constrained answer cut by --max-tokens before its constraint was complete",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+#: flag destination -> the environment variable that sets its default.
+ENV_DEFAULTS = {
+    "model": "SGRT_MODEL",
+    "dtype": "SGRT_DTYPE",
+    "device": "SGRT_DEVICE",
+    "quantization": "SGRT_QUANTIZATION",
+    "threads": "SGRT_THREADS",
+    "max_total_tokens": "SGRT_CTX_SIZE",
+    "chat_template": "SGRT_CHAT_TEMPLATE",
+}
+
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one ``sgrt: error: ...`` line (no usage block) and status 2 on bad input."""
+    """argparse with one ``sgrt: error: ...`` line (no usage block) and status 2 on bad input;
+    an unknown flag is named alone, with the closest known one."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"sgrt: error: {message} (see sgrt {self._command()}--help)\n")
+        self.exit(EXIT_USAGE, f"sgrt: error: {message} (see sgrt {self._command()}--help)\n")
 
     def _command(self) -> str:
         parts = self.prog.split()[1:]
         return " ".join(parts) + " " if parts else ""
 
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            # NOTE: argparse's own message lists every left-over word: after a mistyped flag
+            # that is also the prompt (the flag's value took the prompt's place).
+            sub = self._subparser(getattr(ns, "command", None))
+            flags = [e for e in extras if e.startswith("-") and e != "-"]
+            if flags:
+                name = flags[0].split("=", 1)[0]
+                known = [s for a in sub._actions for s in a.option_strings]
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+                sub.error(f"unknown flag {name}" + (f" (did you mean {close[0]}?)" if close else ""))
+            sub.error(f"unexpected argument {extras[0]!r} (put TEXT that has spaces in quotes)")
+        return ns
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Every flag's help ends with its default."""
+    def _subparser(self, command: str | None) -> argparse.ArgumentParser:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+                return action.choices[command]
+        return self
+
+
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default (and the environment variable that sets it), once:
+    a help text that says its default in words (``(default: the context window)``) keeps its own;
+    descriptions keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.help and "(default: " in action.help:
+            return action.help
+        text = super()._get_help_string(action) or ""
+        var = ENV_DEFAULTS.get(action.dest)
+        if var and action.option_strings and text.endswith("(default: %(default)s)"):
+            text = text[:-1] + f"; ${var})"
+        return text
+
+
+class _EnvError:
+    """The default of a flag whose environment variable holds a bad value: reported by
+    :func:`check_args` unless the flag was given."""
+
+    def __init__(self, var: str, message: str):
+        self.var = var
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"invalid ${self.var}"
 
 
 def _version() -> str:
@@ -41,21 +121,36 @@ def _version() -> str:
     return f"sgrt {__version__}"
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct",
+    p.add_argument("-m", "--model", default="smollm2-135m-instruct",
                    help="a model name (smollm2-135m-instruct, gemma3-270m-q4-k-m), a .gguf file or a local "
                         "HF folder of a supported family (see `sgrt models`)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight and activation dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weight and activation dtype; auto: bfloat16 with --quantization int8 / int4 (their "
+                        "kernels' activation dtype), float32 otherwise")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
-                   help="weight-only quantization of the linear layers (use with --dtype bfloat16)")
+                   help="weight-only quantization of the linear layers")
     p.add_argument("--int4-activations", default="int16", choices=["int16", "int8", "int8-prefill"],
                    help="with --quantization int4 on the AVX2 kernel: the int4 layers' activation precision "
                         "(int8: llama.cpp's Q8 blocks, faster prefill, less accurate; int8-prefill: int8 for "
                         "prefill / extend chunks of >= 32 rows only, decode keeps int16)")
-    p.add_argument("--max-total-tokens", type=int, default=None,
-                   help="KV pool size in tokens (all requests' prompt + output at once); unset: from memory, "
-                        "4 GiB of K/V or a quarter of the memory available, whichever is less")
+    p.add_argument("-c", "--ctx-size", "--max-total-tokens", dest="max_total_tokens", type=int, default=None,
+                   metavar="N", help="the context window: KV pool size in tokens (all requests' prompt + output at "
+                                     "once); unset: from memory, 4 GiB of K/V or a quarter of the memory available, "
+                                     "whichever is less")
+    p.add_argument("-t", "--threads", type=_positive_int, default=None, metavar="N",
+                   help="CPU threads a step uses at most (None: torch's default, one per core)")
     _output_args(p)
     _grammar_limit_args(p)
 
@@ -64,6 +159,14 @@ def _output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines and no timing lines on stderr")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="level of sgrt's log messages on stderr")
+
+
+def _chat_template_arg(p: argparse.ArgumentParser) -> None:
+    from sgrt.models.chat_templates import NAMED_CHAT_TEMPLATES
+
+    p.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                   help=f"the chat template to use instead of the model's: a name ({', '.join(NAMED_CHAT_TEMPLATES)}), "
+                        "a Jinja file or @file (for models whose file has none)")
 
 
 def _grammar_limit_args(p: argparse.ArgumentParser) -> None:
@@ -100,35 +203,59 @@ _LIMIT_HELP = {
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate per answer")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible sampling)")
+    g = p.add_argument_group("sampling")
+    g.add_argument("-n", "--max-tokens", type=int, default=256, help="most tokens to generate per answer")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    g.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens; -1 = all")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than min-p times the most likely one; 0 = off")
+    g.add_argument("--repeat-penalty", dest="repetition_penalty", type=float, default=1.0, metavar="X",
+                   help="divide the logits of tokens already in the prompt or output by this; 1 = off")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end the answer where this text appears (not printed); repeat for more")
+    g.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (reproducible sampling)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="sgrt", description="sgrt: a structured-generation runtime", formatter_class=_Help)
+    """The ``sgrt`` argument parser (defaults from :data:`ENV_DEFAULTS` applied)."""
+    parser = _Parser(prog="sgrt", formatter_class=_Help, description="sgrt: a structured-generation runtime",
+                     epilog=_epilog())
     parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     gen = sub.add_parser("generate", help="stream an answer to TEXT to stdout", formatter_class=_Help,
-                         description="Stream the model's answer to TEXT (as a user message in the "
-                         "model's chat template; --raw: a plain completion of TEXT).")
-    gen.add_argument("text", help="the message (or, with --raw, the text to complete)")
+                         description="Stream the model's answer to TEXT (as a user message in the\n"
+                                     "model's chat template; --raw: a plain completion of TEXT).\n"
+                                     "TEXT '-' or none: read it from stdin (echo ... | sgrt generate).")
+    gen.add_argument("text", nargs="?", default=None,
+                     help="the message (with --raw: the text to complete); '-' or none: stdin")
     gen.add_argument("--raw", action="store_true", help="complete TEXT as is, without the chat template")
     gen.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
     gen.add_argument("--system", default=None, help="system prompt (chat template only)")
-    gen.add_argument("--json-schema", default=None, help="constrain the output to this JSON Schema (JSON text)")
+    gen.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                     help="constrain the output to this JSON Schema: JSON text, a file or @file")
     gen.add_argument("--regex", default=None, help="constrain the output to this regex")
-    gen.add_argument("--grammar", default=None, help="constrain the output to this Lark grammar (text or a "
-                     "name from grammars/)")
+    gen.add_argument("--grammar", default=None, help="constrain the output to this Lark grammar: text, a name "
+                     "from grammars/, a .lark file or @file")
+    gen.add_argument("--json", dest="json_output", action="store_true",
+                     help="print one JSON object (text, finish reason, tokens, timings, sampling) instead of "
+                          "streaming the text")
+    _chat_template_arg(gen)
     _model_args(gen)
     _sampling_args(gen)
-    chat = sub.add_parser("chat", help="interactive chat with the chat template applied", formatter_class=_Help)
+    chat = sub.add_parser("chat", help="interactive chat with the chat template applied", formatter_class=_Help,
+                          description="Chat with the model. A paste is one message; \"\"\" opens and closes a\n"
+                                      "multi-line message; Ctrl-C stops an answer, Ctrl-D or /bye ends the chat;\n"
+                                      "/help lists the commands (/clear, /system, /set, /stats).")
     chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--verbose", action="store_true", help="print stats after every answer (/set verbose)")
+    _chat_template_arg(chat)
     _model_args(chat)
     _sampling_args(chat)
     models = sub.add_parser("models", help="list the models loadable here (default, packaged, cached, PATHs)",
-                            formatter_class=_Help)
+                            formatter_class=_Help,
+                            description="List the models loadable here, one a line, tab-separated: spec, where,\n"
+                                        "family (or NOT LOADABLE), detail, size, path. Reads headers only.")
     models.add_argument("paths", nargs="*", metavar="PATH", help="also check these GGUF files / HF folders")
     _output_args(models)
     serve = sub.add_parser("serve", help="serve WebSocket agent sessions (and the HTTP API)",
@@ -142,27 +269,62 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--programs", default=None, help="folder of @sgrt.function programs to register")
     serve.add_argument("--auth-token", default=os.environ.get("SGRT_AUTH_TOKEN"),
                        help="required first-message token (default: $SGRT_AUTH_TOKEN)%(default).0s")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model names the HTTP API answers to (the first is reported); a request naming "
+                            "another model gets 404 model_not_found (None: the --model value, its file name "
+                            "and stem)")
+    _chat_template_arg(serve)
     _model_args(serve)
     add_limit_args(serve)
+    for p in sub.choices.values():
+        _env_defaults(p)
     return parser
 
 
-def _params(args: argparse.Namespace, **extra):
+def _epilog() -> str:
+    statuses = "\n".join(f"  {code:<4} {text}" for code, text in EXIT_STATUSES.items())
+    env = ", ".join(f"${v} (--{k.replace('_', '-') if k != 'max_total_tokens' else 'ctx-size'})"
+                    for k, v in ENV_DEFAULTS.items())
+    return f"exit statuses:\n{statuses}\n\ndefaults from the environment: {env}"
+
+
+def _env_defaults(p: argparse.ArgumentParser) -> None:
+    """Set the defaults of ``p``'s flags from :data:`ENV_DEFAULTS`, each value converted and
+    checked as the flag's own would be; a bad one becomes an :class:`_EnvError` default."""
+    for action in p._actions:
+        var = ENV_DEFAULTS.get(action.dest)
+        if var is None or var not in os.environ:
+            continue
+        text = os.environ[var]
+        flag = action.option_strings[-1]
+        try:
+            value = action.type(text) if action.type else text
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+            value = _EnvError(var, f"${var}={text!r} is not a valid {flag}: {e}")
+        else:
+            if action.choices is not None and value not in action.choices:
+                value = _EnvError(var, f"${var}={text!r} is not a valid {flag} (choose from "
+                                  f"{', '.join(map(str, action.choices))})")
+        action.default = value
+
+
+def _params(args: argparse.Namespace, **extra: Any) -> Any:
     """The CLI's translator: its sampling flags as one :class:`SamplingParams` (checked when
     built; ``InvalidRequest`` names the field)."""
     from sgrt.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          seed=args.seed, **extra)
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          stop=list(args.stop or []), seed=args.seed, **extra)
 
 
-def _sampling(args: argparse.Namespace, **extra):
+def _sampling(args: argparse.Namespace, **extra: Any) -> Any:
     """The params :func:`check_args` built, or built now (a caller that skipped it)."""
     params = getattr(args, "sampling_params", None)
     return params if params is not None else _params(args, **extra)
 
 
-def _grammar_limits(args: argparse.Namespace):
+def _grammar_limits(args: argparse.Namespace) -> Any:
     from sgrt.constrained.limits import GrammarLimits
 
     return GrammarLimits(**{f.name: getattr(args, f"limit_{f.name}") for f in dataclasses.fields(GrammarLimits)})
@@ -175,15 +337,24 @@ def _constraint(args: argparse.Namespace) -> dict[str, Any]:
 
 def check_args(args: argparse.Namespace) -> None:
     """Everything that can be checked without the model, so that a typo fails in a second, not
-    after the model load: sampling values, the engine's sizes, the grammar limits, and the
-    constraint (parsed, checked against the limits and the schema rewrites), and whether
-    --int4-activations applies (--quantization int4, the AVX2 kernel).
+    after the model load: environment defaults, TEXT (read from stdin where asked), constraint
+    files, sampling values, the engine's sizes, the grammar limits, the constraint (parsed,
+    checked against the limits and the schema rewrites), whether --int4-activations applies,
+    the chat template, and (``chat``) that the model has one.
 
     Raises:
         InvalidRequest / GrammarError: naming the flag's field.
     """
     from sgrt.errors import InvalidRequest
 
+    for name, value in vars(args).items():
+        if isinstance(value, _EnvError):
+            raise InvalidRequest(value.message, field=name)
+    if args.command == "generate":
+        _read_text(args)
+    for kind in ("json_schema", "grammar"):
+        if getattr(args, kind, None) is not None:
+            setattr(args, kind, _constraint_text(kind, getattr(args, kind)))
     if getattr(args, "max_tokens", None) is not None:
         constraint = _constraint(args)
         if len(constraint) > 1:
@@ -199,6 +370,11 @@ def check_args(args: argparse.Namespace) -> None:
     if args.grammar_compile_timeout <= 0:
         raise InvalidRequest(f"--grammar-compile-timeout must be > 0, got {args.grammar_compile_timeout}",
                              field="grammar_compile_timeout")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.quantization != "none" else "float32"
+    if args.threads is not None and "torch" not in sys.modules:
+        # (read by OpenMP when torch loads it; torch.set_num_threads covers an imported torch)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
     if args.int4_activations != "int16":  # (the default applies everywhere: no kernel to ask)
         import torch
 
@@ -206,16 +382,75 @@ def check_args(args: argparse.Namespace) -> None:
 
         check_int4_activations(args.int4_activations, parse_quantization(args.quantization), torch.device(args.device))
     _grammar_limits(args)
+    args.chat_template_text = None
+    if args.chat_template is not None:
+        from sgrt.models.chat_templates import resolve_chat_template
+
+        args.chat_template_text = resolve_chat_template(args.chat_template)
+    elif args.command == "chat":
+        _check_model_can_chat(args.model)
+
+
+def _read_text(args: argparse.Namespace) -> None:
+    """``generate``'s TEXT: the argument, or stdin when it is ``-`` or missing."""
+    from sgrt.errors import InvalidRequest
+
+    if args.text is not None and args.text != "-":
+        return
+    if args.text is None and sys.stdin.isatty():
+        raise InvalidRequest("give TEXT, or pipe it on stdin (echo TEXT | sgrt generate)", field="text")
+    text = sys.stdin.read().rstrip()
+    if not text:
+        raise InvalidRequest("no TEXT: stdin was empty", field="text")
+    args.text = text
+
+
+def _constraint_text(kind: str, value: str) -> str:
+    """The text of a ``--json-schema`` / ``--grammar`` value: ``@file``, a file path, or the
+    value itself (JSON text; Lark text or a grammar name)."""
+    from sgrt.errors import InvalidRequest
+
+    flag = "--" + kind.replace("_", "-")
+    if value.startswith("@"):
+        path = Path(value[1:]).expanduser()
+        if not path.is_file():
+            raise InvalidRequest(f"{flag} {value!r}: no such file {str(path)!r}", field=kind)
+        return _read_file(flag, path, kind)
+    path = Path(value).expanduser()
+    if kind == "json_schema":
+        stripped = value.strip()
+        if stripped[:1] in ("{", "[") or stripped in ("true", "false"):
+            return value
+        if path.is_file():
+            return _read_file(flag, path, kind)
+        if "/" in value or os.sep in value or stripped.endswith(".json"):
+            raise InvalidRequest(f"{flag} {value!r} is neither JSON nor an existing file", field=kind)
+        return value  # (the schema check names the JSON error)
+    # A grammar: a file where the value looks like one and it exists, else text or a name.
+    if ("/" in value or value.endswith(".lark")) and "\n" not in value and path.is_file():
+        return _read_file(flag, path, kind)
+    return value
+
+
+def _read_file(flag: str, path: Path, kind: str) -> str:
+    from sgrt.errors import InvalidRequest
+
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"{flag}: cannot read {path}: {e}", field=kind) from None
 
 
 def _check_constraint(args: argparse.Namespace, kind: str, spec: str) -> None:
     """The checks of GrammarCompiler.compile_spec that need no tokenizer, then llguidance's own
-    validation of the grammar (no tokenizer either)."""
+    validation of the grammar (no tokenizer either; no torch)."""
     import llguidance
 
-    from sgrt.constrained import GrammarOptions, limits, load_grammar_text, normalize_schema
-    from sgrt.constrained.llguidance_backend import json_options
+    from sgrt.constrained import limits
+    from sgrt.constrained.lark_files import load_grammar_text
+    from sgrt.constrained.options import GrammarOptions, json_options
     from sgrt.constrained.satisfiable import check_satisfiable
+    from sgrt.constrained.schema import normalize_schema
     from sgrt.errors import GrammarError
 
     lim = _grammar_limits(args)
@@ -236,8 +471,23 @@ def _check_constraint(args: argparse.Namespace, kind: str, spec: str) -> None:
         grammar = llguidance.LLMatcher.grammar_from_lark(text)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, limits=lim.llguidance_limits())
     if is_error:
-        first = messages[0].strip().splitlines()[0] if messages and messages[0].strip() else "invalid"
+        first = one_line(messages[0]) if messages and messages[0].strip() else "invalid"
         raise GrammarError(f"--{kind.replace('_', '-')} is not a valid constraint: {first}", field=kind)
+
+
+def _check_model_can_chat(spec: str) -> None:
+    """Refuse (before the load) a model whose files carry no chat template, naming the fix."""
+    from sgrt.errors import InvalidRequest
+    from sgrt.models.catalog import chat_template_state
+    from sgrt.models.chat_templates import NAMED_CHAT_TEMPLATES, suggested_template
+
+    has_template, family = chat_template_state(spec)
+    if has_template is False:
+        name = suggested_template(family)
+        fix = f"--chat-template {name}" if name else f"--chat-template NAME ({', '.join(NAMED_CHAT_TEMPLATES)})"
+        raise InvalidRequest(f"model {spec!r} has no chat template, so sgrt chat cannot turn messages into a "
+                             f"prompt; give one: {fix} or a Jinja file (or use sgrt generate --raw)",
+                             field="chat_template")
 
 
 def _setup_output(args: argparse.Namespace) -> None:
@@ -249,84 +499,127 @@ def _setup_output(args: argparse.Namespace) -> None:
         set_progress(False)
 
 
-def _engine(args: argparse.Namespace):
-    from sgrt.engine import Engine
+def _engine(args: argparse.Namespace) -> Any:
+    """Load the engine the flags describe (threads set first, the chat template after)."""
     from sgrt.progress import progress
+
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from sgrt.engine import Engine
 
     t0 = time.perf_counter()
     with progress(f"loading {args.model}"):
         engine = Engine(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-                        int4_activations=args.int4_activations, max_total_tokens=args.max_total_tokens, grammar_limits=_grammar_limits(args),
-                        grammar_compile_timeout_s=args.grammar_compile_timeout)
+                        int4_activations=args.int4_activations, max_total_tokens=args.max_total_tokens,
+                        grammar_limits=_grammar_limits(args), grammar_compile_timeout_s=args.grammar_compile_timeout)
+    args.load_seconds = time.perf_counter() - t0
+    if getattr(args, "chat_template_text", None):
+        engine.tokenizer.hf.chat_template = args.chat_template_text
     if not args.quiet:
-        print(f"[sgrt] loaded {args.model} in {time.perf_counter() - t0:.1f} s: {engine.describe()}", file=sys.stderr)
+        print(f"[sgrt] loaded {args.model} in {args.load_seconds:.1f} s: {engine.describe()}", file=sys.stderr)
     return engine
 
 
-def _stream_to_stdout(engine, prompt: str, params, quiet: bool = False) -> None:
-    from sgrt.errors import RequestAborted
-
-    result = None
-    for chunk in engine.stream(prompt, params):
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
-        result = chunk.result
-    sys.stdout.write("\n")
-    if result is not None and result.finish_reason == "abort":
-        raise RequestAborted(f"generation aborted: {result.error or 'no reason given'}")
-    if result is not None and not quiet:
-        print(
-            f"[sgrt] TTFT {1000 * (result.ttft or 0):.0f} ms, {result.output_tok_per_s:.1f} tok/s, "
-            f"{result.completion_tokens} tokens, finish_reason={result.finish_reason}",
-            file=sys.stderr,
-        )
+def _has_chat_template(engine: Any) -> bool:
+    return bool(getattr(getattr(engine.tokenizer, "hf", None), "chat_template", None))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from sgrt.errors import RequestAborted
     from sgrt.progress import progress
 
     engine = _engine(args)
     try:
         prompt = args.text
-        has_template = bool(getattr(getattr(engine.tokenizer, "hf", None), "chat_template", None))
-        if not args.raw and has_template:
+        if not args.raw and _has_chat_template(engine):
             messages = [{"role": "system", "content": args.system}] if args.system else []
             prompt = engine.tokenizer.apply_chat_template(messages + [{"role": "user", "content": args.text}])
         params = _sampling(args, **_constraint(args))
         if params.is_constrained():
             with progress("compiling the constraint"):
                 engine.intake.compile_grammar(params)  # cached: the request below finds it compiled
-        _stream_to_stdout(engine, prompt, params, quiet=args.quiet)
+        result = _run(engine, prompt, params, stream=not args.json_output)
     finally:
         engine.shutdown()
-    return 0
+    if args.json_output:
+        print(json.dumps(_json_report(args, params, result), ensure_ascii=False))
+    if result.finish_reason == "abort":
+        raise RequestAborted(f"generation aborted: {result.error or 'no reason given'}")
+    if not args.quiet:
+        print(f"[sgrt] TTFT {1000 * (result.ttft or 0):.0f} ms, {result.output_tok_per_s:.1f} tok/s, "
+              f"{result.completion_tokens} tokens, finish_reason={result.finish_reason}", file=sys.stderr)
+    if params.is_constrained() and result.incomplete:
+        kind = params.constraint()[0].replace("_", "-")
+        print(f"sgrt: warning: the answer was cut at --max-tokens {params.max_tokens} before its --{kind} "
+              f"constraint was complete, so it is not valid; raise --max-tokens (exit status 3)", file=sys.stderr)
+        return EXIT_INCOMPLETE
+    return EXIT_OK
+
+
+def _run(engine: Any, prompt: str, params: Any, stream: bool) -> Any:
+    """Run one request; with ``stream``, its text goes to stdout as it comes (then a newline)."""
+    result = None
+    for chunk in engine.stream(prompt, params):
+        if stream and chunk.text:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        if chunk.finished:
+            result = chunk.result
+    if stream:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return result
+
+
+def _json_report(args: argparse.Namespace, params: Any, result: Any) -> dict[str, Any]:
+    """``generate --json``'s object: the answer, how it ended, token counts, timings (seconds)
+    and the sampling parameters that ran."""
+    sampling = params.to_wire_dict()
+    return {
+        "model": args.model,
+        "text": result.text,
+        "finish_reason": result.finish_reason,
+        "matched": result.matched,
+        "incomplete": result.incomplete,
+        "error": result.error,
+        "tokens": {"prompt": result.prompt_tokens, "completion": result.completion_tokens,
+                   "cached": result.cached_tokens, "ids": list(result.token_ids)},
+        "timings": {"load_s": round(getattr(args, "load_seconds", 0.0), 4), "ttft_s": result.ttft,
+                    "total_s": result.total_time, "decode_tok_per_s": result.output_tok_per_s},
+        "sampling": sampling,
+    }
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from sgrt.cli_chat import ChatRepl
+
     engine = _engine(args)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("[sgrt] type a message; an empty line or Ctrl-D quits", file=sys.stderr)
     try:
-        while True:
-            try:
-                line = input("> ")
-            except EOFError:
-                break
-            if not line.strip():
-                break
-            messages.append({"role": "user", "content": line})
-            prompt = engine.tokenizer.apply_chat_template(messages)
-            result = engine.submit(prompt, _sampling(args))
-            text = []
-            for chunk in result:
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                text.append(chunk.text)
-            sys.stdout.write("\n")
-            messages.append({"role": "assistant", "content": "".join(text)})
+        if not _has_chat_template(engine):  # (a model the check before the load could not read)
+            from sgrt.errors import InvalidRequest
+
+            raise InvalidRequest(f"model {args.model!r} has no chat template; give one with --chat-template",
+                                 field="chat_template")
+        if not args.quiet:
+            print(f"[sgrt] chatting with {args.model}: /help for commands, \"\"\" for a multi-line message, "
+                  "Ctrl-C stops an answer, Ctrl-D or /bye ends the chat", file=sys.stderr)
+        return ChatRepl(engine, _sampling(args), system=args.system, verbose=args.verbose).run()
     finally:
         engine.shutdown()
-    return 0
+
+
+def _served_names(args: argparse.Namespace) -> list[str]:
+    """The names the HTTP API answers to: ``--served-model-name``, else the ``--model`` value
+    and, for a path, its file name and stem."""
+    if args.served_model_name:
+        return list(dict.fromkeys(args.served_model_name))
+    names = [args.model]
+    if "/" in args.model or os.sep in args.model:
+        path = Path(args.model.rstrip("/"))
+        names += [path.name, path.stem]
+    return list(dict.fromkeys(n for n in names if n))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -336,72 +629,88 @@ def cmd_serve(args: argparse.Namespace) -> int:
     http_port = None if args.http_port < 0 else args.http_port
     if http_port is not None and http_port > 65535:
         print(f"sgrt: error: --http-port must be in 0..65535 (or -1), got {http_port}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if args.programs is not None and not os.path.isdir(args.programs):
         print(f"sgrt: error: --programs {args.programs!r} is not a folder", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     http_limits, ws_limits = limits_from_args(args)
     try:
         listeners = bind_listeners(args.host, args.port, http_port)
     except OSError as exc:
         print(f"sgrt: error: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     try:
         engine = _engine(args)
     except BaseException:
         listeners.close()
         raise
+    names = _served_names(args)
     try:
         run_server(engine, host=args.host, port=args.port, http_port=http_port, programs_dir=args.programs,
-                   auth_token=args.auth_token, model_name=args.model, http_limits=http_limits,
-                   ws_limits=ws_limits, listeners=listeners)
+                   auth_token=args.auth_token, model_name=names[0], model_aliases=names[1:],
+                   http_limits=http_limits, ws_limits=ws_limits, listeners=listeners)
     finally:
         engine.shutdown()
-    return 0
+    return EXIT_OK
 
 
 def cmd_models(args: argparse.Namespace) -> int:
     from sgrt.models.catalog import list_local_models
-    from sgrt.models.registry import supported_names
+    from sgrt.models.family_names import supported_architectures
 
     entries = list_local_models(args.paths)
     for e in entries:
         print(f"{e.spec}\t{e.where}\t{e.family or 'NOT LOADABLE'}\t{e.detail}\t{e.size / 1e9:.2f} GB\t{e.path}")
-    names = supported_names()
-    print(f"[sgrt] families: HF {', '.join(names['hf'])}; GGUF {', '.join(names['gguf'])}", file=sys.stderr)
-    return 0 if all(e.family for e in entries if e.where == "path") else 1
+    names = supported_architectures()
+    if not args.quiet:
+        print(f"[sgrt] families: HF {', '.join(names['hf'])}; GGUF {', '.join(names['gguf'])}", file=sys.stderr)
+    return EXIT_OK if all(e.family for e in entries if e.where == "path") else EXIT_FAILED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``sgrt`` command; returns the exit status (0 ok, 1 a failed command, 2 bad
-    arguments, 130 interrupted)."""
+    """Run the ``sgrt`` command; returns the exit status (module docstring: 0 ok, 1 a failed
+    command, 2 bad arguments, 3 a cut constrained answer, 130 interrupted)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "models": cmd_models}
     if args.command not in commands:
         parser.print_help()
-        return 0 if args.command is None else 2
+        return EXIT_OK if args.command is None else EXIT_USAGE
     from sgrt.errors import SgrtError
 
     try:
         _setup_output(args)
         check_args(args)
     except SgrtError as exc:
-        print(f"sgrt: error: {_one_line(exc)}", file=sys.stderr)
-        return 2
+        print(f"sgrt: error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return commands[args.command](args)
     except SgrtError as exc:
-        print(f"sgrt: error: {_one_line(exc)}", file=sys.stderr)
-        return 1
+        print(f"sgrt: error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("sgrt: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
-def _one_line(exc: BaseException) -> str:
+# Lines of a multi-line message that only point into it: carets, or a source echo ("  1 | ...").
+_POINTER_LINE = re.compile(r"^\s*([\^~\-\s]+|\d+\s*\|.*)$")
+
+
+def one_line(exc: BaseException | str) -> str:
+    """An error message on one line: its lines joined (``"; "``, or a space after a colon),
+    pointer lines (carets, echoed source) left out; the exception's type when it has none."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    if not text:
+        return type(exc).__name__ if isinstance(exc, BaseException) else ""
+    out = ""
+    for line in text.splitlines():
+        line = " ".join(line.split())
+        if not line or _POINTER_LINE.match(line):
+            continue
+        out = line if not out else out + (" " if out.endswith(":") else "; ") + line
+    return out
 
 
 if __name__ == "__main__":

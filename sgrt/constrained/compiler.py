@@ -15,17 +15,16 @@ instance is refused here too (:mod:`~sgrt.constrained.satisfiable`).
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from pathlib import Path
 from typing import Any, Callable
 
 from sgrt.constrained import limits as _limits
 from sgrt.constrained.grammar import CompiledGrammar, Grammar
+from sgrt.constrained.lark_files import GRAMMARS_DIR, grammar_files, load_grammar_text  # noqa: F401 - re-exported
 from sgrt.constrained.limits import GrammarLimits
 from sgrt.constrained.options import GrammarOptions
 from sgrt.constrained.patterns import ends_with_lone_backslash
@@ -34,31 +33,6 @@ from sgrt.constrained.vocab import Vocab, build_vocab
 from sgrt.errors import GrammarError
 
 BACKENDS = ("llguidance", "outlines")
-GRAMMARS_DIR = Path(__file__).resolve().parents[2] / "grammars"
-_GRAMMAR_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-
-
-def grammar_files() -> list[str]:
-    """Names of the grammars shipped in ``grammars/`` (``["arithmetic", "json", ...]``)."""
-    return sorted(p.stem for p in GRAMMARS_DIR.glob("*.lark"))
-
-
-def load_grammar_text(grammar: str) -> str:
-    """``grammar`` itself if it is Lark text, else the text of ``grammars/<name>[.lark]``.
-
-    Raises:
-        GrammarError: (field ``grammar``) a bare name with no such file.
-    """
-    if not _GRAMMAR_NAME.match(grammar.strip()):
-        return grammar
-    name = grammar.strip()
-    stem = name[:-5] if name.endswith(".lark") else name
-    path = GRAMMARS_DIR / f"{stem}.lark"
-    if not path.is_file():
-        raise GrammarError(f"no grammar file {name!r} in grammars/ (have: {', '.join(grammar_files())})", field="grammar")
-    return path.read_text(encoding="utf-8")
-
-
 class GrammarCompiler:
     """Compiles the constraint of a ``SamplingParams`` into a per-request :class:`Grammar`.
 

@@ -20,13 +20,11 @@ import torch
 
 from sgrt.constrained.bitmask import row_view, set_bits
 from sgrt.constrained.grammar import CompiledGrammar, Grammar
-from sgrt.constrained.options import FLEXIBLE_WHITESPACE_MAX, GrammarOptions
+from sgrt.constrained.options import GrammarOptions, json_options  # noqa: F401 - json_options re-exported
 from sgrt.constrained.schema import PLAIN_ESCAPES_KEY
 from sgrt.constrained.unique_keys import KeyTracker, may_repeat_keys, quote_tokens
 from sgrt.constrained.vocab import Vocab
 from sgrt.errors import GrammarError
-
-_JSON_WS = r"[\x20\x0A\x0D\x09]"
 
 
 class _TokenizerBridge:
@@ -51,24 +49,6 @@ class _TokenizerBridge:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return self._encode(text)
-
-
-def json_options(options: GrammarOptions) -> dict[str, Any]:
-    """llguidance JSON compile options (the ``x-guidance`` keys) for our :class:`GrammarOptions`."""
-    opts: dict[str, Any] = {
-        "whitespace_flexible": False,
-        "item_separator": ",",
-        "key_separator": ":",
-        "coerce_one_of": False,
-        "lenient": False,
-        "json_allow_general_unicode_escapes": options.unicode_escapes,
-    }
-    if options.whitespace == "one_space":
-        opts["item_separator"] = ", ?"
-        opts["key_separator"] = ": ?"
-    elif options.whitespace == "flexible":
-        opts["whitespace_pattern"] = f"{_JSON_WS}{{1,{FLEXIBLE_WHITESPACE_MAX}}}"
-    return opts
 
 
 class LLGuidanceBackend:

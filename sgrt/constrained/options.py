@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from sgrt.errors import GrammarError
 
@@ -19,6 +20,7 @@ DEFAULT_MAX_FRACTION_DIGITS = 10
 # "flexible" whitespace: one run of at most this many JSON whitespace characters (a newline and
 # up to 19 spaces of indentation, enough for pretty-printed JSON nested 9 levels deep at 2).
 FLEXIBLE_WHITESPACE_MAX = 20
+_JSON_WS = r"[\x20\x0A\x0D\x09]"
 
 
 @dataclass(frozen=True)
@@ -88,3 +90,21 @@ class GrammarOptions:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi):
                 raise GrammarError(f"{name} must be None or an int in [1, {hi}], got {v!r}", field=name)
+
+
+def json_options(options: GrammarOptions) -> dict[str, Any]:
+    """llguidance JSON compile options (the ``x-guidance`` keys) for our :class:`GrammarOptions`."""
+    opts: dict[str, Any] = {
+        "whitespace_flexible": False,
+        "item_separator": ",",
+        "key_separator": ":",
+        "coerce_one_of": False,
+        "lenient": False,
+        "json_allow_general_unicode_escapes": options.unicode_escapes,
+    }
+    if options.whitespace == "one_space":
+        opts["item_separator"] = ", ?"
+        opts["key_separator"] = ": ?"
+    elif options.whitespace == "flexible":
+        opts["whitespace_pattern"] = f"{_JSON_WS}{{1,{FLEXIBLE_WHITESPACE_MAX}}}"
+    return opts

@@ -42,7 +42,7 @@ import ipaddress
 import logging
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, fields
 from typing import Any
 
@@ -71,12 +71,15 @@ DEFAULT_PORT = 8000
 
 
 def create_app(engine: EngineClient, *, model_name: str, auth_token: str | None = None,
-               limits: HttpLimits | None = None, **limit_fields: Any) -> Starlette:
+               limits: HttpLimits | None = None, model_aliases: Sequence[str] = (), **limit_fields: Any) -> Starlette:
     """The Starlette app of the HTTP API over ``engine``.
 
     Args:
         engine: a running :class:`~sgrt.engine.client.EngineClient` (not owned: the caller shuts it down).
-        model_name: the model id to report (any requested ``model`` is accepted).
+        model_name: the model id to report; a request's ``model`` must be it or one of
+            ``model_aliases`` (or absent), else 404 ``model_not_found`` (SGLang's native
+            ``/generate`` excepted: it ignores ``model``, as SGLang does).
+        model_aliases: other names the API answers to (``sgrt serve --served-model-name``).
         auth_token: when set, every endpoint but ``/health`` needs it (``Authorization: Bearer`` or ``x-api-key``).
         limits: an :class:`HttpLimits`; or pass its fields as keywords (``max_queue=32``).
 
@@ -93,7 +96,7 @@ def create_app(engine: EngineClient, *, model_name: str, auth_token: str | None 
         base = asdict(limits or HttpLimits())
         base.update(limit_fields)
         limits = HttpLimits(**base)
-    api = HttpApi(engine, model_name=model_name, auth_token=auth_token, limits=limits)
+    api = HttpApi(engine, model_name=model_name, auth_token=auth_token, limits=limits, model_aliases=model_aliases)
 
     def route(handler: Callable[[HttpApi, Request], Any], prompt_field: str) -> Callable[[Request], Any]:
         # Anthropic's Messages API answers errors in its own shape (the anthropic SDK reads it).
@@ -317,6 +320,7 @@ class HttpServer:
 
 async def serve_http(engine: EngineClient, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                      auth_token: str | None = None, *, model_name: str | None = None,
+                     model_aliases: Sequence[str] = (),
                      log_level: str = "warning", limits: HttpLimits | None = None,
                      sock: socket.socket | None = None, **limit_fields: Any) -> HttpServer:
     """Start the HTTP API on ``host:port`` (``port=0`` picks a free one) and return it running:
@@ -326,6 +330,7 @@ async def serve_http(engine: EngineClient, host: str = DEFAULT_HOST, port: int =
         engine: the :class:`sgrt.engine.Engine` (its owner shuts it down).
         auth_token: when set, requests need it (``Authorization: Bearer`` or ``x-api-key``).
         model_name: the model id to report (default: ``engine.info.model_name``).
+        model_aliases: other names a request's ``model`` may give (others: 404).
         limits, **limit_fields: :class:`HttpLimits` or its fields (``max_queue=...``).
         sock: a listening socket bound beforehand (``sgrt serve`` binds before loading the model).
 
@@ -336,6 +341,7 @@ async def serve_http(engine: EngineClient, host: str = DEFAULT_HOST, port: int =
         logger.warning("serving HTTP on %s without an auth token: anyone who can reach it can use the model",
                        host)
     app = create_app(engine, model_name=model_name or engine.info.model_name, auth_token=auth_token,
+                     model_aliases=model_aliases,
                      limits=limits, **limit_fields)
     if sock is None:
         from sgrt.server.sockets import bind_socket

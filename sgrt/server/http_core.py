@@ -54,18 +54,21 @@ class HttpApi:
     Args:
         engine: the :class:`~sgrt.engine.client.EngineClient` (its owner starts and shuts it
             down); sizes are read from its ``info``.
-        model_name: the model id reported by ``/v1/models`` and in responses. Requests may
-            name any model; it is not checked.
+        model_name: the model id reported by ``/v1/models`` and in responses.
+        model_aliases: other names a request's ``model`` may give; any other name is answered
+            404 ``model_not_found`` (as OpenAI and vLLM answer), no name at all is accepted;
+            SGLang's native ``/generate`` ignores ``model`` (what a router forwards, as SGLang does).
         auth_token: when set, requests need it (``Authorization: Bearer`` or ``x-api-key``).
         limits: :class:`HttpLimits`.
     """
 
     def __init__(self, engine: EngineClient, model_name: str, auth_token: str | None = None,
-                 limits: HttpLimits | None = None):
+                 limits: HttpLimits | None = None, model_aliases: Sequence[str] = ()):
         self.engine = engine
         self.info = engine.info
         self.tokenizer = self.info.tokenizer
         self.model_name = model_name
+        self.model_names = list(dict.fromkeys([model_name, *model_aliases]))
         self.auth_token = auth_token or None
         self.limits = limits or HttpLimits()
         self.renderer = oa.ChatRenderer(self.tokenizer)
@@ -95,6 +98,14 @@ class HttpApi:
         if not any(hmac.compare_digest(token.encode(), expected) for token in offered):
             raise ApiError(401, "missing or invalid API key: send Authorization: Bearer <token> or x-api-key: <token>",
                            param="authorization", code="invalid_api_key")
+
+    def check_model(self, model: Any) -> None:
+        """Raises ``ApiError(404, model_not_found)`` when ``model`` names none of
+        :attr:`model_names` (a missing or empty ``model`` passes)."""
+        if model is None or model == "" or model in self.model_names:
+            return
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                       f"{', '.join(repr(n) for n in self.model_names)}", param="model", code="model_not_found")
 
     def check_available(self) -> None:
         """Raises ``ApiError(503)`` when the engine is not running or the server is closing."""
@@ -162,10 +173,10 @@ class HttpApi:
         self.check_content_type(request, body)
         return body
 
-    async def decode(self, request: Request, kind: type) -> Any:
+    async def decode(self, request: Request, kind: type, check_model: bool = True) -> Any:
         """Origin, auth, Content-Type, availability, body, nesting depth and strict decoding into
-        ``kind``. Depth check and decoding run on a worker thread (a 4 MB body must not hold
-        the event loop)."""
+        ``kind``, then (``check_model``) the body's ``model`` against :attr:`model_names`. Depth
+        check and decoding run on a worker thread (a 4 MB body must not hold the event loop)."""
         body = await self.request_body(request)
         self.check_available()
         _heavy_request.set(len(body) > HEAVY_BODY_BYTES)
@@ -180,7 +191,10 @@ class HttpApi:
             except RecursionError:  # NOTE: only when max_json_depth is set above msgspec's own bound
                 raise InvalidRequest("the request body nests too deeply", field="body") from None
 
-        return await self.offload(parse)
+        req = await self.offload(parse)
+        if check_model:
+            self.check_model(getattr(req, "model", None))
+        return req
 
     async def offload(self, fn: Any, *args: Any) -> Any:
         """Run CPU work (parsing, chat-template rendering, tokenizing a long prompt) on a worker
@@ -295,10 +309,11 @@ class HttpApi:
         return self.info.context_room
 
     # ---- models, health -----------------------------------------------------------------------
-    def model_card(self) -> op.ModelCard:
+    def model_card(self, name: str | None = None) -> op.ModelCard:
+        """The card of ``name`` (default: the reported model name)."""
         bos = self.bos_id
         return op.ModelCard(
-            id=self.model_name, created=self.created, max_model_len=self.info.context_length,
+            id=name or self.model_name, created=self.created, max_model_len=self.info.context_length,
             sgrt={"version": sgrt.__version__, "native": list(NATIVE_ENDPOINTS),
                   "context_length": self.info.context_length, "max_total_tokens": self.info.max_total_tokens,
                   "bos_token": None if bos is None else self.tokenizer.decode([bos], skip_special_tokens=False),
@@ -306,7 +321,7 @@ class HttpApi:
 
     async def models(self, request: Request) -> Response:
         self.check_auth(request)
-        return json_response(op.ModelList(data=[self.model_card()]))
+        return json_response(op.ModelList(data=[self.model_card(n) for n in self.model_names]))
 
     async def health(self, request: Request) -> Response:
         if self.closing or not engine_alive(self.engine):

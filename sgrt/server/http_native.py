@@ -181,7 +181,9 @@ def meta_info(api: HttpApi, result: Result, params: SamplingParams, with_text: b
 
 
 async def generate(api: HttpApi, request: Request) -> Any:
-    req: op.GenerateRequest = await api.decode(request, op.GenerateRequest)
+    # NOTE: no model check: an SGLang router forwards its client's model name, which SGLang's
+    # /generate ignores (sglang_fields.IGNORED_GENERATE_FIELDS); the OpenAI routes check it.
+    req: op.GenerateRequest = await api.decode(request, op.GenerateRequest, check_model=False)
     sglang.check_generate_fields({name: getattr(req, name) for name in (
         *sglang.IGNORED_GENERATE_FIELDS, *sglang.REFUSED_GENERATE_FIELDS)})
     prompts, is_batch, params = await api.offload(_prepare, req, api)

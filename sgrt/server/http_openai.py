@@ -122,14 +122,12 @@ async def _chat_events(api: HttpApi, rid: str, primed: list[tuple[StreamChunk, A
 
 
 async def model_by_id(api: HttpApi, request: Request) -> Any:
-    """``GET /v1/models/{model}``: the model's card when ``model`` is the served id, else 404
+    """``GET /v1/models/{model}``: the model's card when ``model`` is a served name, else 404
     (as OpenAI answers an unknown model)."""
     api.check_auth(request)
     model_id = request.path_params["model_id"]
-    if model_id != api.model_name:
-        raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {api.model_name!r}",
-                       param="model", code="model_not_found")
-    return json_response(api.model_card())
+    api.check_model(model_id)  # (a path segment is never empty)
+    return json_response(api.model_card(model_id))
 
 
 # ==== text completions ============================================================================

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -171,6 +172,7 @@ def limits_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
 def run_server(engine: EngineClient, host: str = "127.0.0.1", port: int = 8765, http_port: int | None = 8000,
                programs_dir: str | Path | None = None, auth_token: str | None = None,
                model_name: str | None = None, http_limits: Any = None, ws_limits: Any = None,
+               model_aliases: Sequence[str] = (),
                listeners: Listeners | None = None) -> None:
     """Serve sessions on ``ws://host:port`` and, unless ``http_port`` is None, the HTTP API on
     ``http://host:http_port/v1``, until interrupted (Ctrl-C).
@@ -179,6 +181,8 @@ def run_server(engine: EngineClient, host: str = "127.0.0.1", port: int = 8765, 
     their first message and HTTP clients as ``Authorization: Bearer <token>`` (or ``x-api-key: <token>``). ``listeners``:
     sockets bound beforehand (:func:`bind_listeners`); otherwise they are bound here.
     ``http_limits`` / ``ws_limits``: :class:`HttpLimits` / :class:`WsLimits` (defaults there).
+    ``model_name`` / ``model_aliases``: the names the HTTP API reports and answers to (a request
+    naming another model: 404 ``model_not_found``).
 
     Raises:
         OSError: a port is in use or cannot be bound.
@@ -198,6 +202,7 @@ def run_server(engine: EngineClient, host: str = "127.0.0.1", port: int = 8765, 
         try:
             if listeners.http is not None:
                 http = await serve_http(engine, host, http_port, auth_token=auth_token, model_name=model_name,
+                                        model_aliases=model_aliases,
                                         limits=http_limits, sock=listeners.http)
                 servers.append(http)
                 print(f"sgrt: OpenAI-compatible API on {http.url}/v1", flush=True)

@@ -258,7 +258,7 @@ def tool_params(chain: dict) -> dict:
 
 
 def _chat(schema_holder: dict) -> dict:
-    return {"model": "default", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **schema_holder}
+    return {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **schema_holder}
 
 
 def _tool(schema: dict) -> dict:

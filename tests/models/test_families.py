@@ -249,7 +249,7 @@ def test_sgrt_models_lists_each_family_folder(checkpoints, tmp_path, monkeypatch
     # Only loadable paths: status 0 (in this process, with the default/packaged/cached GGUFs
     # out of the listing, which the process above covered).
     monkeypatch.setattr(sgrt.models.catalog, "default_gguf_path", lambda: None)
-    monkeypatch.setattr(sgrt.models.catalog, "packaged_gguf", lambda name: None)
+    monkeypatch.setattr(sgrt.models.catalog, "packaged_gguf", lambda name, verify=True: None)
     monkeypatch.setenv("SGRT_CACHE_DIR", str(tmp_path / "empty-cache"))
     capsys.readouterr()
     assert main(["models", *folders]) == 0

@@ -36,8 +36,8 @@ STORE_BYTES = 40_000
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    proc = ServeProcess([
-        "--auth-token", TOKEN, "--programs", str(REPO / "programs"), "--max-connections", str(MAX_CONNECTIONS),
+    proc = ServeProcess([  # (the requests below name their model "m")
+        "--served-model-name", "m", "--auth-token", TOKEN, "--programs", str(REPO / "programs"), "--max-connections", str(MAX_CONNECTIONS),
         "--auth-timeout", "1", "--write-timeout", str(WRITE_TIMEOUT), "--header-timeout", "5", "--max-queue", "32",
         "--max-tokens-limit", "64", "--ws-max-tokens-per-turn", "64", "--max-store-bytes", str(STORE_BYTES),
         *[a for k, v in LIMITS.items() for a in (f"--{k.replace('_', '-')}", str(v))]], log)
