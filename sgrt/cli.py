@@ -121,17 +121,9 @@ def _version() -> str:
     return f"sgrt {__version__}"
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _model_args(p: argparse.ArgumentParser) -> None:
+    from sgrt.server.serve import positive_int  # (light: argparse and sockets only)
+
     p.add_argument("-m", "--model", default="smollm2-135m-instruct",
                    help="a model name (smollm2-135m-instruct, gemma3-270m-q4-k-m), a .gguf file or a local "
                         "HF folder of a supported family (see `sgrt models`)")
@@ -149,7 +141,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    metavar="N", help="the context window: KV pool size in tokens (all requests' prompt + output at "
                                      "once); unset: from memory, 4 GiB of K/V or a quarter of the memory available, "
                                      "whichever is less")
-    p.add_argument("-t", "--threads", type=_positive_int, default=None, metavar="N",
+    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N",
                    help="CPU threads a step uses at most (None: torch's default, one per core)")
     _output_args(p)
     _grammar_limit_args(p)

@@ -49,7 +49,8 @@ def bind_listeners(host: str, port: int, http_port: int | None) -> Listeners:
     return Listeners(ws, http)
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (``ArgumentTypeError`` otherwise)."""
     try:
         value = int(text)
     except ValueError:
@@ -86,26 +87,26 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
 
     h, w = HttpLimits(), WsLimits()
     g = p.add_argument_group("server limits")
-    g.add_argument("--default-max-tokens", type=_positive_int, default=None,
+    g.add_argument("--default-max-tokens", type=positive_int, default=None,
                    help="max_tokens of an HTTP request that sets none (default: the rest of the context "
                         f"window); WebSocket turns use --ws-default-max-tokens")
-    g.add_argument("--max-tokens-limit", type=_positive_int, default=None,
+    g.add_argument("--max-tokens-limit", type=positive_int, default=None,
                    help="ceiling on any HTTP request's max_tokens (default: the context window)")
-    g.add_argument("--ws-default-max-tokens", type=_positive_int, default=w.default_max_tokens,
+    g.add_argument("--ws-default-max-tokens", type=positive_int, default=w.default_max_tokens,
                    help="max_tokens of a WebSocket turn that sets none (default: %(default)s)")
-    g.add_argument("--ws-max-tokens-per-turn", type=_positive_int, default=w.max_tokens_per_turn,
+    g.add_argument("--ws-max-tokens-per-turn", type=positive_int, default=w.max_tokens_per_turn,
                    help="ceiling on a WebSocket turn's (or a program gen's) max_tokens (default: %(default)s)")
-    g.add_argument("--max-body-bytes", type=_positive_int, default=h.max_body_bytes,
+    g.add_argument("--max-body-bytes", type=positive_int, default=h.max_body_bytes,
                    help="largest HTTP request body, bytes; larger: 413 (default: %(default)s)")
-    g.add_argument("--max-message-bytes", type=_positive_int, default=w.max_message_bytes,
+    g.add_argument("--max-message-bytes", type=positive_int, default=w.max_message_bytes,
                    help="largest WebSocket frame, bytes (default: %(default)s)")
-    g.add_argument("--max-json-depth", type=_positive_int, default=h.max_json_depth,
+    g.add_argument("--max-json-depth", type=positive_int, default=h.max_json_depth,
                    help="deepest nesting of arrays/objects in a body or frame (default: %(default)s)")
-    g.add_argument("--max-queue", type=_positive_int, default=h.max_queue,
+    g.add_argument("--max-queue", type=positive_int, default=h.max_queue,
                    help="HTTP engine requests in flight; more: 429 (default: %(default)s)")
-    g.add_argument("--max-sessions", type=_positive_int, default=w.max_sessions,
+    g.add_argument("--max-sessions", type=positive_int, default=w.max_sessions,
                    help="open WebSocket sessions, whole server (default: %(default)s)")
-    g.add_argument("--max-connections", type=_positive_int, default=h.max_connections,
+    g.add_argument("--max-connections", type=positive_int, default=h.max_connections,
                    help="open connections per server (HTTP and WebSocket each); past it a new connection "
                         "closes the oldest one not yet authenticated (HTTP: waiting for a request's headers), "
                         "and is refused only when there is none (default: %(default)s)")
@@ -115,21 +116,21 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--write-timeout", type=_positive_float, default=h.write_timeout_s, metavar="SECONDS",
                    help="a client that reads nothing this long while the server has data for it is "
                         "disconnected and its requests aborted (default: %(default)s)")
-    g.add_argument("--max-stop", type=_positive_int, default=h.max_stop,
+    g.add_argument("--max-stop", type=positive_int, default=h.max_stop,
                    help="stop strings of one request (default: %(default)s)")
-    g.add_argument("--max-stop-chars", type=_positive_int, default=h.max_stop_chars,
+    g.add_argument("--max-stop-chars", type=positive_int, default=h.max_stop_chars,
                    help="characters of a request's stop strings together (default: %(default)s)")
-    g.add_argument("--max-stop-token-ids", type=_positive_int, default=h.max_stop_token_ids,
+    g.add_argument("--max-stop-token-ids", type=positive_int, default=h.max_stop_token_ids,
                    help="stop_token_ids of one HTTP request (default: %(default)s)")
-    g.add_argument("--max-logit-bias", type=_positive_int, default=h.max_logit_bias,
+    g.add_argument("--max-logit-bias", type=positive_int, default=h.max_logit_bias,
                    help="logit_bias entries of one HTTP request (default: %(default)s)")
-    g.add_argument("--max-messages", type=_positive_int, default=h.max_messages,
+    g.add_argument("--max-messages", type=positive_int, default=h.max_messages,
                    help="messages (or Responses input items, a stored conversation included) of one HTTP "
                         "request (default: %(default)s)")
-    g.add_argument("--max-tools", type=_positive_int, default=None,
+    g.add_argument("--max-tools", type=positive_int, default=None,
                    help=f"tools of one request or session (default: {h.max_tools} for HTTP, {w.max_tools} "
                         "for WebSocket sessions)")
-    g.add_argument("--max-store-bytes", type=_positive_int, default=h.max_store_bytes,
+    g.add_argument("--max-store-bytes", type=positive_int, default=h.max_store_bytes,
                    help="bytes of stored responses (the Responses API's store=true), least recently used "
                         "dropped first (default: %(default)s)")
     g.add_argument("--header-timeout", type=_positive_float, default=h.header_timeout_s, metavar="SECONDS",
