@@ -258,10 +258,20 @@ def test_half_open_and_slow_connections_are_closed(http_engine):
 def test_connection_cap(http_engine):
     from sgrt.server.http_api import HttpServerThread
 
-    with HttpServerThread(http_engine, model_name=MODEL_NAME, max_connections=3, header_timeout_s=30) as srv:
+    # At the cap a new connection closes the one that has waited longest for a request's headers
+    # (here the first idle one) and is served itself: idle sockets cannot lock clients out.
+    # (header_timeout_s far above the socket timeouts: no closing by the header timer here.)
+    with HttpServerThread(http_engine, model_name=MODEL_NAME, max_connections=3, header_timeout_s=600) as srv:
         held = [_open(srv.url) for _ in range(3)]
+        for s in held:  # each connection accepted (and timed) before the next
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
         extra = _open(srv.url)
-        assert _closed_by_server(extra)
+        assert _closed_by_server(held[0])
+        extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert extra.recv(65536).startswith(b"HTTP/1.1 200")
+        held[1].settimeout(0.5)
+        assert not _closed_by_server(held[1])  # one eviction per new connection, not more
         for s in held:
             s.close()
         extra.close()
