@@ -124,8 +124,17 @@ def stream(url: str, local: threading.local, path: str, body: dict) -> dict:
     body = {"model": MODEL, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, **body}  # (greedy, fixed lengths, usage at the end)
     t0 = time.perf_counter()
-    conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
-    resp = conn.getresponse()
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+    except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+        # llama.cpp's server closes a keep-alive connection after a streamed response without saying
+        # so; like a pooled client (httpx, the openai SDK), open a new connection and send it again.
+        conn.close()
+        conn = local.conn = http.client.HTTPConnection(host, int(port), timeout=900)
+        t0 = time.perf_counter()
+        conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
+        resp = conn.getresponse()
     if resp.status != 200:
         return {"error": f"HTTP {resp.status}: {resp.read()[:300]!r}"}
     ttft, last, tokens, chunks, text = None, None, 0, 0, []
