@@ -49,6 +49,7 @@ import torch
 
 from sgrt.errors import ModelLoadError
 from sgrt.models.checkpoint import GGUFFile, gguf_hf_config
+from sgrt.models.tokenizer_snapshot import SNAPSHOT_DIR
 from sgrt.models.weight_files import TensorEntry, gguf_tensor_table
 from sgrt.paths import cache_root
 
@@ -211,7 +212,7 @@ def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None 
                 raise ModelLoadError(_child_error(proc, spec, gguf_path))
             relax_permissions(tmp)
             if final.is_dir():  # (a damaged entry: its stores stay)
-                _replace_parts(tmp, final, (TOKENIZER_DIR, SOURCE_FILE), spec)
+                _replace_parts(tmp, final, (TOKENIZER_DIR, SNAPSHOT_DIR, SOURCE_FILE), spec)
                 return final, True
             return final, publish_folder(tmp, final, SOURCE_FILE)
     except ModelLoadError as e:
@@ -230,6 +231,8 @@ def _replace_parts(tmp: Path, final: Path, parts: tuple[str, ...], spec: str) ->
     ``final``'s (a folder is swapped by two renames; another process's fresh one is kept)."""
     for part in parts:
         src, dst = tmp / part, final / part
+        if not os.path.lexists(src):  # (a part the child could not write: the tokenizer snapshot)
+            continue
         if not src.is_dir():
             os.replace(src, dst)
             continue
@@ -330,6 +333,17 @@ def build_gguf_source(gguf_path: Path, out: Path, spec: str) -> None:
         "hf_config": hf_cfg, "facts": {k: facts.get(k) for k in ("pre", "add_bos_token")},
         "tensors": [e.to_json() for e in table.values()],
     }))
+    _write_tokenizer_snapshot(tok, out / SNAPSHOT_DIR)
+
+
+def _write_tokenizer_snapshot(folder: Path, out: Path) -> None:
+    """Load the tokenizer just written to ``folder`` as a load would (transformers) and keep it in
+    ``out`` (:mod:`sgrt.models.tokenizer_snapshot`), so that loads read it without transformers."""
+    from transformers import AutoTokenizer
+
+    from sgrt.models.tokenizer_snapshot import write_snapshot
+
+    write_snapshot(AutoTokenizer.from_pretrained(str(folder), local_files_only=True), folder, out)
 
 
 def read_gguf_source(entry: Path, gguf_path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry]]:

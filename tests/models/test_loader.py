@@ -69,7 +69,7 @@ def test_gguf_path_packs_once_then_maps_the_store(tmp_path: Path, loaded_model: 
     del cold
     entries = list((tmp_path / "gguf").iterdir())
     assert len(entries) == 1, entries  # no temporary folders left behind
-    assert sorted(p.name for p in entries[0].iterdir()) == ["float32-none-plain-v1", "source.json", "tokenizer"]
+    assert sorted(p.name for p in entries[0].iterdir()) == ["float32-none-plain-v1", "source.json", "tokenizer", "tokenizer-snapshot"]
     before = _stats(store)
 
     warm = load_model(gguf_path, cache_dir=tmp_path)
