@@ -217,17 +217,17 @@ def _checkpoint(kind: str, src: Path, spec: str, cache_dir: str | Path | None) -
     config = read_hf_config(src, spec)
     files = safetensors_files(src, spec)
     hf_cfg = json.loads((src / "config.json").read_text())
-    entry = cache_root(cache_dir) / "hf" / f"{src.name}-{_hf_key(src, files)}"
+    entry = cache_root(cache_dir) / "hf" / f"{src.name}-{_hf_key(src, files, cache_dir)}"
     return _Checkpoint(kind, src, config, hf_cfg, safetensors_table(files, spec), src, entry)
 
 
-def _hf_key(folder: Path, files: list[Path]) -> str:
+def _hf_key(folder: Path, files: list[Path], cache_dir: str | Path | None = None) -> str:
     """A digest of an HF folder's config and weight files (each by :func:`gguf_cache_key`'s
-    rule: whole up to its size limit, else size and samples)."""
+    rule: whole up to its size limit, else size and samples; kept beside its ``stat``)."""
     h = hashlib.sha256(f"sgrt-hf-v{CONVERTER_VERSION}:".encode())
     h.update((folder / "config.json").read_bytes())
     for f in files:
-        h.update(f"{f.name}:{gguf_cache_key(f)}".encode())
+        h.update(f"{f.name}:{gguf_cache_key(f, cache_dir)}".encode())
     return h.hexdigest()[:16]
 
 

@@ -132,6 +132,32 @@ def test_cache_key_follows_the_contents(tmp_path: Path):
     assert loader.gguf_cache_key(a) != loader.gguf_cache_key(b)  # one bit in the middle
 
 
+def test_cache_key_is_kept_beside_the_files_stat(tmp_path: Path, monkeypatch):
+    """A warm load does not hash the file again; a write to it (same size, its mtime put back)
+    changes its ctime, and it is hashed again."""
+    from sgrt.models import gguf_convert
+
+    a = tmp_path / "a.gguf"
+    a.write_bytes(os.urandom(3 << 20))
+    cache = tmp_path / "cache"
+    key = gguf_convert.gguf_cache_key(a, cache)
+    hashed = []
+    real = gguf_convert._content_key
+    monkeypatch.setattr(gguf_convert, "_content_key", lambda p, n: hashed.append(p) or real(p, n))
+    assert gguf_convert.gguf_cache_key(a, cache) == key and not hashed
+    st = a.stat()
+    data = bytearray(a.read_bytes())
+    data[len(data) // 2] ^= 1
+    a.write_bytes(bytes(data))
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert gguf_convert.gguf_cache_key(a, cache) != key and hashed == [a]
+    (cache / "keys").chmod(0o500)  # (a read-only cache: hashed every time, no error)
+    try:
+        assert gguf_convert.gguf_cache_key(a, cache) == real(a, a.stat().st_size)
+    finally:
+        (cache / "keys").chmod(0o700)
+
+
 def test_publish_keeps_the_first_of_two_racing_conversions(tmp_path: Path):
     final = tmp_path / "entry"
     final.mkdir()
