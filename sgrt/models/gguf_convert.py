@@ -328,8 +328,10 @@ def _child_error(proc: subprocess.CompletedProcess, spec: str, gguf_path: Path) 
 
 def read_gguf_metadata(gguf_path: Path, spec: str) -> tuple[dict[str, Any], dict[str, Any],
                                                              dict[str, TensorEntry], int]:
-    """One parse of ``gguf_path``: its HF-style config, tokenizer facts, tensor table, and the
-    bytes before its tensor data (the metadata, hashed into the entry).
+    """One read of ``gguf_path``'s metadata and tensor descriptions (its arrays stepped over:
+    :mod:`sgrt.models.gguf_layout`; ``gguf.GGUFReader`` where that reader leaves the file): its
+    HF-style config, tokenizer facts, tensor table, and the bytes before its tensor data (the
+    metadata, hashed into the entry).
 
     Raises:
         ModelLoadError: a file that is not a whole GGUF (what is wrong: :func:`~sgrt.models.
@@ -337,13 +339,21 @@ def read_gguf_metadata(gguf_path: Path, spec: str) -> tuple[dict[str, Any], dict
             tensor no family has or sgrt cannot read (names it).
     """
     from sgrt.models.checkpoint import family_config
+    from sgrt.models.gguf_layout import NotReadHere, read_layout
 
-    reader = GGUFFile(gguf_path, spec).reader()
-    hf_cfg, family, facts = gguf_hf_config(reader, spec)
-    family_config(family, hf_cfg, spec, f"the GGUF metadata of {gguf_path}")  # (refuses what it cannot take, now)
-    table = gguf_tensor_table(reader, family, gguf_path, spec, GGUF_ROPE_TENSORS)
-    head = int(getattr(reader, "data_offset", 0) or min((e.offset for e in table.values()), default=0))
-    return hf_cfg, facts, table, head
+    def parse(reader: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, TensorEntry], int]:
+        hf_cfg, family, facts = gguf_hf_config(reader, spec)
+        family_config(family, hf_cfg, spec, f"the GGUF metadata of {gguf_path}")  # (refuses what it cannot take, now)
+        table = gguf_tensor_table(reader, family, gguf_path, spec, GGUF_ROPE_TENSORS)
+        head = int(getattr(reader, "data_offset", 0) or min((e.offset for e in table.values()), default=0))
+        return hf_cfg, facts, table, head
+
+    # NOTE: the arrays (the vocabulary) are not parsed here: transformers parses them for the
+    # tokenizer. What the layout reader leaves (a big-endian file, a damaged one) goes to gguf's.
+    try:
+        return parse(read_layout(gguf_path))
+    except NotReadHere:
+        return parse(GGUFFile(gguf_path, spec).reader())
 
 
 def build_gguf_source(gguf_path: Path, out: Path, spec: str) -> None:
