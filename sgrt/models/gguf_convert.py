@@ -92,37 +92,21 @@ def gguf_cache_key(path: Path, cache_dir: str | Path | None = None) -> str:
     file's entry also holds a hash of the file's whole metadata, checked on every load
     (:func:`entry_problem`: an in-place metadata edit, ``gguf-set-metadata``, is seen).
 
-    The digest is kept under the cache root (``keys/``, :func:`_key_memo`) beside the file's
-    ``stat`` (path, size, mtime, ctime, inode, device): a later call on the file as it was reads it
-    back instead of hashing again (0.2 s for the default model's 100 MB, 0.5 s for 250 MB on a
+    The digest is kept under the cache root (``keys/``, :mod:`sgrt.models.file_stamps`) beside the
+    file's ``stat`` (path, size, mtime, ctime, inode, device): a later call on the file as it was
+    reads it back instead of hashing again (0.2 s for the default model's 100 MB, 0.5 s for 250 MB on a
     busy core). Any write to the file changes its ctime, so it is hashed again.
     """
-    st = path.stat()
-    memo = _key_memo(path, cache_dir)
-    stamp = [str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev,
-             CONVERTER_VERSION, FULL_HASH_MAX_BYTES, SAMPLE_BYTES]
-    try:
-        kept = json.loads(memo.read_text())
-        if kept.get("stamp") == stamp and isinstance(kept.get("key"), str):
-            return kept["key"]
-    except (OSError, ValueError, AttributeError):
-        pass
-    key = _content_key(path, st.st_size)
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_name(f".tmp-{memo.name}-{uuid.uuid4().hex[:8]}")
-        tmp.write_text(json.dumps({"stamp": stamp, "key": key}))
-        os.replace(tmp, memo)
-    except OSError:  # (a read-only cache: hashed again next time)
-        pass
+    from sgrt.models.file_stamps import memo_path, read_memo, stat_stamp, write_memo
+
+    stamp = stat_stamp(path) + [CONVERTER_VERSION, FULL_HASH_MAX_BYTES, SAMPLE_BYTES]
+    memo = memo_path(stamp[0], cache_dir)
+    key = read_memo(memo, stamp)
+    if isinstance(key, str):
+        return key
+    key = _content_key(path, stamp[1])
+    write_memo(memo, stamp, key)  # (a read-only cache: hashed again next time)
     return key
-
-
-def _key_memo(path: Path, cache_dir: str | Path | None) -> Path:
-    """Where :func:`gguf_cache_key` keeps ``path``'s digest: ``<cache root>/keys/<hash of the
-    path>.json``."""
-    name = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24]
-    return cache_root(cache_dir) / "keys" / f"{name}.json"
 
 
 def _content_key(path: Path, size: int) -> str:

@@ -363,3 +363,28 @@ def test_rotary_tables_start_short_and_grow_to_the_full_ones(loaded_model: Loade
         assert eng.model.rotary.rows == 8192 and len(r.token_ids) == 3
         expected = eng.model.forward_simple(torch.tensor(r.prompt_token_ids + r.token_ids[:2]))[-1].argmax()
         assert r.token_ids[2] == int(expected)
+
+
+def test_packaged_gguf_is_verified_once_while_its_files_stay(tmp_path: Path, monkeypatch):
+    """A packaged GGUF's sha256 check (the package's ``assemble``) runs on the first load, not on
+    later ones; a chunk or the file written since is checked again."""
+    import sys
+    import types
+
+    from sgrt.models import specs
+
+    target, chunk = tmp_path / "model.gguf", tmp_path / "chunk.bin"
+    chunk.write_bytes(b"x" * 64)
+    target.write_bytes(b"x" * 64)
+    calls = []
+    pkg = types.ModuleType(specs._GEMMA3_PACKAGE)
+    pkg.default_output_path = lambda: target
+    pkg.chunk_paths = lambda: [chunk]
+    pkg.assemble = lambda: calls.append(1) or target
+    monkeypatch.setitem(sys.modules, specs._GEMMA3_PACKAGE, pkg)
+    monkeypatch.setenv("SGRT_CACHE_DIR", str(tmp_path / "cache"))
+    assert specs.packaged_gguf(specs.GEMMA3_270M) == target and len(calls) == 1
+    assert specs.packaged_gguf(specs.GEMMA3_270M) == target and len(calls) == 1
+    chunk.write_bytes(b"y" * 64)
+    assert specs.packaged_gguf(specs.GEMMA3_270M) == target and len(calls) == 2
+    assert specs.packaged_gguf(specs.GEMMA3_270M) == target and len(calls) == 2
