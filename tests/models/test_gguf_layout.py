@@ -104,3 +104,24 @@ def test_what_it_does_not_take_goes_to_gguf(tmp_path):
     head.write_bytes(path.read_bytes()[:200])
     with pytest.raises(NotReadHere):
         read_layout(head)
+
+
+def test_gguf_reader_over_a_plain_map_reads_the_same_fields(tmp_path):
+    """The entry's child parses for transformers with gguf's reader over a plain ndarray view of
+    its map (``_plain_gguf_maps``): every field's parts and every tensor are the same."""
+    import gguf
+
+    path = write_gguf(tmp_path / "q.gguf", Shape("qwen2", 1, 256, 512, 4, 2, context=512, qkv_bias=True), Q4_K_M)
+    a = gguf.GGUFReader(str(path))
+    with gguf_convert._plain_gguf_maps():
+        b = gguf.GGUFReader(str(path))
+    assert type(b.data) is np.ndarray and isinstance(a.data, np.memmap)
+    assert list(a.fields) == list(b.fields)
+    for key, fa in a.fields.items():
+        fb = b.fields[key]
+        assert fa.types == fb.types and fa.data == fb.data and fa.contents() == fb.contents(), key
+        assert all(np.array_equal(x, y) for x, y in zip(fa.parts, fb.parts)), key
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert (ta.name, ta.tensor_type, ta.data_offset) == (tb.name, tb.tensor_type, tb.data_offset)
+        assert np.array_equal(ta.data, tb.data)
+    assert gguf.gguf_reader.np is np
