@@ -196,3 +196,23 @@ def test_warm_tokenizer_load_imports_no_transformers(tokenizer):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_grammar_vocab_of_the_snapshot_is_the_transformers_one(tokenizer):
+    """``build_vocab`` reads a snapshot tokenizer's own facts (no transformers): the same bytes,
+    EOS order, special ids and encoding as it reads through transformers' tokenizer."""
+    import types
+
+    from sgrt.constrained.vocab import build_vocab
+    from sgrt.models import load_tokenizer
+
+    snap = load_tokenizer("smollm2-135m-instruct")
+    truth = Tokenizer.from_folder(snap._hf_folder)
+    old_style = types.SimpleNamespace(hf=truth.hf, all_token_bytes=truth.all_token_bytes,
+                                      special_token_ids=truth.special_token_ids, eos_token_ids=set(snap.eos_token_ids))
+    a, b = build_vocab(snap, 49216), build_vocab(old_style, 49216)
+    assert (a.token_bytes, a.vocab_size, a.n_tokenizer, a.eos_token_ids, a.special_token_ids) == \
+        (b.token_bytes, b.vocab_size, b.n_tokenizer, b.eos_token_ids, b.special_token_ids)
+    for text in PROBE_TEXTS:
+        assert a.encode(text) == b.encode(text)
+    assert snap._hf is None
