@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 from importlib.util import find_spec
 from pathlib import Path
@@ -115,7 +116,7 @@ def _encodes_alike(hf: Any, pipeline: Any, texts: list[str]) -> bool:
 def _decodes_alike(hf: Any, pipeline: Any, texts: list[str], vocab_size: int) -> bool:
     rows = [hf.encode(t, add_special_tokens=False) for t in texts]
     rows.append(list(range(0, vocab_size, max(1, vocab_size // 4096))))
-    rows.append([i for i in range(min(vocab_size, 512))])
+    rows.append(list(range(min(vocab_size, 512))))
     for ids in rows:
         for skip in (False, True):
             if hf.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False) != \
@@ -174,8 +175,6 @@ def write_snapshot(hf: Any, source: Path, out: Path) -> bool:
             os.rename(tmp, out)
         finally:
             if tmp.exists():
-                import shutil
-
                 shutil.rmtree(tmp, ignore_errors=True)
     except Exception as e:  # (OSError, or ModelLoadError from set_aside on a read-only cache)
         logger.info("tokenizer of %s not kept in %s: %s", source, out, e)

@@ -55,7 +55,8 @@ def _small(path: Path, arch: str, tensors: dict[str, np.ndarray], extra: dict | 
 def test_bench_shapes_read_alike(tmp_path):
     """Llama and Qwen2 shapes, every block type the packer meets, SmolLM2's vocabulary."""
     for name, shape, types in [
-        ("llama", Shape("llama", 2, 256, 512, 4, 2, context=512), Types("Q4_1", {"attn_v": "Q8_0", "ffn_down": "Q6_K"})),
+        ("llama", Shape("llama", 2, 256, 512, 4, 2, context=512),
+         Types("Q4_1", {"attn_v": "Q8_0", "ffn_down": "Q6_K"})),
         ("qwen2", Shape("qwen2", 2, 256, 512, 4, 2, context=512, tied=False, qkv_bias=True), Q4_K_M),
     ]:
         path = write_gguf(tmp_path / f"{name}.gguf", shape, types)
