@@ -26,6 +26,11 @@ file; warm load <= 2x llama.cpp's, cold <= 5x; decode >= 1.5x llama.cpp's; the 8
 decodes here. Run on a quiet machine:
 
     python bench/model_memory.py [--models llama-1b,qwen2-1.5b,hf-llama-1b,llama-8b] [--rounds 2]
+
+``--base DIR`` (a checkout of another commit, e.g. ``git worktree add DIR <rev>``) alternates that
+sgrt's cold and warm loads with this one's, each cold load after deleting the entry, and prints
+both: a before / after in one invocation, with each load's CPU seconds (the process's and its
+children's user + system time to ready: less moved than wall time by other work on the machine).
 """
 from __future__ import annotations
 
@@ -65,11 +70,14 @@ torch.set_num_threads(int(sys.argv[4]))
 eng = Engine(model=sys.argv[2], dtype="bfloat16", quantization="int4", max_total_tokens=int(sys.argv[3]))
 lm = eng.loaded
 ready = time.time() - t0
+import resource
+cpu = sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+          for f in ("ru_utime", "ru_stime"))
 rates = []
 for _ in range(2):
     r = eng.generate(sys.argv[5], SamplingParams(max_tokens=int(sys.argv[6]), temperature=0, ignore_eos=True))
     rates.append((r.completion_tokens - 1) / (r.total_time - r.ttft))
-print(json.dumps({"load_s": ready, "peak": status("VmHWM"), "decode": max(rates), "converted": lm.converted,
+print(json.dumps({"load_s": ready, "load_cpu_s": cpu, "peak": status("VmHWM"), "decode": max(rates), "converted": lm.converted,
                   "weights": lm.weight_bytes, "kv": eng.pool.k.numel() * eng.pool.k.element_size() * 2,
                   "store": str(lm.path), "describe": eng.describe()}))
 eng.shutdown()
@@ -110,11 +118,15 @@ def tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def sgrt_run(path: Path, args: argparse.Namespace) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+def sgrt_run(path: Path, args: argparse.Namespace, root: Path | None = None) -> dict:
+    """One load and decode of ``path`` in a fresh process, of the sgrt in ``root`` (default this
+    checkout's)."""
+    root = root or Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root))
     cmd = [sys.executable, "-c", _SGRT_CHILD, str(time.time()), str(path), str(args.ctx), str(args.threads),
            PROMPT, str(args.tokens)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    # (run in the root: ``python -c`` puts the working folder before PYTHONPATH)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600, cwd=root)
     if proc.returncode != 0:
         raise RuntimeError(f"sgrt on {path}: {proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -144,6 +156,13 @@ def sgrt_entry(path: Path) -> Path:
     return gguf_entry(path)
 
 
+def _delete_entry(path: Path) -> None:
+    """Delete sgrt's cache entry of ``path`` (a cold load next)."""
+    entry = sgrt_entry(path)
+    if entry.exists():
+        shutil.rmtree(entry)
+
+
 def measure(name: str, args: argparse.Namespace) -> dict:
     from sgrt.models import load_tokenizer
 
@@ -151,14 +170,18 @@ def measure(name: str, args: argparse.Namespace) -> dict:
     gguf = ensure_file(MODELS[name][2])
     size = file_bytes(path)
     prompt_ids = load_tokenizer(str(gguf)).encode(PROMPT)
-    entry = sgrt_entry(path)
-    if entry.exists():
-        shutil.rmtree(entry)
-    runs = {"sgrt_cold": [], "sgrt_warm": [], "llamacpp": []}
+    _delete_entry(path)
+    runs = {"sgrt_cold": [], "sgrt_warm": [], "llamacpp": [], "base_cold": [], "base_warm": []}
     for r in range(args.rounds):
         if not args.skip_llamacpp:
             runs["llamacpp"].append(llamacpp_run(gguf, args, prompt_ids))
+        if args.base is not None:  # (the base commit's sgrt, alternated with this one's on the same cache)
+            if r == 0:
+                _delete_entry(path)
+                runs["base_cold"].append(sgrt_run(path, args, args.base))
+            runs["base_warm"].append(sgrt_run(path, args, args.base))
         if r == 0:
+            _delete_entry(path)
             runs["sgrt_cold"].append(sgrt_run(path, args))
             entry = sgrt_entry(path)
         runs["sgrt_warm"].append(sgrt_run(path, args))
@@ -170,10 +193,19 @@ def measure(name: str, args: argparse.Namespace) -> dict:
         "peak_cold_gb": cold["peak"] / 1e9, "peak_warm_gb": max(w["peak"] for w in warm) / 1e9,
         "bound_gb": (1.5 * size + kv) / 1e9,
         "load_cold_s": cold["load_s"], "load_warm_s": statistics.median(w["load_s"] for w in warm),
+        "load_cold_cpu_s": cold["load_cpu_s"], "load_warm_cpu_s": statistics.median(w["load_cpu_s"] for w in warm),
         "cache_gb": tree_bytes(entry) / 1e9, "store_gb": store / 1e9,
         "decode": statistics.median(w["decode"] for w in warm),
         "describe": cold["describe"],
     }
+    if runs["base_cold"]:
+        row.update({"base_load_cold_s": runs["base_cold"][0]["load_s"],
+                    "base_load_warm_s": statistics.median(w["load_s"] for w in runs["base_warm"]),
+                    "base_peak_cold_gb": runs["base_cold"][0]["peak"] / 1e9,
+                    "base_peak_warm_gb": max(w["peak"] for w in runs["base_warm"]) / 1e9,
+                    "base_load_cold_cpu_s": runs["base_cold"][0]["load_cpu_s"],
+                    "base_load_warm_cpu_s": statistics.median(w["load_cpu_s"] for w in runs["base_warm"]),
+                    "loads_s": {k: [round(x["load_s"], 2) for x in v] for k, v in runs.items() if k != "llamacpp"}})
     if runs["llamacpp"]:
         ll = runs["llamacpp"]
         row.update({"llamacpp_peak_gb": max(x["peak"] for x in ll) / 1e9,
@@ -193,6 +225,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens a decode run")
     ap.add_argument("--rounds", type=int, default=2, help="warm sgrt / llama.cpp runs a model, alternated")
     ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--base", type=Path, default=None,
+                    help="another checkout (a worktree of the base commit): its sgrt's cold and warm loads "
+                         "alternate with this one's, on the same files and cache")
     args = ap.parse_args()
     rows = []
     for name in args.models.split(","):
@@ -216,6 +251,15 @@ def main() -> None:
             f"{r['decode']:.1f}", f"{r.get('llamacpp_decode', 0):.1f}", f"{r.get('decode_x', 0):.2f}",
         ])
     print_table(headers, table)
+    if args.base is not None:
+        print_table(["model", "base load cold / warm s", "load cold / warm s", "base CPU s cold / warm",
+                     "CPU s cold / warm", "base peak cold / warm GB", "peak cold / warm GB"],
+                    [[r["model"], f"{r['base_load_cold_s']:.1f} / {r['base_load_warm_s']:.2f}",
+                      f"{r['load_cold_s']:.1f} / {r['load_warm_s']:.2f}",
+                      f"{r['base_load_cold_cpu_s']:.1f} / {r['base_load_warm_cpu_s']:.2f}",
+                      f"{r['load_cold_cpu_s']:.1f} / {r['load_warm_cpu_s']:.2f}",
+                      f"{r['base_peak_cold_gb']:.2f} / {r['base_peak_warm_gb']:.2f}",
+                      f"{r['peak_cold_gb']:.2f} / {r['peak_warm_gb']:.2f}"] for r in rows])
     emit_json("model_memory", rows=rows, threads=args.threads, ctx=args.ctx, load=os.getloadavg())
 
 

@@ -508,14 +508,18 @@ def _engine(args: argparse.Namespace) -> Any:
                         grammar_limits=_grammar_limits(args), grammar_compile_timeout_s=args.grammar_compile_timeout)
     args.load_seconds = time.perf_counter() - t0
     if getattr(args, "chat_template_text", None):
-        engine.tokenizer.hf.chat_template = args.chat_template_text
+        engine.tokenizer.chat_template = args.chat_template_text
     if not args.quiet:
         print(f"[sgrt] loaded {args.model} in {args.load_seconds:.1f} s: {engine.describe()}", file=sys.stderr)
     return engine
 
 
 def _has_chat_template(engine: Any) -> bool:
-    return bool(getattr(getattr(engine.tokenizer, "hf", None), "chat_template", None))
+    # (the tokenizer's own property: reading its transformers tokenizer would import transformers)
+    tok = engine.tokenizer
+    if hasattr(type(tok), "chat_template"):
+        return bool(tok.chat_template)
+    return bool(getattr(getattr(tok, "hf", None), "chat_template", None))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from sgrt.errors import GrammarError
+from sgrt.models.tokenizer import Tokenizer
 
 # GPT-2 byte-level BPE table, reversed (printable character -> byte). Used only when the
 # tokenizer object offers no ``all_token_bytes()``.
@@ -80,21 +81,33 @@ def build_vocab(tokenizer: Any, vocab_size: int) -> Vocab:
     Raises:
         GrammarError: the tokenizer has no EOS id, or ``vocab_size`` is not positive.
     """
-    hf = getattr(tokenizer, "hf", tokenizer)
     if vocab_size <= 0:
         raise GrammarError(f"vocab_size must be >= 1, got {vocab_size}")
-    if hasattr(tokenizer, "all_token_bytes"):
+    if isinstance(tokenizer, Tokenizer):
+        # (its own facts: its transformers tokenizer may not be loaded, and need not be)
         raw = list(tokenizer.all_token_bytes())
+        special = set(tokenizer.special_token_ids)
+        eos, primary = tokenizer.eos_token_ids, tokenizer.eos_token_id
+
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text)
     else:
-        raw = _bytes_from_hf(hf)
-    special = set(getattr(tokenizer, "special_token_ids", None) or ())
-    special |= {i for i in (getattr(hf, "all_special_ids", None) or ()) if i is not None}
-    added = getattr(hf, "added_tokens_decoder", None) or {}
-    special |= {i for i, t in added.items() if getattr(t, "special", False)}
-    eos = getattr(tokenizer, "eos_token_ids", None)
-    if eos is None:
-        eos = {hf.eos_token_id} if getattr(hf, "eos_token_id", None) is not None else set()
-    primary = getattr(hf, "eos_token_id", None)
+        hf = getattr(tokenizer, "hf", tokenizer)
+        if hasattr(tokenizer, "all_token_bytes"):
+            raw = list(tokenizer.all_token_bytes())
+        else:
+            raw = _bytes_from_hf(hf)
+        special = set(getattr(tokenizer, "special_token_ids", None) or ())
+        special |= {i for i in (getattr(hf, "all_special_ids", None) or ()) if i is not None}
+        added = getattr(hf, "added_tokens_decoder", None) or {}
+        special |= {i for i, t in added.items() if getattr(t, "special", False)}
+        eos = getattr(tokenizer, "eos_token_ids", None)
+        if eos is None:
+            eos = {hf.eos_token_id} if getattr(hf, "eos_token_id", None) is not None else set()
+        primary = getattr(hf, "eos_token_id", None)
+
+        def encode(text: str) -> list[int]:
+            return list(hf.encode(text, add_special_tokens=False))
     eos_ids = sorted(i for i in eos if i is not None and 0 <= i < min(vocab_size, len(raw)))
     if not eos_ids:
         raise GrammarError("the tokenizer has no EOS token id inside the vocabulary")
@@ -104,9 +117,6 @@ def build_vocab(tokenizer: Any, vocab_size: int) -> Vocab:
     n_tok = min(len(raw), vocab_size)
     token_bytes = raw[:n_tok] + [b""] * (vocab_size - n_tok)
     special |= set(eos_ids)
-
-    def encode(text: str) -> list[int]:
-        return list(hf.encode(text, add_special_tokens=False))
 
     return Vocab(token_bytes, vocab_size, n_tok, eos_ids, special, encode)
 

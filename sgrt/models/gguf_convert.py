@@ -49,6 +49,7 @@ import torch
 
 from sgrt.errors import ModelLoadError
 from sgrt.models.checkpoint import GGUFFile, gguf_hf_config
+from sgrt.models.tokenizer_snapshot import SNAPSHOT_DIR
 from sgrt.models.weight_files import TensorEntry, gguf_tensor_table
 from sgrt.paths import cache_root
 
@@ -82,7 +83,7 @@ GGUF_ROPE_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", 
 _DIGIT_SPLIT_PRE_TOKENIZERS = {"smollm"}
 
 
-def gguf_cache_key(path: Path) -> str:
+def gguf_cache_key(path: Path, cache_dir: str | Path | None = None) -> str:
     """A 16-hex-digit digest naming ``path``'s cache entry.
 
     sha256 over the converter version, the size and the contents: the whole file up to
@@ -90,8 +91,25 @@ def gguf_cache_key(path: Path) -> str:
     evenly spaced offsets plus the last ones, which a change of the same size can miss: such a
     file's entry also holds a hash of the file's whole metadata, checked on every load
     (:func:`entry_problem`: an in-place metadata edit, ``gguf-set-metadata``, is seen).
+
+    The digest is kept under the cache root (``keys/``, :mod:`sgrt.models.file_stamps`) beside the
+    file's ``stat`` (path, size, mtime, ctime, inode, device): a later call on the file as it was
+    reads it back instead of hashing again (0.2 s for the default model's 100 MB, 0.5 s for 250 MB on a
+    busy core). Any write to the file changes its ctime, so it is hashed again.
     """
-    size = path.stat().st_size
+    from sgrt.models.file_stamps import memo_path, read_memo, stat_stamp, write_memo
+
+    stamp = stat_stamp(path) + [CONVERTER_VERSION, FULL_HASH_MAX_BYTES, SAMPLE_BYTES]
+    memo = memo_path(stamp[0], cache_dir)
+    key = read_memo(memo, stamp)
+    if isinstance(key, str):
+        return key
+    key = _content_key(path, stamp[1])
+    write_memo(memo, stamp, key)  # (a read-only cache: hashed again next time)
+    return key
+
+
+def _content_key(path: Path, size: int) -> str:
     h = hashlib.sha256(f"sgrt-gguf-v{CONVERTER_VERSION}:{size}:".encode())
     with open(path, "rb") as f:
         if size <= FULL_HASH_MAX_BYTES:
@@ -158,7 +176,7 @@ def entry_problem(entry: Path, gguf_path: Path) -> tuple[str | None, bool]:
 
 def gguf_entry(gguf_path: Path, cache_dir: str | Path | None = None) -> Path:
     """Where ``gguf_path``'s cache entry is (whether or not it exists yet)."""
-    return cache_root(cache_dir) / "gguf" / f"{gguf_path.stem}-{gguf_cache_key(gguf_path)}"
+    return cache_root(cache_dir) / "gguf" / f"{gguf_path.stem}-{gguf_cache_key(gguf_path, cache_dir)}"
 
 
 def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None = None,
@@ -211,7 +229,7 @@ def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None 
                 raise ModelLoadError(_child_error(proc, spec, gguf_path))
             relax_permissions(tmp)
             if final.is_dir():  # (a damaged entry: its stores stay)
-                _replace_parts(tmp, final, (TOKENIZER_DIR, SOURCE_FILE), spec)
+                _replace_parts(tmp, final, (TOKENIZER_DIR, SNAPSHOT_DIR, SOURCE_FILE), spec)
                 return final, True
             return final, publish_folder(tmp, final, SOURCE_FILE)
     except ModelLoadError as e:
@@ -230,6 +248,8 @@ def _replace_parts(tmp: Path, final: Path, parts: tuple[str, ...], spec: str) ->
     ``final``'s (a folder is swapped by two renames; another process's fresh one is kept)."""
     for part in parts:
         src, dst = tmp / part, final / part
+        if not os.path.lexists(src):  # (a part the child could not write: the tokenizer snapshot)
+            continue
         if not src.is_dir():
             os.replace(src, dst)
             continue
@@ -292,8 +312,10 @@ def _child_error(proc: subprocess.CompletedProcess, spec: str, gguf_path: Path) 
 
 def read_gguf_metadata(gguf_path: Path, spec: str) -> tuple[dict[str, Any], dict[str, Any],
                                                              dict[str, TensorEntry], int]:
-    """One parse of ``gguf_path``: its HF-style config, tokenizer facts, tensor table, and the
-    bytes before its tensor data (the metadata, hashed into the entry).
+    """One read of ``gguf_path``'s metadata and tensor descriptions (its arrays stepped over:
+    :mod:`sgrt.models.gguf_layout`; ``gguf.GGUFReader`` where that reader leaves the file): its
+    HF-style config, tokenizer facts, tensor table, and the bytes before its tensor data (the
+    metadata, hashed into the entry).
 
     Raises:
         ModelLoadError: a file that is not a whole GGUF (what is wrong: :func:`~sgrt.models.
@@ -301,13 +323,21 @@ def read_gguf_metadata(gguf_path: Path, spec: str) -> tuple[dict[str, Any], dict
             tensor no family has or sgrt cannot read (names it).
     """
     from sgrt.models.checkpoint import family_config
+    from sgrt.models.gguf_layout import NotReadHere, read_layout
 
-    reader = GGUFFile(gguf_path, spec).reader()
-    hf_cfg, family, facts = gguf_hf_config(reader, spec)
-    family_config(family, hf_cfg, spec, f"the GGUF metadata of {gguf_path}")  # (refuses what it cannot take, now)
-    table = gguf_tensor_table(reader, family, gguf_path, spec, GGUF_ROPE_TENSORS)
-    head = int(getattr(reader, "data_offset", 0) or min((e.offset for e in table.values()), default=0))
-    return hf_cfg, facts, table, head
+    def parse(reader: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, TensorEntry], int]:
+        hf_cfg, family, facts = gguf_hf_config(reader, spec)
+        family_config(family, hf_cfg, spec, f"the GGUF metadata of {gguf_path}")  # (refuses what it cannot take, now)
+        table = gguf_tensor_table(reader, family, gguf_path, spec, GGUF_ROPE_TENSORS)
+        head = int(getattr(reader, "data_offset", 0) or min((e.offset for e in table.values()), default=0))
+        return hf_cfg, facts, table, head
+
+    # NOTE: the arrays (the vocabulary) are not parsed here: transformers parses them for the
+    # tokenizer. What the layout reader leaves (a big-endian file, a damaged one) goes to gguf's.
+    try:
+        return parse(read_layout(gguf_path))
+    except NotReadHere:
+        return parse(GGUFFile(gguf_path, spec).reader())
 
 
 def build_gguf_source(gguf_path: Path, out: Path, spec: str) -> None:
@@ -330,6 +360,17 @@ def build_gguf_source(gguf_path: Path, out: Path, spec: str) -> None:
         "hf_config": hf_cfg, "facts": {k: facts.get(k) for k in ("pre", "add_bos_token")},
         "tensors": [e.to_json() for e in table.values()],
     }))
+    _write_tokenizer_snapshot(tok, out / SNAPSHOT_DIR)
+
+
+def _write_tokenizer_snapshot(folder: Path, out: Path) -> None:
+    """Load the tokenizer just written to ``folder`` as a load would (transformers) and keep it in
+    ``out`` (:mod:`sgrt.models.tokenizer_snapshot`), so that loads read it without transformers."""
+    from transformers import AutoTokenizer
+
+    from sgrt.models.tokenizer_snapshot import write_snapshot
+
+    write_snapshot(AutoTokenizer.from_pretrained(str(folder), local_files_only=True), folder, out)
 
 
 def read_gguf_source(entry: Path, gguf_path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry]]:
@@ -529,14 +570,42 @@ def export_hf_folder(gguf_path: Path, out: Path, spec: str = "") -> Path:
     return out
 
 
+@contextmanager
+def _plain_gguf_maps() -> Iterator[None]:
+    """While the block runs, ``gguf.GGUFReader`` maps its file as a plain ``numpy.ndarray``
+    (a view of the same ``numpy.memmap``), not as the ``memmap`` subclass: its parse slices the
+    map once per value, and the subclass's ``__getitem__`` / ``__array_finalize__`` were more
+    than half of the parse (llama-1b's 49k-token vocabulary: 2.3 s of CPU -> 1.0 s, the same
+    fields). For the entry's child process only (transformers parses the file there).
+    """
+    import numpy as np
+    from gguf import gguf_reader
+
+    class PlainMaps:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(np, name)
+
+        @staticmethod
+        def memmap(*args: Any, **kwargs: Any) -> Any:
+            return np.memmap(*args, **kwargs).view(np.ndarray)
+
+    saved = gguf_reader.np
+    gguf_reader.np = PlainMaps()
+    try:
+        yield
+    finally:
+        gguf_reader.np = saved
+
+
 def _write_tokenizer(gguf_path: Path, out: Path, facts: dict, spec: str) -> None:
     """Build the tokenizer with transformers from the GGUF and ``save_pretrained`` it to ``out``."""
     from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                            local_files_only=True)
+        with _plain_gguf_maps():
+            tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                local_files_only=True)
     except Exception as e:
         raise ModelLoadError(f"model {spec!r}: cannot build a tokenizer from {gguf_path}: {e}") from e
     if facts.get("pre") in _DIGIT_SPLIT_PRE_TOKENIZERS:

@@ -50,6 +50,7 @@ from sgrt.models.gguf_convert import (  # noqa: F401 - re-exported
 )
 from sgrt.models.specs import DEFAULT_MODEL, default_gguf_path, resolve_spec  # noqa: F401 - re-exported
 from sgrt.models.tokenizer import Tokenizer
+from sgrt.models.tokenizer_snapshot import SNAPSHOT_DIR, read_snapshot, write_snapshot
 from sgrt.models.weight_files import (  # noqa: F401 - read_safetensors re-exported
     CheckpointTensors, canonical_parts, read_safetensors, safetensors_files, safetensors_table,
 )
@@ -216,17 +217,17 @@ def _checkpoint(kind: str, src: Path, spec: str, cache_dir: str | Path | None) -
     config = read_hf_config(src, spec)
     files = safetensors_files(src, spec)
     hf_cfg = json.loads((src / "config.json").read_text())
-    entry = cache_root(cache_dir) / "hf" / f"{src.name}-{_hf_key(src, files)}"
+    entry = cache_root(cache_dir) / "hf" / f"{src.name}-{_hf_key(src, files, cache_dir)}"
     return _Checkpoint(kind, src, config, hf_cfg, safetensors_table(files, spec), src, entry)
 
 
-def _hf_key(folder: Path, files: list[Path]) -> str:
+def _hf_key(folder: Path, files: list[Path], cache_dir: str | Path | None = None) -> str:
     """A digest of an HF folder's config and weight files (each by :func:`gguf_cache_key`'s
-    rule: whole up to its size limit, else size and samples)."""
+    rule: whole up to its size limit, else size and samples; kept beside its ``stat``)."""
     h = hashlib.sha256(f"sgrt-hf-v{CONVERTER_VERSION}:".encode())
     h.update((folder / "config.json").read_bytes())
     for f in files:
-        h.update(f"{f.name}:{gguf_cache_key(f)}".encode())
+        h.update(f"{f.name}:{gguf_cache_key(f, cache_dir)}".encode())
     return h.hexdigest()[:16]
 
 
@@ -331,19 +332,21 @@ def load_tokenizer(spec: str = DEFAULT_MODEL, cache_dir: str | Path | None = Non
 
 
 def _source_tokenizer(source: _Checkpoint, spec: str, cache_dir: str | Path | None) -> Tokenizer:
-    """The checkpoint's tokenizer (:func:`_folder_tokenizer`); a GGUF's cache entry whose tokenizer
-    does not load is read from the file again, once.
+    """The checkpoint's tokenizer (:func:`_folder_tokenizer`, kept in the cache entry's
+    ``tokenizer-snapshot/``); a GGUF's cache entry whose tokenizer does not load is read from the
+    file again, once.
 
     Raises:
         ModelLoadError: the tokenizer does not load (names the folder).
     """
+    snapshot = source.entry / SNAPSHOT_DIR
     try:
-        return _folder_tokenizer(source.tokenizer_folder, source.config)
+        return _folder_tokenizer(source.tokenizer_folder, source.config, snapshot)
     except ModelLoadError:
         if source.kind != "gguf":
             raise
     ensure_gguf_source(source.path, spec, cache_dir, repair=True)
-    return _folder_tokenizer(source.tokenizer_folder, source.config)
+    return _folder_tokenizer(source.tokenizer_folder, source.config, snapshot)
 
 
 def tokenizer_folder(spec: str = DEFAULT_MODEL, cache_dir: str | Path | None = None) -> Path:
@@ -357,9 +360,11 @@ def tokenizer_folder(spec: str = DEFAULT_MODEL, cache_dir: str | Path | None = N
     return ensure_gguf_source(src, spec, cache_dir)[0] / TOKENIZER_DIR if kind == "gguf" else src
 
 
-def _folder_tokenizer(folder: Path, config: ModelConfig) -> Tokenizer:
+def _folder_tokenizer(folder: Path, config: ModelConfig, snapshot: Path | None = None) -> Tokenizer:
     """The folder's tokenizer, whose stop set also holds the config's and
-    ``generation_config.json``'s ``eos_token_id`` and the family's end-of-turn tokens."""
+    ``generation_config.json``'s ``eos_token_id`` and the family's end-of-turn tokens. Read from
+    ``snapshot`` where it holds one of this folder (:func:`~sgrt.models.tokenizer_snapshot.
+    read_snapshot`: no transformers import); else loaded by transformers and kept there."""
     eos = _as_list(config.eos_token_id)
     gen = folder / "generation_config.json"
     if gen.is_file():
@@ -367,9 +372,12 @@ def _folder_tokenizer(folder: Path, config: ModelConfig) -> Tokenizer:
             eos += _as_list(json.loads(gen.read_text()).get("eos_token_id"))
         except (OSError, ValueError):
             pass
-    tok = Tokenizer.from_folder(folder, extra_eos_token_ids=eos)
-    vocab = tok.hf.get_vocab()
-    tok.eos_token_ids |= {vocab[t] for t in family_of(config).stop_tokens if t in vocab}
+    tok = read_snapshot(snapshot, folder, eos) if snapshot is not None else None
+    if tok is None:
+        tok = Tokenizer.from_folder(folder, extra_eos_token_ids=eos)
+        if snapshot is not None:
+            write_snapshot(tok.hf, folder, snapshot)
+    tok.eos_token_ids |= {i for i in map(tok.token_to_id, family_of(config).stop_tokens) if i is not None}
     return tok
 
 

@@ -1,5 +1,9 @@
 """A thin wrapper over a transformers fast tokenizer: text <-> ids, chat template, token bytes.
 
+A load reads it, where it can, from a snapshot in sgrt's cache (:mod:`sgrt.models.
+tokenizer_snapshot`: the ``tokenizers`` pipeline transformers built, and the facts it gave), and
+imports transformers only when something needs it (``hf``, a chat template rendered).
+
 The constrained-decoding layer needs the exact bytes each token stands for (``token_bytes``); the
 engine needs the set of ids that end a turn (``eos_token_ids``). Both are computed here from the
 vocabulary itself, never by decoding, because decoding a lone token loses partial UTF-8 bytes.
@@ -94,7 +98,8 @@ class Tokenizer:
     """Text <-> token ids for one model, plus the facts the engine and grammars need.
 
     Wraps a transformers fast tokenizer (``hf``), which other layers may use directly.
-    Construct with :meth:`from_folder` or from an already loaded tokenizer.
+    Construct with :meth:`from_folder` or from an already loaded tokenizer, or with
+    :meth:`from_pipeline` over its bare ``tokenizers`` pipeline (``hf`` then loaded on first use).
 
     Attributes:
         hf: the underlying ``transformers`` fast tokenizer.
@@ -117,9 +122,14 @@ class Tokenizer:
         """
         if getattr(hf, "backend_tokenizer", None) is None:
             raise ModelLoadError(f"tokenizer {type(hf).__name__} is not a fast tokenizer; sgrt needs one")
-        self.hf = hf
+        self._hf = hf
+        self._hf_folder: Path | None = None
+        self._pipeline: Any = None  # (from_pipeline's: encode without transformers)
+        self._id_pipeline: Any = None  # (from_pipeline's: ids <-> vocabulary strings)
+        self._chat_template: Any = None
         self.vocab_size: int = len(hf)
         self.bos_token_id: int | None = hf.bos_token_id
+        self._eos_token_id: int | None = hf.eos_token_id
         added = hf.added_tokens_decoder  # {id: AddedToken}
         self._added: dict[int, str] = {i: t.content for i, t in added.items()}
         self.special_token_ids: set[int] = {i for i, t in added.items() if t.special}
@@ -134,19 +144,106 @@ class Tokenizer:
         self.adds_bos: bool = self.bos_token_id is not None and \
             hf.encode("a", add_special_tokens=True)[:1] == [self.bos_token_id] and \
             hf.encode("a", add_special_tokens=False)[:1] != [self.bos_token_id]
-        kinds = _decoder_kinds(hf.backend_tokenizer)
-        self._byte_level = "ByteLevel" in kinds
-        self._metaspace = "Metaspace" in kinds or "SpaceReplace" in kinds
-        self._all_bytes: list[bytes] | None = None
+        self._set_decoder_kinds(hf.backend_tokenizer)
         # transformers' fast-tokenizer decode, without clean-up, is the Rust backend's decode
         # behind a few layers of Python argument handling; call the backend directly (the
         # streaming detokenizer decodes once per generated token) unless the class overrides it.
         self._backend_decode = (hf.backend_tokenizer.decode
                                 if _decodes_with_backend(type(hf)) else None)
 
+    def _set_decoder_kinds(self, backend: Any) -> None:
+        kinds = _decoder_kinds(backend)
+        self._byte_level = "ByteLevel" in kinds
+        self._metaspace = "Metaspace" in kinds or "SpaceReplace" in kinds
+        self._all_bytes: list[bytes] | None = None
+
+    @classmethod
+    def from_pipeline(cls, pipeline: Any, facts: dict[str, Any], folder: str | Path,
+                      extra_eos_token_ids: Iterable[int] = ()) -> "Tokenizer":
+        """A tokenizer over a bare ``tokenizers.Tokenizer`` ``pipeline`` and the facts
+        transformers gave about it (:mod:`sgrt.models.tokenizer_snapshot`: ``vocab_size``,
+        ``bos_token_id``, ``eos_token_id``, ``all_special_ids``, ``added`` as ``[id, content,
+        special]`` rows, ``chat_template``, ``adds_bos``, and ``encode`` / ``decode``: whether the
+        pipeline alone gives transformers' ids / text). transformers is imported, and ``folder``
+        loaded by it, only when something needs it: :attr:`hf`, :meth:`apply_chat_template`, or
+        an encode / decode the facts do not clear.
+
+        Raises:
+            KeyError, TypeError, ValueError: ``facts`` lacks a field or holds a malformed one.
+        """
+        self = cls.__new__(cls)
+        self._hf = None
+        self._hf_folder = Path(folder)
+        self._pipeline = pipeline if facts["encode"] else None
+        self._chat_template = facts["chat_template"]
+        self.vocab_size = int(facts["vocab_size"])
+        self.bos_token_id = facts["bos_token_id"]
+        self._eos_token_id = facts["eos_token_id"]
+        added = [(int(i), str(c), bool(sp)) for i, c, sp in facts["added"]]
+        self._added = {i: c for i, c, _ in added}
+        self.special_token_ids = {i for i, _, sp in added if sp} | {int(i) for i in facts["all_special_ids"]}
+        eos = {i for i in extra_eos_token_ids if i is not None}
+        if self._eos_token_id is not None:
+            eos.add(self._eos_token_id)
+        eos |= {i for i in (pipeline.token_to_id(t) for t in END_OF_TURN_TOKENS) if i is not None}
+        self.eos_token_ids = eos
+        self.adds_bos = bool(facts["adds_bos"])
+        self._set_decoder_kinds(pipeline)
+        self._id_pipeline = pipeline
+        self._backend_decode = pipeline.decode if facts["decode"] else None
+        return self
+
+    @property
+    def hf(self) -> Any:
+        """The transformers fast tokenizer (loaded from the tokenizer folder on first use where
+        this one was read from a snapshot: ~1 s, transformers' imports).
+
+        Raises:
+            ModelLoadError: the folder's tokenizer does not load.
+        """
+        if self._hf is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._hf = AutoTokenizer.from_pretrained(str(self._hf_folder), local_files_only=True)
+            except Exception as e:  # transformers raises OSError / ValueError / KeyError here
+                raise ModelLoadError(f"no loadable tokenizer in {self._hf_folder}: {e}") from e
+            if self._chat_template is not None:
+                self._hf.chat_template = self._chat_template
+        return self._hf
+
+    @hf.setter
+    def hf(self, value: Any) -> None:
+        self._hf = value
+
+    @property
+    def chat_template(self) -> Any:
+        """The model's chat template (a Jinja string, a dict of named ones, or None), without
+        loading transformers; set it to replace the model's (``--chat-template``)."""
+        if self._hf is not None:
+            return getattr(self._hf, "chat_template", None)
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, value: Any) -> None:
+        self._chat_template = value
+        if self._hf is not None:
+            self._hf.chat_template = value
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The tokenizer's own EOS id (one of :attr:`eos_token_ids`), or None."""
+        return self._eos_token_id
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of the vocabulary string ``token`` (``"Ġthe"``, ``"<|im_end|>"``), None if absent."""
+        pipeline = self._id_pipeline if self._id_pipeline is not None else self.hf.backend_tokenizer
+        return pipeline.token_to_id(token)
+
     @classmethod
     def from_folder(cls, folder: str | Path, extra_eos_token_ids: Iterable[int] = ()) -> "Tokenizer":
-        """Load the tokenizer files (``tokenizer.json`` etc.) of a local folder; never the network.
+        """Load the tokenizer files (``tokenizer.json`` etc.) of a local folder through transformers;
+        never the network.
 
         Raises:
             ModelLoadError: the folder has no loadable fast tokenizer.
@@ -172,6 +269,8 @@ class Tokenizer:
                 encodable), which the tokenizer's native code refuses with a bare TypeError.
         """
         try:
+            if self._pipeline is not None:
+                return self._pipeline.encode(text, add_special_tokens=add_special_tokens).ids
             return self.hf.encode(text, add_special_tokens=add_special_tokens)
         except TypeError:
             # NOTE: checked only once the tokenizer has refused the text (not on every prompt)
@@ -212,7 +311,7 @@ class Tokenizer:
         Raises:
             InvalidRequest: (field ``messages``) the tokenizer has no chat template.
         """
-        if not getattr(self.hf, "chat_template", None):
+        if not (self.chat_template if self._hf is None else getattr(self._hf, "chat_template", None)):
             raise InvalidRequest("this model's tokenizer has no chat template", field="messages")
         kwargs: dict[str, Any] = dict(template_kwargs)
         if tools is not None:
@@ -233,14 +332,22 @@ class Tokenizer:
         """
         if self._all_bytes is not None:
             return self._all_bytes[token_id] if 0 <= token_id < len(self._all_bytes) else b""
-        return self._bytes_of(token_id, self.hf.convert_ids_to_tokens(token_id))
+        return self._bytes_of(token_id, self._id_to_token(token_id))
 
     def all_token_bytes(self) -> list[bytes]:
         """``[token_bytes(i) for i in range(vocab_size)]``, computed once and cached."""
         if self._all_bytes is None:
-            toks = self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))
+            pipeline = self._id_pipeline
+            toks = ([pipeline.id_to_token(i) for i in range(self.vocab_size)] if pipeline is not None
+                    else self.hf.convert_ids_to_tokens(list(range(self.vocab_size))))
             self._all_bytes = [self._bytes_of(i, t) for i, t in enumerate(toks)]
         return self._all_bytes
+
+    def _id_to_token(self, token_id: int) -> str | None:
+        pipeline = self._id_pipeline
+        if pipeline is not None:
+            return pipeline.id_to_token(token_id)
+        return self.hf.convert_ids_to_tokens(token_id)
 
     def _bytes_of(self, token_id: int, token: str | None) -> bytes:
         if token_id in self._added:
@@ -263,7 +370,8 @@ class Tokenizer:
         return self.vocab_size
 
     def __repr__(self) -> str:
-        return f"Tokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size}, eos={sorted(self.eos_token_ids)})"
+        kind = type(self._hf).__name__ if self._hf is not None else "tokenizers pipeline"
+        return f"Tokenizer({kind}, vocab_size={self.vocab_size}, eos={sorted(self.eos_token_ids)})"
 
 
 # ---- prompt ids of plain text (one rule for the DSL's LocalBackend and the HTTP servers) --------

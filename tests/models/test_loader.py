@@ -69,7 +69,7 @@ def test_gguf_path_packs_once_then_maps_the_store(tmp_path: Path, loaded_model: 
     del cold
     entries = list((tmp_path / "gguf").iterdir())
     assert len(entries) == 1, entries  # no temporary folders left behind
-    assert sorted(p.name for p in entries[0].iterdir()) == ["float32-none-plain-v1", "source.json", "tokenizer"]
+    assert sorted(p.name for p in entries[0].iterdir()) == ["float32-none-plain-v1", "source.json", "tokenizer", "tokenizer-snapshot"]
     before = _stats(store)
 
     warm = load_model(gguf_path, cache_dir=tmp_path)
@@ -130,6 +130,32 @@ def test_cache_key_follows_the_contents(tmp_path: Path):
     data[len(data) // 2] ^= 1
     b.write_bytes(bytes(data))
     assert loader.gguf_cache_key(a) != loader.gguf_cache_key(b)  # one bit in the middle
+
+
+def test_cache_key_is_kept_beside_the_files_stat(tmp_path: Path, monkeypatch):
+    """A warm load does not hash the file again; a write to it (same size, its mtime put back)
+    changes its ctime, and it is hashed again."""
+    from sgrt.models import gguf_convert
+
+    a = tmp_path / "a.gguf"
+    a.write_bytes(os.urandom(3 << 20))
+    cache = tmp_path / "cache"
+    key = gguf_convert.gguf_cache_key(a, cache)
+    hashed = []
+    real = gguf_convert._content_key
+    monkeypatch.setattr(gguf_convert, "_content_key", lambda p, n: hashed.append(p) or real(p, n))
+    assert gguf_convert.gguf_cache_key(a, cache) == key and not hashed
+    st = a.stat()
+    data = bytearray(a.read_bytes())
+    data[len(data) // 2] ^= 1
+    a.write_bytes(bytes(data))
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert gguf_convert.gguf_cache_key(a, cache) != key and hashed == [a]
+    (cache / "keys").chmod(0o500)  # (a read-only cache: hashed every time, no error)
+    try:
+        assert gguf_convert.gguf_cache_key(a, cache) == real(a, a.stat().st_size)
+    finally:
+        (cache / "keys").chmod(0o700)
 
 
 def test_publish_keeps_the_first_of_two_racing_conversions(tmp_path: Path):
@@ -337,3 +363,28 @@ def test_rotary_tables_start_short_and_grow_to_the_full_ones(loaded_model: Loade
         assert eng.model.rotary.rows == 8192 and len(r.token_ids) == 3
         expected = eng.model.forward_simple(torch.tensor(r.prompt_token_ids + r.token_ids[:2]))[-1].argmax()
         assert r.token_ids[2] == int(expected)
+
+
+def test_packaged_gguf_is_verified_once_while_its_files_stay(tmp_path: Path, monkeypatch):
+    """A packaged GGUF's sha256 check (the package's ``assemble``) runs on the first load, not on
+    later ones; a chunk or the file written since is checked again."""
+    import sys
+    import types
+
+    from sgrt.models import specs
+
+    target, chunk = tmp_path / "model.gguf", tmp_path / "chunk.bin"
+    chunk.write_bytes(b"x" * 64)
+    target.write_bytes(b"x" * 64)
+    calls = []
+    pkg = types.ModuleType(specs._GEMMA3_PACKAGE)
+    pkg.default_output_path = lambda: target
+    pkg.chunk_paths = lambda: [chunk]
+    pkg.assemble = lambda: calls.append(1) or target
+    monkeypatch.setitem(sys.modules, specs._GEMMA3_PACKAGE, pkg)
+    monkeypatch.setenv("SGRT_CACHE_DIR", str(tmp_path / "cache"))
+    assert specs.packaged_gguf(specs.GEMMA3_270M) == target and len(calls) == 1
+    assert specs.packaged_gguf(specs.GEMMA3_270M) == target and len(calls) == 1
+    chunk.write_bytes(b"y" * 64)
+    assert specs.packaged_gguf(specs.GEMMA3_270M) == target and len(calls) == 2
+    assert specs.packaged_gguf(specs.GEMMA3_270M) == target and len(calls) == 2

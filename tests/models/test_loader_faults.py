@@ -293,7 +293,7 @@ def test_a_load_killed_while_packing_leaves_nothing_the_next_load_uses(tiny, tmp
     lm = load_model(str(tiny["gguf"]), dtype="float32", cache_dir=cache)
     assert lm.converted and lm.path == entry / STORE
     assert torch.equal(lm.model.forward_simple(IDS), tiny["logits"])
-    assert _listing(entry) == sorted(["source.json", "tokenizer", STORE])
+    assert _listing(entry) == sorted(["source.json", "tokenizer", "tokenizer-snapshot", STORE])
 
 
 def test_a_killed_gguf_reader_is_named_and_the_next_load_reads_the_file(tiny, tmp_path, monkeypatch):
@@ -381,7 +381,7 @@ def test_a_builder_that_does_not_finish_is_waited_for_only_so_long(tiny, tmp_pat
     with gguf_convert.building(entry / STORE, "spec"):
         lm = load_model(str(tiny["gguf"]), dtype="float32", cache_dir=cache)
         assert lm.converted and torch.equal(lm.model.forward_simple(IDS), tiny["logits"])
-    assert _listing(entry) == sorted(["source.json", "tokenizer", STORE])
+    assert _listing(entry) == sorted(["source.json", "tokenizer", "tokenizer-snapshot", STORE])
 
 
 TWO_LOADS = """
@@ -410,7 +410,7 @@ def test_two_processes_loading_one_uncached_model(tiny, tmp_path):
         assert torch.equal(torch.tensor(ld["logits"]), tiny["logits"])
     (entry,) = (cache / "gguf").iterdir()
     assert {ld["path"] for ld in loads} == {str(entry / STORE)}
-    assert _listing(entry) == sorted(["source.json", "tokenizer", STORE])
+    assert _listing(entry) == sorted(["source.json", "tokenizer", "tokenizer-snapshot", STORE])
 
 
 # ---- a full or read-only cache ---------------------------------------------------------------------------
@@ -429,7 +429,7 @@ def test_a_full_disk_while_packing_is_named_with_the_fix(tiny, tmp_path, monkeyp
     msg = str(e.value)
     assert f"cannot write the weight store {entry / STORE}" in msg
     assert "No space left on device" in msg and "SGRT_CACHE_DIR" in msg
-    assert _listing(entry) == ["source.json", "tokenizer"]
+    assert _listing(entry) == ["source.json", "tokenizer", "tokenizer-snapshot"]
 
 
 def _read_only(monkeypatch, root: Path) -> None:

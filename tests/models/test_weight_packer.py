@@ -153,7 +153,7 @@ def test_the_store_is_sgrts_own_folder_and_mapped_not_copied(tiny_gguf, tmp_path
     safetensors), and the loaded weights are views of the store's mapped file."""
     lm = load_model(str(tiny_gguf), dtype="bfloat16", quantization="int4", cache_dir=tmp_path)
     entry = lm.path.parent
-    assert sorted(p.name for p in entry.iterdir()) == sorted(["source.json", "tokenizer", lm.path.name])
+    assert sorted(p.name for p in entry.iterdir()) == sorted(["source.json", "tokenizer", "tokenizer-snapshot", lm.path.name])
     assert sorted(p.name for p in lm.path.iterdir()) == ["manifest.json", "weights.bin"]
     assert not list(entry.rglob("config.json")) and not list(entry.rglob("*.safetensors"))
     mapped = [line for line in Path("/proc/self/maps").read_text().splitlines()

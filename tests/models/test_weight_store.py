@@ -123,7 +123,7 @@ def test_a_damaged_store_is_packed_again(small, tmp_path, damage):
     assert lm.converted and lm.path == store
     assert torch.equal(lm.model.forward_simple(IDS), small["logits"][quantization])
     assert sorted(p.name for p in store.parent.iterdir()) == sorted(
-        ["source.json", "tokenizer", *(p.name for p in small["stores"].values())])
+        ["source.json", "tokenizer", "tokenizer-snapshot", *(p.name for p in small["stores"].values())])
 
 
 def test_a_damaged_store_that_cannot_be_replaced_is_named_with_the_fix(small, tmp_path, monkeypatch):
@@ -223,7 +223,7 @@ def test_a_damaged_gguf_entry_is_read_again_keeping_its_stores(small, tmp_path, 
     assert torch.equal(lm.model.forward_simple(IDS), small["logits"]["none"])
     assert lm.tokenizer.encode(text) == want and lm.config == small["config"]
     assert sorted(p.name for p in store.parent.iterdir()) == sorted(
-        ["source.json", "tokenizer", *(p.name for p in small["stores"].values())])
+        ["source.json", "tokenizer", "tokenizer-snapshot", *(p.name for p in small["stores"].values())])
     assert sorted(p.name for p in store.parent.parent.iterdir()) == [store.parent.name]
 
 
