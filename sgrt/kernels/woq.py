@@ -101,6 +101,13 @@ at 16 rows 0.36-0.55 (int4) and 0.25-0.36 (int8), at 256 rows 0.43-0.58 and 0.21
 machine state, 4.5 GB/s): int4 0.40-0.97, int8 0.50-0.89, streaming 2.5-3.5 GB/s (int4) of
 weights, 56-78% of the measured read bandwidth: memory-bound, where the old kernel was not.
 
+K-quant stream (:func:`fuse_kq4`, the kernel's ``bits`` argument :data:`KQ4_BITS`, group 32): a
+GGUF's ``Q4_K`` weight as the file holds it, per 16-row block and super-block of 256 inputs a
+320-byte header (float16 ``d``, ``dmin``; 6-bit scales and mins as bytes) before the 8 groups'
+4-bit codes in the layout above; every 4-bit path rebuilds each group's scale ``d * sc`` and
+offset ``dmin * -mn`` in float32 (exact) where it would widen the stored float16 ones: 4.625 bits a
+weight against 5, and the file's weights bit for bit (docs/DESIGN.md, "K-quant stream").
+
 Build: compiled on first use (~10 s on 2 cores, mostly torch's headers) and cached by
 :func:`sgrt.kernels.build.load_library`, which a later process loads from (~0.05 s).
 ``SGRT_NATIVE_KERNELS=0`` disables it (:func:`available` is then False).

@@ -17,6 +17,10 @@ are (:data:`BLOCK_READERS`):
   codes).
 - 8-bit codes: ``Q8_0`` (``w = d * q``, ``q`` int8, read as codes ``q + 128``).
 
+``Q4_K`` is also read as it is (:func:`unpack_q4_k_super` -> :class:`KQ4Weight`: ``d``, ``dmin``
+and the 6-bit scales and mins, no float16 products), for the AVX2 kernel's K-quant stream
+(:func:`sgrt.kernels.woq.fuse_kq4`), which int4 projections of ``Q4_K`` parts take.
+
 Other types (``Q6_K``'s sixteen scales per 256 weights, ``Q2_K``, ``Q3_K``, the IQ types, float
 types) have no such form; the packer (:mod:`sgrt.models.weight_packer`) dequantizes them a row
 chunk at a time and quantizes the rows to the kernel's groups. Blocks never span rows, so every
