@@ -101,6 +101,13 @@ at 16 rows 0.36-0.55 (int4) and 0.25-0.36 (int8), at 256 rows 0.43-0.58 and 0.21
 machine state, 4.5 GB/s): int4 0.40-0.97, int8 0.50-0.89, streaming 2.5-3.5 GB/s (int4) of
 weights, 56-78% of the measured read bandwidth: memory-bound, where the old kernel was not.
 
+K-quant stream (:func:`fuse_kq4`, the kernel's ``bits`` argument :data:`KQ4_BITS`, group 32): a
+GGUF's ``Q4_K`` weight as the file holds it, per 16-row block and super-block of 256 inputs a
+320-byte header (float16 ``d``, ``dmin``; 6-bit scales and mins as bytes) before the 8 groups'
+4-bit codes in the layout above; every 4-bit path rebuilds each group's scale ``d * sc`` and
+offset ``dmin * -mn`` in float32 (exact) where it would widen the stored float16 ones: 4.625 bits a
+weight against 5, and the file's weights bit for bit (docs/DESIGN.md, "K-quant stream").
+
 Build: compiled on first use (~10 s on 2 cores, mostly torch's headers) and cached by
 :func:`sgrt.kernels.build.load_library`, which a later process loads from (~0.05 s).
 ``SGRT_NATIVE_KERNELS=0`` disables it (:func:`available` is then False).
@@ -266,13 +273,85 @@ def stream_bits(bits: int, c: int = 0) -> int:
     """The AVX2 kernel's ``bits`` argument for a stream of ``bits``-bit codes: ``bits`` itself
     (group headers with offsets), or ``bits + 256 * c`` for :func:`fuse`'s compact headers
     (8-bit codes, every offset ``-c * scale``: :func:`symmetric_constant`); ``bits`` 5 for
-    :func:`fuse5`'s streams of 8-bit codes below 32."""
+    :func:`fuse5`'s streams of 8-bit codes below 32. (:data:`KQ4_BITS`: :func:`fuse_kq4`'s.)"""
     return bits + 256 * c
 
 
+# The AVX2 kernel's ``bits`` argument for :func:`fuse_kq4`'s K-quant stream (4-bit codes under
+# Q4_K super-block headers): 4 plus this flag bit.
+KQ_FLAG = 1 << 16
+KQ4_BITS = 4 + KQ_FLAG
+KQ_SUPER = 256  # inputs per K-quant super-block (8 groups of 32)
+KQ_HEADER_BYTES = 320  # per 16-row block and super-block: 16 d, 16 dmin (float16), 8 x 16 sc, 8 x 16 mn
+
+
 def stream_format(kernel_bits: int) -> tuple[int, int]:
-    """The inverse of :func:`stream_bits`: (code width, ``c``; 0 for headers with offsets)."""
-    return kernel_bits & 255, kernel_bits >> 8
+    """The inverse of :func:`stream_bits`: (code width, ``c``; 0 for headers with offsets and for
+    :data:`KQ4_BITS`, see :func:`is_kquant`)."""
+    return kernel_bits & 255, (kernel_bits >> 8) & 255
+
+
+def is_kquant(kernel_bits: int) -> bool:
+    """Whether the kernel's ``bits`` argument names :func:`fuse_kq4`'s K-quant stream."""
+    return bool(kernel_bits & KQ_FLAG)
+
+
+def fuse_kq4(packed: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
+             n: int, k: int) -> torch.Tensor:
+    """A GGUF's ``Q4_K`` weight as it is (:class:`sgrt.models.gguf_raw.KQ4Weight`) -> the AVX2
+    kernel's K-quant stream (1-D uint8, :func:`stream_bytes` ``(n, k, KQ4_BITS)`` = ``n * k * 37 /
+    64`` bytes: 4.625 bits a weight), taken with ``bits = KQ4_BITS`` and ``group = 32``: per block
+    of 16 output features, per super-block of 256 inputs in k order, a 320-byte header (the 16
+    rows' float16 ``d``, then their 16 float16 ``dmin``, then the scales ``sc[j][row]`` for groups
+    ``j = 0..7`` as 128 bytes, then the mins ``mn[j][row]`` likewise), followed by the 8 groups'
+    codes exactly as :func:`fuse` lays out a 32-input group's 4-bit codes (:func:`pack`'s). The
+    kernel computes group ``j``'s scale ``d * sc[j]`` and offset ``dmin * -mn[j]`` in float32 (exact),
+    so it multiplies by the file's weights, those of ``gguf``'s dequantize.
+
+    Args:
+        packed: :func:`pack` ``(codes, 4)``: ``n * k / 2`` uint8.
+        d, dmin: ``[n, k / 256]`` float16. sc, mn: ``[n, k / 32]`` uint8, each below 64.
+
+    Raises:
+        ValueError: ``n`` not a positive multiple of 16, ``k`` of 256; sizes or dtypes that do not
+            match; a scale or min of 64 or more.
+    """
+    if n <= 0 or n % BLOCK_N or k <= 0 or k % KQ_SUPER:
+        raise ValueError(f"n must be a positive multiple of {BLOCK_N} and k of {KQ_SUPER}; got n={n}, k={k}")
+    nb, s, g = n // BLOCK_N, k // KQ_SUPER, k // 32
+    if (packed.dtype != torch.uint8 or packed.numel() != n * k // 2
+            or any(t.dtype != torch.float16 or t.shape != (n, s) for t in (d, dmin))
+            or any(t.dtype != torch.uint8 or t.shape != (n, g) for t in (sc, mn))):
+        raise ValueError(f"packed must be uint8 with n*k/2={n * k // 2} elements, d / dmin float16 [{n}, {s}], "
+                         f"sc / mn uint8 [{n}, {g}]; got {packed.dtype} {packed.numel()}, {d.dtype} "
+                         f"{tuple(d.shape)}, {dmin.dtype} {tuple(dmin.shape)}, {sc.dtype} {tuple(sc.shape)}, "
+                         f"{mn.dtype} {tuple(mn.shape)}")
+    if int(sc.max()) > 63 or int(mn.max()) > 63:
+        raise ValueError("sc / mn: K-quant scales and mins have 6 bits (0..63)")
+    codes = packed.reshape(nb, s, 8 * BLOCK_N * 16)  # a super-block's 8 groups of 16 x 32 codes
+
+    def per_row(t: torch.Tensor, per: int) -> torch.Tensor:  # [n, s * per] -> [nb, s, per * 16] (group major)
+        return t.reshape(nb, BLOCK_N, s, per).permute(0, 2, 3, 1).reshape(nb, s, per * BLOCK_N)
+
+    head = torch.cat([per_row(d, 1).contiguous().view(torch.uint8), per_row(dmin, 1).contiguous().view(torch.uint8),
+                      per_row(sc, 8), per_row(mn, 8)], dim=2)
+    return torch.cat([head, codes], dim=2).reshape(-1)
+
+
+def unfuse_kq4(stream: torch.Tensor, n: int, k: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`fuse_kq4`: (packed codes, ``d``, ``dmin``, ``sc``, ``mn``)."""
+    nb, s = n // BLOCK_N, k // KQ_SUPER
+    v = stream.reshape(nb, s, KQ_HEADER_BYTES + 8 * BLOCK_N * 16)
+    head = v[:, :, :KQ_HEADER_BYTES]
+
+    def rows(t: torch.Tensor, per: int) -> torch.Tensor:  # [nb, s, per * 16] -> [n, s * per]
+        return t.reshape(nb, s, per, BLOCK_N).permute(0, 3, 1, 2).reshape(n, s * per).contiguous()
+
+    d = rows(head[:, :, 0:32].contiguous().view(torch.float16), 1)
+    dmin = rows(head[:, :, 32:64].contiguous().view(torch.float16), 1)
+    return (v[:, :, KQ_HEADER_BYTES:].reshape(-1).contiguous(), d, dmin, rows(head[:, :, 64:192], 8),
+            rows(head[:, :, 192:320], 8))
 
 
 def fuse(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: int, k: int, bits: int,
@@ -316,7 +395,14 @@ def unfuse(fused: torch.Tensor, n: int, k: int, bits: int, group: int = 32
     """The inverse of :func:`fuse` and :func:`fuse5`: (packed codes, scales ``[n, k / group]``
     float16, offsets). ``bits``: the kernel's argument (:func:`stream_bits`; a compact stream's
     offsets are rebuilt, ``-c * scale``, exactly the ones it was fused from; a 5-bit stream gives
-    its 8-bit part's, :func:`pack`'s 8-bit codes)."""
+    its 8-bit part's, :func:`pack`'s 8-bit codes). A K-quant stream (:data:`KQ4_BITS`) gives its
+    groups' scales ``d * sc`` and offsets ``-(dmin * mn)`` as float32 (exact; float16 cannot hold
+    them)."""
+    if is_kquant(bits):
+        packed, d, dmin, sc, mn = unfuse_kq4(fused, n, k)
+        per = KQ_SUPER // 32
+        return (packed, d.float().repeat_interleave(per, dim=1) * sc.float(),
+                -(dmin.float().repeat_interleave(per, dim=1) * mn.float()))
     bits, c = stream_format(bits)
     nb, g = n // BLOCK_N, k // group
     hb = 32 if c else 64
@@ -383,6 +469,8 @@ def stream_bytes(n: int, k: int, kernel_bits: int, group: int = 32) -> int:
     """Bytes of the AVX2 build's stream of an ``n`` x ``k`` weight taken with ``kernel_bits``
     (:func:`stream_bits`): :func:`fuse`'s (a 64-byte header a block of 16 rows and group, 32 for
     the compact one, then the codes), or :func:`fuse5`'s (its 5-bit part, then the 8-bit stream)."""
+    if is_kquant(kernel_bits):
+        return n // BLOCK_N * (k // KQ_SUPER) * (KQ_HEADER_BYTES + BLOCK_N * KQ_SUPER // 2)
     bits, c = stream_format(kernel_bits)
     headers = n // BLOCK_N * (k // group) * (32 if c else 64)
     if bits == 5:
@@ -419,7 +507,10 @@ def gather_rows(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tenso
 
     Raises:
         IndexError: a row out of range.
+        ValueError: a K-quant stream (:data:`KQ4_BITS`; never an embedding's form).
     """
+    if is_kquant(kernel_bits):
+        raise ValueError("gather_rows: a K-quant stream is not an embedding table's form")
     bits, c = stream_format(kernel_bits)
     fused = scales.numel() == 0
     if fused and bits == 5:  # (the 8-bit stream that follows the 5-bit one)

@@ -131,14 +131,38 @@ constexpr int64_t HEADER_BYTES = 64;  // a group's 16 float16 scales, then its 1
 // (woq.py's symmetric_constant checks it in float32, bit for bit): the kernel rebuilds offset =
 // scale * (-c) in float32, the same value the stored float16 offset widens to, so the epilogue
 // computes the same bits. (Llama.cpp's Q8_0 read as codes q + 128: c = 128; Q5_0 as codes q: 16.)
+//
+// K-quant stream (the `bits` argument 4 + KQ_FLAG: a GGUF's Q4_K blocks as they are, woq.py's
+// fuse_kq4): per block of 16 output rows, per super-block of 256 inputs in k order, a
+// KQ_HEADER_BYTES header (the 16 rows' float16 d, their 16 float16 dmin, then the 6-bit scales
+// sc[j][row] and mins mn[j][row] as bytes, sub-group j = 0..7 of 32 inputs major) followed by the
+// super-block's 8 groups of 4-bit codes, each exactly as a 32-input group of the Q4_1-form stream.
+// The kernel rebuilds each group's scale = d * sc[j] and offset = dmin * (-mn[j]) in fp32 (exact:
+// a float16 times an integer below 64), so that scale * code + offset is the file's weight with
+// the one rounding of gguf's dequantize; 4.625 bits a weight against the Q4_1 form's 5.
 struct Header {
-  int64_t bytes;  // a group header's bytes in the stream
+  int64_t bytes;  // a group header's bytes in the stream (K-quant: a super-block's)
   float negc;     // -c (compact header), or 0 (offsets stored)
+  bool kq;        // a K-quant super-block header (8 groups of 32 inputs)
 };
+constexpr int64_t KQ_FLAG = int64_t(1) << 16;
+constexpr int64_t KQ_HEADER_BYTES = 320;  // 16 d, 16 dmin (float16), 8 x 16 sc, 8 x 16 mn (bytes)
+constexpr int KQ_GROUP_SHIFT = 3;         // log2(8 groups of 32 inputs a super-block)
 inline int64_t width_of(int64_t bits) { return bits & 255; }
 inline Header header_of(int64_t bits) {
-  const int64_t c = bits >> 8;
-  return {c ? HEADER_BYTES / 2 : HEADER_BYTES, c ? -static_cast<float>(c) : 0.0f};
+  if (bits & KQ_FLAG) return {KQ_HEADER_BYTES, 0.0f, true};
+  const int64_t c = (bits >> 8) & 255;
+  return {c ? HEADER_BYTES / 2 : HEADER_BYTES, c ? -static_cast<float>(c) : 0.0f, false};
+}
+// A stream's bytes per 16-row block (k inputs, groups of `group`; the 8-bit part after a 5-bit one
+// not included).
+inline int64_t block_bytes_of(const Header& hd, int64_t width, int64_t k, int64_t group) {
+  if (hd.kq) return k / 256 * (KQ_HEADER_BYTES + BLOCK_N * 256 * width / 8);
+  return k / group * (hd.bytes + BLOCK_N * group * width / 8);
+}
+// log2 of a header's blocks of 32 inputs
+inline int group_shift_of(const Header& hd, int64_t group) {
+  return hd.kq ? KQ_GROUP_SHIFT : group == 32 ? 0 : group == 64 ? 1 : 2;
 }
 
 // 8 fp32 outputs -> bf16, round to nearest even (sgrt/bf16.h: no NaN test, see there)
@@ -281,6 +305,25 @@ inline void load_header(const uint8_t* h, __m256* so, const Header& hd) {
   so[3] = _mm256_mul_ps(so[1], negc);
 }
 
+// Sub-group j (0..7) of a K-quant super-block header h -> the 16 rows' scales d * sc[j] and
+// offsets dmin * (-mn[j]) as 4 fp32 vectors (load_header's order), each product exact
+inline void load_kheader(const uint8_t* h, int64_t j, __m256* so) {
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 64 + 16 * j));
+  const __m128i mn = _mm_sub_epi8(_mm_setzero_si128(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 192 + 16 * j)));
+  const auto f = [](__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); };  // (sc < 64: as s8)
+  so[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))), f(sc));
+  so[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 16))), f(_mm_srli_si128(sc, 8)));
+  so[2] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 32))), f(mn));
+  so[3] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 48))), f(_mm_srli_si128(mn, 8)));
+}
+
+// The scales and offsets of block b of 32 inputs of a 4-bit stream whose current header is h:
+// a group header's, or a K-quant super-block's sub-group b % 8
+inline void header4(const uint8_t* h, int64_t b, const Header& hd, __m256* so) {
+  if (hd.kq) load_kheader(h, b & 7, so);
+  else load_header(h, so);
+}
+
 // R rows (1 or 2), one block b of 32 inputs, against the 4 chunks of 4-bit codes at p (one
 // 16-row weight block's codes for those inputs; so: their group's scales and offsets): y0, y1
 // (rows 0-7, 8-15 of each row's outputs) += the block's terms. The 4-bit kernel's arithmetic,
@@ -340,17 +383,20 @@ __attribute__((always_inline)) inline void sums4(const uint8_t* p, const RowArgs
 
 // R rows (1 or 2) against one 16-row block of 4-bit codes (sums4 per block of 32 inputs).
 template <int R, bool ACT8 = false>
-inline void block4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
+inline void block4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift, const Header& hd) {
   __m256 y0[R], y1[R];
   for (int r = 0; r < R; ++r) y0[r] = y1[r] = _mm256_setzero_ps();
-  const int64_t per_group = int64_t(1) << group_shift;  // blocks of 32 inputs a group
+  const int64_t per_group = int64_t(1) << group_shift;  // blocks of 32 inputs a group (header)
   __m256 so[4];
+  const uint8_t* h = w;
   const uint8_t* p = w;  // the stream: header, the group's blocks of codes, next header, ...
   for (int64_t b = 0; b < KB; ++b, p += 256) {
     if ((b & (per_group - 1)) == 0) {
-      load_header(p, so);
-      p += HEADER_BYTES;
+      h = p;
+      if (!hd.kq) load_header(h, so);
+      p += hd.bytes;
     }
+    if (hd.kq) load_kheader(h, b & 7, so);
     for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
     sums4<R, ACT8>(p, rows, b, so, y0, y1);
   }
@@ -367,7 +413,7 @@ inline void block4(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_
 // nibble vectors, one X vector (each loaded once for rows 0-7 and 8-15) and two products; gcc's
 // own allocation of sums4<2> kept 3-4 of the sums on the stack (a store / load pair each a chunk).
 // The float sums stay in memory between blocks, as in block8x4.
-inline void block4x2(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
+inline void block4x2(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift, const Header& hd) {
   alignas(32) static const uint8_t k0f[32] = {
       15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15,
       15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
@@ -385,7 +431,7 @@ inline void block4x2(const uint8_t* w, const RowArgs* rows, int64_t KB, int grou
   for (int64_t b = 0; b < KB; ++b, p += 256) {
     if ((b & (per_group - 1)) == 0) {
       header = p;
-      p += HEADER_BYTES;
+      p += hd.bytes;
     }
     for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
     __m256i ha0 = _mm256_setzero_si256(), hb0 = ha0, la0 = ha0, lb0 = ha0, ha1 = ha0, hb1 = ha0, la1 = ha0, lb1 = ha0;
@@ -439,7 +485,7 @@ inline void block4x2(const uint8_t* w, const RowArgs* rows, int64_t KB, int grou
     }
     const __m256i hA[2] = {ha0, ha1}, hB[2] = {hb0, hb1}, lA[2] = {la0, la1}, lB[2] = {lb0, lb1};
     __m256 so[4];
-    load_header(header, so);
+    header4(header, b, hd, so);
     for (int r = 0; r < 2; ++r) {  // isum = 254 * (sum against q1) + (sum against q2), as in sums4
       const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(hA[r], pairs), w254),
                                           _mm256_madd_epi16(_mm256_shuffle_epi8(lA[r], pairs), ones));
@@ -468,7 +514,7 @@ inline void block4x2(const uint8_t* w, const RowArgs* rows, int64_t KB, int grou
 // row's outputs are bitwise block4's (the same epilogue, in the same order). Reads the rows' Q in
 // place (no expand4), and widens each weight vector once for 4 rows. The k loop is asm, as in
 // block8x4 (15 registers named); the float sums stay in memory between blocks.
-inline void block4x4w(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
+inline void block4x4w(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift, const Header& hd) {
   alignas(32) static const uint8_t k0f[32] = {
       15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15,
       15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
@@ -483,7 +529,7 @@ inline void block4x4w(const uint8_t* w, const RowArgs* rows, int64_t KB, int gro
   for (int64_t b = 0; b < KB; ++b, p += 256) {
     if ((b & (per_group - 1)) == 0) {
       header = p;
-      p += HEADER_BYTES;
+      p += hd.bytes;
     }
     for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
     __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
@@ -528,7 +574,7 @@ inline void block4x4w(const uint8_t* w, const RowArgs* rows, int64_t KB, int gro
     }
     const __m256i a0[4] = {a00, a10, a20, a30}, a1[4] = {a01, a11, a21, a31};
     __m256 so[4];
-    load_header(header, so);
+    header4(header, b, hd, so);
     for (int r = 0; r < 4; ++r) {
       __m256 y0 = _mm256_load_ps(yacc[r]), y1 = _mm256_load_ps(yacc[r] + 8);
       epilogue(a0[r], a1[r], so, rows[r].dx[b], rows[r].qs[b], y0, y1);
@@ -570,20 +616,20 @@ struct StreamPos {
 // rather than held in 4 x S registers).
 template <int S, bool ACT8>
 inline void block4_streams(const uint8_t* const* w, const RowArgs& row, uint16_t* const* y, int64_t KB,
-                           int group_shift) {
+                           int group_shift, const Header& hd) {
   __m256 y0[S], y1[S];
   for (int s = 0; s < S; ++s) y0[s] = y1[s] = _mm256_setzero_ps();
   StreamPos<S> at(w, group_shift);
   const uint8_t* const* const h = at.h;
   const uint8_t** const p = at.p;
   for (int64_t b = 0; b < KB; ++b) {
-    at.enter(b, HEADER_BYTES);
+    at.enter(b, hd.bytes);
 #pragma GCC unroll 8
     for (int s = 0; s < S; ++s) {
       if (STREAM4_PREFETCH)
         for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p[s] + STREAM4_PREFETCH + 64 * l), SGRT_PREFETCH_HINT);
       __m256 so[4];
-      load_header(h[s], so);
+      header4(h[s], b, hd, so);
       sums4<1, ACT8>(p[s], &row, b, so, &y0[s], &y1[s]);
       p[s] += 256;
     }
@@ -618,13 +664,13 @@ inline void walk_streams(const uint8_t* wp, int64_t block_bytes, int64_t b0, int
 // stream: STREAMS4 parts side by side (block4_streams), the blocks left over by block4<1>.
 template <bool ACT8>
 void row4_streams(const uint8_t* wp, int64_t block_bytes, int64_t b0, int64_t b1, const RowArgs& row,
-                  uint16_t* yp, int64_t KB, int group_shift) {
+                  uint16_t* yp, int64_t KB, int group_shift, const Header& hd) {
   walk_streams<STREAMS4>(
       wp, block_bytes, b0, b1, yp,
-      [&](const uint8_t* const* w, uint16_t* const* y) { block4_streams<STREAMS4, ACT8>(w, row, y, KB, group_shift); },
+      [&](const uint8_t* const* w, uint16_t* const* y) { block4_streams<STREAMS4, ACT8>(w, row, y, KB, group_shift, hd); },
       [&](const uint8_t* w, uint16_t* y) {
         const RowArgs rows[1] = {{row.X, row.dx, row.qs, y}};
-        block4<1, ACT8>(w, rows, KB, group_shift);
+        block4<1, ACT8>(w, rows, KB, group_shift, hd);
       });
 }
 
@@ -771,6 +817,22 @@ SGRT_TARGET_AVX512 inline void load_header16(const uint8_t* h, const Header& hd,
                        : _mm512_mul_ps(sc, _mm512_set1_ps(hd.negc));
 }
 
+// load_kheader's values as two 16-lane vectors (sub-group j of a K-quant super-block header h)
+SGRT_TARGET_AVX512 inline void load_kheader16(const uint8_t* h, int64_t j, __m512& sc, __m512& of) {
+  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 64 + 16 * j));
+  const __m128i m = _mm_sub_epi8(_mm_setzero_si128(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 192 + 16 * j)));
+  sc = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))),
+                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
+  of = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32))),
+                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(m)));
+}
+
+// header4 on 16-lane vectors
+SGRT_TARGET_AVX512 inline void header4_16(const uint8_t* h, int64_t b, const Header& hd, __m512& sc, __m512& of) {
+  if (hd.kq) load_kheader16(h, b & 7, sc, of);
+  else load_header16(h, hd, sc, of);
+}
+
 // One chunk's activation vectors (expand4's X01 / X23 of q1, Y01 / Y23 of q2; no q2 for int8
 // activations), each broadcast to both halves so that rows 0-7 and 8-15 share it.
 struct Acts512 {
@@ -800,12 +862,11 @@ SGRT_TARGET_AVX512 inline void add_chunk512(__m512i& h, __m512i& l, __m512i lo, 
 // vectors), per block of 32 inputs each block's 4 chunks in turn.
 template <int S, bool ACT8>
 SGRT_TARGET_AVX512 inline void block4_streams512(const uint8_t* const* w, const RowArgs& row, uint16_t* const* y,
-                                                 int64_t KB, int group_shift) {
+                                                 int64_t KB, int group_shift, const Header& hd) {
   const __m512i m0f = _mm512_set1_epi8(0x0f);
   const __m512i ones = _mm512_set1_epi16(1), w254 = _mm512_set1_epi16(254);
   // per 128-bit lane: words 0 4 1 5 2 6 3 7 (sums4's `pairs`)
   const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
-  const Header hd{HEADER_BYTES, 0.0f};  // 4-bit groups store their offsets
   __m512 acc[S];
   for (int s = 0; s < S; ++s) acc[s] = _mm512_setzero_ps();
   StreamPos<S> at(w, group_shift);
@@ -813,7 +874,7 @@ SGRT_TARGET_AVX512 inline void block4_streams512(const uint8_t* const* w, const 
   const uint8_t** const p = at.p;
   const int8_t* const X0 = static_cast<const int8_t*>(row.X);
   for (int64_t b = 0; b < KB; ++b) {
-    at.enter(b, HEADER_BYTES);
+    at.enter(b, hd.bytes);
     __m512i hs[S], ls[S];  // s16 sums against q1 (h) and q2 (l), rows 0-7 low half, 8-15 high
     for (int s = 0; s < S; ++s) hs[s] = ls[s] = _mm512_setzero_si512();
     if (STREAM4_PREFETCH512)
@@ -835,7 +896,7 @@ SGRT_TARGET_AVX512 inline void block4_streams512(const uint8_t* const* w, const 
       const __m512i isum = ACT8 ? _mm512_madd_epi16(hsum, ones)
                                 : _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_shuffle_epi8(ls[s], pairs), ones), hsum, w254);
       __m512 sc, of;
-      load_header16(h[s], hd, sc, of);
+      header4_16(h[s], b, hd, sc, of);
       acc[s] = epilogue512(isum, sc, of, row.dx[b], row.qs[b], acc[s]);
       p[s] += 256;
     }
@@ -847,11 +908,11 @@ SGRT_TARGET_AVX512 inline void block4_streams512(const uint8_t* const* w, const 
 template <bool ACT8>
 SGRT_TARGET_AVX512 __attribute__((noinline)) void row4_streams512(const uint8_t* wp, int64_t block_bytes, int64_t b0,
                                                                   int64_t b1, const RowArgs& row, uint16_t* yp,
-                                                                  int64_t KB, int group_shift) {
+                                                                  int64_t KB, int group_shift, const Header& hd) {
   walk_streams<STREAMS4>(
       wp, block_bytes, b0, b1, yp,
-      [&](const uint8_t* const* w, uint16_t* const* y) { block4_streams512<STREAMS4, ACT8>(w, row, y, KB, group_shift); },
-      [&](const uint8_t* w, uint16_t* y) { block4_streams512<1, ACT8>(&w, row, &y, KB, group_shift); });
+      [&](const uint8_t* const* w, uint16_t* const* y) { block4_streams512<STREAMS4, ACT8>(w, row, y, KB, group_shift, hd); },
+      [&](const uint8_t* w, uint16_t* y) { block4_streams512<1, ACT8>(&w, row, &y, KB, group_shift, hd); });
 }
 
 // block8_streams on 512-bit vectors: per k-pair one vpmovzxbw of the block's 32 bytes (rows 0-15 as
@@ -1105,18 +1166,20 @@ SGRT_TARGET_AVX512 inline void store16(const __m512* y, const RowArgs* rows) {
 // of rows 0-3, 4-7, 8-11, 12-15 of k-pairs 0 (low nibbles: vpand 0x0f) and 2 (high: vpsrlw 4),
 // vpunpckhbw those of k-pairs 1 and 3.
 template <int R>
-SGRT_TARGET_AVX512 void block4w_512(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift) {
+SGRT_TARGET_AVX512 void block4w_512(const uint8_t* w, const RowArgs* rows, int64_t KB, int group_shift, const Header& hd) {
   const __m512i m0f = _mm512_set1_epi8(0x0f), z = _mm512_setzero_si512();
-  const Header hd{HEADER_BYTES, 0.0f};
   __m512 y[R], sc, of;
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   const int64_t per_group = int64_t(1) << group_shift;
+  const uint8_t* h = w;
   const uint8_t* p = w;
   for (int64_t b = 0; b < KB; ++b, p += 256) {
     if ((b & (per_group - 1)) == 0) {
-      load_header16(p, hd, sc, of);
-      p += HEADER_BYTES;
+      h = p;
+      if (!hd.kq) load_header16(h, hd, sc, of);
+      p += hd.bytes;
     }
+    if (hd.kq) load_kheader16(h, b & 7, sc, of);
     for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
     __m512i a[R];
     for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
@@ -1183,11 +1246,14 @@ SGRT_TARGET_AVX512 void block_512i(const uint8_t* w, const RowArgs* rows, int64_
   __m512 sc, of;
   const int64_t per_group = int64_t(1) << group_shift;
   const uint8_t* p = w;
+  const uint8_t* h = w;
   for (int64_t b = 0; b < KB; ++b, p += 64 * BITS) {
     if ((b & (per_group - 1)) == 0) {
-      load_header16(p, hd, sc, of);
+      h = p;
+      if (!hd.kq) load_header16(h, hd, sc, of);
       p += hd.bytes;
     }
+    if (hd.kq) load_kheader16(h, b & 7, sc, of);
     for (int l = 0; l < BITS; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * l), SGRT_PREFETCH_HINT);
     __m512i a[R];
     for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
@@ -1306,10 +1372,9 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
   const int64_t bits = width_of(format);  // (format: the operators' `bits` argument, see Header)
   if (bits == 5) return linear_blocks5<ACT8>(q1, q2, Q, dx, qs, M, wp, n, k, format, group, yp, b0, b1);
   const Header hd = header_of(format);
-  const int64_t G = k / group;
-  const int64_t block_bytes = G * (hd.bytes + BLOCK_N * group * bits / 8);
+  const int64_t block_bytes = block_bytes_of(hd, bits, k, group);
   const int64_t KB = k / QBLOCK;
-  const int group_shift = group == 32 ? 0 : group == 64 ? 1 : 2;  // log2(group / 32)
+  const int group_shift = group_shift_of(hd, group);  // log2(blocks of 32 inputs a header)
   if (bits == 8 && M == 1 && STREAMS8 > 1) {  // decode: several streams (block8_streams)
     if (has_avx512_vnni()) return row8_streams512(wp, block_bytes, b0, b1, RowArgs{Q, dx, qs, nullptr}, yp, KB, group_shift, hd);
     row8_streams(wp, block_bytes, b0, b1, RowArgs{Q, dx, qs, nullptr}, yp, KB, group_shift, hd);
@@ -1339,8 +1404,8 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
     if (bits == 4)
       for (int64_t m = x0; m < t1; ++m) expand4(q1 + m * k, ACT8 ? nullptr : q2 + m * k, k, X + (m - x0) * row_bytes);
     if (bits == 4 && M == 1 && STREAMS4 > 1) {  // decode: several streams (block4_streams)
-      if (has_avx512_vnni()) return row4_streams512<ACT8>(wp, block_bytes, b0, b1, RowArgs{X, dx, qs, nullptr}, yp, KB, group_shift);
-      row4_streams<ACT8>(wp, block_bytes, b0, b1, RowArgs{X, dx, qs, nullptr}, yp, KB, group_shift);
+      if (has_avx512_vnni()) return row4_streams512<ACT8>(wp, block_bytes, b0, b1, RowArgs{X, dx, qs, nullptr}, yp, KB, group_shift, hd);
+      row4_streams<ACT8>(wp, block_bytes, b0, b1, RowArgs{X, dx, qs, nullptr}, yp, KB, group_shift, hd);
       return;
     }
     // AVX-512: the tile's groups of 16 rows interleaved (block_512i)
@@ -1362,7 +1427,7 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
         RowArgs rows[16];
         for (int r = 0; r < 16; ++r) rows[r] = args(m + r, b, nullptr);
         if (bits == 8) block_512i<8>(w, rows, KB, group_shift, hd, Qi + g * 8 * k);
-        else block_512i<4>(w, rows, KB, group_shift, Header{HEADER_BYTES, 0.0f}, Qi + g * 8 * k);
+        else block_512i<4>(w, rows, KB, group_shift, hd, Qi + g * 8 * k);
       }
       if (avx512 && (bits == 8 || wide4)) {  // the rest 8, then 4, a weight load
         const auto tiles = [&](auto rows_c) {
@@ -1371,7 +1436,7 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
             RowArgs rows[R];
             for (int r = 0; r < R; ++r) rows[r] = args(m + r, b, Q + (m + r) * k);
             if (bits == 8) block8_512<R>(w, rows, KB, group_shift, hd);
-            else block4w_512<R>(w, rows, KB, group_shift);
+            else block4w_512<R>(w, rows, KB, group_shift, hd);
           }
         };
         tiles(std::integral_constant<int, 8>());
@@ -1393,19 +1458,19 @@ __attribute__((noinline)) void linear_blocks(const int8_t* const q1, const int8_
               {Q + (m + 1) * k, dx + (m + 1) * KB, qs + (m + 1) * KB, yp + (m + 1) * n + b * BLOCK_N},
               {Q + (m + 2) * k, dx + (m + 2) * KB, qs + (m + 2) * KB, yp + (m + 2) * n + b * BLOCK_N},
               {Q + (m + 3) * k, dx + (m + 3) * KB, qs + (m + 3) * KB, yp + (m + 3) * n + b * BLOCK_N}};
-          block4x4w(w, rows, KB, group_shift);
+          block4x4w(w, rows, KB, group_shift, hd);
         }
       for (; m + 2 <= t1; m += 2) {
         const RowArgs rows[2] = {
             {xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N},
             {xrow(m + 1), dx + (m + 1) * KB, qs + (m + 1) * KB, yp + (m + 1) * n + b * BLOCK_N}};
-        if (bits == 4 && !ACT8) block4x2(w, rows, KB, group_shift);
-        else if (bits == 4) block4<2, ACT8>(w, rows, KB, group_shift);
+        if (bits == 4 && !ACT8) block4x2(w, rows, KB, group_shift, hd);
+        else if (bits == 4) block4<2, ACT8>(w, rows, KB, group_shift, hd);
         else block8<2>(w, rows, KB, group_shift, hd);
       }
       if (m < t1) {
         const RowArgs rows[1] = {{xrow(m), dx + m * KB, qs + m * KB, yp + m * n + b * BLOCK_N}};
-        if (bits == 4) block4<1, ACT8>(w, rows, KB, group_shift);
+        if (bits == 4) block4<1, ACT8>(w, rows, KB, group_shift, hd);
         else block8<1>(w, rows, KB, group_shift, hd);
       }
     }
@@ -1504,9 +1569,13 @@ void linear_part_q8_prefill(const uint16_t* xb, int64_t M, const uint8_t* wp, in
 // with an x of no rows, before it calls linear_raw directly).
 void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
                 int64_t n, int64_t k, int64_t bits, int64_t group) {
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8 || (bits > 256 && bits < 65536 && (width_of(bits) == 8 || width_of(bits) == 5)),
-              "sgrt_woq_avx2.linear: bits must be 4, 5 or 8, or 8 / 5 + 256 * c with c in 1..255 (8-bit or 5-bit "
-              "codes, offsets -c * scale, compact group headers), got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8 || (bits > 256 && bits < 65536 && (width_of(bits) == 8 || width_of(bits) == 5))
+                  || bits == 4 + KQ_FLAG,
+              "sgrt_woq_avx2.linear: bits must be 4, 5 or 8, 8 / 5 + 256 * c with c in 1..255 (8-bit or 5-bit "
+              "codes, offsets -c * scale, compact group headers), or 4 + 65536 (K-quant super-blocks), got ", bits);
+  TORCH_CHECK(!(bits & KQ_FLAG) || (group == 32 && k % 256 == 0),
+              "sgrt_woq_avx2.linear: a K-quant stream (bits 4 + 65536) needs group=32 and k a multiple of 256, got "
+              "group=", group, ", k=", k);
   TORCH_CHECK(group == 32 || group == 64 || group == 128,
               "sgrt_woq_avx2.linear: group must be 32, 64 or 128, got ", group);
   TORCH_CHECK(n > 0 && n % BLOCK_N == 0,
@@ -1533,10 +1602,11 @@ void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
   // per block of 16 rows and group: a 64-byte header (scales, offsets; compact: 32, scales), then
   // the group's codes
   const Header hd = header_of(bits);
-  int64_t block_bytes = G * (hd.bytes + BLOCK_N * group * width_of(bits) / 8);
+  int64_t block_bytes = block_bytes_of(hd, width_of(bits), k, group);
   if (width_of(bits) == 5) block_bytes += G * (hd.bytes + BLOCK_N * group);  // (then the 8-bit stream)
   TORCH_CHECK(packed.is_contiguous() && packed.numel() == n / BLOCK_N * block_bytes,
-              "sgrt_woq_avx2.linear: packed must be contiguous with n*k*bits/8 + ", hd.bytes / 16, "*n*k/group",
+              "sgrt_woq_avx2.linear: packed must be contiguous with n*k*bits/8 + ",
+              hd.kq ? "20*n*k/256" : std::to_string(hd.bytes / 16) + "*n*k/group",
               width_of(bits) == 5 ? " (twice: 5 bits, then 8)" : "", "=", n / BLOCK_N * block_bytes,
               " bytes (woq.fuse / fuse5: codes, scales", hd.negc == 0.0f ? " and offsets" : "", " in one stream), got ",
               packed.numel());
@@ -1555,7 +1625,7 @@ at::Tensor woq_dequantize_rows(const at::Tensor& packed, const at::Tensor& scale
   const Header hd = header_of(bits);
   const int64_t width = width_of(bits) == 5 ? 8 : width_of(bits);
   const int64_t G = k / group, code_bytes = BLOCK_N * group * width / 8;
-  const int64_t block_bytes = G * (hd.bytes + code_bytes);
+  const int64_t block_bytes = block_bytes_of(hd, width, k, group);
   const uint8_t* base = packed.data_ptr<uint8_t>();
   if (width_of(bits) == 5) base += n / BLOCK_N * (G * hd.bytes + BLOCK_N * k * 5 / 8);  // (the 8-bit stream)
   at::Tensor w(at::detail::empty_cpu({r1 - r0, k}, at::kBFloat16));
@@ -1565,11 +1635,13 @@ at::Tensor woq_dequantize_rows(const at::Tensor& packed, const at::Tensor& scale
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* blk = base + b * block_bytes;
       for (int64_t g = 0; g < G; ++g) {
-        const uint8_t* h = blk + g * (hd.bytes + code_bytes);
-        const uint8_t* c = h + hd.bytes;
+        // (K-quant: the super-block's header, then its 8 groups' codes)
+        const uint8_t* h = hd.kq ? blk + (g >> 3) * (hd.bytes + 8 * code_bytes) : blk + g * (hd.bytes + code_bytes);
+        const uint8_t* c = h + hd.bytes + (hd.kq ? (g & 7) * code_bytes : 0);
         alignas(32) float sc[BLOCK_N], of[BLOCK_N];
         __m256 so[4];
-        load_header(h, so, hd);
+        if (hd.kq) load_kheader(h, g & 7, so);
+        else load_header(h, so, hd);
         _mm256_store_ps(sc, so[0]);
         _mm256_store_ps(sc + 8, so[1]);
         _mm256_store_ps(of, so[2]);

@@ -91,6 +91,9 @@ def _check_form(store: WeightStore, name: str, form: Any, shape: tuple[int, int]
         kernel_bits = form.get("stream_bits")
         if not isinstance(kernel_bits, int) or woq.stream_format(kernel_bits)[0] not in ((4,) if bits == 4 else (5, 8)):
             raise DamagedStore(store.folder, f"{name}: kernel bits {kernel_bits!r} for {bits}-bit codes")
+        if woq.is_kquant(kernel_bits) and (bits != 4 or k % woq.KQ_SUPER or kernel_bits != woq.KQ4_BITS):
+            raise DamagedStore(store.folder, f"{name}: a K-quant stream (kernel bits {kernel_bits!r}) cannot hold "
+                                             f"{n} x {k} {bits}-bit codes")
         _tensor(store, f"{name}.stream", torch.uint8, (woq.stream_bytes(n, k, kernel_bits),))
 
 

@@ -17,6 +17,10 @@ are (:data:`BLOCK_READERS`):
   codes).
 - 8-bit codes: ``Q8_0`` (``w = d * q``, ``q`` int8, read as codes ``q + 128``).
 
+``Q4_K`` is also read as it is (:func:`unpack_q4_k_super` -> :class:`KQ4Weight`: ``d``, ``dmin``
+and the 6-bit scales and mins, no float16 products), for the AVX2 kernel's K-quant stream
+(:func:`sgrt.kernels.woq.fuse_kq4`), which int4 projections of ``Q4_K`` parts take.
+
 Other types (``Q6_K``'s sixteen scales per 256 weights, ``Q2_K``, ``Q3_K``, the IQ types, float
 types) have no such form; the packer (:mod:`sgrt.models.weight_packer`) dequantizes them a row
 chunk at a time and quantizes the rows to the kernel's groups. Blocks never span rows, so every
@@ -211,6 +215,66 @@ def unpack_q4_k(blocks: np.ndarray, rows: int, cols: int) -> Q4_1Weight:
     gd, gm = _k_groups(b)
     qs = b[..., 16:].reshape(rows, -1, 4, 32)  # per 64 weights: low nibbles group 2i, high 2i + 1
     return _weight(np.stack([qs & 0x0F, qs >> 4], axis=3), gd, gm, rows, cols)
+
+
+@dataclass
+class KQ4Weight:
+    """One ``Q4_K`` weight matrix ``[rows, cols]`` with its super-block scales as the file holds
+    them (no float16 rounding of the products): group ``j`` of 32 inputs in super-block ``s`` of
+    256 is ``w = (d[s] * sc[j]) * q - dmin[s] * mn[j]``, each product exact in float32.
+
+    Attributes:
+        codes: ``[rows, cols]`` uint8, 0..15.
+        d, dmin: ``[rows, cols // 256]`` float16, each super-block's scale of scales and of mins.
+        sc, mn: ``[rows, cols // 32]`` uint8, 0..63: each group's 6-bit scale and min.
+    """
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
+    sc: torch.Tensor
+    mn: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)  # type: ignore[return-value]
+
+    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale ``d * sc``, offset ``-(dmin * mn)``), each ``[rows, cols // 32]`` float32, exact."""
+        d = self.d.float().repeat_interleave(Q4_K_SUPER // Q4_1_GROUP, dim=1)
+        dmin = self.dmin.float().repeat_interleave(Q4_K_SUPER // Q4_1_GROUP, dim=1)
+        return d * self.sc.float(), -(dmin * self.mn.float())
+
+    def dequantize(self) -> torch.Tensor:
+        """``scale * q + offset`` in float32, ``[rows, cols]``: ``gguf.quants.dequantize``'s values
+        for the file's ``Q4_K`` blocks, bit for bit (the same two products and one sum)."""
+        rows, cols = self.codes.shape
+        scale, offset = self.group_scales()
+        q = self.codes.view(rows, cols // Q4_1_GROUP, Q4_1_GROUP).float()
+        return (scale.unsqueeze(-1) * q + offset.unsqueeze(-1)).view(rows, cols)
+
+    @staticmethod
+    def cat(parts: list["KQ4Weight"]) -> "KQ4Weight":
+        """Concatenate along rows (output features)."""
+        return KQ4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "d", "dmin", "sc", "mn")))
+
+
+def unpack_q4_k_super(blocks: np.ndarray, rows: int, cols: int) -> KQ4Weight:
+    """Raw bytes ``[rows, cols // 256 * 144]`` uint8 of one ``Q4_K`` tensor -> :class:`KQ4Weight`
+    (ggml's ``block_q4_K``, as in :func:`unpack_q4_k`), the scales as they are.
+
+    Raises:
+        ValueError: ``cols`` not a multiple of 256.
+    """
+    b = _blocks(blocks, rows, cols, "Q4_K", Q4_K_SUPER, 144)
+    sc, mn = _k_scales(b[..., 4:16])
+    qs = b[..., 16:].reshape(rows, -1, 4, 32)
+    codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a.reshape(rows, -1)))
+
+    return KQ4Weight(t(codes), t(_half(b, 0)), t(_half(b, 2)), t(sc), t(mn))
 
 
 def unpack_q5_k(blocks: np.ndarray, rows: int, cols: int) -> Q4_1Weight:

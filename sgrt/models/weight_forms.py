@@ -12,7 +12,11 @@ from the quantization, the kernels that run here and the file's tensor types (th
   GGUF's own codes (:data:`sgrt.models.gguf_raw.BLOCK_READERS`: Q4_0 / Q4_1 / Q4_K as 4-bit,
   Q5_0 / Q5_1 / Q5_K / Q8_0 as 8-bit; no float round trip), or ``"float"``, quantized from the
   rows by min / max (``quantize_groups``; HF checkpoints, and GGUF types without that form such as
-  Q6_K, dequantized a chunk at a time);
+  Q6_K, dequantized a chunk at a time). ``kq``: an int4 projection whose parts are all ``Q4_K``,
+  on the AVX2 build, held as the file's super-blocks (``woq.fuse_kq4``: float16 ``d`` / ``dmin``
+  and 6-bit scales / mins per 256 inputs, 4.625 bits a weight; exact) instead of a float16 scale
+  and offset per 32 (5 bits, the products rounded); not the LM head, whose table a tied embedding
+  reads (``woq.gather_rows`` takes the per-group form);
 - ``"int8_torch"`` / ``"int4_torch"``: torch's packed kernels where the native one does not run
   (CUDA; CPUs without AVX2): their codes and scales, device-packed at load.
 
@@ -30,7 +34,7 @@ from sgrt.models import gguf_raw
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Bump when what a store holds for a target changes (its folder name carries it: old ones are not read).
-PACK_VERSION = 1
+PACK_VERSION = 2  # (2: Q4_K projections as K-quant streams, Form.kq)
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,8 @@ class Form:
         five: the AVX2 build's 5-bit stream of codes below 32 beside the 8-bit one.
         wide: an int4-mode weight kept in int8 because the file holds it in more than 4 bits.
         stream_bits: the kernel's ``bits`` argument (``"group"`` on the AVX2 build).
+        kq: the AVX2 build's K-quant stream of ``Q4_K`` super-blocks (module docstring; 4-bit,
+            ``stream_bits`` ``woq.KQ4_BITS``).
     """
 
     form: str
@@ -99,6 +105,7 @@ class Form:
     five: bool = False
     wide: bool = False
     stream_bits: int = 0
+    kq: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -126,7 +133,9 @@ def choose_form(types: list[str], rows: int, cols: int, method: str, target: Tar
     bits = 8 if kind == "int8" else 4
     if kind == "int4" and four:
         if target.native and GroupLinear.supports(rows, cols, torch.device("cpu")):
-            return Form("group", rows, cols, 4, "blocks")
+            kq = (not head and target.layout in ("avx2", "avx2-5bit") and cols % gguf_raw.Q4_K_SUPER == 0
+                  and all(t == "Q4_K" for t in types))
+            return Form("group", rows, cols, 4, "blocks", kq=kq)
         if Int4Linear.supports(rows, cols, device):
             return Form("int4_torch", rows, cols, 4, "blocks")
     # (8-bit codes hold a 4-bit part exactly too: an int4-mode projection widened by its finer parts

@@ -185,6 +185,9 @@ class Packer:
 
             run_chunks(_chunks(n, k), packed_chunk, self.workers)
             return
+        if f.kq:
+            self._write_kq4(name, parts, f)
+            return
         f.stream_bits = woq.stream_bits(5 if f.five else f.bits, f.c)
         total = woq.stream_bytes(n, k, f.stream_bits, GROUP)
         slot = self.writer.reserve(f"{name}.stream", torch.uint8, (total,))
@@ -204,6 +207,23 @@ class Packer:
             self.writer.write(slot, five_total + b0 * full_block, full)
 
         run_chunks(_chunks(n, k), stream_chunk, self.workers)
+
+    def _write_kq4(self, name: str, parts: list[Part], f: Form) -> None:
+        """A ``Q4_K`` weight's super-blocks as they are, in the AVX2 build's K-quant stream
+        (:func:`sgrt.kernels.woq.fuse_kq4`), one chunk of 16-row blocks at a time."""
+        from sgrt.kernels import woq
+
+        n, k = f.rows, f.cols
+        f.stream_bits = woq.KQ4_BITS
+        slot = self.writer.reserve(f"{name}.stream", torch.uint8, (woq.stream_bytes(n, k, woq.KQ4_BITS),))
+        block = woq.stream_bytes(BLOCK_ROWS, k, woq.KQ4_BITS)  # bytes of one 16-row block
+
+        def chunk(r0: int, r1: int) -> None:
+            w = gguf_raw.KQ4Weight.cat(read_rows(self.tensors, parts, r0, r1, blocks=True, kquant=True))
+            stream = woq.fuse_kq4(woq.pack(w.codes, 4), w.d, w.dmin, w.sc, w.mn, r1 - r0, k)
+            self.writer.write(slot, r0 // BLOCK_ROWS * block, stream)
+
+        run_chunks(_chunks(n, k), chunk, self.workers)
 
     def _write_int8_torch(self, name: str, parts: list[Part], f: Form) -> None:
         from sgrt.models.quant import quantize_int8

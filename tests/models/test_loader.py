@@ -13,6 +13,7 @@ import torch
 from sgrt.errors import ModelLoadError
 from sgrt.models import LoadedModel, load_model
 from sgrt.models import loader, specs
+from sgrt.models.weight_forms import PACK_VERSION
 
 PROMPT = "The capital of France is"
 
@@ -33,7 +34,7 @@ def test_default_name_loads_the_wheel_gguf(loaded_model: LoadedModel):
     lm = loaded_model
     assert lm.source == f"gguf:{loader.default_gguf_path()}"
     entry = lm.path.parent  # the GGUF's cache entry: its source table, tokenizer and one store a target
-    assert lm.path.name == "float32-none-plain-v1" and (entry / "source.json").is_file()
+    assert lm.path.name == f"float32-none-plain-v{PACK_VERSION}" and (entry / "source.json").is_file()
     for name in ("manifest.json", "weights.bin"):
         assert (lm.path / name).is_file(), name
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
@@ -69,7 +70,7 @@ def test_gguf_path_packs_once_then_maps_the_store(tmp_path: Path, loaded_model: 
     del cold
     entries = list((tmp_path / "gguf").iterdir())
     assert len(entries) == 1, entries  # no temporary folders left behind
-    assert sorted(p.name for p in entries[0].iterdir()) == ["float32-none-plain-v1", "source.json", "tokenizer", "tokenizer-snapshot"]
+    assert sorted(p.name for p in entries[0].iterdir()) == [f"float32-none-plain-v{PACK_VERSION}", "source.json", "tokenizer", "tokenizer-snapshot"]
     before = _stats(store)
 
     warm = load_model(gguf_path, cache_dir=tmp_path)
@@ -80,7 +81,7 @@ def test_gguf_path_packs_once_then_maps_the_store(tmp_path: Path, loaded_model: 
 
     bf16 = load_model(gguf_path, dtype="bfloat16", cache_dir=tmp_path)
     assert all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
-    assert bf16.path == entries[0] / "bfloat16-none-plain-v1" and bf16.converted
+    assert bf16.path == entries[0] / f"bfloat16-none-plain-v{PACK_VERSION}" and bf16.converted
     assert _stats(store) == before
 
 

@@ -32,13 +32,14 @@ from sgrt.models import gguf_convert, load_model, weight_packer
 from sgrt.models.checkpoint import unpermute_rotary
 from sgrt.models.gguf_check import gguf_layout_problem
 from sgrt.models.quant import native_kernel_available
+from sgrt.models.weight_forms import PACK_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = Shape("llama", 1, 256, 512, 4, 2, context=512)
 TYPES = Types("Q4_0", {"token_embd": "Q8_0"})
 VOCAB = 512
 IDS = torch.tensor([1, 300, 17, 460, 2])
-STORE = "float32-none-plain-v1"
+STORE = f"float32-none-plain-v{PACK_VERSION}"
 
 
 @pytest.fixture(scope="module")

@@ -225,3 +225,38 @@ def test_peak_memory_of_a_load_is_about_the_files_size(sized_files, tmp_path, ki
     for run in (cold, warm):
         grown = run["peak"] - run["before"]
         assert grown <= 1.5 * size + 150e6, (kind, run, size)
+
+
+# Q4_K projections everywhere (the K-quant form), a Q8_0 tied table.
+K_TYPES = Types("Q4_K", {"token_embd": "Q8_0"})
+
+
+@needs_native
+def test_q4_k_projections_keep_their_super_blocks_exactly(tmp_path, monkeypatch):
+    """int4 on the AVX2 build holds Q4_K projections as K-quant streams (woq.fuse_kq4): the
+    weights the kernel multiplies by are gguf's dequantization bit for bit (q / k rows unpermuted
+    as the float load does), chunked packing writes the bytes of whole tensors, and the streams
+    are 37/64 of a byte a weight (4.625 bits)."""
+    from sgrt.kernels import woq
+    from sgrt.models.weight_store import open_store
+
+    if woq.isa() != "avx2":
+        pytest.skip("the K-quant stream is the AVX2 build's")
+    path = write_gguf(tmp_path / "tiny-q4_k.gguf", TINY, K_TYPES)
+    weights = _read_file(path, groups=False)
+    whole = load_model(str(path), dtype="bfloat16", quantization="int4", cache_dir=tmp_path / "a")
+    forms = open_store(whole.path).meta["forms"]
+    for i, layer in enumerate(whole.model.layers):
+        for proj in weight_packer.FUSED_PROJECTIONS:
+            mod = getattr(layer, proj)
+            assert forms[f"layers.{i}.{proj}"]["kq"] and mod.stream_bits == woq.KQ4_BITS, (i, proj)
+            assert mod.packed.numel() * 64 == mod.out_features * mod.in_features * 37
+            assert torch.equal(mod.dequantize(), _fused(weights, i, proj)), (i, proj)
+    assert not forms["lm_head"]["kq"]
+    monkeypatch.setattr(weight_packer, "CHUNK_WEIGHTS", 1)  # (one 16-row block a chunk)
+    chunked = load_model(str(path), dtype="bfloat16", quantization="int4", cache_dir=tmp_path / "b")
+    a, b = open_store(whole.path), open_store(chunked.path)
+    for name in a.tensors:
+        assert torch.equal(a[name], b[name]), name
+    ids = torch.tensor([1, 2, 3, 4, 5])
+    assert torch.equal(whole.model.forward_simple(ids), chunked.model.forward_simple(ids))

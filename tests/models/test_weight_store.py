@@ -15,6 +15,7 @@ from bench.model_files import Shape, Types, write_gguf
 from sgrt.errors import ModelLoadError
 from sgrt.models import load_model
 from sgrt.models.quant import native_kernel_available
+from sgrt.models.weight_forms import PACK_VERSION
 
 NATIVE = native_kernel_available()
 needs_native = pytest.mark.skipif(not NATIVE, reason="the native kernel did not build here")
@@ -90,7 +91,7 @@ DAMAGES = {
     "no meta": ("none", lambda s: _edit(s, lambda m: m.pop("meta"))),
     "no forms": ("none", lambda s: _edit(s, lambda m: m["meta"].pop("forms"))),
     "another target's store": ("none", lambda s: _edit(s, lambda m: m["meta"].__setitem__(
-        "target", "bfloat16-none-plain-v1"))),
+        "target", f"bfloat16-none-plain-v{PACK_VERSION}"))),
     "a form's rows": ("int4", lambda s: _edit(s, lambda m: m["meta"]["forms"]["layers.0.o_proj"].__setitem__(
         "rows", 128))),
     "a form's bits": ("int4", lambda s: _edit(s, lambda m: m["meta"]["forms"]["layers.0.o_proj"].__setitem__(
@@ -269,7 +270,7 @@ def test_temporary_folders_of_dead_builders_are_swept(small, tmp_path):
     shutil.rmtree(store)
     dead = [entry / f".tmp-{store.name}-dead1", entry / f".stale-{store.name}-dead2",
             entry.parent / f".tmp-{entry.name}-dead3"]
-    live = entry / ".tmp-bfloat16-int8-plain-v1-live"  # (another target's: a load of this one does not wait)
+    live = entry / f".tmp-bfloat16-int8-plain-v{PACK_VERSION}-live"  # (another target's: a load of this one does not wait)
     for folder in (*dead, live):
         folder.mkdir()
         (folder / "weights.bin").write_bytes(b"\0" * 4096)
