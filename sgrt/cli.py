@@ -531,7 +531,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = _sampling(args, **_constraint(args))
         if params.is_constrained():
             with progress("compiling the constraint"):
-                engine.intake.compile_grammar(params)  # cached: the request below finds it compiled
+                engine.compile_grammar(params)  # cached: the request below finds it compiled
         result = _run(engine, prompt, params, stream=not args.json_output)
     finally:
         engine.shutdown()
