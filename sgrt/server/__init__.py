@@ -16,10 +16,10 @@ _EXPORTS = {
     "ProgramRegistry": "sgrt.server.programs",
     "PROTOCOL_VERSION": "sgrt.server.protocol",
     "run_server": "sgrt.server.serve",
-    "serve_http": "sgrt.server.http_api",
-    "create_app": "sgrt.server.http_api",
-    "HttpServer": "sgrt.server.http_api",
-    "HttpServerThread": "sgrt.server.http_api",
+    "serve_http": "sgrt.server.http.server",
+    "create_app": "sgrt.server.http.server",
+    "HttpServer": "sgrt.server.http.server",
+    "HttpServerThread": "sgrt.server.http.server",
     "HttpLimits": "sgrt.server.limits",
 }
 

@@ -28,10 +28,10 @@ from sgrt.errors import InvalidRequest
 from sgrt.server import chat_turns as ct
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
-from sgrt.server.http_core import EngineCall, HttpApi
-from sgrt.server.http_errors import ApiError, api_error_from, json_response
+from sgrt.server.http.core import EngineCall, HttpApi
+from sgrt.server.http.errors import ApiError, api_error_from, json_response
 from sgrt.server.http_openai import check_result
-from sgrt.server.http_streams import EventStream
+from sgrt.server.http.streams import EventStream
 from sgrt.server.limits import check_count, check_stop
 
 

@@ -19,7 +19,7 @@ from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
 from sgrt.server import sglang_fields
 from sgrt.server.turns import formats as tf
-from sgrt.server.http_streams import merge_streams
+from sgrt.server.http.streams import merge_streams
 
 logger = logging.getLogger("sgrt.server.http")
 

@@ -61,10 +61,10 @@ from sgrt.errors import InvalidRequest
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
 from sgrt.server import sglang_fields as sglang
-from sgrt.server.http_core import NATIVE_ENDPOINTS, HttpApi, EngineCall  # noqa: F401 - re-exported
-from sgrt.server.http_errors import ApiError, api_error_from, generation_error, json_response
+from sgrt.server.http.core import NATIVE_ENDPOINTS, HttpApi, EngineCall  # noqa: F401 - re-exported
+from sgrt.server.http.errors import ApiError, api_error_from, generation_error, json_response
 from sgrt.server.http_openai import check_token_ids
-from sgrt.server.http_streams import SSE_DONE, EventStream, sse
+from sgrt.server.http.streams import SSE_DONE, EventStream, sse
 from sgrt.server.limits import check_count, check_stop
 
 

@@ -1,7 +1,7 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``: OpenAI requests in, engine requests
 out, OpenAI responses (or server-sent event chunks) back. The field handling lives in
 :mod:`sgrt.server.openai_adapter`; the plumbing (auth, limits, aborts) in
-:mod:`sgrt.server.http_core`."""
+:mod:`sgrt.server.http.core`."""
 from __future__ import annotations
 
 import time
@@ -16,9 +16,9 @@ from sgrt.server import chat_turns as ct
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
 from sgrt.server import sglang_fields
-from sgrt.server.http_core import HttpApi, EngineCall
-from sgrt.server.http_errors import ApiError, api_error_from, generation_error, json_response
-from sgrt.server.http_streams import SSE_DONE, EventStream, merge_streams, sse
+from sgrt.server.http.core import HttpApi, EngineCall
+from sgrt.server.http.errors import ApiError, api_error_from, generation_error, json_response
+from sgrt.server.http.streams import SSE_DONE, EventStream, merge_streams, sse
 
 
 # ==== chat ========================================================================================

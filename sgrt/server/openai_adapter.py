@@ -1,7 +1,7 @@
 """OpenAI requests -> engine prompts and ``SamplingParams``; engine results -> OpenAI objects.
 
 Pure functions over the engine's tokenizer and the wire structs of
-:mod:`sgrt.server.openai_protocol`; the HTTP layer (:mod:`sgrt.server.http_api`) does the I/O.
+:mod:`sgrt.server.openai_protocol`; the HTTP layer (:mod:`sgrt.server.http.server`) does the I/O.
 Sampling (the translator to ``SamplingParams``) is in :mod:`sgrt.server.openai_sampling`, chat
 prompts and tools in :mod:`sgrt.server.turns.plan`; this module keeps tokens and results, and
 re-exports both (``openai_adapter.build_params``, ``openai_adapter.ToolPlan`` ...).

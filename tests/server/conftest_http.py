@@ -41,7 +41,7 @@ def http_engine(loaded_model):
 @pytest.fixture(scope="module")
 def http_server(http_engine):
     """The HTTP API over ``http_engine`` on a free loopback port (no auth token)."""
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     server = HttpServerThread(http_engine, model_name=MODEL_NAME).start()
     yield server

@@ -88,7 +88,7 @@ def test_auth_token_x_api_key_and_bearer(http_engine):
     """With an auth token, the anthropic SDK's ``x-api-key`` header and a Bearer token both
     pass; a wrong or missing key is a 401 in Anthropic's error shape, which the SDK raises as
     ``AuthenticationError``."""
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     with HttpServerThread(http_engine, model_name=MODEL_NAME, auth_token="s3cret") as server:
         msgs = [{"role": "user", "content": "Say hi."}]

@@ -109,7 +109,7 @@ def family_servers(tmp_path_factory):
 
     from sgrt.engine import Engine
     from sgrt.models import load_model
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     torch.manual_seed(0)
     mtok = _tokenizer(MISTRAL_LIKE, ["[TOOL_CALLS]"])

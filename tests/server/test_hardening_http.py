@@ -175,7 +175,7 @@ def test_browser_origins(http_server, origin, allowed):
 
 
 def test_allowed_origins_list(http_engine):
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     with HttpServerThread(http_engine, model_name=MODEL_NAME, allowed_origins=("https://app.example",)) as srv:
         ok = raw(srv.url, "POST", "/tokenize", {"prompt": "Hi"}, headers={"origin": "https://app.example"})
@@ -230,7 +230,7 @@ def _closed_by_server(sock: socket.socket) -> bool:
 
 
 def test_half_open_and_slow_connections_are_closed(http_engine):
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     # NOTE: 1 s timeouts: long enough that the test's own sends arrive in time on a loaded machine.
     with HttpServerThread(http_engine, model_name=MODEL_NAME, header_timeout_s=1.0, body_timeout_s=1.0) as srv:
@@ -256,7 +256,7 @@ def test_half_open_and_slow_connections_are_closed(http_engine):
 
 
 def test_connection_cap(http_engine):
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     # At the cap a new connection closes the one that has waited longest for a request's headers
     # (here the first idle one) and is served itself: idle sockets cannot lock clients out.
@@ -292,8 +292,8 @@ def test_finished_requests_leave_the_queue_count_before_they_are_released(http_e
     """A request counts against max_queue until the engine finishes it, whether or not its
     response has been sent (a client that stops reading a stream must not hold queue places)."""
     from sgrt.engine import SamplingParams
-    from sgrt.server.http_core import EngineCall, HttpApi
-    from sgrt.server.http_errors import ApiError
+    from sgrt.server.http.core import EngineCall, HttpApi
+    from sgrt.server.http.errors import ApiError
 
     api = HttpApi(http_engine, MODEL_NAME)
     api.limits.max_queue = 4

@@ -109,7 +109,7 @@ def test_errors_map_to_sgrt_types(endpoint, http_engine):
     with pytest.raises(InvalidRequest) as e:
         endpoint.generate(PROMPT, {"max_tokens": 2, "stop_token_ids": [10**6]})
     assert "stop_token_ids" in e.value.field
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     with HttpServerThread(http_engine, model_name=MODEL_NAME, auth_token="tok") as server:
         with pytest.raises(InvalidRequest) as e:
@@ -125,7 +125,7 @@ def test_errors_map_to_sgrt_types(endpoint, http_engine):
 
 
 def test_429_is_retried(http_engine):
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     with HttpServerThread(http_engine, model_name=MODEL_NAME, max_queue=1) as server:
         ep = RuntimeEndpoint(server.url, max_retries=600)  # Retry-After: 1 -> up to 10 min of retries
@@ -235,7 +235,7 @@ def test_vllm_dialect_request_shape(http_server):
 
 
 def test_several_servers_keep_a_programs_prefix_on_one(http_server, http_engine):
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     @sgrt.function
     def prog(s, topic):

@@ -93,7 +93,7 @@ def test_grammar_error_is_400_also_for_streams(http_server):
 
 
 def test_auth_token(http_engine):
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     with HttpServerThread(http_engine, model_name=MODEL_NAME, auth_token="s3cret") as server:
         status, _, out = raw(server.url, "GET", "/v1/models")
@@ -116,7 +116,7 @@ def test_auth_token(http_engine):
 
 
 def test_413_body_too_large(http_engine):
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     with HttpServerThread(http_engine, model_name=MODEL_NAME, max_body_bytes=2048) as server:
         status, _, out = raw(server.url, "POST", "/v1/chat/completions", chat_body("x" * 5000))
@@ -136,7 +136,7 @@ def _open_stream(url: str, body: dict) -> tuple[http.client.HTTPConnection, http
 
 
 def test_429_over_queue_limit(http_engine):
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     with HttpServerThread(http_engine, model_name=MODEL_NAME, max_queue=2) as server:
         long_body = chat_body("Tell a long story.", max_tokens=1000, temperature=0, ignore_eos=True, stream=True)
@@ -156,7 +156,7 @@ def test_429_over_queue_limit(http_engine):
 
 def test_503_when_engine_stopped_or_closing(loaded_model, http_engine):
     from sgrt.engine import Engine
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     stopped = Engine(model=loaded_model, max_total_tokens=64)
     stopped.shutdown()
@@ -213,7 +213,7 @@ def test_dropped_plain_request_aborts(http_server, http_engine):
 
 
 def test_closing_the_server_aborts_open_streams(http_engine):
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     wait_idle(http_engine)
     aborted_before = http_engine.stats()["aborted"]

@@ -20,7 +20,7 @@ NAMES = ["tiny", "tiny-alias"]
 
 @pytest.fixture(scope="module")
 def named_server(http_engine):  # noqa: F811 - the fixture
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     server = HttpServerThread(http_engine, model_name=NAMES[0], model_aliases=NAMES[1:]).start()
     yield server

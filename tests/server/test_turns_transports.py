@@ -103,7 +103,7 @@ async def _over_ws(engine: FakeEngine) -> dict:
 
 
 def _over_http(engine: FakeEngine) -> dict:
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     body = {"model": "fake", "messages": [{"role": "user", "content": "Weather and time in Paris?"}],
             "tools": [{"type": "function", "function": {"name": n, "description": d, "parameters": p}}

@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 
 from sgrt.engine import StreamChunk
-from sgrt.server.http_errors import BASE_HEADERS, JSON_ENCODER, ClientGone
+from sgrt.server.http.errors import BASE_HEADERS, JSON_ENCODER, ClientGone
 
 logger = logging.getLogger("sgrt.server.http")
 

@@ -101,7 +101,7 @@ def _param_of(message: str) -> str | None:
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     """``obj`` (msgspec-encodable) as a JSON response; ``obj`` may also be JSON already
-    encoded (``bytes``, e.g. by :meth:`sgrt.server.http_core.HttpApi.respond` off the loop)."""
+    encoded (``bytes``, e.g. by :meth:`sgrt.server.http.core.HttpApi.respond` off the loop)."""
     data = obj if isinstance(obj, bytes) else JSON_ENCODER.encode(obj)
     return Response(data, status_code=status, media_type="application/json",
                     headers={**BASE_HEADERS, **(headers or {})})

@@ -54,9 +54,10 @@ from starlette.routing import Route
 
 from sgrt.engine.client import EngineClient
 from sgrt.server import http_native as native
-from sgrt.server import anthropic_api, http_openai, metrics, responses_api
-from sgrt.server.http_core import HttpApi, HttpLimits
-from sgrt.server.http_errors import ApiError, ClientGone, api_error_from
+from sgrt.server import anthropic_api, http_openai, responses_api
+from sgrt.server.http import metrics
+from sgrt.server.http.core import HttpApi, HttpLimits
+from sgrt.server.http.errors import ApiError, ClientGone, api_error_from
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "HttpApi", "HttpLimits", "HttpServer", "HttpServerThread", "create_app",
            "serve_http"]

@@ -22,8 +22,8 @@ from sgrt.engine import EngineClient, RequestHandle, SamplingParams, StreamChunk
 from sgrt.errors import ContextLengthExceeded, InvalidRequest
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
-from sgrt.server.http_errors import ApiError, ClientGone, json_response
-from sgrt.server.http_streams import until_disconnect
+from sgrt.server.http.errors import ApiError, ClientGone, json_response
+from sgrt.server.http.streams import until_disconnect
 from sgrt.server.limits import HttpLimits, check_json_depth, origin_allowed
 
 
