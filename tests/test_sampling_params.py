@@ -67,9 +67,9 @@ def test_dsl_translator_merges_gen_run_and_defaults():
 
 
 def test_ws_translator_names_the_sampling_field():
-    from sgrt.server import protocol as p
+    from sgrt.server.ws import protocol as p
     from sgrt.server.limits import WsLimits
-    from sgrt.server.session import ws_sampling_params
+    from sgrt.server.ws.session import ws_sampling_params
 
     limits = WsLimits()
     params = ws_sampling_params({"temperature": 0.3}, p.Sampling(max_tokens=5), limits, grammar='start: "a"')

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
-from sgrt.server import protocol as p
+from sgrt.server.ws import protocol as p
 from sgrt.server.limits import WsLimits
 
 from .conftest_http import MODEL_NAME

@@ -13,7 +13,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from sgrt.server import WsLimits
-from sgrt.server import protocol as p
+from sgrt.server.ws import protocol as p
 from tests.server.conftest import PROGRAMS_DIR, running_server, wait_engine_idle
 
 
@@ -80,7 +80,7 @@ async def test_tool_parameters_with_no_finite_instance_are_refused_at_start(ws_e
 
 
 async def test_unexpected_errors_carry_no_exception_text(ws_engine, monkeypatch):
-    from sgrt.server import chat_session as session_mod
+    from sgrt.server.ws import chat_session as session_mod
 
     def broken(self, *args):
         raise RuntimeError("secret detail /home/user/x")

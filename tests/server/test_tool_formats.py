@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from sgrt.server.turns import formats as tf
 from sgrt.server.openai_adapter import think_mode
-from sgrt.server.protocol import ToolSpec
+from sgrt.server.ws.protocol import ToolSpec
 from sgrt.server.turns.schema_embed import embed_schema, rewrite_ref
 
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from sgrt.errors import InvalidRequest
-from sgrt.server import protocol as p
-from sgrt.server.programs import ProgramRegistry
+from sgrt.server.ws import protocol as p
+from sgrt.server.ws.programs import ProgramRegistry
 from sgrt.server.turns.tools import check_tools, parse_tool_call, tool_grammar, tools_system_prompt
 from tests.server.conftest import PROGRAMS_DIR
 

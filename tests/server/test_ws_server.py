@@ -11,7 +11,7 @@ from websockets.exceptions import ConnectionClosed
 
 from sgrt.client import AgentSession, Client, ServerError
 from sgrt.server import WsLimits
-from sgrt.server import protocol as p
+from sgrt.server.ws import protocol as p
 from tests.server.conftest import PROGRAMS_DIR, running_server, wait_engine_idle
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sgrt.errors import GrammarError
-from sgrt.server.protocol import ToolSpec
+from sgrt.server.ws.protocol import ToolSpec
 from sgrt.server.turns.schema_embed import embed_schema
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

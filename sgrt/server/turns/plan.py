@@ -11,7 +11,7 @@ from typing import Any
 
 from sgrt.errors import InvalidRequest
 from sgrt.server import openai_protocol as op
-from sgrt.server.protocol import ToolSpec
+from sgrt.server.ws.protocol import ToolSpec
 from sgrt.server.turns import formats as tf
 from sgrt.server.turns.tools import (
     TOOL_NAME, template_renders_tools, template_tools, tool_results_as_user, tools_system_prompt,

@@ -1,5 +1,5 @@
 """A plain chat session over the WebSocket protocol, with optional client-side tools under a
-grammar (the base class and the rules every session shares are in :mod:`sgrt.server.session`).
+grammar (the base class and the rules every session shares are in :mod:`sgrt.server.ws.session`).
 
 A turn is planned, rendered, constrained and read back by the same code as the HTTP chat APIs
 (:class:`~sgrt.server.turns.plan.ChatRenderer`, :class:`~sgrt.server.turns.plan.ToolPlan`,
@@ -28,11 +28,11 @@ from typing import Any
 from sgrt.engine import Result, SamplingParams
 from sgrt.errors import CapacityError, InvalidRequest, SgrtError
 from sgrt.server import openai_protocol as op
-from sgrt.server import protocol as p
+from sgrt.server.ws import protocol as p
 from sgrt.server.turns import formats as tf
 from sgrt.server.turns.plan import ChatRenderer, ToolPlan, plan_choice
-from sgrt.server.protocol import LimitExceeded
-from sgrt.server.session import Session, SessionContext, ws_sampling_params
+from sgrt.server.ws.protocol import LimitExceeded
+from sgrt.server.ws.session import Session, SessionContext, ws_sampling_params
 from sgrt.server.turns.tools import check_tool_choice, check_tools, validate_tool_grammar
 
 logger = logging.getLogger("sgrt.server")

@@ -2,8 +2,8 @@
 
 Start it with :func:`serve_ws` (async; returns the running :class:`WsServer`) or
 :func:`run_ws_server` (blocking; what ``sgrt serve`` calls). The protocol is documented in
-:mod:`sgrt.server.protocol`; sessions live in :mod:`sgrt.server.chat_session` and
-:mod:`sgrt.server.program_session` (their base in :mod:`sgrt.server.session`).
+:mod:`sgrt.server.ws.protocol`; sessions live in :mod:`sgrt.server.ws.chat_session` and
+:mod:`sgrt.server.ws.program_session` (their base in :mod:`sgrt.server.ws.session`).
 
 Robustness rules: a bad frame, an unknown message type, a wrong field type or a request over a
 limit gets a typed ``error`` and nothing else changes; the connection and every other session
@@ -42,13 +42,13 @@ from websockets.exceptions import ConnectionClosed
 
 from sgrt.engine.client import EngineClient
 from sgrt.errors import InvalidRequest, SgrtError
-from sgrt.server import protocol as p
+from sgrt.server.ws import protocol as p
 from sgrt.server.limits import WsLimits, json_depth, origin_allowed
-from sgrt.server.programs import ProgramRegistry, SessionBackend
-from sgrt.server.protocol import LimitExceeded
-from sgrt.server.chat_session import ChatSession
-from sgrt.server.program_session import ProgramSession
-from sgrt.server.session import Session, SessionContext, error_for
+from sgrt.server.ws.programs import ProgramRegistry, SessionBackend
+from sgrt.server.ws.protocol import LimitExceeded
+from sgrt.server.ws.chat_session import ChatSession
+from sgrt.server.ws.program_session import ProgramSession
+from sgrt.server.ws.session import Session, SessionContext, error_for
 
 logger = logging.getLogger("sgrt.server")
 

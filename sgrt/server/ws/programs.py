@@ -24,7 +24,7 @@ from typing import Any
 from sgrt.backends.local import LocalBackend
 from sgrt.engine import EngineClient, EngineInfo, RequestHandle, StreamChunk
 from sgrt.errors import RequestAborted
-from sgrt.server.protocol import LimitExceeded
+from sgrt.server.ws.protocol import LimitExceeded
 
 logger = logging.getLogger("sgrt.server")
 

@@ -1,5 +1,5 @@
 """A session that runs one registered program by name over the WebSocket protocol (the base
-class and the rules every session shares are in :mod:`sgrt.server.session`).
+class and the rules every session shares are in :mod:`sgrt.server.ws.session`).
 """
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import uuid
 from typing import Any
 
 from sgrt.errors import CapacityError, InvalidRequest, RequestAborted
-from sgrt.server import protocol as p
-from sgrt.server.programs import check_program_args
-from sgrt.server.session import Session, SessionContext, in_thread, ws_sampling_params
+from sgrt.server.ws import protocol as p
+from sgrt.server.ws.programs import check_program_args
+from sgrt.server.ws.session import Session, SessionContext, in_thread, ws_sampling_params
 
 logger = logging.getLogger("sgrt.server")
 
@@ -50,7 +50,7 @@ class ProgramSession(Session):
             self.run.abort()
 
     async def _run(self) -> None:
-        from sgrt.server.programs import ProgramRun
+        from sgrt.server.ws.programs import ProgramRun
 
         self.turn = 1
         loop = asyncio.get_running_loop()

@@ -1,9 +1,9 @@
 """What every agent session shares: the base :class:`Session`, the :class:`SessionContext` it
 is given, error messages and sampling checks. The two kinds are
-:class:`~sgrt.server.chat_session.ChatSession` (a plain chat with optional client-side tools)
-and :class:`~sgrt.server.program_session.ProgramSession` (one run of a registered program).
+:class:`~sgrt.server.ws.chat_session.ChatSession` (a plain chat with optional client-side tools)
+and :class:`~sgrt.server.ws.program_session.ProgramSession` (one run of a registered program).
 
-The connection (``sgrt.server.ws_server``) routes protocol messages to a session and hands it a
+The connection (``sgrt.server.ws.server``) routes protocol messages to a session and hands it a
 :class:`SessionContext`: the engine, the limits, how to send, and how to make a program backend.
 Everything a session sends goes back through ``ctx.send``; it never reaches into the server.
 """
@@ -20,9 +20,9 @@ from typing import Any, Awaitable, Callable
 
 from sgrt.engine import EngineClient, SamplingParams
 from sgrt.errors import CapacityError, ContextLengthExceeded, GrammarError, InvalidRequest
-from sgrt.server import protocol as p
+from sgrt.server.ws import protocol as p
 from sgrt.server.limits import check_stop
-from sgrt.server.protocol import LimitExceeded
+from sgrt.server.ws.protocol import LimitExceeded
 
 logger = logging.getLogger("sgrt.server")
 

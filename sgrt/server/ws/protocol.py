@@ -41,7 +41,7 @@ Server to client
 ----------------
 ``ready``
     The session exists: ``session``, ``program``, ``tools`` (names), ``limits`` (the server's
-    limits, see :class:`sgrt.server.ws_server.WsLimits`).
+    limits, see :class:`sgrt.server.ws.server.WsLimits`).
 ``token``
     ``session``, ``turn``, ``text``: a streamed text delta of the assistant's answer. Reasoning
     and tool calls are not in it (they arrive as ``reasoning`` and ``tool_call.delta``).
@@ -83,7 +83,7 @@ Hermes / Qwen ``<tool_call>{...}</tool_call>`` (text may come first), Llama 3 JS
 
 Limits
 ------
-Configurable per server (:class:`sgrt.server.ws_server.WsLimits`; defaults in brackets); going
+Configurable per server (:class:`sgrt.server.ws.server.WsLimits`; defaults in brackets); going
 over one gets ``error`` with code ``limit.<name>`` and changes nothing else:
 ``max_message_bytes`` [1 MiB] (``limit.message_size``), ``max_sessions`` [256] and
 ``max_sessions_per_connection`` [32] (``limit.sessions``), ``max_generations_per_session`` [8
