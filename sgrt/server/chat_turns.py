@@ -17,7 +17,7 @@ from typing import Any
 from sgrt.engine import Result, SamplingParams, StreamChunk
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
-from sgrt.server import sglang_fields
+from sgrt.server.sglang import fields as sglang_fields
 from sgrt.server.turns import formats as tf
 from sgrt.server.http.streams import merge_streams
 

@@ -15,7 +15,7 @@ from sgrt.errors import InvalidRequest
 from sgrt.server import chat_turns as ct
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
-from sgrt.server import sglang_fields
+from sgrt.server.sglang import fields as sglang_fields
 from sgrt.server.http.core import HttpApi, EngineCall
 from sgrt.server.http.errors import ApiError, api_error_from, generation_error, json_response
 from sgrt.server.http.streams import SSE_DONE, EventStream, merge_streams, sse

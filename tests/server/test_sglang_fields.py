@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from sgrt.server import sglang_fields
+from sgrt.server.sglang import fields as sglang_fields
 
 from .conftest_http import http_engine, http_server, raw  # noqa: F401 - fixtures
 

@@ -31,7 +31,7 @@ from sgrt.server.limits import HttpLimits, check_json_depth, origin_allowed
 #: a separate small pool, so a few multi-megabyte requests cannot occupy every worker thread that
 #: ordinary requests need.
 HEAVY_BODY_BYTES = 256 << 10
-#: sgrt's native endpoints (served by ``http_native.py``; listed in the model card).
+#: sgrt's native endpoints (served by :mod:`sgrt.server.sglang.endpoints`; listed in the model card).
 NATIVE_ENDPOINTS = ("/generate", "/tokenize", "/detokenize", "/apply_chat_template", "/flush_cache",
                     "/abort_request", "/model_info", "/server_info")
 _heavy_request: contextvars.ContextVar[bool] = contextvars.ContextVar("sgrt_heavy_request", default=False)

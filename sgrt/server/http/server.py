@@ -13,7 +13,7 @@ Bearer <token>`` or ``x-api-key: <token>``, the header the ``anthropic`` SDK sen
   (version, native endpoints, context length), which is how clients detect an sgrt server.
   Every response also carries an ``x-sgrt-version`` header.
 - ``GET /health``: 200 ``{"status": "ok", ...}`` while the engine runs, else 503.
-- Native (:mod:`sgrt.server.http_native`): ``POST /generate`` (text or token ids, one or a
+- Native (:mod:`sgrt.server.sglang.endpoints`): ``POST /generate`` (text or token ids, one or a
   batch; prompt log-probabilities; ``max_tokens=0`` is prefill-only), ``/tokenize``,
   ``/detokenize``, ``/apply_chat_template``, ``/flush_cache``, ``/abort_request``; ``GET
   /model_info`` and ``/server_info`` (and their ``/get_*`` names), SGLang's keys, which an SGLang
@@ -53,7 +53,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sgrt.engine.client import EngineClient
-from sgrt.server import http_native as native
+from sgrt.server.sglang import endpoints as native
 from sgrt.server import anthropic_api, http_openai, responses_api
 from sgrt.server.http import metrics
 from sgrt.server.http.core import HttpApi, HttpLimits

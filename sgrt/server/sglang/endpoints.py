@@ -8,7 +8,7 @@
     prompt goes into the prefix cache and nothing is generated. SGLang's spellings and fields
     are taken too (``max_new_tokens``, ``min_new_tokens``, ``sampling_seed``, ``no_stop_trim``,
     and the ``GenerateReqInput`` fields an SGLang router adds): honoured, ignored with a
-    warning, or refused by name, as :mod:`sgrt.server.sglang_fields` lists. ``return_logprob``,
+    warning, or refused by name, as :mod:`sgrt.server.sglang.fields` lists. ``return_logprob``,
     ``logprob_start_len`` (an int or one per prompt) and ``top_logprobs_num`` may also be given
     at the top level. ``rid`` names the request(s), for ``/abort_request``. Text prompts are
     encoded as ``/v1/completions`` encodes them (the tokenizer's BOS, if it adds one).
@@ -60,15 +60,16 @@ from sgrt.engine import Result, SamplingParams
 from sgrt.errors import InvalidRequest
 from sgrt.server import openai_adapter as oa
 from sgrt.server import openai_protocol as op
-from sgrt.server import sglang_fields as sglang
 from sgrt.server.http.core import NATIVE_ENDPOINTS, HttpApi, EngineCall  # noqa: F401 - re-exported
 from sgrt.server.http.errors import ApiError, api_error_from, generation_error, json_response
-from sgrt.server.http_openai import check_token_ids
 from sgrt.server.http.streams import SSE_DONE, EventStream, sse
+from sgrt.server.http_openai import check_token_ids
+from sgrt.server.sglang import fields as sglang
+from sgrt.server.sglang import protocol as sp
 from sgrt.server.limits import check_count, check_stop
 
 
-def _batch(req: op.GenerateRequest, api: HttpApi) -> tuple[list[list[int]], bool]:
+def _batch(req: sp.GenerateRequest, api: HttpApi) -> tuple[list[list[int]], bool]:
     """Prompt ids of every item (token ids checked against the vocabulary) and whether the
     request was a batch (a list). A batch of more than ``max_queue`` prompts could never be
     queued: refused before any is encoded."""
@@ -104,7 +105,7 @@ def _per_item(value: Any, n: int, name: str) -> list[Any]:
     return [value] * n
 
 
-def generate_params(req: op.GenerateRequest, n: int, limits: Any = None) -> list[SamplingParams]:
+def generate_params(req: sp.GenerateRequest, n: int, limits: Any = None) -> list[SamplingParams]:
     """The ``/generate`` translator (SGLang's native API): one :class:`SamplingParams` per
     prompt of the ``n`` prompts, from ``sampling_params`` (one object, or one per prompt) and
     the request's logprob fields. ``limits`` (:class:`HttpLimits`): ``default_max_tokens``
@@ -182,8 +183,8 @@ def meta_info(api: HttpApi, result: Result, params: SamplingParams, with_text: b
 
 async def generate(api: HttpApi, request: Request) -> Any:
     # NOTE: no model check: an SGLang router forwards its client's model name, which SGLang's
-    # /generate ignores (sglang_fields.IGNORED_GENERATE_FIELDS); the OpenAI routes check it.
-    req: op.GenerateRequest = await api.decode(request, op.GenerateRequest, check_model=False)
+    # /generate ignores (fields.IGNORED_GENERATE_FIELDS); the OpenAI routes check it.
+    req: sp.GenerateRequest = await api.decode(request, sp.GenerateRequest, check_model=False)
     sglang.check_generate_fields({name: getattr(req, name) for name in (
         *sglang.IGNORED_GENERATE_FIELDS, *sglang.REFUSED_GENERATE_FIELDS)})
     prompts, is_batch, params = await api.offload(_prepare, req, api)
@@ -207,7 +208,7 @@ async def generate(api: HttpApi, request: Request) -> Any:
     return await api.respond(build)
 
 
-def _prepare(req: op.GenerateRequest, api: HttpApi) -> tuple[list[list[int]], bool, list[SamplingParams]]:
+def _prepare(req: sp.GenerateRequest, api: HttpApi) -> tuple[list[list[int]], bool, list[SamplingParams]]:
     """Prompts (encoded, or checked), whether it was a batch, and their params; CPU work run
     off the event loop."""
     prompts, is_batch = _batch(req, api)
@@ -238,7 +239,7 @@ async def _generate_events(api: HttpApi, primed: tuple[Any, AsyncIterator], para
 
 
 async def tokenize(api: HttpApi, request: Request) -> Any:
-    req: op.TokenizeRequest = await api.decode(request, op.TokenizeRequest)
+    req: sp.TokenizeRequest = await api.decode(request, sp.TokenizeRequest)
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequest("give exactly one of prompt and messages", field="prompt")
     limit = api.info.context_length
@@ -257,7 +258,7 @@ async def tokenize(api: HttpApi, request: Request) -> Any:
 
 
 async def detokenize(api: HttpApi, request: Request) -> Any:
-    req: op.DetokenizeRequest = await api.decode(request, op.DetokenizeRequest)
+    req: sp.DetokenizeRequest = await api.decode(request, sp.DetokenizeRequest)
     # NOTE: the tokenizer's native decode holds the GIL for the whole call (~0.1 s per 500k ids),
     # which no worker thread hides from the event loop: at most a context window of ids.
     window = api.info.context_length
@@ -273,7 +274,7 @@ async def detokenize(api: HttpApi, request: Request) -> Any:
 
 
 async def apply_chat_template(api: HttpApi, request: Request) -> Any:
-    req: op.ChatTemplateRequest = await api.decode(request, op.ChatTemplateRequest)
+    req: sp.ChatTemplateRequest = await api.decode(request, sp.ChatTemplateRequest)
     check_count(req.messages, api.limits.max_messages, "max_messages", "messages")
     check_count(req.tools, api.limits.max_tools, "max_tools", "tools")
     kwargs: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt}
@@ -301,7 +302,7 @@ async def flush_cache(api: HttpApi, request: Request) -> Any:
 
 
 async def abort_request(api: HttpApi, request: Request) -> Any:
-    req: op.AbortRequest = await api.decode(request, op.AbortRequest)
+    req: sp.AbortRequest = await api.decode(request, sp.AbortRequest)
     api.engine.abort(req.rid)
     return json_response({"ok": True})
 
