@@ -84,7 +84,7 @@ def test_ws_translator_names_the_sampling_field():
 
 
 def test_openai_translator_offsets_the_seed_per_choice():
-    from sgrt.server import openai_adapter as oa
+    from sgrt.server.openai import adapter as oa
 
     fields = {"seed": 10, "temperature": 0.7, "top_logprobs_num": 21}
     with pytest.raises(InvalidRequest) as e:

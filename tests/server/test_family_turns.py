@@ -176,8 +176,8 @@ def test_mistral_forced_call_parsed_from_tool_calls_token(family_servers):
     # the conversation continues.
     import msgspec
 
-    from sgrt.server import openai_protocol as op
-    from sgrt.server.openai_adapter import ChatRenderer, plan_tools
+    from sgrt.server.openai import protocol as op
+    from sgrt.server.openai.adapter import ChatRenderer, plan_tools
 
     history = msgs + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                       {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]

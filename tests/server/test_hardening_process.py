@@ -411,7 +411,9 @@ STREAMING = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/me
 
 
 def _wire_struct(path: str) -> Any:
-    from sgrt.server import anthropic_api, openai_protocol as op, responses_api
+    from sgrt.server import anthropic_api
+    from sgrt.server.openai import protocol as op
+    from sgrt.server.openai import responses as responses_api
     from sgrt.server.sglang import protocol as sp
 
     return {"/v1/chat/completions": op.ChatCompletionRequest, "/v1/completions": op.CompletionRequest,
@@ -423,7 +425,7 @@ def _wire_struct(path: str) -> Any:
 def _overrides(path: str) -> dict:
     if path != "/v1/responses":
         return {}
-    from sgrt.server import responses_api as r
+    from sgrt.server.openai import responses as r
 
     # NOTE: an input item is a free object in the request's schema; its type's struct checks it.
     return {("input", "*"): _ItemShapes({k: Shapes(v) for k, v in r.ITEM_TYPES.items()})}

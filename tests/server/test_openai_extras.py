@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sgrt.server.turns import formats as tf
-from sgrt.server.openai_adapter import format_calls
+from sgrt.server.openai.adapter import format_calls
 
 from .conftest_http import (  # noqa: F401 - fixtures
     MODEL_NAME,

@@ -116,7 +116,7 @@ def test_streamed_events(client):
 
 
 def test_store_is_bounded_lru():
-    from sgrt.server.responses_api import ResponseStore, StoredResponse
+    from sgrt.server.openai.responses import ResponseStore, StoredResponse
 
     store = ResponseStore(capacity=2)
     for rid in ("a", "b"):
@@ -128,7 +128,7 @@ def test_store_is_bounded_lru():
 
 def test_input_items_to_messages():
     from sgrt.errors import InvalidRequest
-    from sgrt.server.responses_api import input_messages
+    from sgrt.server.openai.responses import input_messages
 
     msgs = input_messages([
         {"role": "user", "content": [{"type": "input_text", "text": "Weather "}, {"type": "input_text", "text": "?"}]},

@@ -8,7 +8,7 @@ import pytest
 from pydantic import BaseModel
 
 from sgrt.server.turns import formats as tf
-from sgrt.server.openai_adapter import think_mode
+from sgrt.server.openai.adapter import think_mode
 from sgrt.server.ws.protocol import ToolSpec
 from sgrt.server.turns.schema_embed import embed_schema, rewrite_ref
 
@@ -196,8 +196,8 @@ class TemplateTokenizer:
 
 
 def test_renderer_native_format_and_thinking_switch():
-    from sgrt.server import openai_protocol as op
-    from sgrt.server.openai_adapter import ChatRenderer, plan_tools
+    from sgrt.server.openai import protocol as op
+    from sgrt.server.openai.adapter import ChatRenderer, plan_tools
 
     renderer = ChatRenderer(TemplateTokenizer(QWEN_LIKE))
     assert renderer.traits.tool_format is tf.HERMES and renderer.traits.thinking_switch == "enable_thinking"
@@ -226,7 +226,7 @@ def test_renderer_native_format_and_thinking_switch():
 def test_mistral_trigger_token_named_by_id(tokenizer):
     """A trigger that is one special token is named by id in the grammar (here SmolLM2's
     <|im_start|> stands in for Mistral's [TOOL_CALLS] control token)."""
-    from sgrt.server.openai_adapter import ChatRenderer
+    from sgrt.server.openai.adapter import ChatRenderer
 
     renderer = ChatRenderer(tokenizer)
     tid = renderer.special_token_id("<|im_start|>")

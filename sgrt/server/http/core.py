@@ -20,11 +20,11 @@ from starlette.responses import Response
 import sgrt
 from sgrt.engine import EngineClient, RequestHandle, SamplingParams, StreamChunk
 from sgrt.errors import ContextLengthExceeded, InvalidRequest
-from sgrt.server import openai_adapter as oa
-from sgrt.server import openai_protocol as op
 from sgrt.server.http.errors import ApiError, ClientGone, json_response
 from sgrt.server.http.streams import until_disconnect
 from sgrt.server.limits import HttpLimits, check_json_depth, origin_allowed
+from sgrt.server.openai import adapter as oa
+from sgrt.server.openai import protocol as op
 
 
 #: Bodies above this size are "heavy": their CPU work (parsing, rendering, tokenizing) runs on
@@ -322,6 +322,14 @@ class HttpApi:
     async def models(self, request: Request) -> Response:
         self.check_auth(request)
         return json_response(op.ModelList(data=[self.model_card(n) for n in self.model_names]))
+
+    async def model_by_id(self, request: Request) -> Response:
+        """``GET /v1/models/{model}``: the model's card when ``model`` is a served name, else 404
+        (as OpenAI answers an unknown model)."""
+        self.check_auth(request)
+        model_id = request.path_params["model_id"]
+        self.check_model(model_id)  # (a path segment is never empty)
+        return json_response(self.model_card(model_id))
 
     async def health(self, request: Request) -> Response:
         if self.closing or not engine_alive(self.engine):

@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 import sgrt
 from sgrt.errors import CapacityError, ContextLengthExceeded, GrammarError, InvalidRequest
-from sgrt.server import openai_protocol as op
+from sgrt.server.openai import protocol as op
 
 logger = logging.getLogger("sgrt.server.http")
 
@@ -105,3 +105,12 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
     data = obj if isinstance(obj, bytes) else JSON_ENCODER.encode(obj)
     return Response(data, status_code=status, media_type="application/json",
                     headers={**BASE_HEADERS, **(headers or {})})
+
+
+def check_result(result: Any) -> None:
+    """Raise for a request that failed inside the engine (an abort with an error)."""
+    if result is not None and result.finish_reason == "abort" and result.error:
+        if "engine shut down" in result.error:
+            raise ApiError(503, f"the engine stopped: {result.error}", type="service_unavailable",
+                           code="engine_unavailable")
+        raise generation_error(result)

@@ -7,7 +7,7 @@ Bearer <token>`` or ``x-api-key: <token>``, the header the ``anthropic`` SDK sen
   server-sent events, ``n``, ``stop``, ``max_tokens`` / ``max_completion_tokens``,
   ``temperature``, ``top_p``, ``seed``, ``logprobs`` / ``top_logprobs``, ``response_format``,
   ``tools`` + ``tool_choice``, ``stream_options.include_usage``) and the extras of
-  :mod:`sgrt.server.openai_protocol` (``regex``, ``json_schema``, ``grammar``, ``top_k``,
+  :mod:`sgrt.server.openai.protocol` (``regex``, ``json_schema``, ``grammar``, ``top_k``,
   ``min_p``, ``min_tokens``, ...). Defaults are OpenAI's (``temperature=1``), not the engine's.
 - ``GET /v1/models``: the one model; its card has ``owned_by: "sgrt"`` and an ``sgrt`` object
   (version, native endpoints, context length), which is how clients detect an sgrt server.
@@ -53,11 +53,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sgrt.engine.client import EngineClient
-from sgrt.server.sglang import endpoints as native
-from sgrt.server import anthropic_api, http_openai, responses_api
+from sgrt.server import anthropic_api
 from sgrt.server.http import metrics
 from sgrt.server.http.core import HttpApi, HttpLimits
 from sgrt.server.http.errors import ApiError, ClientGone, api_error_from
+from sgrt.server.openai import chat, completions, responses
+from sgrt.server.sglang import endpoints as native
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "HttpApi", "HttpLimits", "HttpServer", "HttpServerThread", "create_app",
            "serve_http"]
@@ -113,14 +114,14 @@ def create_app(engine: EngineClient, *, model_name: str, auth_token: str | None 
         return endpoint
 
     table = [  # path, methods, handler(api, request), the field a context-length error names
-        ("/v1/chat/completions", ["POST"], http_openai.chat_completions, "messages"),
-        ("/v1/completions", ["POST"], http_openai.completions, "prompt"),
-        ("/v1/responses", ["POST"], responses_api.create_response, "input"),
-        ("/v1/responses/{response_id}", ["GET"], responses_api.get_response, "input"),
-        ("/v1/responses/{response_id}", ["DELETE"], responses_api.delete_response, "input"),
+        ("/v1/chat/completions", ["POST"], chat.chat_completions, "messages"),
+        ("/v1/completions", ["POST"], completions.completions, "prompt"),
+        ("/v1/responses", ["POST"], responses.create_response, "input"),
+        ("/v1/responses/{response_id}", ["GET"], responses.get_response, "input"),
+        ("/v1/responses/{response_id}", ["DELETE"], responses.delete_response, "input"),
         ("/v1/messages", ["POST"], anthropic_api.create_message, "messages"),
         ("/v1/models", ["GET"], HttpApi.models, "prompt"),
-        ("/v1/models/{model_id:path}", ["GET"], http_openai.model_by_id, "prompt"),
+        ("/v1/models/{model_id:path}", ["GET"], HttpApi.model_by_id, "prompt"),
         ("/metrics", ["GET"], metrics.metrics_endpoint, "prompt"),
         ("/health", ["GET"], HttpApi.health, "prompt"),
         ("/generate", ["POST"], native.generate, "prompt"),

@@ -58,15 +58,15 @@ from starlette.requests import Request
 
 from sgrt.engine import Result, SamplingParams
 from sgrt.errors import InvalidRequest
-from sgrt.server import openai_adapter as oa
-from sgrt.server import openai_protocol as op
 from sgrt.server.http.core import NATIVE_ENDPOINTS, HttpApi, EngineCall  # noqa: F401 - re-exported
 from sgrt.server.http.errors import ApiError, api_error_from, generation_error, json_response
 from sgrt.server.http.streams import SSE_DONE, EventStream, sse
-from sgrt.server.http_openai import check_token_ids
+from sgrt.server.limits import check_count, check_stop
+from sgrt.server.openai import adapter as oa
+from sgrt.server.openai import protocol as op
+from sgrt.server.openai.completions import check_token_ids
 from sgrt.server.sglang import fields as sglang
 from sgrt.server.sglang import protocol as sp
-from sgrt.server.limits import check_count, check_stop
 
 
 def _batch(req: sp.GenerateRequest, api: HttpApi) -> tuple[list[list[int]], bool]:

@@ -1,6 +1,6 @@
 """Wire structs of sgrt's native endpoints, shaped like SGLang's (msgspec): ``POST /generate``,
 ``/tokenize``, ``/detokenize``, ``/apply_chat_template``, ``/abort_request``. Decoded strictly
-(``forbid_unknown_fields``), as the OpenAI structs of :mod:`sgrt.server.openai_protocol` are.
+(``forbid_unknown_fields``), as the OpenAI structs of :mod:`sgrt.server.openai.protocol` are.
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from sgrt.server.openai_protocol import ChatMessage
+from sgrt.server.openai.protocol import ChatMessage
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

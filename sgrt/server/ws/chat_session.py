@@ -27,13 +27,13 @@ from typing import Any
 
 from sgrt.engine import Result, SamplingParams
 from sgrt.errors import CapacityError, InvalidRequest, SgrtError
-from sgrt.server import openai_protocol as op
-from sgrt.server.ws import protocol as p
+from sgrt.server.openai import protocol as op
 from sgrt.server.turns import formats as tf
 from sgrt.server.turns.plan import ChatRenderer, ToolPlan, plan_choice
+from sgrt.server.turns.tools import check_tool_choice, check_tools, validate_tool_grammar
+from sgrt.server.ws import protocol as p
 from sgrt.server.ws.protocol import LimitExceeded
 from sgrt.server.ws.session import Session, SessionContext, ws_sampling_params
-from sgrt.server.turns.tools import check_tool_choice, check_tools, validate_tool_grammar
 
 logger = logging.getLogger("sgrt.server")
 

@@ -42,12 +42,12 @@ from websockets.exceptions import ConnectionClosed
 
 from sgrt.engine.client import EngineClient
 from sgrt.errors import InvalidRequest, SgrtError
-from sgrt.server.ws import protocol as p
 from sgrt.server.limits import WsLimits, json_depth, origin_allowed
-from sgrt.server.ws.programs import ProgramRegistry, SessionBackend
-from sgrt.server.ws.protocol import LimitExceeded
+from sgrt.server.ws import protocol as p
 from sgrt.server.ws.chat_session import ChatSession
 from sgrt.server.ws.program_session import ProgramSession
+from sgrt.server.ws.programs import ProgramRegistry, SessionBackend
+from sgrt.server.ws.protocol import LimitExceeded
 from sgrt.server.ws.session import Session, SessionContext, error_for
 
 logger = logging.getLogger("sgrt.server")

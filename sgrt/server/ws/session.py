@@ -20,8 +20,8 @@ from typing import Any, Awaitable, Callable
 
 from sgrt.engine import EngineClient, SamplingParams
 from sgrt.errors import CapacityError, ContextLengthExceeded, GrammarError, InvalidRequest
-from sgrt.server.ws import protocol as p
 from sgrt.server.limits import check_stop
+from sgrt.server.ws import protocol as p
 from sgrt.server.ws.protocol import LimitExceeded
 
 logger = logging.getLogger("sgrt.server")

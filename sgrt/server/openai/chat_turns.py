@@ -4,7 +4,7 @@ generated text back, at the end or as a stream of increments (text, reasoning, a
 fragments of its arguments). Each API maps these to its own wire format.
 
 The Responses and Messages APIs translate their requests into an
-:class:`~sgrt.server.openai_protocol.ChatCompletionRequest` first, so every field check,
+:class:`~sgrt.server.openai.protocol.ChatCompletionRequest` first, so every field check,
 constraint and tool grammar is the chat API's.
 """
 from __future__ import annotations
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sgrt.engine import Result, SamplingParams, StreamChunk
-from sgrt.server import openai_adapter as oa
-from sgrt.server import openai_protocol as op
+from sgrt.server.http.streams import merge_streams
+from sgrt.server.openai import adapter as oa
+from sgrt.server.openai import protocol as op
 from sgrt.server.sglang import fields as sglang_fields
 from sgrt.server.turns import formats as tf
-from sgrt.server.http.streams import merge_streams
 
 logger = logging.getLogger("sgrt.server.http")
 
@@ -54,13 +54,13 @@ class PreparedTurn:
 
 def prepare_turn(api: Any, req: op.ChatCompletionRequest,
                  field_names: dict[str, str] = oa.CHAT_FIELD_NAMES) -> PreparedTurn:
-    """Plan, render and build the params of a chat request (:func:`~sgrt.server.
-    openai_sampling.chat_params`; errors name fields as ``field_names`` says). CPU work
+    """Plan, render and build the params of a chat request (:func:`~sgrt.server.openai.
+    sampling.chat_params`; errors name fields as ``field_names`` says). CPU work
     (rendering, tokenizing): callers run it off the event loop (``api.offload``).
 
     Raises:
         InvalidRequest: a bad field (named), one over the server's limits
-            (:func:`~sgrt.server.openai_sampling.check_request_limits`), a prompt over the
+            (:func:`~sgrt.server.openai.sampling.check_request_limits`), a prompt over the
             context window, ...
     """
     renderer = api.renderer

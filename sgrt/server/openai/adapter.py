@@ -1,10 +1,10 @@
 """OpenAI requests -> engine prompts and ``SamplingParams``; engine results -> OpenAI objects.
 
 Pure functions over the engine's tokenizer and the wire structs of
-:mod:`sgrt.server.openai_protocol`; the HTTP layer (:mod:`sgrt.server.http.server`) does the I/O.
-Sampling (the translator to ``SamplingParams``) is in :mod:`sgrt.server.openai_sampling`, chat
+:mod:`sgrt.server.openai.protocol`; the HTTP layer (:mod:`sgrt.server.http.server`) does the I/O.
+Sampling (the translator to ``SamplingParams``) is in :mod:`sgrt.server.openai.sampling`, chat
 prompts and tools in :mod:`sgrt.server.turns.plan`; this module keeps tokens and results, and
-re-exports both (``openai_adapter.build_params``, ``openai_adapter.ToolPlan`` ...).
+re-exports both (``adapter.build_params``, ``adapter.ToolPlan`` ...).
 
 Tool calls reuse the session server's format (:mod:`sgrt.server.turns.tools`): a call is the JSON
 object ``{"name": <tool>, "arguments": {...}}``, generated under a Lark grammar with one
@@ -20,14 +20,14 @@ from typing import Any
 
 from sgrt.engine import Result
 from sgrt.models.tokenizer import encode_prompt_text, plain_text_bos_id
-from sgrt.server import openai_protocol as op
+from sgrt.server.openai import protocol as op
 
-# NOTE: the two halves that moved out stay reachable as openai_adapter.<name>.
+# NOTE: the two halves that moved out stay reachable as adapter.<name>.
 from sgrt.server.turns.plan import (  # noqa: F401
     REASONING_OFF, ChatRenderer, ToolPlan, TurnOutput, calls_only_grammar, format_calls, new_call_id,
     plan_tools, read_turn, think_mode,
 )
-from sgrt.server.openai_sampling import (  # noqa: F401
+from sgrt.server.openai.sampling import (  # noqa: F401
     CHAT_FIELD_NAMES, COMPLETION_FIELD_NAMES, build_params, chat_params, check_n, check_request_limits,
     completion_params, resolve_max_tokens, response_format_schema, sampling_fields,
 )

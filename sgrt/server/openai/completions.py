@@ -1,6 +1,7 @@
-"""``POST /v1/chat/completions`` and ``POST /v1/completions``: OpenAI requests in, engine requests
-out, OpenAI responses (or server-sent event chunks) back. The field handling lives in
-:mod:`sgrt.server.openai_adapter`; the plumbing (auth, limits, aborts) in
+"""``POST /v1/completions``: OpenAI text completion requests in (a prompt, a list of prompts, or
+token ids), ``n`` engine requests per prompt out, an OpenAI response (or server-sent event
+chunks) back; ``echo`` prepends the prompt and its log-probabilities. The field handling lives
+in :mod:`sgrt.server.openai.adapter`; the plumbing (auth, limits, aborts) in
 :mod:`sgrt.server.http.core`."""
 from __future__ import annotations
 
@@ -12,125 +13,14 @@ from starlette.requests import Request
 
 from sgrt.engine import StreamChunk
 from sgrt.errors import InvalidRequest
-from sgrt.server import chat_turns as ct
-from sgrt.server import openai_adapter as oa
-from sgrt.server import openai_protocol as op
-from sgrt.server.sglang import fields as sglang_fields
-from sgrt.server.http.core import HttpApi, EngineCall
-from sgrt.server.http.errors import ApiError, api_error_from, generation_error, json_response
+from sgrt.server.http.core import EngineCall, HttpApi
+from sgrt.server.http.errors import api_error_from, check_result
 from sgrt.server.http.streams import SSE_DONE, EventStream, merge_streams, sse
+from sgrt.server.openai import adapter as oa
+from sgrt.server.openai import protocol as op
+from sgrt.server.sglang import fields as sglang_fields
 
 
-# ==== chat ========================================================================================
-async def chat_completions(api: HttpApi, request: Request) -> Any:
-    """``POST /v1/chat/completions``: ``n`` engine requests over the rendered messages; a JSON
-    answer, or an :class:`EventStream` of ``chat.completion.chunk`` events (tool calls streamed
-    incrementally: id and name first, then argument fragments)."""
-    req: op.ChatCompletionRequest = await api.decode(request, op.ChatCompletionRequest)
-    turn = await api.offload(ct.prepare_turn, api, req)  # NOTE: rendering and tokenizing off the loop
-    plan = turn.plan
-    calls = [EngineCall(turn.prompt_ids, params, i) for i, params in enumerate(turn.params)]
-    handles = api.submit(calls, sglang_fields.request_ids(req.rid, len(calls)))
-    rid = oa.new_id("chatcmpl")
-    if req.stream:
-        primed = await api.prime(request, handles)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = _chat_events(api, rid, primed, plan, include_usage, bool(req.logprobs))
-        return EventStream(events, lambda: api.release(handles))
-    results = await api.results(request, handles)
-    for result in results:
-        check_result(result)
-
-    def build() -> op.ChatCompletion:  # NOTE: off the loop: n choices of logprobs can be large
-        choices = []
-        for i, result in enumerate(results):
-            out = oa.read_turn(result.text, plan, result.finish_reason)
-            message = op.ResponseMessage(content=out.content, reasoning_content=out.reasoning, tool_calls=out.calls)
-            logprobs = None
-            if req.logprobs and not out.calls:
-                logprobs = oa.chat_logprobs(result.token_ids, result.output_logprobs,
-                                            result.output_top_logprobs, api.texts)
-            choices.append(op.ChatChoice(index=i, message=message, logprobs=logprobs,
-                                         finish_reason=oa.finish_reason_of(result, bool(out.calls))))
-        return op.ChatCompletion(id=rid, created=int(time.time()), model=api.model_name,
-                                 choices=choices, usage=oa.usage_of(results[:1], results))
-
-    return await api.respond(build)
-
-
-async def _chat_events(api: HttpApi, rid: str, primed: list[tuple[StreamChunk, AsyncIterator]], plan: oa.ToolPlan,
-                       include_usage: bool, want_logprobs: bool) -> AsyncIterator[bytes]:
-    created = int(time.time())
-
-    def chunk(choices: list[op.ChatChunkChoice], usage: op.Usage | None = None) -> bytes:
-        return sse(op.ChatCompletionChunk(id=rid, created=created, model=api.model_name, choices=choices,
-                                          usage=usage))
-
-    # NOTE: the role chunk says content null when the turn is tool calls and "" when text, as
-    # OpenAI's do; a turn that may be either sends it with its first increment.
-    started = [False] * len(primed)
-    if plan.mode in ("required", "named") or not plan.may_call:
-        for i in range(len(primed)):
-            started[i] = True
-            content = None if plan.may_call else ""
-            yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(role="assistant", content=content))])
-    results: list[Any] = [None] * len(primed)
-    pending_text: list[str] = [""] * len(primed)
-    called = [False] * len(primed)
-    try:
-        async for ev in ct.turn_events(primed, plan):
-            i = ev.choice
-            if not started[i] and (ev.kind in ("text", "reasoning", "call", "done")
-                                   or (ev.kind == "logprobs" and want_logprobs)):
-                started[i] = True
-                content = None if ev.kind == "call" or (ev.kind == "done" and ev.output.calls) else ""
-                yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(role="assistant", content=content))])
-            if ev.kind == "text":
-                pending_text[i] += ev.text
-                if not want_logprobs:
-                    yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(content=pending_text[i]))])
-                    pending_text[i] = ""
-            elif ev.kind == "logprobs" and want_logprobs and not called[i]:
-                logprobs = oa.chat_logprobs(ev.chunk.token_ids, ev.chunk.logprobs, ev.chunk.top_logprobs, api.texts)
-                yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(content=pending_text[i]), logprobs=logprobs)])
-                pending_text[i] = ""
-            elif ev.kind == "reasoning":
-                yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(reasoning_content=ev.text))])
-            elif ev.kind == "call":
-                called[i] = True
-                delta = op.Delta(content=None, tool_calls=[op.ToolCallDelta(
-                    index=ev.call_index, id=ev.call_id, type="function",
-                    function=op.FunctionCallDelta(name=ev.name, arguments=""))])
-                yield chunk([op.ChatChunkChoice(index=i, delta=delta)])
-            elif ev.kind == "args":
-                delta = op.Delta(content=None, tool_calls=[op.ToolCallDelta(
-                    index=ev.call_index, function=op.FunctionCallDelta(arguments=ev.text))])
-                yield chunk([op.ChatChunkChoice(index=i, delta=delta)])
-            elif ev.kind == "done":
-                result = ev.result
-                results[i] = result
-                check_result(result)
-                if pending_text[i]:
-                    yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(content=pending_text[i]))])
-                yield chunk([op.ChatChunkChoice(index=i, delta=op.Delta(),
-                                                finish_reason=oa.finish_reason_of(result, bool(ev.output.calls)))])
-        if include_usage:
-            yield chunk([], usage=oa.usage_of(results[:1], results))
-    except Exception as exc:  # noqa: BLE001 - reported in-stream: the status line is gone
-        yield sse(op.ErrorResponse(error=api_error_from(exc, "messages").info))
-    yield SSE_DONE
-
-
-async def model_by_id(api: HttpApi, request: Request) -> Any:
-    """``GET /v1/models/{model}``: the model's card when ``model`` is a served name, else 404
-    (as OpenAI answers an unknown model)."""
-    api.check_auth(request)
-    model_id = request.path_params["model_id"]
-    api.check_model(model_id)  # (a path segment is never empty)
-    return json_response(api.model_card(model_id))
-
-
-# ==== text completions ============================================================================
 async def completions(api: HttpApi, request: Request) -> Any:
     """``POST /v1/completions``: ``n`` engine requests per prompt (choice ``i * n + j`` is
     choice ``j`` of prompt ``i``); ``echo`` prepends the prompt (and its log-probabilities)."""
@@ -213,6 +103,7 @@ def _completion_logprobs(api: HttpApi, result: Any, call: EngineCall, echo: bool
             tops = (prompt_tops + [[]] * n)[:n] + (tops or [[]] * len(result.token_ids))
     return oa.completion_logprobs(ids, lps, tops or None, api.texts)
 
+
 async def _completion_events(api: HttpApi, rid: str, calls: list[EngineCall], primed: list[tuple[StreamChunk, AsyncIterator]],
                              req: op.CompletionRequest, include_usage: bool) -> AsyncIterator[bytes]:
     created = int(time.time())
@@ -247,14 +138,6 @@ async def _completion_events(api: HttpApi, rid: str, calls: list[EngineCall], pr
     except Exception as exc:  # noqa: BLE001 - reported in-stream
         yield sse(op.ErrorResponse(error=api_error_from(exc).info))
     yield SSE_DONE
-
-def check_result(result: Any) -> None:
-    """Raise for a request that failed inside the engine (an abort with an error)."""
-    if result is not None and result.finish_reason == "abort" and result.error:
-        if "engine shut down" in result.error:
-            raise ApiError(503, f"the engine stopped: {result.error}", type="service_unavailable",
-                           code="engine_unavailable")
-        raise generation_error(result)
 
 
 def completion_prompts(prompt: Any, vocab_size: int | None = None) -> list[str | list[int]]:

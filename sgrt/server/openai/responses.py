@@ -35,14 +35,13 @@ import msgspec
 from starlette.requests import Request
 
 from sgrt.errors import InvalidRequest
-from sgrt.server import chat_turns as ct
-from sgrt.server import openai_adapter as oa
-from sgrt.server import openai_protocol as op
 from sgrt.server.http.core import EngineCall, HttpApi
-from sgrt.server.http.errors import ApiError, api_error_from, json_response
-from sgrt.server.http_openai import check_result
+from sgrt.server.http.errors import ApiError, api_error_from, check_result, json_response
 from sgrt.server.http.streams import EventStream
 from sgrt.server.limits import HttpLimits, check_count
+from sgrt.server.openai import adapter as oa
+from sgrt.server.openai import chat_turns as ct
+from sgrt.server.openai import protocol as op
 
 #: Responses kept per server for ``previous_response_id`` / ``GET`` (least recently used
 #: dropped first).

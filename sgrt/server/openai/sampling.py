@@ -10,9 +10,9 @@ from typing import Any
 
 from sgrt.errors import ContextLengthExceeded, InvalidRequest
 from sgrt.sampling_params import SamplingParams
-from sgrt.server import openai_protocol as op
-from sgrt.server.sglang import fields as sglang_fields
 from sgrt.server.limits import check_count, check_stop
+from sgrt.server.openai import protocol as op
+from sgrt.server.sglang import fields as sglang_fields
 
 #: ``SamplingParams`` field -> request field, where the names differ (for 400s that name the
 #: field the client sent).
