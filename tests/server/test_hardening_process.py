@@ -411,7 +411,7 @@ STREAMING = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/me
 
 
 def _wire_struct(path: str) -> Any:
-    from sgrt.server import anthropic_api
+    from sgrt.server.anthropic import messages as anthropic_api
     from sgrt.server.openai import protocol as op
     from sgrt.server.openai import responses as responses_api
     from sgrt.server.sglang import protocol as sp

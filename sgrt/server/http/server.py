@@ -53,7 +53,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sgrt.engine.client import EngineClient
-from sgrt.server import anthropic_api
+from sgrt.server.anthropic import messages as anthropic
 from sgrt.server.http import metrics
 from sgrt.server.http.core import HttpApi, HttpLimits
 from sgrt.server.http.errors import ApiError, ClientGone, api_error_from
@@ -102,7 +102,7 @@ def create_app(engine: EngineClient, *, model_name: str, auth_token: str | None 
 
     def route(handler: Callable[[HttpApi, Request], Any], prompt_field: str) -> Callable[[Request], Any]:
         # Anthropic's Messages API answers errors in its own shape (the anthropic SDK reads it).
-        shape = anthropic_api.error_response if handler is anthropic_api.create_message else ApiError.response
+        shape = anthropic.error_response if handler is anthropic.create_message else ApiError.response
 
         async def endpoint(request: Request) -> Any:
             try:
@@ -119,7 +119,7 @@ def create_app(engine: EngineClient, *, model_name: str, auth_token: str | None 
         ("/v1/responses", ["POST"], responses.create_response, "input"),
         ("/v1/responses/{response_id}", ["GET"], responses.get_response, "input"),
         ("/v1/responses/{response_id}", ["DELETE"], responses.delete_response, "input"),
-        ("/v1/messages", ["POST"], anthropic_api.create_message, "messages"),
+        ("/v1/messages", ["POST"], anthropic.create_message, "messages"),
         ("/v1/models", ["GET"], HttpApi.models, "prompt"),
         ("/v1/models/{model_id:path}", ["GET"], HttpApi.model_by_id, "prompt"),
         ("/metrics", ["GET"], metrics.metrics_endpoint, "prompt"),
