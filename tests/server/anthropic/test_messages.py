@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest_http import (  # noqa: F401 - fixtures
+from tests.server.conftest_http import (  # noqa: F401 - fixtures
     MODEL_NAME,
     http_engine,
     http_server,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest_http import http_engine, raw  # noqa: F401 - fixture
+from tests.server.conftest_http import http_engine, raw  # noqa: F401 - fixture
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 NAMES = ["tiny", "tiny-alias"]
 
 

@@ -14,7 +14,7 @@ import sgrt
 from sgrt.backends.http import RuntimeEndpoint
 from sgrt.errors import InvalidRequest, RequestAborted
 
-from .conftest_http import MODEL_NAME, http_engine, http_server, needs_constraints, wait_idle  # noqa: F401
+from tests.server.conftest_http import MODEL_NAME, http_engine, http_server, needs_constraints, wait_idle  # noqa: F401
 
 PROMPT = "Decide if the statement is True or False.\nStatement: Fish can fly to the moon.\nAnswer:"
 

@@ -17,8 +17,8 @@ import pytest
 
 from sgrt.client import Client, Tool
 
-from .conftest import FakeEngine, running_server
-from .conftest_http import needs_constraints, raw
+from tests.server.conftest import FakeEngine, running_server
+from tests.server.conftest_http import needs_constraints, raw
 from .test_family_turns import MISTRAL_LIKE
 from .test_tool_formats import QWEN_LIKE, accepts
 

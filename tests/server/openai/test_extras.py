@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sgrt.server.turns import formats as tf
 from sgrt.server.openai.adapter import format_calls
 
-from .conftest_http import (  # noqa: F401 - fixtures
+from tests.server.conftest_http import (  # noqa: F401 - fixtures
     MODEL_NAME,
     chat_body,
     client,

@@ -9,7 +9,7 @@ import pytest
 
 from sgrt.engine import SamplingParams
 
-from .conftest_http import (  # noqa: F401 - fixtures
+from tests.server.conftest_http import (  # noqa: F401 - fixtures
     MODEL_NAME,
     client,
     http_engine,

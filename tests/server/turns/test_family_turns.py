@@ -21,7 +21,7 @@ import shutil
 import pytest
 import torch
 
-from .conftest_http import needs_constraints
+from tests.server.conftest_http import needs_constraints
 from .test_tool_formats import QWEN_LIKE
 
 pytestmark = needs_constraints

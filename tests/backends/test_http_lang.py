@@ -11,7 +11,7 @@ import pytest
 
 import sgrt
 
-from .conftest_http import http_engine, http_server  # noqa: F401 - fixtures
+from tests.server.conftest_http import http_engine, http_server  # noqa: F401 - fixtures
 
 programs = pytest.importorskip("tests.lang.test_programs")
 globals().update({name: getattr(programs, name) for name in dir(programs) if name.startswith("test_")})

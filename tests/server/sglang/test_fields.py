@@ -10,7 +10,7 @@ import pytest
 
 from sgrt.server.sglang import fields as sglang_fields
 
-from .conftest_http import http_engine, http_server, raw  # noqa: F401 - fixtures
+from tests.server.conftest_http import http_engine, http_server, raw  # noqa: F401 - fixtures
 
 PROMPT = "Three colours, one per line:\n1."
 #: The /generate body as sglang-router 0.3.2 forwards ``{"text", "sampling_params"}`` (captured
@@ -123,7 +123,7 @@ def test_ignored_fields_are_accepted_with_one_warning(http_server, caplog):
 
 def test_model_and_server_info_name_the_served_model(http_server):
     """An SGLang router learns a worker's model from these (and lists it in its /v1/models)."""
-    from .conftest_http import MODEL_NAME
+    from tests.server.conftest_http import MODEL_NAME
 
     for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
         status, _, info = raw(http_server.url, "GET", path)

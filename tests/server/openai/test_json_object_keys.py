@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .conftest_http import (  # noqa: F401 - fixtures
+from tests.server.conftest_http import (  # noqa: F401 - fixtures
     MODEL_NAME,
     client,
     http_engine,

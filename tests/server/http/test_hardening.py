@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from .conftest_http import (  # noqa: F401 - fixtures
+from tests.server.conftest_http import (  # noqa: F401 - fixtures
     MODEL_NAME,
     chat_body,
     http_engine,

@@ -7,7 +7,7 @@ import json
 import openai
 import pytest
 
-from .conftest_http import (  # noqa: F401 - fixtures
+from tests.server.conftest_http import (  # noqa: F401 - fixtures
     MODEL_NAME,
     client,
     http_engine,
