@@ -85,7 +85,7 @@ def serve_main(threads: int) -> None:
 
     torch.set_num_threads(threads)
     from sgrt.engine import Engine
-    from sgrt.server.http_api import serve_http
+    from sgrt.server.http.server import serve_http
 
     engine = Engine(model=MODEL, max_total_tokens=16384)
 
@@ -168,7 +168,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     from sgrt.engine import Engine
     from sgrt.models import load_model
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     work = workload(args.requests)
     proc = thread_server = None

@@ -25,11 +25,12 @@ import difflib
 import json
 import logging
 import os
-import re
 import sys
 import time
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
+
+from sgrt.errors import one_line  # (light: no torch)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -535,7 +536,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = _sampling(args, **_constraint(args))
         if params.is_constrained():
             with progress("compiling the constraint"):
-                engine.intake.compile_grammar(params)  # cached: the request below finds it compiled
+                engine.compile_grammar(params)  # cached: the request below finds it compiled
         result = _run(engine, prompt, params, stream=not args.json_output)
     finally:
         engine.shutdown()
@@ -688,25 +689,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("sgrt: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-
-
-# Lines of a multi-line message that only point into it: carets, or a source echo ("  1 | ...").
-_POINTER_LINE = re.compile(r"^\s*([\^~\-\s]+|\d+\s*\|.*)$")
-
-
-def one_line(exc: BaseException | str) -> str:
-    """An error message on one line: its lines joined (``"; "``, or a space after a colon),
-    pointer lines (carets, echoed source) left out; the exception's type when it has none."""
-    text = str(exc).strip()
-    if not text:
-        return type(exc).__name__ if isinstance(exc, BaseException) else ""
-    out = ""
-    for line in text.splitlines():
-        line = " ".join(line.split())
-        if not line or _POINTER_LINE.match(line):
-            continue
-        out = line if not out else out + (" " if out.endswith(":") else "; ") + line
-    return out
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
-from sgrt.errors import ContextLengthExceeded, SgrtError
+from sgrt.errors import ContextLengthExceeded, SgrtError, one_line
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -344,7 +344,5 @@ def _prompt_session() -> Any:
 
 
 def _flat(exc: BaseException) -> str:
-    """An exception's message on one line (see :func:`sgrt.cli.one_line`)."""
-    from sgrt.cli import one_line
-
+    """An exception's message on one line (:func:`sgrt.errors.one_line`)."""
     return one_line(exc)

@@ -35,13 +35,13 @@ import msgspec
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from sgrt.server import protocol as p
+from sgrt.server.ws import protocol as p
 
 __all__ = ["AgentSession", "Client", "Reply", "ServerError", "Tool"]
 
 
 class ServerError(Exception):
-    """An ``error`` from the server: ``code`` (see ``sgrt.server.protocol.ERROR_CODES``),
+    """An ``error`` from the server: ``code`` (see ``sgrt.server.ws.protocol.ERROR_CODES``),
     ``field`` (the offending field or None) and the message."""
 
     def __init__(self, code: str, message: str, field: str | None = None, session: str | None = None):

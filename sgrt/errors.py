@@ -5,6 +5,8 @@ without reading our code. A misspelled Python keyword argument stays a plain ``T
 """
 from __future__ import annotations
 
+import re
+
 
 class SgrtError(Exception):
     """Base class of every error sgrt raises on purpose."""
@@ -43,3 +45,22 @@ class ModelLoadError(SgrtError):
 
 class RequestAborted(SgrtError):
     """A request was aborted (cancelled, disconnected, or failed); ``__cause__`` holds why."""
+
+
+# Lines of a multi-line message that only point into it: carets, or a source echo ("  1 | ...").
+_POINTER_LINE = re.compile(r"^\s*([\^~\-\s]+|\d+\s*\|.*)$")
+
+
+def one_line(exc: BaseException | str) -> str:
+    """An error message on one line: its lines joined (``"; "``, or a space after a colon),
+    pointer lines (carets, echoed source) left out; the exception's type when it has none."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__ if isinstance(exc, BaseException) else ""
+    out = ""
+    for line in text.splitlines():
+        line = " ".join(line.split())
+        if not line or _POINTER_LINE.match(line):
+            continue
+        out = line if not out else out + (" " if out.endswith(":") else "; ") + line
+    return out

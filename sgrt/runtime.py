@@ -52,7 +52,7 @@ class Runtime(LocalBackend):
         started on a free loopback port the first time it is read and stopped by
         :meth:`shutdown`: ``/generate``, ``/v1/completions``, ``/v1/chat/completions``..."""
         if self._http is None:
-            from sgrt.server.http_api import HttpServerThread  # loads starlette: on first use only
+            from sgrt.server.http.server import HttpServerThread  # loads starlette: on first use only
 
             self._http = HttpServerThread(self.engine, "127.0.0.1", 0).start()
         return self._http.url

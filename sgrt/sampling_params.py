@@ -32,9 +32,9 @@ class SamplingParams:
 
     Checked once, when built (the constructor, :meth:`from_dict` or :meth:`replace`), and
     frozen, so that what was checked is what runs; each wire format has one translator to it
-    (the DSL's ``gen``: ``sgrt.lang.defaults.gen_sampling_params``; WebSocket: ``sgrt.server.
-    session.ws_sampling_params``; OpenAI: ``sgrt.server.openai_adapter.build_params``; SGLang's
-    ``/generate``: ``sgrt.server.sglang_fields.sampling_fields``; the CLI: ``sgrt.cli``).
+    (the DSL's ``gen``: ``sgrt.lang.defaults.gen_sampling_params``; WebSocket:
+    ``sgrt.server.ws.session.ws_sampling_params``; OpenAI: ``sgrt.server.openai.adapter.build_params``; SGLang's
+    ``/generate``: ``sgrt.server.sglang.fields.sampling_fields``; the CLI: ``sgrt.cli``).
     The engine adds only the check that needs the model (:meth:`check_vocab`).
 
     Raises:

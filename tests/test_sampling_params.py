@@ -67,9 +67,9 @@ def test_dsl_translator_merges_gen_run_and_defaults():
 
 
 def test_ws_translator_names_the_sampling_field():
-    from sgrt.server import protocol as p
+    from sgrt.server.ws import protocol as p
     from sgrt.server.limits import WsLimits
-    from sgrt.server.session import ws_sampling_params
+    from sgrt.server.ws.session import ws_sampling_params
 
     limits = WsLimits()
     params = ws_sampling_params({"temperature": 0.3}, p.Sampling(max_tokens=5), limits, grammar='start: "a"')
@@ -84,7 +84,7 @@ def test_ws_translator_names_the_sampling_field():
 
 
 def test_openai_translator_offsets_the_seed_per_choice():
-    from sgrt.server import openai_adapter as oa
+    from sgrt.server.openai import adapter as oa
 
     fields = {"seed": 10, "temperature": 0.7, "top_logprobs_num": 21}
     with pytest.raises(InvalidRequest) as e:

@@ -4,7 +4,7 @@
 
 Against an **sgrt server** (detected from ``GET /v1/models``: ``owned_by == "sgrt"``) every
 primitive works as with the in-process engine, through the native endpoints
-(:mod:`sgrt.server.http_native`): ``gen`` and streaming via ``/generate`` (constraints, stop
+(:mod:`sgrt.server.sglang.endpoints`): ``gen`` and streaming via ``/generate`` (constraints, stop
 strings, logprobs, ``min_tokens``...), ``select`` by the prompt log-probabilities of
 prefill-only ``/generate`` requests (the shared prompt is prefilled first, then every option
 is scored in one batch), prefix hints and ``fork`` by ``/generate`` with ``max_tokens=0``, the

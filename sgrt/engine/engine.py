@@ -316,6 +316,18 @@ class Engine:
         """Async :meth:`generate`."""
         return await self.submit(prompt, params).aresult()
 
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile ``params``' constraint now, on the calling thread, so that a request with the
+        same constraint finds it compiled (the compiler caches it). A request compiles its own
+        constraint on a worker anyway; this is for a caller that shows its own progress (the
+        CLI's "compiling the constraint").
+
+        Raises:
+            GrammarError: the constraint does not compile (naming the field and the limit).
+        """
+        if params.is_constrained():
+            self.intake.compile_grammar(params)
+
     def abort(self, request_id: str) -> None:
         """Abort a request: it finishes with ``finish_reason="abort"`` and frees its KV slots."""
         self._inbox.put(("abort", request_id))

@@ -1,6 +1,6 @@
 """Engine-wide counters, latency histograms and the derived figures of ``Engine.stats()``.
 
-The engine observes itself here; a server that exports metrics (``sgrt/server/metrics.py``)
+The engine observes itself here; a server that exports metrics (``sgrt/server/http/metrics.py``)
 reads these figures when scraped: nothing in the engine calls back into a server.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Servers in front of one engine: WebSocket agent sessions (``serve_ws`` / ``run_ws_server``;
-protocol in :mod:`sgrt.server.protocol`), the OpenAI-compatible HTTP API (``serve_http``), and
+protocol in :mod:`sgrt.server.ws.protocol`), the OpenAI-compatible HTTP API (``serve_http``), and
 ``run_server``, which runs both (``sgrt serve``).
 
 Names are imported on first use, so ``import sgrt.server`` stays cheap.
@@ -10,16 +10,16 @@ from typing import Any
 
 _EXPORTS = {
     "WsLimits": "sgrt.server.limits",
-    "WsServer": "sgrt.server.ws_server",
-    "serve_ws": "sgrt.server.ws_server",
-    "run_ws_server": "sgrt.server.ws_server",
-    "ProgramRegistry": "sgrt.server.programs",
-    "PROTOCOL_VERSION": "sgrt.server.protocol",
+    "WsServer": "sgrt.server.ws.server",
+    "serve_ws": "sgrt.server.ws.server",
+    "run_ws_server": "sgrt.server.ws.server",
+    "ProgramRegistry": "sgrt.server.ws.programs",
+    "PROTOCOL_VERSION": "sgrt.server.ws.protocol",
     "run_server": "sgrt.server.serve",
-    "serve_http": "sgrt.server.http_api",
-    "create_app": "sgrt.server.http_api",
-    "HttpServer": "sgrt.server.http_api",
-    "HttpServerThread": "sgrt.server.http_api",
+    "serve_http": "sgrt.server.http.server",
+    "create_app": "sgrt.server.http.server",
+    "HttpServer": "sgrt.server.http.server",
+    "HttpServerThread": "sgrt.server.http.server",
     "HttpLimits": "sgrt.server.limits",
 }
 

@@ -3,8 +3,8 @@ side on two loopback ports, in front of one engine.
 
 The listening sockets are bound before the model loads (:func:`bind_listeners`), so a port in
 use is reported at once; :func:`add_limit_args` / :func:`limits_from_args` give ``sgrt serve``
-one flag per server limit (:class:`~sgrt.server.http_core.HttpLimits`,
-:class:`~sgrt.server.ws_server.WsLimits`).
+one flag per server limit (:class:`~sgrt.server.http.core.HttpLimits`,
+:class:`~sgrt.server.ws.server.WsLimits`).
 """
 from __future__ import annotations
 
@@ -188,8 +188,8 @@ def run_server(engine: EngineClient, host: str = "127.0.0.1", port: int = 8765, 
     Raises:
         OSError: a port is in use or cannot be bound.
     """
-    from sgrt.server.http_api import serve_http
-    from sgrt.server.ws_server import serve_ws
+    from sgrt.server.http.server import serve_http
+    from sgrt.server.ws.server import serve_ws
 
     if auth_token is None:
         auth_token = os.environ.get("SGRT_AUTH_TOKEN") or None

@@ -32,6 +32,6 @@ def test_bos_put_first_once():
 
 
 def test_backend_and_server_share_the_rule():
-    from sgrt.server import openai_adapter as oa
+    from sgrt.server.openai import adapter as oa
 
     assert oa.encode_text is encode_prompt_text and oa.bos_id is plain_text_bos_id

@@ -7,7 +7,7 @@ import jsonschema
 from programs.react import FINISH, action_schema
 from programs.tool_use import DEFAULT_TOOLS, call_schema
 from sgrt.client import Client
-from sgrt.server.programs import ProgramRegistry
+from sgrt.server.ws.programs import ProgramRegistry
 from tests.server.conftest import PROGRAMS_DIR, running_server, wait_engine_idle
 
 PROGRAMS = ["chat", "classify", "echo_summary", "extract", "parallel_judge", "react",

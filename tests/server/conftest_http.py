@@ -1,5 +1,7 @@
-"""Fixtures and helpers of the HTTP API tests (imported by the ``test_http_*`` modules; the
-WebSocket tests' ``conftest.py`` is separate).
+"""Fixtures and helpers of the HTTP API tests (imported by name, as
+``from tests.server.conftest_http import http_server``, by the tests under ``tests/server/http``,
+``openai``, ``anthropic``, ``sglang`` and ``turns``, and by ``tests/backends/test_http_*.py``;
+the WebSocket fixtures are in ``conftest.py`` beside it).
 
 The server is the real thing: uvicorn on a background thread, on a free loopback port, over a
 float32 engine built from the session's ``loaded_model``.
@@ -41,7 +43,7 @@ def http_engine(loaded_model):
 @pytest.fixture(scope="module")
 def http_server(http_engine):
     """The HTTP API over ``http_engine`` on a free loopback port (no auth token)."""
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     server = HttpServerThread(http_engine, model_name=MODEL_NAME).start()
     yield server

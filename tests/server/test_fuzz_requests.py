@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
-from sgrt.server import protocol as p
+from sgrt.server.ws import protocol as p
 from sgrt.server.limits import WsLimits
 
 from .conftest_http import MODEL_NAME
@@ -39,7 +39,7 @@ def fuzz_engine(loaded_model):
 
 @pytest.fixture(scope="module")
 def fuzz_http(fuzz_engine):
-    from sgrt.server.http_api import HttpServerThread
+    from sgrt.server.http.server import HttpServerThread
 
     # NOTE: max_tokens capped at 3 so that a generated request that does run stays cheap.
     server = HttpServerThread(fuzz_engine, model_name=MODEL_NAME, max_tokens_limit=3, default_max_tokens=2,

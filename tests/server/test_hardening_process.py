@@ -411,18 +411,21 @@ STREAMING = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/me
 
 
 def _wire_struct(path: str) -> Any:
-    from sgrt.server import anthropic_api, openai_protocol as op, responses_api
+    from sgrt.server.anthropic import messages as anthropic_api
+    from sgrt.server.openai import protocol as op
+    from sgrt.server.openai import responses as responses_api
+    from sgrt.server.sglang import protocol as sp
 
     return {"/v1/chat/completions": op.ChatCompletionRequest, "/v1/completions": op.CompletionRequest,
             "/v1/responses": responses_api.ResponsesRequest, "/v1/messages": anthropic_api.MessagesRequest,
-            "/generate": op.GenerateRequest, "/tokenize": op.TokenizeRequest, "/detokenize": op.DetokenizeRequest,
-            "/apply_chat_template": op.ChatTemplateRequest, "/abort_request": op.AbortRequest}[path]
+            "/generate": sp.GenerateRequest, "/tokenize": sp.TokenizeRequest, "/detokenize": sp.DetokenizeRequest,
+            "/apply_chat_template": sp.ChatTemplateRequest, "/abort_request": sp.AbortRequest}[path]
 
 
 def _overrides(path: str) -> dict:
     if path != "/v1/responses":
         return {}
-    from sgrt.server import responses_api as r
+    from sgrt.server.openai import responses as r
 
     # NOTE: an input item is a free object in the request's schema; its type's struct checks it.
     return {("input", "*"): _ItemShapes({k: Shapes(v) for k, v in r.ITEM_TYPES.items()})}

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sgrt.errors import GrammarError
-from sgrt.server.protocol import ToolSpec
 from sgrt.server.turns.schema_embed import embed_schema
+from sgrt.server.ws.protocol import ToolSpec
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 #: Most whitespace characters between ``</think>`` and the answer (Qwen 3 writes two newlines):

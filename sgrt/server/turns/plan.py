@@ -1,7 +1,7 @@
 """OpenAI chat requests -> engine prompts: the chat template rendered with the request's messages
 (:class:`ChatRenderer`, reasoning switches included), the tools planned (:class:`ToolPlan`: which
 grammar, which format, described how) and a finished turn read back into text, reasoning and
-tool calls (:func:`read_turn`). See :mod:`sgrt.server.openai_adapter` for the tool-call format."""
+tool calls (:func:`read_turn`). See :mod:`sgrt.server.openai.adapter` for the tool-call format."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sgrt.errors import InvalidRequest
-from sgrt.server import openai_protocol as op
-from sgrt.server.protocol import ToolSpec
+from sgrt.server.openai import protocol as op
+from sgrt.server.ws.protocol import ToolSpec
 from sgrt.server.turns import formats as tf
 from sgrt.server.turns.tools import (
     TOOL_NAME, template_renders_tools, template_tools, tool_results_as_user, tools_system_prompt,

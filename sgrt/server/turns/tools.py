@@ -24,7 +24,7 @@ import re
 from typing import Any
 
 from sgrt.errors import GrammarError, InvalidRequest
-from sgrt.server.protocol import LimitExceeded, ToolSpec
+from sgrt.server.ws.protocol import LimitExceeded, ToolSpec
 
 TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,63}$")
 TOOL_CHOICES = ("auto", "required", "none")
