@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
@@ -642,6 +643,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         listeners.close()
         raise
     names = _served_names(args)
+    if _has_chat_template(engine):
+        # A tokenizer read from its snapshot imports transformers on the first chat template it
+        # renders (~1 s); do that while the server starts, not inside the first request's TTFT.
+        threading.Thread(target=lambda: engine.tokenizer.hf, name="sgrt-warm-template", daemon=True).start()
     try:
         run_server(engine, host=args.host, port=args.port, http_port=http_port, programs_dir=args.programs,
                    auth_token=args.auth_token, model_name=names[0], model_aliases=names[1:],

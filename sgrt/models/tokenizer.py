@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -93,6 +94,9 @@ def _decodes_with_backend(cls: type) -> bool:
     base_decode = transformers.PreTrainedTokenizerBase.decode
     return cls._decode is base._decode and cls.decode is base_decode
 
+
+# (first loads of transformers' tokenizers; rare, so one lock for all of them)
+_HF_LOAD_LOCK = threading.Lock()
 
 class Tokenizer:
     """Text <-> token ids for one model, plus the facts the engine and grammars need.
@@ -202,14 +206,18 @@ class Tokenizer:
             ModelLoadError: the folder's tokenizer does not load.
         """
         if self._hf is None:
-            from transformers import AutoTokenizer
+            # NOTE: one load even when a server's warm-up thread and a request ask at once.
+            with _HF_LOAD_LOCK:
+                if self._hf is None:
+                    from transformers import AutoTokenizer
 
-            try:
-                self._hf = AutoTokenizer.from_pretrained(str(self._hf_folder), local_files_only=True)
-            except Exception as e:  # transformers raises OSError / ValueError / KeyError here
-                raise ModelLoadError(f"no loadable tokenizer in {self._hf_folder}: {e}") from e
-            if self._chat_template is not None:
-                self._hf.chat_template = self._chat_template
+                    try:
+                        hf = AutoTokenizer.from_pretrained(str(self._hf_folder), local_files_only=True)
+                    except Exception as e:  # transformers raises OSError / ValueError / KeyError here
+                        raise ModelLoadError(f"no loadable tokenizer in {self._hf_folder}: {e}") from e
+                    if self._chat_template is not None:
+                        hf.chat_template = self._chat_template
+                    self._hf = hf
         return self._hf
 
     @hf.setter

@@ -76,6 +76,21 @@ def test_default_model_snapshot_is_transformers(tokenizer, tmp_path):
     assert snap.apply_chat_template(messages) == truth.apply_chat_template(messages)
 
 
+def test_transformers_tokenizer_loads_once_when_threads_ask_at_once(tokenizer, tmp_path):
+    """``sgrt serve`` warms a snapshot tokenizer's transformers side on a thread while requests may
+    already render chat templates: every caller gets the one object built."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sgrt.models.loader import tokenizer_folder
+
+    _, snap = _snapshot_pair(tokenizer_folder("smollm2-135m-instruct"), tmp_path)
+    assert snap._hf is None
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: snap.hf, range(4)))
+    assert all(g is got[0] for g in got) and snap._hf is got[0]
+    assert got[0].chat_template == snap.chat_template
+
+
 def test_load_reads_the_entry_snapshot(tokenizer):
     """The session's tokenizer (``load_tokenizer``) came from the entry's snapshot, as the loader
     keeps it, and answers as transformers does."""
