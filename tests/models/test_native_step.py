@@ -276,11 +276,11 @@ def test_errors_inside_the_thread_team_are_raised_after_it(smollm_int4):
         with torch.inference_mode():
             embedded = step.embed(ids) if step.embed is not None else None  # (a quantized table's rows)
             with pytest.raises(RuntimeError, match="slot 82 outside the pool's 82 slots"):
-                step.plan.forward(ids, positions, pool.k_layers, pool.v_layers, new_slots, slots, lens, embedded)
+                step.plan.forward(ids, positions, pool.k_layers, pool.v_layers, new_slots, slots, lens, embedded, [], [])
             slots[0][0, 40] = args[0][3][0, 40]
             with pytest.raises(RuntimeError, match="slot 500 outside the pool's 82 slots"):
                 step.plan.forward(ids, positions, pool.k_layers, pool.v_layers, torch.tensor([500]), slots, lens,
-                                  embedded)
+                                  embedded, [], [])
         assert torch.equal(_step(model, [80]), good)
     finally:
         torch.set_num_threads(threads)
@@ -307,7 +307,7 @@ def test_plan_rejects_positions_that_do_not_match_the_rows(smollm_int4, threads)
             for bad_ids, bad_positions in ((ids, positions[:1]), (ids, positions[:2]), (ids[:3], positions),
                                            (ids.view(2, 2), positions.view(2, 2)), (ids[:0], positions[:0])):
                 with pytest.raises(RuntimeError, match="input_ids and positions must be \\[B\\] each \\(B >= 1\\)"):
-                    step.plan.forward(bad_ids, bad_positions, pool.k_layers, pool.v_layers, new_slots, slots, lens, None)
+                    step.plan.forward(bad_ids, bad_positions, pool.k_layers, pool.v_layers, new_slots, slots, lens, None, [], [])
         assert all(torch.equal(k, b) for k, b in zip(pool.k_layers, k_before))  # nothing written
         assert torch.equal(_step(model, [80, 30, 12, 5]), good)
     finally:
@@ -330,10 +330,10 @@ def test_a_quantized_table_is_looked_up_before_the_plan(smollm_int4):
     k_before = [k.clone() for k in pool.k_layers]
     with torch.inference_mode():
         with pytest.raises(RuntimeError, match="table is quantized: forward\\(\\) needs the embedded rows"):
-            step.plan.forward(ids, positions, pool.k_layers, pool.v_layers, new_slots, slots, lens, None)
+            step.plan.forward(ids, positions, pool.k_layers, pool.v_layers, new_slots, slots, lens, None, [], [])
         with pytest.raises(RuntimeError, match="embedded must be \\[B, hidden\\]"):
             step.plan.forward(ids, positions, pool.k_layers, pool.v_layers, new_slots, slots, lens,
-                              step.embed(ids[:1]))
+                              step.embed(ids[:1]), [], [])
     assert all(torch.equal(k, b) for k, b in zip(pool.k_layers, k_before))  # nothing written
     assert_step_matches_layers(model, [20, 7])
 
