@@ -388,7 +388,7 @@ namespace {
 
 // Per-thread scratch of the attention items, grown and never shrunk.
 struct AttendScratch {
-  std::vector<float> qf, scores, acc, sums, maxes;
+  std::vector<float> qf, scores, acc, sums, maxes, scales;
   std::vector<int64_t> kv_of;
 };
 
@@ -440,6 +440,7 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
   float* const sums = at_least(sc.sums, h);
   float* const maxes = at_least(sc.maxes, h);
   int64_t* const kv_of = at_least(sc.kv_of, h);
+  float* const kv_scales = kInt8 ? at_least(sc.scales, span) : nullptr;
   bool ok = true;
   for (int64_t it = begin; it < end; ++it) {
     const AttendItem& item = w.items[it];
@@ -489,13 +490,19 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
     } else {
       score_keys<KR, DC>(qf, gi, d, kp, kv_of, rs, len, row, scores, span);
     }
-    if constexpr (kInt8) {  // the scores of codes times their keys' scales
-      for (int64_t i = 0; i < gi; ++i) {
-        float* si = scores + i * span;
-        const float* ks = a.ks + kv_of[i];
-        for (int64_t j = 0; j < len; ++j) si[j] *= ks[rs[j] * hkv];
-      }
-    }
+    // an int8 pool: each kv head's scales of the item's keys gathered once through the slot table
+    // (for all its query heads), and row i's values x[j] multiplied by them
+    auto scale_rows = [&](const float* all, float* x) {
+      runs([&](int64_t i, int64_t e, int64_t kh) {
+        for (int64_t j = 0; j < len; ++j) kv_scales[j] = all[rs[j] * hkv + kh];
+        for (; i < e; ++i) {
+          float* xi = x + i * span;
+#pragma omp simd
+          for (int64_t j = 0; j < len; ++j) xi[j] *= kv_scales[j];
+        }
+      });
+    };
+    if constexpr (kInt8) scale_rows(a.ks, scores);  // the scores of codes times their keys' scales
     for (int64_t i = 0; i < gi; ++i) {
       float* si = scores + i * span;
       float m = max_of(si, len);
@@ -507,11 +514,8 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
       }
       sums[i] = total;
       maxes[i] = m;
-      if constexpr (kInt8) {  // each weight times its value's scale (the sum above keeps the plain weights)
-        const float* vs = a.vs + kv_of[i];
-        for (int64_t j = 0; j < len; ++j) si[j] *= vs[rs[j] * hkv];
-      }
     }
+    if constexpr (kInt8) scale_rows(a.vs, scores);  // each weight times its value's scale (sums: the plain weights)
     std::fill(acc, acc + gi * d, 0.f);
     if (blocked) {
 #ifdef SGRT_BLOCKED_ATTENTION
