@@ -20,7 +20,8 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
           "hundred cities had produced millions of books, and the price of a book fell so far that")
 STEPS = 24
 # Per-step bound on max |logit difference| between int8 and bfloat16 K/V (SmolLM2-135M, logits of
-# magnitude ~10-30). Measured 0.25-0.75 (2026-12-06, both paths); wrong scales (e.g. K scales doubled) move logits by several units.
+# magnitude ~10-30). Measured 0.25-0.75 (2026-12-06, both paths); wrong scales (e.g. K scales
+# doubled) move logits by several units.
 MAX_LOGIT_DIFF = 1.5
 
 

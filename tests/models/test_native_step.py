@@ -69,8 +69,8 @@ def assert_step_matches_layers(model: CausalLM, lens: list[int], kv_cache_dtype:
         step = model.native_step.forward(ids, positions, PagedAttention(pools[1], rows, native=True))
         assert step is not None, "a decode-only batch must take the one-call step"
         # the model's default forward takes it too
-        default = model(ids, positions, PagedAttention(_pool(model, slots, seed=sum(lens), kv_cache_dtype=kv_cache_dtype),
-                                                       rows, native=True))
+        fresh = _pool(model, slots, seed=sum(lens), kv_cache_dtype=kv_cache_dtype)
+        default = model(ids, positions, PagedAttention(fresh, rows, native=True))
     assert step.dtype == per_layer.dtype == model.dtype and step.shape == per_layer.shape
     assert torch.equal(step, per_layer), (step.float() - per_layer.float()).abs().max().item()
     assert torch.equal(default, per_layer)
