@@ -19,8 +19,15 @@ each row's share of its bandwidth limit at both lengths.
 each side in its own process, model by model: this tree, then base), a before / after of the
 ratio in one invocation.
 
+``--kv-cache-dtype auto,int8``: each model row once per KV cache dtype (the engine's
+``kv_cache_dtype``; auto: the model's activation dtype, int8: int8 K/V with per token and head
+scales, issue 39's target: SmolLM2 int4 at 8,000 tokens >= 0.5x its speed at 500), each in its own
+process, in the order given, so one invocation compares bfloat16 and int8 K/V; the bandwidth
+limit counts each pool's own bytes a token.
+
 Run: ``python bench/long_context.py [--models smollm2-135m-instruct:int4,smollm2-135m-instruct:bfloat16,
-gemma3-270m-q4-k-m:int4] [--short 500] [--long 8000] [--new 32] [--runs 3] [--threads 2] [--base REV]``
+gemma3-270m-q4-k-m:int4] [--short 500] [--long 8000] [--new 32] [--runs 3] [--threads 2] [--base REV]
+[--kv-cache-dtype auto[,int8]]``
 """
 from __future__ import annotations
 
@@ -55,15 +62,18 @@ def load(spec: str):
     return load_model(name, dtype=kind)
 
 
-def measure(spec: str, short: int, long: int, new: int, runs: int) -> dict:
-    """Median decode tok/s after ``short`` and ``long`` prompt tokens for one model row."""
+def measure(spec: str, short: int, long: int, new: int, runs: int, kv_cache_dtype: str = "auto") -> dict:
+    """Median decode tok/s after ``short`` and ``long`` prompt tokens for one model row, its KV
+    pool in ``kv_cache_dtype``."""
     from bench.decode import PROMPT
     from sgrt.engine import Engine, SamplingParams
 
     loaded = load(spec)
     base_ids = loaded.tokenizer.encode_prompt(PROMPT)
     prompts = {n: (base_ids * (n // len(base_ids) + 1))[:n] for n in (short, long)}
-    engine = Engine(model=loaded, max_total_tokens=short + long + 4 * new + 512, enable_radix_cache=True)
+    options = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype != "auto" else {}  # (a --base tree may lack it)
+    engine = Engine(model=loaded, max_total_tokens=short + long + 4 * new + 512, enable_radix_cache=True, **options)
+    kv_token = engine.pool.bytes_per_token()
     params = SamplingParams(max_tokens=new, ignore_eos=True)
     samples: dict[int, list[float]] = {short: [], long: []}
     try:
@@ -76,26 +86,30 @@ def measure(spec: str, short: int, long: int, new: int, runs: int) -> dict:
         engine.shutdown()
     # mean context of a timed step: the prompt plus half the new tokens
     return {"short_tps": statistics.median(samples[short]), "long_tps": statistics.median(samples[long]),
-            "short_bytes": step_bytes(loaded, short + new // 2), "long_bytes": step_bytes(loaded, long + new // 2)}
+            "short_bytes": step_bytes(loaded, short + new // 2, kv_token),
+            "long_bytes": step_bytes(loaded, long + new // 2, kv_token)}
 
 
-def step_bytes(loaded, context: int) -> int:
+def step_bytes(loaded, context: int, kv_token: int | None = None) -> int:
     """Bytes a batch-1 decode step reads at ``context`` tokens: the weights as
     ``bench.vs_llamacpp.bytes_per_token`` counts them, plus K and V of every layer's visible keys
-    (a sliding-window layer reads at most its window)."""
+    (a sliding-window layer reads at most its window), at ``kv_token`` bytes a token for all layers
+    (the pool's ``bytes_per_token``; None: K and V in the model's dtype)."""
     from bench.vs_llamacpp import bytes_per_token
 
     weights = bytes_per_token(loaded, 0)
-    per_layer_token = (bytes_per_token(loaded, 1) - weights) // loaded.config.num_hidden_layers
+    if kv_token is None:
+        kv_token = bytes_per_token(loaded, 1) - weights
+    per_layer_token = kv_token // loaded.config.num_hidden_layers
     windows = getattr(loaded.model, "layer_windows", None) or [None] * loaded.config.num_hidden_layers
     return weights + sum(per_layer_token * (context if w is None else min(context, w)) for w in windows)
 
 
-def run_tree(tree: Path, spec: str, args) -> dict:
+def run_tree(tree: Path, spec: str, args, kv_cache_dtype: str = "auto") -> dict:
     """:func:`measure` in a child process on ``tree``'s sgrt; its last line is JSON."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", spec, "--sgrt-root", str(tree),
            "--short", str(args.short), "--long", str(args.long), "--new", str(args.new), "--runs", str(args.runs),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--kv-cache-dtype", kv_cache_dtype]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=tree,
                          env={**os.environ, "PYTHONPATH": str(tree)})
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -110,13 +124,18 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="alternated short / long runs per row (median)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--base", help="also measure this commit's sgrt (before / after)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="comma-separated KV cache dtypes, each model row run once per dtype: auto, int8")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--sgrt-root", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.child:
-        print(json.dumps(measure(args.child, args.short, args.long, args.new, args.runs)))
+        print(json.dumps(measure(args.child, args.short, args.long, args.new, args.runs, args.kv_cache_dtype)))
         return
+    kv_dtypes = [k for k in args.kv_cache_dtype.split(",") if k]
+    if not kv_dtypes or any(k not in ("auto", "int8") for k in kv_dtypes):
+        ap.error(f"--kv-cache-dtype: a comma-separated list of auto, int8; got {args.kv_cache_dtype!r}")
     from bench.vs_llamacpp import read_bandwidth_gbs
 
     print(f"load average at start: {os.getloadavg()[0]:.2f} (1 min)", flush=True)
@@ -134,11 +153,13 @@ def main() -> None:
             subprocess.run(["tar", "-x", "-C", str(base_tree)], input=archive, check=True)
         for spec in [m for m in args.models.split(",") if m]:
             sides = [("this tree", ROOT)] + ([("base", base_tree)] if base_tree is not None else [])
-            for side, tree in sides:
-                r = run_tree(tree, spec, args)
+            for kv, (side, tree) in [(kv, side) for kv in kv_dtypes for side in sides]:
+                r = run_tree(tree, spec, args, kv)
                 ratio = r["long_tps"] / r["short_tps"]
                 allowed = r["short_bytes"] / r["long_bytes"]
-                key = spec.replace("-", "_").replace(":", "_") + ("_base" if side == "base" else "")
+                key = (spec.replace("-", "_").replace(":", "_") + ("_kv_int8" if kv == "int8" else "")
+                       + ("_base" if side == "base" else ""))
+                side = side if kv == "auto" else f"{side}, int8 KV"
                 figures[f"{key}_short_tok_s"] = round(r["short_tps"], 1)
                 figures[f"{key}_long_tok_s"] = round(r["long_tps"], 1)
                 figures[f"{key}_long_over_short"] = round(ratio, 3)
@@ -153,10 +174,10 @@ def main() -> None:
     print_table(["model", "sgrt", f"tok/s @{args.short}", f"tok/s @{args.long}", "ratio",
                  "bandwidth allows", f"bw share @{args.short}", f"bw share @{args.long}"], rows)
     print(f"target: ratio >= 0.70 (issue 21); where the bandwidth limit allows less, the row's bw share "
-          f"@{args.long} is the figure to judge")
+          f"@{args.long} is the figure to judge; with int8 KV, SmolLM2 int4's ratio >= 0.50 (issue 39)")
     print(f"load average at end: {os.getloadavg()[0]:.2f} (1 min)")
     emit_json("long_context", threads=args.threads, short=args.short, long=args.long, new_tokens=args.new,
-              runs=args.runs, base=args.base, **figures)
+              runs=args.runs, base=args.base, kv_cache_dtypes=kv_dtypes, **figures)
 
 
 if __name__ == "__main__":

@@ -143,6 +143,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    metavar="N", help="the context window: KV pool size in tokens (all requests' prompt + output at "
                                      "once); unset: from memory, 4 GiB of K/V or a quarter of the memory available, "
                                      "whichever is less")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="the KV cache's dtype; auto: the model's activation dtype; int8: int8 K/V with a float32 scale "
+                        "per token and kv head (about twice the tokens in the same memory, for long contexts)")
     p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N",
                    help="CPU threads a step uses at most (None: torch's default, one per core)")
     _output_args(p)
@@ -507,6 +510,7 @@ def _engine(args: argparse.Namespace) -> Any:
     with progress(f"loading {args.model}"):
         engine = Engine(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
                         int4_activations=args.int4_activations, max_total_tokens=args.max_total_tokens,
+                        kv_cache_dtype=args.kv_cache_dtype,
                         grammar_limits=_grammar_limits(args), grammar_compile_timeout_s=args.grammar_compile_timeout)
     args.load_seconds = time.perf_counter() - t0
     if getattr(args, "chat_template_text", None):

@@ -112,6 +112,14 @@ def test_bad_arguments_fail_before_the_model_load(args, names, capsys, monkeypat
     assert len(lines) == 1 and lines[0].startswith("sgrt: error: ") and names in lines[0], err
 
 
+def test_a_bad_kv_cache_dtype_is_one_line_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "hello", "--kv-cache-dtype", "fp8"])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "argument --kv-cache-dtype: invalid choice: 'fp8'" in lines[0]
+
+
 def test_argparse_errors_are_one_line():
     out = run_cli("generate", "hi", "--max-tokens", "many")
     assert out.returncode == 2
@@ -262,10 +270,10 @@ def test_generate_reads_the_prompt_from_stdin():
 def test_json_output_sampling_flags_and_the_load_line():
     """--json: one object with the text, how it ended, tokens and timings; the sampling flags
     as the engine ran them; --quantization int4 alone loads bfloat16, and the load line names
-    dtype, quantization, KV pool (--ctx-size) and threads (--threads)."""
+    dtype, quantization, KV pool (--ctx-size, --kv-cache-dtype) and threads (--threads)."""
     out = run_cli("generate", "--json", "-n", "16", "--top-k", "5", "--min-p", "0.05", "--repeat-penalty", "1.1",
                   "--stop", ".", "--stop", "!", "-s", "3", "-t", "1", "-c", "2048", "--quantization", "int4",
-                  "What is the capital of France?")
+                  "--kv-cache-dtype", "int8", "What is the capital of France?")
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert report["sampling"]["top_k"] == 5 and report["sampling"]["min_p"] == 0.05
@@ -277,6 +285,7 @@ def test_json_output_sampling_flags_and_the_load_line():
     assert report["timings"]["load_s"] > 0 and report["timings"]["total_s"] >= report["timings"]["ttft_s"] > 0
     load = next(line for line in out.stderr.splitlines() if line.startswith("[sgrt] loaded"))
     assert "bfloat16, quantization int4" in load and "KV pool 2048 tokens" in load and "; 1 threads" in load
+    assert "int8 (+ float32 scales) K/V, 12240 bytes a token" in load
 
 
 def test_a_cut_constrained_answer_warns_and_exits_3(tmp_path):

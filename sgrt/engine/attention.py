@@ -234,13 +234,16 @@ class PagedAttention:
     def native_decode(self, layer_id: int, window: int | None = None) -> tuple | None:
         """For a decode-only forward on the native path (every row one new token: each decode
         step), the arguments that ``decode_attention_qkv_`` takes after q_scale for this layer:
-        ``(k_cache, v_cache, new_slots [B], slots [B, max_kv], kv_lens [B])``, so that the layer
+        ``(k_cache, v_cache, new_slots [B], slots [B, max_kv], kv_lens [B], k_scale, v_scale)``
+        (the scales float32 ``[num_slots, Hkv]`` of an int8 pool, else None), so that the layer
         stores its K/V and attends in one call; else None (use :meth:`forward`). The slot tables
         are built once per forward (once per window length), not per layer."""
         native_decode = self._native_decode if window is None else self._window_groups(window)[1]
         if native_decode is None:
             return None
-        return (self.pool.k_layers[layer_id], self.pool.v_layers[layer_id], self.out_slots) + native_decode
+        pool = self.pool
+        return ((pool.k_layers[layer_id], pool.v_layers[layer_id], self.out_slots) + native_decode
+                + (pool.k_scale_layers[layer_id], pool.v_scale_layers[layer_id]))
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 window: int | None = None) -> torch.Tensor:
@@ -249,24 +252,26 @@ class PagedAttention:
         sees itself and the ``window - 1`` positions before it); None = full causal attention."""
         pool = self.pool
         k_layer, v_layer = pool.k_layers[layer_id], pool.v_layers[layer_id]
+        scales = (pool.k_scale_layers[layer_id], pool.v_scale_layers[layer_id])  # (None, None): not int8
         groups, native_decode = self._groups, self._native_decode
         if window is not None:
             groups, native_decode = self._window_groups(window)
         if native_decode is not None:
-            self._store_kv(k_layer, v_layer, self.out_slots, k, v)
-            return self._decode_attention(q, k_layer, v_layer, *native_decode)
+            self._store_kv(k_layer, v_layer, self.out_slots, k, v, *scales)
+            return self._decode_attention(q, k_layer, v_layer, *native_decode, *scales)
         t, n_heads, head_dim = q.shape
         if self.native:
-            self._store_kv(k_layer, v_layer, self.out_slots, k, v)
+            self._store_kv(k_layer, v_layer, self.out_slots, k, v, *scales)
         else:
             pool.write(layer_id, self.out_slots, k, v)
         out = None
         for g in groups:
             qg = q if g.token_index is None else q.index_select(0, g.token_index)
             if self.native and g.q_len == 1:  # (no cascade groups on the native path)
-                o = self._decode_attention(qg, k_layer, v_layer, g.kv_index.view(g.size, g.max_kv), g.kv_lens)
+                o = self._decode_attention(qg, k_layer, v_layer, g.kv_index.view(g.size, g.max_kv), g.kv_lens,
+                                           *scales)
             else:
-                o = self._attend_gathered(g, qg, k_layer, v_layer)
+                o = self._attend_gathered(g, qg, pool, layer_id)
             if g.token_index is None:
                 return o  # the only group
             if out is None:
@@ -275,15 +280,16 @@ class PagedAttention:
         return out
 
     @staticmethod
-    def _attend_gathered(g: _Group, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
-        """One group in PyTorch ops: gather its keys / values by slot, then SDPA (or cascade)."""
+    def _attend_gathered(g: _Group, q: torch.Tensor, pool: KVPool, layer_id: int) -> torch.Tensor:
+        """One group in PyTorch ops: gather its keys / values by slot (an int8 pool's dequantized
+        to q's dtype there: :meth:`KVPool.read`), then SDPA (or cascade)."""
         _, n_heads, head_dim = q.shape
-        n_kv = k_layer.shape[1]
-        keys = k_layer.index_select(0, g.kv_index).view(g.size, g.max_kv, n_kv, head_dim)
-        values = v_layer.index_select(0, g.kv_index).view(g.size, g.max_kv, n_kv, head_dim)
+        keys, values = pool.read(layer_id, g.kv_index)
+        n_kv = keys.shape[1]
+        keys = keys.view(g.size, g.max_kv, n_kv, head_dim)
+        values = values.view(g.size, g.max_kv, n_kv, head_dim)
         if g.shared_index is not None:
-            return cascade_decode_attention(q, k_layer.index_select(0, g.shared_index),
-                                            v_layer.index_select(0, g.shared_index), keys, values, g.mask)
+            return cascade_decode_attention(q, *pool.read(layer_id, g.shared_index), keys, values, g.mask)
         if g.q_len == 1:
             return decode_attention(q, keys, values, g.mask)
         if g.bands is not None:

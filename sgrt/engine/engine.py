@@ -26,7 +26,7 @@ import torch
 from sgrt.engine.client import EngineInfo
 from sgrt.engine.handle import RequestHandle
 from sgrt.engine.intake import Intake
-from sgrt.engine.kv_pool import KVPool, default_pool_tokens
+from sgrt.engine.kv_pool import KV_CACHE_DTYPES, KVPool, default_pool_tokens, kv_bytes_per_token
 from sgrt.engine.metrics import EngineMetrics
 from sgrt.engine.model_runner import ModelRunner
 from sgrt.engine.openmp import release_caller_pool
@@ -103,6 +103,10 @@ class EngineConfig:
             4 GiB of K/V or a quarter of the memory available at start, whichever is less, at
             the model's bytes a token (:func:`sgrt.engine.kv_pool.default_pool_tokens`; its pages
             are made as they are used: ``zeros_on_demand``).
+        kv_cache_dtype: the KV pool's dtype: ``"auto"`` (the model's activation dtype) or
+            ``"int8"`` (int8 K/V with a float32 scale per token and kv head: about half the bytes
+            a token, so about twice the tokens in the same memory; opt-in, for long contexts;
+            :mod:`sgrt.engine.kv_pool`). Not with ``compile``.
         enable_radix_cache: share prefixes through the radix cache (False: a cache that keeps
             nothing, :class:`sgrt.engine.prefix_cache.NoPrefixCache`).
         grammar_backend: the default grammar backend, ``"llguidance"`` or ``"outlines"``.
@@ -123,6 +127,7 @@ class EngineConfig:
     """
 
     max_total_tokens: int | None = None
+    kv_cache_dtype: str = "auto"
     enable_radix_cache: bool = True
     grammar_backend: str = "llguidance"
     # Grammar compile limits (sgrt.constrained.limits.GrammarLimits or a dict of its fields;
@@ -143,6 +148,12 @@ class EngineConfig:
                 or self.max_total_tokens < 1):
             raise InvalidRequest(f"max_total_tokens must be an int >= 1 or None (from memory), got "
                                  f"{self.max_total_tokens!r}", field="max_total_tokens")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                                 f"{self.kv_cache_dtype!r}", field="kv_cache_dtype")
+        if self.kv_cache_dtype != "auto" and self.compile:
+            raise InvalidRequest(f"kv_cache_dtype={self.kv_cache_dtype!r} does not run with compile=True (the "
+                                 "compiled decode reads the pool in the model's dtype)", field="kv_cache_dtype")
         if self.grammar_backend not in BACKENDS:
             raise GrammarError(f"grammar_backend must be one of {BACKENDS}, got {self.grammar_backend!r}",
                                field="grammar_backend")
@@ -215,11 +226,11 @@ class Engine:
         self.context_length = cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
         self.eos_ids: set[int] = set(self.tokenizer.eos_token_ids)
-        slots = config.max_total_tokens or default_pool_tokens(
-            2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * self.model.dtype.itemsize)
+        slots = config.max_total_tokens or default_pool_tokens(kv_bytes_per_token(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.model.dtype, config.kv_cache_dtype))
         self.pool = KVPool(
             slots, cfg.num_hidden_layers, cfg.num_key_value_heads,
-            cfg.head_dim, self.model.dtype, self.model.device,
+            cfg.head_dim, self.model.dtype, self.model.device, kv_cache_dtype=config.kv_cache_dtype,
         )
         self.cache: PrefixCache = RadixCache(self.pool) if config.enable_radix_cache else NoPrefixCache(self.pool)
         self.scheduler = Scheduler(config.scheduler, self.pool, self.cache)
@@ -273,10 +284,11 @@ class Engine:
 
     def describe(self) -> str:
         """What runs: the model's dtype, quantization and weight bytes (:meth:`sgrt.models.
-        LoadedModel.describe`), the KV pool's tokens and bytes, the context length and the
-        threads a step uses."""
-        kv = self.pool.k.numel() * self.pool.k.element_size() * 2
-        return (f"{self.loaded.describe()}; KV pool {self.pool.num_slots} tokens, {kv / 1e9:.2f} GB; "
+        LoadedModel.describe`), the KV pool's tokens, dtype and bytes (a token's and the whole
+        pool's), the context length and the threads a step uses."""
+        pool = self.pool
+        return (f"{self.loaded.describe()}; KV pool {pool.num_slots} tokens of {pool.describe()} K/V, "
+                f"{pool.bytes_per_token()} bytes a token, {pool.total_bytes() / 1e9:.2f} GB; "
                 f"context {self.context_length}; {self.threads.max_threads} threads"
                 + (" (fewer while other work takes the cores)" if self.threads.adaptive else ""))
 

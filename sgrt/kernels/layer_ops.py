@@ -93,9 +93,11 @@ def _register_fakes() -> None:
         lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
     torch.library.register_fake(lib + "gelu_tanh_mul")(
         lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
-    torch.library.register_fake(lib + "store_kv_")(lambda k_cache, v_cache, slots, k, v: None)
+    torch.library.register_fake(lib + "store_kv_")(
+        lambda k_cache, v_cache, slots, k, v, k_scale=None, v_scale=None: None)
     torch.library.register_fake(lib + "decode_attention")(
-        lambda q, k_cache, v_cache, slots, kv_lens: q.new_empty(q.shape[0], q.shape[1] * q.shape[2]))
+        lambda q, k_cache, v_cache, slots, kv_lens, k_scale=None, v_scale=None:
+        q.new_empty(q.shape[0], q.shape[1] * q.shape[2]))
     torch.library.register_fake(lib + "decode_attention_qkv_")(
-        lambda qkv, cos, sin, n_heads, q_scale, k_cache, v_cache, new_slots, slots, kv_lens:
-        qkv.new_empty(qkv.shape[0], n_heads * k_cache.shape[2]))
+        lambda qkv, cos, sin, n_heads, q_scale, k_cache, v_cache, new_slots, slots, kv_lens, k_scale=None,
+        v_scale=None: qkv.new_empty(qkv.shape[0], n_heads * k_cache.shape[2]))

@@ -74,7 +74,10 @@ class NativeDecodeStep:
             lens.append(args[4])
         pool = attn.pool
         embedded = self.embed(input_ids) if self.embed is not None else None
-        return self.plan.forward(input_ids, positions, pool.k_layers, pool.v_layers, args[2], slots, lens, embedded)
+        # (an int8 pool's per-layer scales, else none: native_decode's last two arguments are None)
+        k_scales, v_scales = ((pool.k_scale_layers, pool.v_scale_layers) if args[5] is not None else ([], []))
+        return self.plan.forward(input_ids, positions, pool.k_layers, pool.v_layers, args[2], slots, lens, embedded,
+                                 k_scales, v_scales)
 
 
 def build(model) -> tuple[NativeDecodeStep | None, str]:

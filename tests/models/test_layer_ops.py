@@ -471,3 +471,112 @@ def test_decode_attention_qkv_checks_its_tables_before_writing_the_caches():
             torch.ops.sgrt_layer.decode_attention_qkv_(qkv, cos, sin, n_heads, 1.0, k_cache, v_cache,
                                                        torch.tensor([5, 6]), sl, ln)
         assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]), message
+
+
+# ---- an int8 KV pool (sgrt/engine/kv_pool.py: codes and a float32 scale per slot and kv head) ----
+
+def _int8_case(dtype, lens, n_heads, n_kv, head_dim, seed, slots_n=3000):
+    """_ragged_case's rows over an int8 pool (its K/V quantized by kv_pool.quantize_int8), and the
+    attention over the dequantized K/V (code * scale, in float32) in PyTorch, rounded to dtype."""
+    from sgrt.engine.kv_pool import dequantize_int8, quantize_int8
+
+    (q, k_cache, v_cache, slots, lens), _ = _ragged_case(dtype, lens, n_heads, n_kv, head_dim, seed, slots_n)
+    (kc, ks), (vc, vs) = quantize_int8(k_cache), quantize_int8(v_cache)
+    b, max_kv = slots.shape
+    mask = (torch.arange(max_kv).view(1, -1) < lens.view(-1, 1)).view(b, 1, 1, max_kv)
+    keys = dequantize_int8(kc, ks, torch.float32).index_select(0, slots.view(-1)).view(b, max_kv, n_kv, head_dim)
+    values = dequantize_int8(vc, vs, torch.float32).index_select(0, slots.view(-1)).view(b, max_kv, n_kv, head_dim)
+    ref = decode_attention(q.float(), keys, values, mask).to(dtype)
+    return (q, kc, vc, slots, lens, ks, vs), ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (4, 1, 256), (8, 2, 32), (4, 2, 24)])
+def test_int8_decode_attention_matches_the_dequantized_reference(dtype, n_heads, n_kv, head_dim):
+    """The native kernel on int8 codes (widened in registers; scores times K scales, weights times
+    V scales) against PyTorch's attention over code * scale: float32 within a few ulps, bfloat16 at
+    most one bfloat16 step apart; rows of one chunk and of several (the split loops), head_dim 64 /
+    256 (AVX-512 lanes), 32 (8 lanes), 24 (portable loops); 1, 2 and 3 threads give the same bits."""
+    args, ref = _int8_case(dtype, CHUNK_EDGE_LENS, n_heads, n_kv, head_dim, seed=head_dim + 1)
+    threads = torch.get_num_threads()
+    try:
+        out = {}
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out[n] = torch.ops.sgrt_layer.decode_attention(*args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out[1], out[2]) and torch.equal(out[1], out[3])
+    got = out[2]
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6)
+    else:
+        diff = (got.float() - ref.float()).abs()
+        assert bool((diff <= ref.float().abs() * 2.0 ** -7 + 1e-5).all())
+        assert (got == ref).float().mean().item() >= 0.98
+    # wrong scales are seen: the same codes with V scales halved give another output
+    q, kc, vc, slots, lens, ks, vs = args
+    assert not torch.allclose(torch.ops.sgrt_layer.decode_attention(q, kc, vc, slots, lens, ks, vs * 0.5).float(),
+                              ref.float(), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_int8_stores_the_bits_of_quantize_int8(dtype):
+    """store_kv_ into an int8 pool writes the codes and scales kv_pool.quantize_int8 gives, bit for
+    bit (the torch and native writers agree), at the given slots only; an all-zero row gets scale 0
+    and codes 0; a scale without its pair or a float cache beside scales is refused."""
+    from sgrt.engine.kv_pool import quantize_int8
+
+    g = torch.Generator().manual_seed(3)
+    k = (torch.randn(5, 3, 64, generator=g) * torch.tensor([0.01, 1.0, 300.0]).view(1, 3, 1)).to(dtype)
+    v = torch.randn(5, 3, 64, generator=g).to(dtype)
+    k[2, 1] = 0
+    kc, vc = torch.zeros(10, 3, 64, dtype=torch.int8), torch.zeros(10, 3, 64, dtype=torch.int8)
+    ks, vs = torch.zeros(10, 3), torch.zeros(10, 3)
+    slots = torch.tensor([9, 1, 4, 7, 2])
+    torch.ops.sgrt_layer.store_kv_(kc, vc, slots, k, v, ks, vs)
+    (qk, sk), (qv, sv) = quantize_int8(k), quantize_int8(v)
+    assert torch.equal(kc[slots], qk) and torch.equal(ks[slots], sk)
+    assert torch.equal(vc[slots], qv) and torch.equal(vs[slots], sv)
+    assert float(ks[4, 1]) == 0.0 and not kc[4, 1].any()
+    assert not kc[[0, 3, 5, 6, 8]].any() and not ks[[0, 3, 5, 6, 8]].any()
+    with pytest.raises(RuntimeError, match="both or neither"):
+        torch.ops.sgrt_layer.store_kv_(kc, vc, slots, k, v, ks, None)
+    with pytest.raises(RuntimeError, match="must be int8"):
+        torch.ops.sgrt_layer.store_kv_(kc.to(dtype), vc.to(dtype), slots, k, v, ks, vs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_decode_attention_over_an_int8_pool_equals_the_unfused_steps(dtype):
+    """decode_attention_qkv_ over an int8 pool (the layer's one call) against rotary, pre-scale,
+    store_kv_ and decode_attention one by one: the same codes, scales and output, bit for bit."""
+    from types import SimpleNamespace
+
+    from sgrt.engine.attention import PagedAttention, RowSpec
+    from sgrt.engine.kv_pool import KVPool
+
+    g = torch.Generator().manual_seed(8)
+    n_heads, n_kv, d = 9, 3, 64
+    rows = [RowSpec(list(range(1, 41)), 1), RowSpec(list(range(100, 800)), 1)]
+    qkv = torch.randn(2, n_heads + 2 * n_kv, d, generator=g).to(dtype)
+    emb = torch.outer(torch.tensor([39.0, 699.0]), 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+    emb = torch.cat((emb, emb), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    layer = SimpleNamespace(layer_id=1, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d, q_scale=0.7, window=None)
+    out, pools = {}, {}
+    for fused in (True, False):
+        pool = KVPool(1000, 2, n_kv, d, dtype, "cpu", kv_cache_dtype="int8")
+        for i, t in enumerate((pool.k, pool.v)):
+            t.copy_(torch.randint(-127, 128, t.shape, generator=torch.Generator().manual_seed(i), dtype=torch.int8))
+        for t in (pool.k_scale, pool.v_scale):
+            t.fill_(0.01)
+        attn = PagedAttention(pool, rows, cascade=False, native=True)
+        ops = NativeLayerOps()
+        work = qkv.clone().view(2, -1) if fused else qkv.clone()
+        out[fused] = ops.attention(layer, work, cos, sin, attn) if fused else \
+            LayerOps.attention(ops, layer, work, cos, sin, attn)
+        pools[fused] = pool
+    assert torch.equal(out[True], out[False])
+    for name in ("k", "v", "k_scale", "v_scale"):
+        assert torch.equal(getattr(pools[True], name), getattr(pools[False], name)), name
+    assert float(pools[True].k_scale[1, 40, 0]) != 0.01  # the new token's scale was written

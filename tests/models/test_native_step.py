@@ -33,11 +33,19 @@ NO_INT4_TEAM = "the int4 thread team is the AVX2 build's; this CPU runs the AVX-
 BATCHES = ([80], [300, 37, 1, 90])
 
 
-def _pool(model: CausalLM, slots: int, seed: int) -> KVPool:
-    """A KV pool filled with random K/V (the context every row attends to)."""
+def _pool(model: CausalLM, slots: int, seed: int, kv_cache_dtype: str = "auto") -> KVPool:
+    """A KV pool filled with random K/V (the context every row attends to); an int8 pool gets
+    random codes and scales."""
     cfg = model.config
-    pool = KVPool(slots, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.dtype, model.device)
+    pool = KVPool(slots, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.dtype, model.device,
+                  kv_cache_dtype=kv_cache_dtype)
     g = torch.Generator().manual_seed(seed)
+    if pool.quantized:
+        for t in (pool.k, pool.v):
+            t.copy_(torch.randint(-127, 128, t.shape, generator=g, dtype=torch.int8))
+        for t in (pool.k_scale, pool.v_scale):
+            t.copy_(torch.rand(t.shape, generator=g) * 0.02)
+        return pool
     pool.k.copy_(torch.randn(pool.k.shape, generator=g))
     pool.v.copy_(torch.randn(pool.v.shape, generator=g))
     return pool
@@ -50,23 +58,26 @@ def _decode_batch(lens: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tens
     return ids, torch.tensor([n - 1 for n in lens]), rows
 
 
-def assert_step_matches_layers(model: CausalLM, lens: list[int]) -> None:
+def assert_step_matches_layers(model: CausalLM, lens: list[int], kv_cache_dtype: str = "auto") -> None:
     """The plan's hidden states and pool bit-identical to DecoderLayer.forward's, from equal pools."""
     assert model.native_step is not None
     ids, positions, rows = _decode_batch(lens, model.config.vocab_size)
     slots = 1 + len(lens) * max(lens)
-    pools = [_pool(model, slots, seed=sum(lens)) for _ in range(2)]
+    pools = [_pool(model, slots, seed=sum(lens), kv_cache_dtype=kv_cache_dtype) for _ in range(2)]
     with torch.inference_mode():
         per_layer = model(ids, positions, PagedAttention(pools[0], rows, native=True), ops=model.layer_ops)
         step = model.native_step.forward(ids, positions, PagedAttention(pools[1], rows, native=True))
         assert step is not None, "a decode-only batch must take the one-call step"
         # the model's default forward takes it too
-        default = model(ids, positions, PagedAttention(_pool(model, slots, seed=sum(lens)), rows, native=True))
+        fresh = _pool(model, slots, seed=sum(lens), kv_cache_dtype=kv_cache_dtype)
+        default = model(ids, positions, PagedAttention(fresh, rows, native=True))
     assert step.dtype == per_layer.dtype == model.dtype and step.shape == per_layer.shape
     assert torch.equal(step, per_layer), (step.float() - per_layer.float()).abs().max().item()
     assert torch.equal(default, per_layer)
     assert torch.equal(pools[1].k, pools[0].k) and torch.equal(pools[1].v, pools[0].v)
-    assert not torch.equal(pools[1].k, _pool(model, slots, seed=sum(lens)).k)  # K/V were written
+    if pools[0].quantized:
+        assert torch.equal(pools[1].k_scale, pools[0].k_scale) and torch.equal(pools[1].v_scale, pools[0].v_scale)
+    assert not torch.equal(pools[1].k, _pool(model, slots, seed=sum(lens), kv_cache_dtype=kv_cache_dtype).k)  # written
 
 
 # ---- the real models -----------------------------------------------------------------------------
@@ -174,6 +185,21 @@ def test_raw_calls_of_another_abi_are_refused():
         lib._destroy()
 
 
+@pytest.mark.parametrize("lens", [[80], [300, 37, 1, 90], [1100]])
+def test_int8_kv_step_is_bit_identical(smollm_int4, lens):
+    """An int8 KV pool (kv_pool.py): the plan stores codes and scales and attends over them as the
+    per-layer operators do, bit for bit, in a thread team and without one."""
+    model, threads = smollm_int4.model, torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for team in (True, False):
+            model.native_step.plan.use_thread_team(team)
+            assert_step_matches_layers(model, lens, kv_cache_dtype="int8")
+    finally:
+        model.native_step.plan.use_thread_team(True)
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("which", ["int4", "bfloat16", "float32"])
 def test_thread_team_and_per_operator_regions_give_the_same_bits(which, request):
     """A step in one thread team (one OpenMP region: the projections and the attention split by
@@ -276,11 +302,11 @@ def test_errors_inside_the_thread_team_are_raised_after_it(smollm_int4):
         with torch.inference_mode():
             embedded = step.embed(ids) if step.embed is not None else None  # (a quantized table's rows)
             with pytest.raises(RuntimeError, match="slot 82 outside the pool's 82 slots"):
-                step.plan.forward(ids, positions, pool.k_layers, pool.v_layers, new_slots, slots, lens, embedded)
+                step.plan.forward(ids, positions, pool.k_layers, pool.v_layers, new_slots, slots, lens, embedded, [], [])
             slots[0][0, 40] = args[0][3][0, 40]
             with pytest.raises(RuntimeError, match="slot 500 outside the pool's 82 slots"):
                 step.plan.forward(ids, positions, pool.k_layers, pool.v_layers, torch.tensor([500]), slots, lens,
-                                  embedded)
+                                  embedded, [], [])
         assert torch.equal(_step(model, [80]), good)
     finally:
         torch.set_num_threads(threads)
@@ -307,7 +333,7 @@ def test_plan_rejects_positions_that_do_not_match_the_rows(smollm_int4, threads)
             for bad_ids, bad_positions in ((ids, positions[:1]), (ids, positions[:2]), (ids[:3], positions),
                                            (ids.view(2, 2), positions.view(2, 2)), (ids[:0], positions[:0])):
                 with pytest.raises(RuntimeError, match="input_ids and positions must be \\[B\\] each \\(B >= 1\\)"):
-                    step.plan.forward(bad_ids, bad_positions, pool.k_layers, pool.v_layers, new_slots, slots, lens, None)
+                    step.plan.forward(bad_ids, bad_positions, pool.k_layers, pool.v_layers, new_slots, slots, lens, None, [], [])
         assert all(torch.equal(k, b) for k, b in zip(pool.k_layers, k_before))  # nothing written
         assert torch.equal(_step(model, [80, 30, 12, 5]), good)
     finally:
@@ -330,10 +356,10 @@ def test_a_quantized_table_is_looked_up_before_the_plan(smollm_int4):
     k_before = [k.clone() for k in pool.k_layers]
     with torch.inference_mode():
         with pytest.raises(RuntimeError, match="table is quantized: forward\\(\\) needs the embedded rows"):
-            step.plan.forward(ids, positions, pool.k_layers, pool.v_layers, new_slots, slots, lens, None)
+            step.plan.forward(ids, positions, pool.k_layers, pool.v_layers, new_slots, slots, lens, None, [], [])
         with pytest.raises(RuntimeError, match="embedded must be \\[B, hidden\\]"):
             step.plan.forward(ids, positions, pool.k_layers, pool.v_layers, new_slots, slots, lens,
-                              step.embed(ids[:1]))
+                              step.embed(ids[:1]), [], [])
     assert all(torch.equal(k, b) for k, b in zip(pool.k_layers, k_before))  # nothing written
     assert_step_matches_layers(model, [20, 7])
 

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -21,8 +22,8 @@
 namespace [[gnu::visibility("hidden")]] sgrt_layer {
 
 // ---- decode attention over the KV pool -------------------------------------------------------
-// One query per row: q [B, H, D]; k_cache / v_cache [S, Hkv, D] (one layer of the pool);
-// slots [B, L] int64 (row b's context is slots[b, :kv_lens[b]]); -> [B, H * D] in q's dtype.
+// One query per row: q [B, H, D]; k_cache / v_cache [S, Hkv, D] (one layer of the pool; in q's
+// dtype, or int8 codes with k_scale / v_scale float32 [S, Hkv]); slots [B, L] int64 (row b's context is slots[b, :kv_lens[b]]); -> [B, H * D] in q's dtype.
 // Softmax attention with scale 1/sqrt(D), scores and sums in float32; the H / Hkv query heads
 // of a kv head read its keys once (grouped-query attention, Ainslie et al., arXiv:2305.13245).
 
@@ -40,6 +41,10 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// 16 int8 codes of an int8 KV pool, widened exactly (their scale is applied to the score / weight).
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
 
@@ -136,6 +141,9 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 constexpr int64_t kPrefetchAhead = 16;
@@ -380,7 +388,7 @@ namespace {
 
 // Per-thread scratch of the attention items, grown and never shrunk.
 struct AttendScratch {
-  std::vector<float> qf, scores, acc, sums, maxes;
+  std::vector<float> qf, scores, acc, sums, maxes, scales;
   std::vector<int64_t> kv_of;
 };
 
@@ -411,18 +419,19 @@ inline float max_of(const float* x, int64_t n) {
 }
 
 // Items [begin, end) of w. DC: head_dim known at compile time (64, 128, 256: AVX-512 paths whose loops
-// over it unroll), or 0 for any other head_dim (portable loops). Returns false, with *bad_slot set
-// to a slot outside [0, num_slots), if it met one (nothing of a bad item is read, and out is left
-// partly unwritten).
-template <typename T, int DC>
+// over it unroll), or 0 for any other head_dim (portable loops). KR: the caches' raw type, R (q's) or
+// int8_t (an int8 pool: a.ks / a.vs its scales). Returns false, with *bad_slot set to a slot outside
+// [0, num_slots), if it met one (nothing of a bad item is read, and out is left partly unwritten).
+template <typename T, typename KR, int DC>
 bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end, int64_t* bad_slot) {
   using R = raw<T>;
+  constexpr bool kInt8 = std::is_same_v<KR, int8_t>;
   const int64_t d = DC > 0 ? DC : w.d;
   const int64_t g = w.g, hkv = w.hkv, h = g * hkv, span = w.span, row = hkv * d;
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   const R* qp = static_cast<const R*>(a.q);
-  const R* kp = static_cast<const R*>(a.k);
-  const R* vp = static_cast<const R*>(a.v);
+  const KR* kp = static_cast<const KR*>(a.k);
+  const KR* vp = static_cast<const KR*>(a.v);
   R* op = static_cast<R*>(a.out);
   AttendScratch& sc = attend_scratch();
   float* const qf = at_least(sc.qf, h * d);
@@ -431,6 +440,7 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
   float* const sums = at_least(sc.sums, h);
   float* const maxes = at_least(sc.maxes, h);
   int64_t* const kv_of = at_least(sc.kv_of, h);
+  float* const kv_scales = kInt8 ? at_least(sc.scales, span) : nullptr;
   bool ok = true;
   for (int64_t it = begin; it < end; ++it) {
     const AttendItem& item = w.items[it];
@@ -473,13 +483,26 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
         // kv head 0's run prefetches the whole rows (its chunk's other kv heads, next in this
         // thread's work, then find theirs in cache)
         const bool whole = kh == 0;
-        score_keys_blocked<R, BDC>(qf + i * d, e - i, d, kp + kh * d, rs, len, row, scores + i * span, span,
-                                   whole ? kp : kp + kh * d, whole ? vp : vp + kh * d, whole ? row : d);
+        score_keys_blocked<KR, BDC>(qf + i * d, e - i, d, kp + kh * d, rs, len, row, scores + i * span, span,
+                                    whole ? kp : kp + kh * d, whole ? vp : vp + kh * d, whole ? row : d);
       });
 #endif
     } else {
-      score_keys<R, DC>(qf, gi, d, kp, kv_of, rs, len, row, scores, span);
+      score_keys<KR, DC>(qf, gi, d, kp, kv_of, rs, len, row, scores, span);
     }
+    // an int8 pool: each kv head's scales of the item's keys gathered once through the slot table
+    // (for all its query heads), and row i's values x[j] multiplied by them
+    auto scale_rows = [&](const float* all, float* x) {
+      runs([&](int64_t i, int64_t e, int64_t kh) {
+        for (int64_t j = 0; j < len; ++j) kv_scales[j] = all[rs[j] * hkv + kh];
+        for (; i < e; ++i) {
+          float* xi = x + i * span;
+#pragma omp simd
+          for (int64_t j = 0; j < len; ++j) xi[j] *= kv_scales[j];
+        }
+      });
+    };
+    if constexpr (kInt8) scale_rows(a.ks, scores);  // the scores of codes times their keys' scales
     for (int64_t i = 0; i < gi; ++i) {
       float* si = scores + i * span;
       float m = max_of(si, len);
@@ -492,15 +515,16 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
       sums[i] = total;
       maxes[i] = m;
     }
+    if constexpr (kInt8) scale_rows(a.vs, scores);  // each weight times its value's scale (sums: the plain weights)
     std::fill(acc, acc + gi * d, 0.f);
     if (blocked) {
 #ifdef SGRT_BLOCKED_ATTENTION
       runs([&](int64_t i, int64_t e, int64_t kh) {
-        accumulate_values_blocked<R, BDC>(scores + i * span, e - i, d, vp + kh * d, rs, len, row, span, acc + i * d);
+        accumulate_values_blocked<KR, BDC>(scores + i * span, e - i, d, vp + kh * d, rs, len, row, span, acc + i * d);
       });
 #endif
     } else {
-      accumulate_values<R, DC>(scores, gi, d, vp, kv_of, rs, len, row, span, acc);
+      accumulate_values<KR, DC>(scores, gi, d, vp, kv_of, rs, len, row, span, acc);
     }
     for (int64_t i = 0; i < gi; ++i) {
       const int64_t q = q0 + i;
@@ -560,17 +584,24 @@ bool attend_share(at::ScalarType dtype, const AttendArgs& a, AttendWork& w, bool
   const int64_t n = static_cast<int64_t>(merges ? w.merges.size() : w.items.size());
   const int64_t begin = n * part / parts, end = n * (part + 1) / parts;
   bool ok = true;
+  auto items = [&]<typename scalar_t, typename KR>() {
+    if (w.d == 64) {
+      ok = attend_items<scalar_t, KR, 64>(a, w, begin, end, bad_slot);
+    } else if (w.d == 128) {
+      ok = attend_items<scalar_t, KR, 128>(a, w, begin, end, bad_slot);
+    } else if (w.d == 256) {  // (Gemma 3)
+      ok = attend_items<scalar_t, KR, 256>(a, w, begin, end, bad_slot);
+    } else {
+      ok = attend_items<scalar_t, KR, 0>(a, w, begin, end, bad_slot);
+    }
+  };
   dispatch_float(dtype, [&]<typename scalar_t>() {
     if (merges) {
       merge_items<scalar_t>(a, w, begin, end);
-    } else if (w.d == 64) {
-      ok = attend_items<scalar_t, 64>(a, w, begin, end, bad_slot);
-    } else if (w.d == 128) {
-      ok = attend_items<scalar_t, 128>(a, w, begin, end, bad_slot);
-    } else if (w.d == 256) {  // (Gemma 3)
-      ok = attend_items<scalar_t, 256>(a, w, begin, end, bad_slot);
+    } else if (a.ks != nullptr) {
+      items.template operator()<scalar_t, int8_t>();
     } else {
-      ok = attend_items<scalar_t, 0>(a, w, begin, end, bad_slot);
+      items.template operator()<scalar_t, raw<scalar_t>>();
     }
   });
   return ok;
@@ -579,10 +610,21 @@ bool attend_share(at::ScalarType dtype, const AttendArgs& a, AttendWork& w, bool
 // decode_attention's checks on the caches and slot tables, for a q of b rows of h heads of d values
 // in `dtype` (the plan runs them once a step, for every layer, before its thread team starts).
 void check_cache_and_tables(const Tensor& k_cache, const Tensor& v_cache, at::ScalarType dtype, int64_t b, int64_t h,
-                            int64_t d, const Tensor& slots, const Tensor& kv_lens) {
+                            int64_t d, const Tensor& slots, const Tensor& kv_lens, const Tensor* k_scale,
+                            const Tensor* v_scale) {
+  TORCH_CHECK((k_scale == nullptr) == (v_scale == nullptr), "give k_scale and v_scale both or neither");
+  const auto cache_dtype = k_scale ? at::kChar : dtype;
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-              "k_cache and v_cache must be contiguous [slots, kv_heads, head_dim] in q's dtype");
+                  v_cache.is_contiguous() && k_cache.scalar_type() == cache_dtype &&
+                  v_cache.scalar_type() == cache_dtype,
+              "k_cache and v_cache must be contiguous [slots, kv_heads, head_dim] in q's dtype (int8 with scales)");
+  if (k_scale) {
+    for (const Tensor* s : {k_scale, v_scale}) {
+      TORCH_CHECK(s->dim() == 2 && s->size(0) == k_cache.size(0) && s->size(1) == k_cache.size(1) &&
+                      s->is_contiguous() && s->scalar_type() == at::kFloat,
+                  "k_scale and v_scale must be contiguous float32 [slots, kv_heads] beside int8 caches");
+    }
+  }
   const int64_t hkv = k_cache.size(1);
   TORCH_CHECK(h > 0 && hkv > 0 && d > 0, "heads, kv_heads and head_dim must be positive, got ", h, ", ", hkv, ", ", d);
   TORCH_CHECK(k_cache.size(2) == d && h % hkv == 0, "head_dim must match and heads must be a multiple of kv_heads");
@@ -600,21 +642,24 @@ void check_cache_and_tables(const Tensor& k_cache, const Tensor& v_cache, at::Sc
 // q: its data and its row / head strides (a [B, H, D] tensor's, or the QKV projection's output
 // read in place by the decode plan).
 AttendArgs attend_args(const void* q, int64_t qs0, int64_t qs1, const Tensor& k_cache, const Tensor& v_cache,
-                       const Tensor& slots, const Tensor& kv_lens, Tensor& out) {
+                       const Tensor& slots, const Tensor& kv_lens, Tensor& out, const Tensor* k_scale,
+                       const Tensor* v_scale) {
   return {q, qs0, qs1, k_cache.const_data_ptr(), v_cache.const_data_ptr(), k_cache.size(0),
-          slots.const_data_ptr<int64_t>(), kv_lens.const_data_ptr<int64_t>(), slots.size(1), out.data_ptr()};
+          slots.const_data_ptr<int64_t>(), kv_lens.const_data_ptr<int64_t>(), slots.size(1), out.data_ptr(),
+          k_scale ? k_scale->const_data_ptr<float>() : nullptr, v_scale ? v_scale->const_data_ptr<float>() : nullptr};
 }
 
 // out: a [B, H * D] buffer of q's dtype to write into, or undefined.
 Tensor decode_attention_into(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
-                             const Tensor& kv_lens, Tensor out) {
+                             const Tensor& kv_lens, Tensor out, const Tensor* k_scale, const Tensor* v_scale) {
   check_cpu_float(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, heads, head_dim] with a contiguous last dim");
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
   Tensor lens = kv_lens.contiguous();
-  check_cache_and_tables(k_cache, v_cache, q.scalar_type(), b, h, d, slots, lens);
+  check_cache_and_tables(k_cache, v_cache, q.scalar_type(), b, h, d, slots, lens, k_scale, v_scale);
   out = out.defined() ? out : at::empty({b, h * d}, q.options());
-  const AttendArgs a = attend_args(q.const_data_ptr(), q.stride(0), q.stride(1), k_cache, v_cache, slots, lens, out);
+  const AttendArgs a =
+      attend_args(q.const_data_ptr(), q.stride(0), q.stride(1), k_cache, v_cache, slots, lens, out, k_scale, v_scale);
   thread_local AttendWork own;  // (its vectors reused call to call)
   AttendWork& w = own;  // (a lambda naming a thread_local would read the running thread's own one)
   const int64_t threads = at::get_num_threads();
@@ -634,8 +679,9 @@ Tensor decode_attention_into(const Tensor& q, const Tensor& k_cache, const Tenso
 }
 
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
-                        const Tensor& kv_lens) {
-  return decode_attention_into(q, k_cache, v_cache, slots, kv_lens, Tensor());
+                        const Tensor& kv_lens, const std::optional<Tensor>& k_scale,
+                        const std::optional<Tensor>& v_scale) {
+  return decode_attention_into(q, k_cache, v_cache, slots, kv_lens, Tensor(), opt_ptr(k_scale), opt_ptr(v_scale));
 }
 
 }  // namespace sgrt_layer

@@ -2,6 +2,7 @@
 // block need of it. One query per row; each row's context is a list of pool slots.
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "common.h"
@@ -43,7 +44,10 @@ struct AttendWork {
 };
 
 // Where an attention call reads and writes: q [B, H, D] (strides qs0, qs1; last dim contiguous),
-// the caches [num_slots, hkv, D], the slot tables, out [B, H * D]; all in one dtype.
+// the caches [num_slots, hkv, D], the slot tables, out [B, H * D]; q, out and the caches in one
+// dtype, or the caches int8 codes with float32 scales ks / vs [num_slots, hkv] (an int8 KV pool:
+// a key's value is code * scale; the kernels multiply a key's score by its K scale and a value's
+// softmax weight by its V scale, so the codes are widened in registers and never dequantized).
 struct AttendArgs {
   const void* q;
   int64_t qs0, qs1;
@@ -54,6 +58,8 @@ struct AttendArgs {
   const int64_t* ln;  // [B]
   int64_t max_kv;
   void* out;
+  const float* ks = nullptr;  // int8 caches' scales, else null (both or neither)
+  const float* vs = nullptr;
 };
 
 // The items and merges of one call: rows of context lengths ln[0..b) (each at most max_kv), h
@@ -64,15 +70,23 @@ void plan_attention(AttendWork& w, int64_t b, int64_t h, int64_t hkv, int64_t d,
 // an item met a slot outside the pool.
 bool attend_share(at::ScalarType dtype, const AttendArgs& a, AttendWork& w, bool merges, int64_t part, int64_t parts,
                   int64_t* bad_slot);
-// The checks of the caches [slots, kv heads, d] and the slot tables of a q of b rows, h heads.
+// The checks of the caches [slots, kv heads, d] (in `dtype`, or int8 with k_scale / v_scale
+// float32 [slots, kv heads]; scales given for both or neither) and the slot tables of a q of b
+// rows, h heads.
 void check_cache_and_tables(const Tensor& k_cache, const Tensor& v_cache, at::ScalarType dtype, int64_t b, int64_t h,
-                            int64_t d, const Tensor& slots, const Tensor& kv_lens);
+                            int64_t d, const Tensor& slots, const Tensor& kv_lens, const Tensor* k_scale = nullptr,
+                            const Tensor* v_scale = nullptr);
 AttendArgs attend_args(const void* q, int64_t qs0, int64_t qs1, const Tensor& k_cache, const Tensor& v_cache,
-                       const Tensor& slots, const Tensor& kv_lens, Tensor& out);
+                       const Tensor& slots, const Tensor& kv_lens, Tensor& out, const Tensor* k_scale = nullptr,
+                       const Tensor* v_scale = nullptr);
 // The operator, into `out` where defined; the plan calls it outside a thread team.
 Tensor decode_attention_into(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
-                             const Tensor& kv_lens, Tensor out);
+                             const Tensor& kv_lens, Tensor out, const Tensor* k_scale = nullptr,
+                             const Tensor* v_scale = nullptr);
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
-                        const Tensor& kv_lens);
+                        const Tensor& kv_lens, const std::optional<Tensor>& k_scale,
+                        const std::optional<Tensor>& v_scale);
+// An optional tensor as a pointer (null: none).
+inline const Tensor* opt_ptr(const std::optional<Tensor>& t) { return t && t->defined() ? &*t : nullptr; }
 
 }  // namespace sgrt_layer

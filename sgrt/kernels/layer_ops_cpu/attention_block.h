@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "elementwise.h"
@@ -18,7 +19,8 @@ void check_new_slots(const Tensor& new_slots, int64_t b, int64_t num_slots);
 // d values each), in this order: the projection's bias added (each sum rounded, as the eager
 // add), q and k heads RMS-normed (qk_norm_: q_norm / k_norm), rotated (rotary_, this row's cos /
 // sin [d]), q heads multiplied by q_scale (rounded; skipped when 1), k and v heads copied to the
-// caches [num_slots, hkv, d] at slots[r] (store_kv_). Each (row, head) is independent of the
+// caches [num_slots, hkv, d] at slots[r] (store_kv_), or with k_scale / v_scale set (an int8 pool)
+// stored as int8 codes in k_codes / v_codes and their scales [num_slots, hkv] (quantize_row_int8). Each (row, head) is independent of the
 // others, so the decode plan's thread team splits them (prepare_heads' begin / end) and the bits
 // do not depend on the split. Slots must have been checked (0 <= slots[r] < num_slots).
 template <typename R>
@@ -33,9 +35,13 @@ struct HeadPrep {
   const R* cos;
   const R* sin;  // [B, d]
   float q_scale = 1.f;
-  R* k_cache;
-  R* v_cache;
+  R* k_cache = nullptr;
+  R* v_cache = nullptr;
   const int64_t* slots;  // [B]
+  int8_t* k_codes = nullptr;  // an int8 pool's caches and scales instead of k_cache / v_cache
+  int8_t* v_codes = nullptr;
+  float* k_scale = nullptr;
+  float* v_scale = nullptr;
 };
 
 // Items [begin, end) of the prep's B * (n_heads + 2 hkv) (row, head) items, row-major.
@@ -64,16 +70,23 @@ void prepare_heads(const HeadPrep<R>& a, int64_t begin, int64_t end) {
       }
     } else {
       const bool is_k = hd < rotated;
-      const int64_t kh = is_k ? hd - a.n_heads : hd - rotated;
-      std::memcpy((is_k ? a.k_cache : a.v_cache) + (a.slots[r] * a.hkv + kh) * d, p, d * sizeof(R));
+      const int64_t kh = is_k ? hd - a.n_heads : hd - rotated, at = a.slots[r] * a.hkv + kh;
+      if (a.k_scale) {
+        (is_k ? a.k_scale : a.v_scale)[at] = quantize_row_int8(p, d, (is_k ? a.k_codes : a.v_codes) + at * d);
+      } else {
+        std::memcpy((is_k ? a.k_cache : a.v_cache) + at * d, p, d * sizeof(R));
+      }
     }
   }
 }
 
 // The operators (attention_block.cpp).
-void store_kv_(Tensor k_cache, Tensor v_cache, const Tensor& slots, const Tensor& k, const Tensor& v);
+// k_scale / v_scale: an int8 pool's scales [num_slots, kv heads] (its caches int8), else none.
+void store_kv_(Tensor k_cache, Tensor v_cache, const Tensor& slots, const Tensor& k, const Tensor& v,
+               const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale);
 Tensor decode_attention_qkv_(Tensor qkv, const Tensor& cos, const Tensor& sin, int64_t n_heads, double q_scale,
                              Tensor k_cache, Tensor v_cache, const Tensor& new_slots, const Tensor& slots,
-                             const Tensor& kv_lens);
+                             const Tensor& kv_lens, const std::optional<Tensor>& k_scale,
+                             const std::optional<Tensor>& v_scale);
 
 }  // namespace sgrt_layer

@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -37,6 +38,7 @@ inline raw<T>* raw_ptr(const Tensor& t) {
 
 inline float to_f(float v) { return v; }
 inline float to_f(uint16_t v) { return sgrt::bf16::to_float(v); }
+inline float to_f(int8_t v) { return static_cast<float>(v); }  // an int8 KV pool's code (times its scale)
 
 template <typename R>
 inline R from_f(float v);
@@ -63,6 +65,27 @@ inline void check_cpu_float(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
               " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+// An int8 KV pool's row (sgrt/engine/kv_pool.py, quantize_int8): the d values of one token's kv head
+// at x as symmetric int8 codes q[0..d) and their scale, returned: scale = absmax / 127 (float32),
+// q = round-half-even(x / scale) clamped to [-127, 127], all 0 where the row is all zeros. The same
+// float32 divisions and rounding as the torch path, so both store the same bits.
+template <typename R>
+inline float quantize_row_int8(const R* x, int64_t d, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t j = 0; j < d; ++j) {
+    const float a = std::fabs(to_f(x[j]));
+    amax = amax < a ? a : amax;
+  }
+  const float scale = amax / 127.f;
+  const float div = scale > 0.f ? scale : 1.f;
+  for (int64_t j = 0; j < d; ++j) {
+    float c = std::nearbyint(to_f(x[j]) / div);
+    c = c < -127.f ? -127.f : (c > 127.f ? 127.f : c);
+    q[j] = static_cast<int8_t>(c);
+  }
+  return scale;
 }
 
 // exp(x) for float32, vectorizable (no branches, no calls): Cody-Waite range reduction

@@ -308,13 +308,16 @@ struct DecodePlan : torch::CustomClassHolder {
   // -> the final hidden states [B, hidden] in the model's dtype.
   // `embedded`: the rows of input_ids already looked up ([B, hidden], the model's dtype), for a
   // model whose table is quantized (its Python module reads it); otherwise `embed` is the table.
+  // k_scales / v_scales: an int8 pool's per-layer scales [num_slots, kv heads] (its k_layers /
+  // v_layers int8), or empty (K/V in the model's dtype).
   Tensor forward(const Tensor& input_ids, const Tensor& positions, std::vector<Tensor> k_layers,
                  std::vector<Tensor> v_layers, const Tensor& new_slots, std::vector<Tensor> slots,
-                 std::vector<Tensor> kv_lens, std::optional<Tensor> embedded) const {
+                 std::vector<Tensor> kv_lens, std::optional<Tensor> embedded, std::vector<Tensor> k_scales,
+                 std::vector<Tensor> v_scales) const {
     std::unique_lock<std::mutex> lock(workspace_mutex, std::try_to_lock);
     Workspace own;  // (only where another thread is in forward() with the plan's workspace)
     return run(lock.owns_lock() ? workspace : own, input_ids, positions, k_layers, v_layers, new_slots, slots,
-               kv_lens, embedded);
+               kv_lens, embedded, k_scales, v_scales);
   }
 
   // The rows of the rotary tables at `positions` in `dtype` into ws.cos / ws.sin: what
@@ -347,7 +350,8 @@ struct DecodePlan : torch::CustomClassHolder {
   // outside a team). qkv: the QKV projection's output, contiguous [B, (heads + 2 kv heads) *
   // head_dim]; its bias, norms, the rotary rows and the slots were checked by run().
   void prepare_share(const PlanLayer& l, const Tensor& qkv, const Workspace& ws, const Tensor& k_cache,
-                     const Tensor& v_cache, const Tensor& new_slots, const Team& t) const {
+                     const Tensor& v_cache, const Tensor& new_slots, const Team& t, const Tensor* k_scale,
+                     const Tensor* v_scale) const {
     TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "a QKV projection's output must be contiguous [B, features]");
     const int64_t b = qkv.size(0), hkv = k_cache.size(1), n = b * (n_heads + 2 * hkv);
     dispatch_float(qkv.scalar_type(), [&]<typename scalar_t>() {
@@ -362,8 +366,15 @@ struct DecodePlan : torch::CustomClassHolder {
       a.cos = raw_ptr<scalar_t>(ws.cos[l.rope_id]);
       a.sin = raw_ptr<scalar_t>(ws.sin[l.rope_id]);
       a.q_scale = static_cast<float>(l.q_scale);
-      a.k_cache = raw_ptr<scalar_t>(k_cache);
-      a.v_cache = raw_ptr<scalar_t>(v_cache);
+      if (k_scale) {  // an int8 pool (checked by run())
+        a.k_codes = static_cast<int8_t*>(k_cache.data_ptr());
+        a.v_codes = static_cast<int8_t*>(v_cache.data_ptr());
+        a.k_scale = static_cast<float*>(k_scale->data_ptr());
+        a.v_scale = static_cast<float*>(v_scale->data_ptr());
+      } else {
+        a.k_cache = raw_ptr<scalar_t>(k_cache);
+        a.v_cache = raw_ptr<scalar_t>(v_cache);
+      }
       a.slots = new_slots.const_data_ptr<int64_t>();
       prepare_heads(a, n * t.part / t.parts, n * (t.part + 1) / t.parts);
     });
@@ -387,8 +398,15 @@ struct DecodePlan : torch::CustomClassHolder {
 
   Tensor run(Workspace& ws, const Tensor& input_ids, const Tensor& positions, const std::vector<Tensor>& k_layers,
              const std::vector<Tensor>& v_layers, const Tensor& new_slots, const std::vector<Tensor>& slots,
-             const std::vector<Tensor>& kv_lens, const std::optional<Tensor>& embedded) const {
+             const std::vector<Tensor>& kv_lens, const std::optional<Tensor>& embedded,
+             const std::vector<Tensor>& k_scales, const std::vector<Tensor>& v_scales) const {
     TORCH_CHECK(k_layers.size() == layers.size() && v_layers.size() == layers.size(), "one KV layer per layer");
+    TORCH_CHECK(k_scales.size() == v_scales.size() && (k_scales.empty() || k_scales.size() == layers.size()),
+                "k_scales and v_scales: one a layer each (an int8 pool), or none");
+    const bool int8_kv = !k_scales.empty();
+    // layer i's scales, or null (K/V in the model's dtype)
+    auto k_scale = [&](size_t i) { return int8_kv ? &k_scales[i] : nullptr; };
+    auto v_scale = [&](size_t i) { return int8_kv ? &v_scales[i] : nullptr; };
     TORCH_CHECK(slots.size() == kv_lens.size(), "one kv_lens per slot table");
     for (const PlanLayer& l : layers) {
       TORCH_CHECK(l.window_id >= 0 && l.window_id < static_cast<int64_t>(slots.size()), "no slot table ", l.window_id);
@@ -438,7 +456,8 @@ struct DecodePlan : torch::CustomClassHolder {
     for (size_t i = 0; i < layers.size(); ++i) {
       const PlanLayer& l = layers[i];
       const int64_t w = l.window_id;
-      check_cache_and_tables(k_layers[i], v_layers[i], dtype, b, n_heads, head_dim, slots[w], lens[w]);
+      check_cache_and_tables(k_layers[i], v_layers[i], dtype, b, n_heads, head_dim, slots[w], lens[w], k_scale(i),
+                             v_scale(i));
       const int64_t hkv = k_layers[i].size(1), width = (n_heads + 2 * hkv) * head_dim;
       TORCH_CHECK(l.qkv.out_features() == width, "layer ", i, "'s qkv_proj gives ", l.qkv.out_features(),
                   " features, not (heads + 2 kv heads) * head_dim = ", width);
@@ -482,11 +501,11 @@ struct DecodePlan : torch::CustomClassHolder {
         t.run([&] { qkv = project(l.qkv, h, ws.qkv, t); });
         t.barrier();
         // bias, q / k norm, rotary, q's pre-scale and the K/V store: this thread's share of the heads
-        t.run([&] { prepare_share(l, qkv, ws, k_layers[i], v_layers[i], new_slots, t); });
+        t.run([&] { prepare_share(l, qkv, ws, k_layers[i], v_layers[i], new_slots, t, k_scale(i), v_scale(i)); });
         if (!t.team) {
           t.run([&] {
             decode_attention_into(qkv.view({b, -1, head_dim}).narrow(1, 0, n_heads), k_layers[i], v_layers[i],
-                                  slots[l.window_id], kv_lens[l.window_id], ws.attn);
+                                  slots[l.window_id], kv_lens[l.window_id], ws.attn, k_scale(i), v_scale(i));
           });
         } else {  // the attention's items, then the merges of split rows' chunks, split by part
           AttendWork& work = ws.attend[l.window_id];
@@ -495,7 +514,7 @@ struct DecodePlan : torch::CustomClassHolder {
             if (merges && work.merges.empty()) break;
             t.run([&] {
               const AttendArgs a = attend_args(qkv.const_data_ptr(), qkv.size(1), head_dim, k_layers[i], v_layers[i],
-                                               slots[l.window_id], lens[l.window_id], ws.attn);
+                                               slots[l.window_id], lens[l.window_id], ws.attn, k_scale(i), v_scale(i));
               int64_t bad = 0;
               if (!attend_share(dtype, a, work, merges, t.part, t.parts, &bad)) {
                 state.bad_slot.store(bad);

@@ -33,13 +33,18 @@ TORCH_LIBRARY(sgrt_layer, m) {
   m.def("rotary_(Tensor(a!) qk, Tensor cos, Tensor sin) -> Tensor(a!)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
-  m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor kv_lens) -> Tensor");
+  m.def(
+      "store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v, Tensor(c!)? k_scale=None, "
+      "Tensor(d!)? v_scale=None) -> ()");
+  m.def(
+      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor kv_lens, Tensor? k_scale=None, "
+      "Tensor? v_scale=None) -> Tensor");
   m.def("rotary_heads_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads) -> Tensor(a!)");
   m.def("qk_norm_(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, int n_heads, float eps) -> Tensor(a!)");
   m.def(
       "decode_attention_qkv_(Tensor(a!) qkv, Tensor cos, Tensor sin, int n_heads, float q_scale, Tensor(b!) k_cache, "
-      "Tensor(c!) v_cache, Tensor new_slots, Tensor slots, Tensor kv_lens) -> Tensor");
+      "Tensor(c!) v_cache, Tensor new_slots, Tensor slots, Tensor kv_lens, Tensor(d!)? k_scale=None, "
+      "Tensor(e!)? v_scale=None) -> Tensor");
   sgrt_layer::register_decode_plan(m);
 }
 
