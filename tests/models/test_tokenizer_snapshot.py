@@ -91,6 +91,22 @@ def test_transformers_tokenizer_loads_once_when_threads_ask_at_once(tokenizer, t
     assert got[0].chat_template == snap.chat_template
 
 
+def test_long_inputs_take_the_batch_calls_and_give_the_same_answers(tmp_path):
+    """Past LONG_TEXT_CHARS / LONG_IDS the snapshot encodes and decodes through the backend's
+    batch calls (which release the GIL): the same ids and text as transformers and as the single
+    calls."""
+    from sgrt.models import tokenizer as tk
+    from sgrt.models.loader import tokenizer_folder
+
+    truth, snap = _snapshot_pair(tokenizer_folder("smollm2-135m-instruct"), tmp_path)
+    text = ("Ünïcode <|im_start|> and digits 12345, " * 2000)[: tk.LONG_TEXT_CHARS * 2]
+    ids = snap.encode(text)
+    assert len(text) >= tk.LONG_TEXT_CHARS and len(ids) >= tk.LONG_IDS
+    assert ids == truth.encode(text) == snap._pipeline.encode(text, add_special_tokens=False).ids
+    for skip in (False, True):
+        assert snap.decode(ids, skip) == truth.decode(ids, skip) == snap.decode(ids[:100], skip) + snap.decode(ids[100:], skip)
+
+
 def test_load_reads_the_entry_snapshot(tokenizer):
     """The session's tokenizer (``load_tokenizer``) came from the entry's snapshot, as the loader
     keeps it, and answers as transformers does."""
