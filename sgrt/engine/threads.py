@@ -8,8 +8,8 @@ of it in time slices, and every barrier waits for its slice (measured here: Smol
 0.17x its quiet speed, and packing's small 2-thread ops up to 100x slower than on one thread).
 One thread then runs at the physical share (~0.5x). Nothing in the process can see the other
 work directly (load averages and steal time lag by seconds and count our own threads), but every
-step is timed: :class:`ThreadGovernor` keeps, for each kind of forward, a running average of
-its time at each thread count it tries, runs the count with the lowest, and now and then runs
+step is timed: :class:`ThreadGovernor` keeps, for each kind of forward, its recent time at
+each thread count it tries (the median of the last few forwards), runs the count with the lowest, and now and then runs
 another one to see whether that changed. A step much slower than the kind's recent best (the
 machine got busier) triggers that look at once.
 
@@ -27,7 +27,11 @@ EXPLORE_MAX = 256
 # A forward this much slower than its kind's best recent time at the same thread count means the
 # machine changed: look at the other counts now.
 SLOWDOWN = 1.5
-ALPHA = 0.3  # weight of a new sample in the running averages
+# A count's time is the median of its last WINDOW forwards: one slow forward (a page fault, a
+# collection, another thread of ours) does not move the choice, three in a row do. (A running
+# mean moved by one 10x outlier kept a quiet 2-core machine on one thread until the next try:
+# decode ~20% under all-threads speed.)
+WINDOW = 5
 
 
 def kind_of(decode_rows: int | None, tokens: int) -> tuple[str, int]:
@@ -40,8 +44,10 @@ def kind_of(decode_rows: int | None, tokens: int) -> tuple[str, int]:
 
 @dataclass
 class KindStats:
-    """One kind's running average seconds per thread count, and its exploration state."""
+    """One kind's recent seconds per thread count (their median: ``average``), and its
+    exploration state."""
 
+    samples: dict[int, list[float]] = field(default_factory=dict)  # the last WINDOW per count
     average: dict[int, float] = field(default_factory=dict)
     best: dict[int, float] = field(default_factory=dict)  # the fastest recent forward per count
     tried: dict[int, int] = field(default_factory=dict)  # the forward number of each count's last try
@@ -103,11 +109,13 @@ class ThreadGovernor:
         st = self.kinds.setdefault(kind, KindStats())
         st.forwards += 1
         before = self._best(st) if st.average else None
-        old = st.average.get(threads)
-        # (a tried count's average dates from its last try, the machine as it was then: the new
-        # time replaces it; if it was luck, the next forwards on that count move it back)
+        # (a tried count's samples date from its last try, the machine as it was then: the new
+        # time replaces them; if it was luck, the next forwards on that count move it back)
         explored = st.exploring == threads
-        st.average[threads] = seconds if old is None or explored else old + ALPHA * (seconds - old)
+        window = [] if explored else st.samples.get(threads, [])
+        window = (window + [seconds])[-WINDOW:]
+        st.samples[threads] = window
+        st.average[threads] = sorted(window)[len(window) // 2]
         best = st.best.get(threads)
         # (the recent best drifts up slowly, so that a lasting change of the machine is learnt)
         st.best[threads] = seconds if best is None or seconds < best else best * 1.01
