@@ -406,6 +406,19 @@ def test_qk_norm_in_place_matches_eager_and_leaves_v(dtype):
         torch.ops.sgrt_layer.qk_norm_(work, layer.q_norm.weight[:128], layer.k_norm.weight, n_heads, 1e-5)
 
 
+def _two_row_decode_case(dtype: torch.dtype, n_heads: int, n_kv: int, d: int, seed: int):
+    """Two decode rows (contexts of 40 and 700 slots), their fused q / k / v ``[2, n_heads + 2 n_kv,
+    d]`` and the rotary cos / sin at positions 39 and 699."""
+    from sgrt.engine.attention import RowSpec
+
+    g = torch.Generator().manual_seed(seed)
+    rows = [RowSpec(list(range(1, 41)), 1), RowSpec(list(range(100, 800)), 1)]
+    qkv = torch.randn(2, n_heads + 2 * n_kv, d, generator=g).to(dtype)
+    emb = torch.outer(torch.tensor([39.0, 699.0]), 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+    emb = torch.cat((emb, emb), dim=-1)
+    return rows, qkv, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("q_scale,window", [(1.0, None), (0.7, None), (1.0, 5), (0.7, 300)])
 def test_fused_decode_attention_equals_the_unfused_steps(dtype, q_scale, window):
@@ -415,16 +428,11 @@ def test_fused_decode_attention_equals_the_unfused_steps(dtype, q_scale, window)
     (the latter split into chunks), with and without a sliding window."""
     from types import SimpleNamespace
 
-    from sgrt.engine.attention import PagedAttention, RowSpec
+    from sgrt.engine.attention import PagedAttention
     from sgrt.engine.kv_pool import KVPool
 
-    g = torch.Generator().manual_seed(7)
     n_heads, n_kv, d = 9, 3, 64
-    rows = [RowSpec(list(range(1, 41)), 1), RowSpec(list(range(100, 800)), 1)]
-    qkv = torch.randn(2, n_heads + 2 * n_kv, d, generator=g).to(dtype)
-    emb = torch.outer(torch.tensor([39.0, 699.0]), 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
-    emb = torch.cat((emb, emb), dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    rows, qkv, cos, sin = _two_row_decode_case(dtype, n_heads, n_kv, d, seed=7)
     layer = SimpleNamespace(layer_id=1, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d, q_scale=q_scale, window=window)
     out, pools = {}, {}
     for fused in (True, False):
@@ -552,16 +560,11 @@ def test_fused_decode_attention_over_an_int8_pool_equals_the_unfused_steps(dtype
     store_kv_ and decode_attention one by one: the same codes, scales and output, bit for bit."""
     from types import SimpleNamespace
 
-    from sgrt.engine.attention import PagedAttention, RowSpec
+    from sgrt.engine.attention import PagedAttention
     from sgrt.engine.kv_pool import KVPool
 
-    g = torch.Generator().manual_seed(8)
     n_heads, n_kv, d = 9, 3, 64
-    rows = [RowSpec(list(range(1, 41)), 1), RowSpec(list(range(100, 800)), 1)]
-    qkv = torch.randn(2, n_heads + 2 * n_kv, d, generator=g).to(dtype)
-    emb = torch.outer(torch.tensor([39.0, 699.0]), 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
-    emb = torch.cat((emb, emb), dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    rows, qkv, cos, sin = _two_row_decode_case(dtype, n_heads, n_kv, d, seed=8)
     layer = SimpleNamespace(layer_id=1, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d, q_scale=0.7, window=None)
     out, pools = {}, {}
     for fused in (True, False):
