@@ -48,6 +48,7 @@ except ImportError:  # (Windows: no advisory locks; stale folders are then left 
 import torch
 
 from sgrt.errors import ModelLoadError
+from sgrt.models.cache_files import delete_path, set_aside
 from sgrt.models.checkpoint import GGUFFile, gguf_hf_config
 from sgrt.models.tokenizer_snapshot import SNAPSHOT_DIR
 from sgrt.models.weight_files import TensorEntry, gguf_tensor_table
@@ -262,35 +263,6 @@ def _replace_parts(tmp: Path, final: Path, parts: tuple[str, ...], spec: str) ->
                 raise
 
 
-def set_aside(path: Path, spec: str, why: str = "") -> None:
-    """Rename ``path`` (a damaged cache folder or file) to a ``.stale-`` sibling and delete it: a
-    process that has its files open or mapped keeps them. ``why``: what is wrong with it, for the
-    error.
-
-    Raises:
-        ModelLoadError: it cannot be renamed (a read-only cache; names it, ``why`` and the fix).
-    """
-    stale = path.with_name(f".stale-{path.name}-{uuid.uuid4().hex[:8]}")
-    try:
-        os.rename(path, stale)
-    except FileNotFoundError:
-        return  # (another process set it aside first)
-    except OSError as e:
-        raise ModelLoadError(f"model {spec!r}: {why + '; ' if why else ''}cannot replace {path} in the cache "
-                             f"({e}): delete it, or set SGRT_CACHE_DIR to a writable folder") from e
-    _delete(stale)
-
-
-def _delete(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            path.unlink()
-        except OSError:
-            pass
-
-
 def _child_error(proc: subprocess.CompletedProcess, spec: str, gguf_path: Path) -> str:
     """The child's error message (its last stdout line, JSON), else how it ended and what it
     printed."""
@@ -476,7 +448,7 @@ def sweep_dead_builds(folder: Path) -> list[Path]:
                 continue
             if not p.is_dir() or p.is_symlink() or fcntl is None:
                 if p.name.startswith(".stale-"):
-                    _delete(p)
+                    delete_path(p)
                     swept.append(p)
                 continue
             fd = os.open(p, os.O_RDONLY)

@@ -250,7 +250,7 @@ def _discard_store(damage: DamagedStore, spec: str) -> None:
     Raises:
         ModelLoadError: it cannot be moved (a read-only cache): names it and the fix.
     """
-    from sgrt.models.gguf_convert import set_aside
+    from sgrt.models.cache_files import set_aside
 
     set_aside(damage.folder, spec, str(damage))
     logger.warning("model %s: %s; packing it again", spec, damage)

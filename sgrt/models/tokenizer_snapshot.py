@@ -169,7 +169,7 @@ def write_snapshot(hf: Any, source: Path, out: Path) -> bool:
             for p in (tmp, tmp / PIPELINE_FILE, tmp / FACTS_FILE):
                 os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
             if out.exists():
-                from sgrt.models.gguf_convert import set_aside
+                from sgrt.models.cache_files import set_aside
 
                 set_aside(out, str(source))
             os.rename(tmp, out)
