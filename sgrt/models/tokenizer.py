@@ -158,9 +158,7 @@ class Tokenizer:
         # transformers' fast-tokenizer decode, without clean-up, is the Rust backend's decode
         # behind a few layers of Python argument handling; call the backend directly (the
         # streaming detokenizer decodes once per generated token) unless the class overrides it.
-        backend = hf.backend_tokenizer if _decodes_with_backend(type(hf)) else None
-        self._backend_decode = backend.decode if backend is not None else None
-        self._backend_decode_batch = backend.decode_batch if backend is not None else None
+        self._decoder: Any = hf.backend_tokenizer if _decodes_with_backend(type(hf)) else None
 
     def _set_decoder_kinds(self, backend: Any) -> None:
         kinds = _decoder_kinds(backend)
@@ -201,8 +199,7 @@ class Tokenizer:
         self.adds_bos = bool(facts["adds_bos"])
         self._set_decoder_kinds(pipeline)
         self._id_pipeline = pipeline
-        self._backend_decode = pipeline.decode if facts["decode"] else None
-        self._backend_decode_batch = pipeline.decode_batch if facts["decode"] else None
+        self._decoder = pipeline if facts["decode"] else None
         return self
 
     @property
@@ -316,11 +313,11 @@ class Tokenizer:
 
         No tokenization-space clean-up is applied, so ``decode(encode(s)) == s``.
         """
-        if self._backend_decode is not None:
+        if self._decoder is not None:
             if len(ids) < LONG_IDS:
-                return self._backend_decode(list(ids), skip_special_tokens=skip_special_tokens)
+                return self._decoder.decode(list(ids), skip_special_tokens=skip_special_tokens)
             # (the Rust decode holds the GIL; its batch form releases it: see encode)
-            return self._backend_decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
+            return self._decoder.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens,
                               clean_up_tokenization_spaces=False)
 
@@ -334,7 +331,7 @@ class Tokenizer:
         Raises:
             InvalidRequest: (field ``messages``) the tokenizer has no chat template.
         """
-        if not (self.chat_template if self._hf is None else getattr(self._hf, "chat_template", None)):
+        if not self.chat_template:
             raise InvalidRequest("this model's tokenizer has no chat template", field="messages")
         kwargs: dict[str, Any] = dict(template_kwargs)
         if tools is not None:

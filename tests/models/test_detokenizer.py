@@ -156,7 +156,7 @@ def test_backend_decode_equals_transformers_decode(real_tokenizer):
     import random
 
     tok = real_tokenizer
-    assert tok._backend_decode is not None  # both real tokenizers take the direct path
+    assert tok._decoder is not None  # both real tokenizers take the direct path
     rng = random.Random(5)
     for _ in range(30):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(0, 30))]
