@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -486,12 +485,10 @@ def publish_folder(tmp: Path, final: Path, marker: str = SOURCE_FILE) -> bool:
     folder holds: a crash left it half-written) is moved aside first.
     """
     if final.exists() and not (final / marker).is_file():
-        stale = final.with_name(f".stale-{final.name}-{uuid.uuid4().hex[:8]}")
         try:
-            os.rename(final, stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        except OSError:
-            pass
+            set_aside(final, str(final))
+        except ModelLoadError:
+            pass  # (cannot be moved: the rename below fails and says so, or finds another's)
     try:
         os.rename(tmp, final)  # atomic on POSIX; fails if final exists and is non-empty
         return True
