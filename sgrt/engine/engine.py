@@ -38,7 +38,7 @@ from sgrt.engine.request import Req
 from sgrt.engine.sampling_params import SamplingParams
 from sgrt.engine.scheduler import Row, Scheduler, SchedulerConfig
 from sgrt.engine.speculative import SpecConfig, SpecPlanner
-from sgrt.engine.threads import ThreadGovernor, kind_of
+from sgrt.engine.threads import ThreadGovernor, extend_work, kind_of, pair_weight
 from sgrt.errors import GrammarError, InvalidRequest
 
 logger = logging.getLogger("sgrt.engine")
@@ -257,6 +257,8 @@ class Engine:
         # (threads per forward: all torch's while the process has its cores, fewer under other load)
         self.threads = ThreadGovernor(torch.get_num_threads(), adaptive=config.adaptive_threads and self._cpu)
         self._threads_now = self.threads.max_threads
+        self._pair_weight = pair_weight(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                        cfg.head_dim, cfg.intermediate_size)
         self._thread = threading.Thread(target=self._loop, name="sgrt-engine", daemon=True)
         logger.info("engine: %s", self.describe())
         _LIVE_ENGINES.add(self)
@@ -438,6 +440,7 @@ class Engine:
     def _forward(self, rows: list[Row]) -> list[torch.Tensor]:
         offsets = [self.outputs.logit_offsets(row) for row in rows]
         kind = kind_of(len(rows) if all(r.n == 1 for r in rows) else None, sum(r.n for r in rows))
+        work = extend_work([(r.start, r.n) for r in rows], self._pair_weight) if kind[0] == "prefill" else 1.0
         threads = self.threads.choose(kind)
         if threads != self._threads_now:  # (the loop thread's own OpenMP team size; ~1 us)
             torch.set_num_threads(threads)
@@ -445,7 +448,7 @@ class Engine:
         t0 = time.monotonic()
         logits = self.runner.forward(rows, offsets)
         seconds = time.monotonic() - t0
-        self.threads.record(kind, threads, seconds)
+        self.threads.record(kind, threads, seconds, work)
         self.metrics.record_forward(rows, seconds)
         return logits
 

@@ -6,7 +6,10 @@ requests still prefilling and the admission of waiting ones. Policies: ``short``
 the shortest next prefill chunk first, running and waiting alike, where a waiting request's
 chunk counts only what the prefix cache does not hold; so an agent's next turn, a long cached
 conversation plus a short tool result, is not stuck behind other sessions' long prefills: a
-running request skipped twice goes first), ``lpm`` (running chunks first, then the waiting
+running request skipped twice goes first; and a step takes one prefill piece of any size but
+adds more only while its prefill stays within ``batch_prefill_tokens``, so of several turns
+arriving together the first streams its first token after its own prefill, not after all of
+theirs), ``lpm`` (running chunks first, then the waiting
 ones with the longest prefix match first, as in SGLang) and ``fcfs``. When the KV pool runs short it evicts unlocked prefix-cache entries first, then
 retracts the newest running requests back to the waiting queue (their output is kept; they
 re-prefill later), as SGLang and vLLM preempt by recomputation.
@@ -45,6 +48,12 @@ class SchedulerConfig:
             ``"fcfs"`` (module docstring).
         dedup_min_tokens: a shared uncached prefix this long makes a waiting request wait for
             the one prefilling it.
+        batch_prefill_tokens: ``"short"``: a step's first prefill piece may be any size (up to
+            the budget); further pieces join only while the step's prefill stays within this
+            many tokens. Small pieces (short new turns) share a step, whose fixed cost is
+            comparable to theirs; of larger ones one goes per step, so each streams its first
+            token a step's time after it starts, instead of all after the last (TTFT). At
+            ~600 prefill tokens a second on 2 cores, 256 tokens take ~0.4 s.
 
     Raises:
         InvalidRequest: a field out of its range (named).
@@ -55,12 +64,14 @@ class SchedulerConfig:
     chunked_prefill_size: int = 512
     schedule_policy: str = "short"
     dedup_min_tokens: int = 32
+    batch_prefill_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in POLICIES:
             raise InvalidRequest(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}",
                                  field="schedule_policy")
-        for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "dedup_min_tokens"):
+        for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "dedup_min_tokens",
+                     "batch_prefill_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequest(f"{name} must be an int >= 1, got {value!r}", field=name)
@@ -174,7 +185,9 @@ class Scheduler:
     def _prefill_shortest_first(self, rows: list[Row], prefilling: list[Req], budget: int) -> None:
         """The ``short`` policy: the running prefills' next chunks and the waiting requests'
         admissions, shortest next chunk first (a waiting one's counts only its uncached tokens),
-        under ``budget``; a running prefill passed over :data:`MAX_PREFILL_SKIPS` steps goes first."""
+        under ``budget``; a running prefill passed over :data:`MAX_PREFILL_SKIPS` steps goes first.
+        After the first piece, another joins only while the step's prefill stays within
+        ``batch_prefill_tokens``."""
         chunk = self.config.chunked_prefill_size
         work: list[tuple[tuple[int, int, float], Req, bool]] = []
         for req in prefilling:
@@ -186,13 +199,17 @@ class Scheduler:
         work.sort(key=lambda w: w[0])
         served: set[int] = set()
         admitting = [r for r in prefilling]
-        for _, req, running in work:
+        taken = 0  # prefill tokens this step
+        for (_, size, _), req, running in work:
             if budget <= 0:
                 break
+            if taken and taken + size > self.config.batch_prefill_tokens:
+                continue
             if running:
                 if req.status is ReqStatus.RUNNING:
                     n = self._chunk(req, rows, budget)
                     budget -= n
+                    taken += n
                     if n:
                         served.add(id(req))
                 continue
@@ -202,6 +219,7 @@ class Scheduler:
             if n < 0:
                 break
             budget -= n
+            taken += n
         for req in prefilling:
             req.prefill_skips = 0 if id(req) in served else req.prefill_skips + 1
 

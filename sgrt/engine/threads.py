@@ -13,8 +13,13 @@ each thread count it tries (the median of the last few forwards), runs the count
 another one to see whether that changed. A step much slower than the kind's recent best (the
 machine got busier) triggers that look at once.
 
-Kinds: a decode-only forward by its rows (1, 2-3, 4-7, ...), any other by its tokens (powers of
-two): step times within a kind are comparable.
+Kinds: a decode-only forward by its rows (1, 2-3, 4-7, ...), a small extend by its tokens (powers
+of two): step times within a kind are comparable. Every forward of :data:`PREFILL_TOKENS` tokens or
+more is one kind, ``("prefill", PREFILL_TOKENS)``, timed per unit of work (:func:`extend_work`:
+its tokens plus its attention's query-key pairs, weighed by the model's FLOPs): a 1,000-token step
+over a 3,000-token context and a 200-token one over none then compare, so one of them being slower
+is not taken for a busier machine, and the thread counts are tried once for all prefill sizes,
+not once per size (each try of one thread on a heavy prefill step costs that step half its speed).
 """
 from __future__ import annotations
 
@@ -32,14 +37,36 @@ SLOWDOWN = 1.5
 # mean moved by one 10x outlier kept a quiet 2-core machine on one thread until the next try:
 # decode ~20% under all-threads speed.)
 WINDOW = 5
+# Forwards of this many tokens or more (prefill chunks, batched extends) form one kind, timed per
+# unit of work.
+PREFILL_TOKENS = 64
 
 
 def kind_of(decode_rows: int | None, tokens: int) -> tuple[str, int]:
     """A forward's kind: ``("decode", rows bucket)`` for a decode-only batch of ``decode_rows``
-    rows, else ``("extend", tokens bucket)``; buckets are powers of two."""
+    rows, ``("prefill", PREFILL_TOKENS)`` for any other of at least :data:`PREFILL_TOKENS` tokens,
+    else ``("extend", tokens bucket)``; buckets are powers of two."""
     if decode_rows is not None:
         return ("decode", 1 << max(0, decode_rows.bit_length() - 1))
+    if tokens >= PREFILL_TOKENS:
+        return ("prefill", PREFILL_TOKENS)
     return ("extend", 1 << max(0, tokens.bit_length() - 1))
+
+
+def pair_weight(hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int) -> float:
+    """The FLOPs of one attention query-key pair (scores and weighted values: ``4 * heads *
+    head_dim``) over one token's through the layer's projections (``2 * (hidden * (heads + 2 *
+    kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * ffn)``, a gated MLP), per layer.
+    SmolLM2-135M: ~1/3,000 (a token over a 3,000-token context costs twice one over none)."""
+    proj = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * ffn
+    return (4 * heads * head_dim) / (2 * proj)
+
+
+def extend_work(rows: list[tuple[int, int]], weight: float) -> float:
+    """A forward's work in token units: ``sum(n + weight * pairs)`` over its rows ``(start, n)``
+    (``n`` tokens fed after ``start`` in context, so ``n * start + n * (n + 1) / 2`` causal
+    query-key pairs); ``weight``: :func:`pair_weight`."""
+    return sum(n + weight * (n * start + n * (n + 1) / 2) for start, n in rows)
 
 
 @dataclass
@@ -102,10 +129,13 @@ class ThreadGovernor:
         st.exploring = None
         return current
 
-    def record(self, kind: tuple[str, int], threads: int, seconds: float) -> None:
-        """Account one forward of ``kind`` that ran on ``threads`` threads for ``seconds``."""
+    def record(self, kind: tuple[str, int], threads: int, seconds: float, work: float = 1.0) -> None:
+        """Account one forward of ``kind`` that ran on ``threads`` threads for ``seconds``, its
+        ``work`` (> 0) in any unit the kind's forwards share (:func:`extend_work`): what is
+        compared is seconds per unit."""
         if not self.adaptive:
             return
+        seconds = seconds / work if work > 0 else seconds
         st = self.kinds.setdefault(kind, KindStats())
         st.forwards += 1
         before = self._best(st) if st.average else None

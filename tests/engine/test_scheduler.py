@@ -96,6 +96,29 @@ def test_a_cached_conversation_with_a_short_new_turn_goes_before_a_long_prefill(
     s.check_integrity()
 
 
+def test_large_prefills_go_one_a_step_and_small_ones_share_a_step():
+    """Turns arriving together: pieces past ``batch_prefill_tokens`` go one a step, so the first
+    samples its first token after its own prefill (TTFT) rather than after everyone's; small
+    pieces share a step; the order stays shortest first."""
+    s = make(slots=512, chunked_prefill_size=64, max_prefill_tokens=64, batch_prefill_tokens=16)
+    big = [req(f"big{i}", range(100 * i + 100, 100 * i + 110 + i)) for i in range(3)]  # 10, 11, 12 tokens
+    for r in big:
+        s.add(r)
+    firsts = []
+    for _ in range(3):
+        rows = s.schedule()
+        firsts.append([(r.req.request_id, r.n) for r in rows if r.n > 1])
+        run_rows(s, rows)
+    assert firsts == [[("big0", 10)], [("big1", 11)], [("big2", 12)]]
+    small = [req(f"small{i}", [500 + 10 * i, 501 + 10 * i, 502 + 10 * i]) for i in range(5)]
+    for r in small:
+        s.add(r)
+    rows = s.schedule()
+    assert sorted(r.req.request_id for r in rows if r.n > 1) == ["small0", "small1", "small2", "small3", "small4"]
+    assert sum(r.n == 1 for r in rows) == 3  # the big ones decode in the same step
+    s.check_integrity()
+
+
 def test_a_running_prefill_passed_over_twice_goes_first():
     s = make(slots=512, chunked_prefill_size=4, max_prefill_tokens=3)
     long = req("long", range(100, 140))
@@ -223,7 +246,8 @@ def test_integrity_check_catches_a_lost_slot():
 
 
 @pytest.mark.parametrize("field,value", [("schedule_policy", "lifo"), ("max_running_requests", 0),
-                                         ("chunked_prefill_size", True), ("max_prefill_tokens", 1.5)])
+                                         ("chunked_prefill_size", True), ("max_prefill_tokens", 1.5),
+                                         ("batch_prefill_tokens", 0)])
 def test_config_is_validated(field, value):
     with pytest.raises(InvalidRequest, match=field):
         SchedulerConfig(**{field: value})

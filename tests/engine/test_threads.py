@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from sgrt.engine.threads import EXPLORE_MAX, EXPLORE_MIN, ThreadGovernor, kind_of
+import random
+
+from sgrt.engine.threads import EXPLORE_MAX, EXPLORE_MIN, ThreadGovernor, extend_work, kind_of, pair_weight
 
 
 def _run(gov: ThreadGovernor, seconds_of, steps: int, kind=("decode", 1)) -> list[int]:
@@ -24,7 +26,34 @@ BUSY = {2: 0.024, 1: 0.008}  # another process on one core: the 2-thread team wa
 
 def test_kinds_bucket_by_rows_and_tokens():
     assert kind_of(1, 1) == ("decode", 1) and kind_of(3, 3) == ("decode", 2) and kind_of(16, 16) == ("decode", 16)
-    assert kind_of(None, 600) == ("extend", 512) and kind_of(None, 1) == ("extend", 1)
+    assert kind_of(None, 600) == ("prefill", 64) and kind_of(None, 64) == ("prefill", 64)
+    assert kind_of(None, 63) == ("extend", 32) and kind_of(None, 1) == ("extend", 1)
+
+
+def test_work_counts_tokens_and_weighed_attention_pairs():
+    w = pair_weight(576, 9, 3, 64, 1536)  # SmolLM2-135M's shape
+    assert 1 / 3500 < w < 1 / 2500
+    # 200 tokens after 1,000 cached: 200 * 1000 + 200 * 201 / 2 pairs
+    assert extend_work([(1000, 200)], w) == pytest.approx(200 + w * (200_000 + 20_100))
+    assert extend_work([(0, 1), (5, 3)], 0.5) == pytest.approx(1 + 0.5 * 1 + 3 + 0.5 * (15 + 6))
+
+
+def test_prefill_steps_of_every_size_share_one_choice():
+    """An agent load's prefill steps differ in size and context 10x; timed per unit of work, the
+    differences are not taken for a busier machine: one thread is tried a few times, not on
+    every size's first step and after every larger step (each try runs a heavy step at ~half speed)."""
+    gov, rng, weight = ThreadGovernor(2), random.Random(7), 1 / 3000
+    per_unit = {2: 1e-3, 1: 1.75e-3}
+    ones = 0
+    for _ in range(300):
+        rows = [(rng.randrange(0, 3000), rng.randrange(64, 600)) for _ in range(rng.randrange(1, 5))]
+        kind = kind_of(None, sum(n for _, n in rows))
+        work = extend_work(rows, weight)
+        n = gov.choose(kind)
+        gov.record(kind, n, per_unit[n] * work, work)
+        ones += n == 1
+    assert ones <= 6, ones
+    assert gov.summary() == {"prefill/64": 2}
 
 
 def test_quiet_machine_runs_every_thread_and_explores_rarely():
