@@ -1,4 +1,4 @@
-"""Attention over a ragged batch whose K/V live in the KV pool (gather + SDPA).
+"""Attention over a ragged batch whose K/V live in the KV pool (gather + SDPA, or CPU operators).
 
 Each row of a forward is a request feeding ``q_len`` new tokens after ``kv_len - q_len`` tokens
 whose K/V are already in the pool. Rows are grouped by ``q_len``: all decode rows (``q_len=1``)
@@ -23,9 +23,10 @@ verify rows (``q_len > 1``) over a bfloat16 pool, on a CPU with AVX-512 BF16, at
 ``extend_attention`` (causal flash attention reading K/V in place from their slots, bfloat16
 products summed in float32 as SDPA's; within bfloat16 rounding of SDPA, not bitwise;
 :data:`NATIVE_EXTEND_ATTENTION` turns it off); in sliding-window layers, over float32 or int8
-pools and on other CPUs they keep gather + SDPA. On a decode-only forward the layer skips :meth:`PagedAttention.forward`:
-:meth:`PagedAttention.native_decode` hands it this layer's cache and the step's slot tables, and
-one ``decode_attention_qkv_`` call rotates, stores K/V and attends (``NativeLayerOps.attention``).
+pools and on other CPUs they keep gather + SDPA. On a decode-only forward the layer skips
+:meth:`PagedAttention.forward`: :meth:`PagedAttention.native_decode` hands it this layer's cache
+and the step's slot tables, and one ``decode_attention_qkv_`` call rotates, stores K/V and attends
+(``NativeLayerOps.attention``).
 """
 from __future__ import annotations
 
