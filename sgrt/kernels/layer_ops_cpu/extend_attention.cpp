@@ -105,6 +105,32 @@ inline uint32_t pair_at(const uint16_t* p) {
   return u;
 }
 
+// x[i][c] <- x[c][i]: a 16 x 16 matrix of 32-bit words in 16 registers, transposed: words
+// interleaved by 32 then 64 bits (4 x 4 blocks within each 128-bit lane), then the lanes moved.
+inline void transpose16(__m512i* x) {
+  __m512i a[16], b[16];
+  for (int k = 0; k < 16; k += 2) {
+    a[k] = _mm512_unpacklo_epi32(x[k], x[k + 1]);
+    a[k + 1] = _mm512_unpackhi_epi32(x[k], x[k + 1]);
+  }
+  // b[4q + e], lane L: rows 4q..4q+3 of column 4L + e
+  for (int q = 0; q < 16; q += 4) {
+    b[q] = _mm512_unpacklo_epi64(a[q], a[q + 2]);
+    b[q + 1] = _mm512_unpackhi_epi64(a[q], a[q + 2]);
+    b[q + 2] = _mm512_unpacklo_epi64(a[q + 1], a[q + 3]);
+    b[q + 3] = _mm512_unpackhi_epi64(a[q + 1], a[q + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i u0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x44), u1 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xEE);
+    const __m512i u2 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x44);
+    const __m512i u3 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xEE);
+    x[e] = _mm512_shuffle_i32x4(u0, u2, 0x88);       // column e: lane 0 of each
+    x[4 + e] = _mm512_shuffle_i32x4(u0, u2, 0xDD);   // column 4 + e: lane 1
+    x[8 + e] = _mm512_shuffle_i32x4(u1, u3, 0x88);   // lane 2
+    x[12 + e] = _mm512_shuffle_i32x4(u1, u3, 0xDD);  // lane 3
+  }
+}
+
 // Packs keys [blk * kKeyBlock, +kKeyBlock) of a row (slots rs, kv_len keys) for every kv head:
 // K into kp, V into vp (the layouts of the top; kv head kh's block at + (kh * blocks + blk) *
 // kKeyBlock * D). False, *bad set, where a slot is outside [0, num_slots) (nothing of it read).
@@ -129,12 +155,16 @@ bool pack_block(const uint16_t* k, const uint16_t* v, int64_t num_slots, int64_t
   for (int64_t kh = 0; kh < hkv; ++kh) {
     uint32_t* kb = reinterpret_cast<uint32_t*>(kp + (kh * blocks + blk) * kBlockSize);  // [D / 2][kKeyBlock]
     uint16_t* vb = vp + (kh * blocks + blk) * kBlockSize;                                 // [kKeyBlock / 2][D][2]
-    for (int64_t j = 0; j < n; ++j) {
-      const uint16_t* src = k + (rs[j0 + j] * hkv + kh) * D;
-      for (int64_t c = 0; c < D / 2; ++c) kb[c * kKeyBlock + j] = pair_at(src + 2 * c);
+    // 16 keys x 16 pairs at a time: rows loaded, transposed in registers, stored as columns
+    for (int64_t j = 0; j < kKeyBlock; j += 16) {
+      for (int64_t c = 0; c < D / 2; c += 16) {
+        __m512i x[16];
+        for (int i = 0; i < 16; ++i)
+          x[i] = j + i < n ? _mm512_loadu_si512(k + (rs[j0 + j + i] * hkv + kh) * D + 2 * c) : _mm512_setzero_si512();
+        transpose16(x);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kb + (c + i) * kKeyBlock + j, x[i]);
+      }
     }
-    for (int64_t j = n; j < kKeyBlock; ++j)
-      for (int64_t c = 0; c < D / 2; ++c) kb[c * kKeyBlock + j] = 0;
     for (int64_t j = 0; j < kKeyBlock; j += 2) {
       uint16_t* dst = vb + j / 2 * D * 2;
       if (j >= n) {
