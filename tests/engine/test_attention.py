@@ -208,6 +208,25 @@ def test_native_extend_rows_match_the_pytorch_path(dtype, monkeypatch):
         assert got.shape == (t, 9 * 64) and (got - want).abs().max().item() <= tol
 
 
+def test_native_extend_falls_back_to_sdpa_where_the_cpu_lacks_it(monkeypatch):
+    """A CPU without AVX-512 BF16 (extend_attention_available False): native PagedAttention keeps
+    gather + SDPA for extend rows: the PyTorch path's bits for them (the decode row takes the
+    native decode operator either way)."""
+    from sgrt.kernels import layer_ops
+
+    if not layer_ops.available():
+        pytest.skip("the native layer operators are not built here")
+    monkeypatch.setattr(layer_ops, "extend_attention_available", lambda: False)
+    rows = [RowSpec(list(range(1, 301)), 40), RowSpec(list(range(400, 410)), 1)]
+    q, k, v = (torch.randn(41, h, 64, generator=torch.Generator().manual_seed(h)).to(torch.bfloat16)
+               for h in (9, 3, 3))
+    native = PagedAttention(_pool(torch.bfloat16), rows, native=True)
+    assert native._extend_attention is None
+    got = native.forward(0, q, k, v)
+    want = PagedAttention(_pool(torch.bfloat16), rows, native=False).forward(0, q, k, v)
+    assert torch.equal(got[:40], want[:40]) and (got[40:].float() - want[40:].float()).abs().max().item() <= 1e-2
+
+
 def test_native_extend_attention_gives_the_greedy_tokens_of_gather_and_sdpa(monkeypatch):
     """The packaged model in bfloat16 on the native path: extend rows through ``extend_attention``
     (NATIVE_EXTEND_ATTENTION) or through gather + SDPA give the same greedy tokens, or diverge at a

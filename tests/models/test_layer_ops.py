@@ -672,6 +672,23 @@ def test_extend_attention_does_not_depend_on_the_thread_count(n_heads, n_kv, hea
 
 
 @needs_extend
+def test_extend_attention_rescales_when_later_blocks_raise_the_max():
+    """Keys whose scores grow along the context (from about -64 to 64: each 64-key block's max
+    ~18 above the last's), so every block rescales the running sum and output (online softmax),
+    and keys whose scores fall (the first block holds the max): both within bfloat16 rounding of
+    float64."""
+    q, k_cache, v_cache, slots, kv_lens, q_lens = _extend_case([50], [400], 9, 3, 64, seed=11)
+    direction = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    for sign in (1.0, -1.0):
+        ramp = sign * torch.linspace(-4, 4, 450).view(450, 1, 1)
+        k_cache[slots[0]] = (direction.view(1, 1, 64) * ramp).to(torch.bfloat16)
+        q_ramp = (direction * 2).view(1, 1, 64).expand(50, 9, 64).to(torch.bfloat16).contiguous()
+        got = torch.ops.sgrt_layer.extend_attention(q_ramp, k_cache, v_cache, slots, kv_lens, q_lens).double()
+        exact = _extend_reference(q_ramp, k_cache, v_cache, slots, kv_lens, q_lens, torch.float64)
+        assert bool(((got - exact).abs() <= exact.abs() * 2.0 ** -8 + 2.0 ** -8).all()), sign
+
+
+@needs_extend
 def test_extend_attention_reads_a_strided_query():
     """q as the layer hands it over: a [T, H, D] view of the QKV projection's output."""
     q, k_cache, v_cache, slots, kv_lens, q_lens = _extend_case([40, 9], [100, 0], 9, 3, 64, seed=3)
