@@ -6,7 +6,7 @@ One row of ``--q-len`` new queries at the end of a ``--kv-len`` context (its slo
 pool of 4,000), bfloat16, ``--shape`` ``H,HKV,D`` (default SmolLM2's 9, 3, 64). Interleaved rounds
 (``--rounds``) of ``--calls`` calls each; a figure is the median over rounds of a round's mean ms
 a call, with GFLOP/s (4 * D flops per query head and visible key). Also prints the largest
-difference of the kernel's output from an float32 reference and from SDPA in bfloat16.
+difference of the kernel's output from a float32 reference and from SDPA in bfloat16.
 
 Run: ``python bench/extend_attention.py [--threads 2] [--q-len 170] [--kv-len 1160] [--shape 9,3,64]``
 """
