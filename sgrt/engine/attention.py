@@ -1,4 +1,4 @@
-"""Attention over a ragged batch whose K/V live in the KV pool (gather + SDPA).
+"""Attention over a ragged batch whose K/V live in the KV pool (gather + SDPA, or CPU operators).
 
 Each row of a forward is a request feeding ``q_len`` new tokens after ``kv_len - q_len`` tokens
 whose K/V are already in the pool. Rows are grouped by ``q_len``: all decode rows (``q_len=1``)
@@ -19,9 +19,14 @@ On a CPU where sgrt's fused operators load (:mod:`sgrt.kernels.layer_ops`; the m
 ``native_ops``), K/V are stored and decode rows attended by one operator each, reading keys and
 values in place from their slots (no gathered copy, no padding); rows sharing a prefix then read
 it from cache, which beats cascade's PyTorch ops, so cascade is off on that path. Extend and
-verify rows keep gather + SDPA. On a decode-only forward the layer skips :meth:`PagedAttention.forward`:
-:meth:`PagedAttention.native_decode` hands it this layer's cache and the step's slot tables, and
-one ``decode_attention_qkv_`` call rotates, stores K/V and attends (``NativeLayerOps.attention``).
+verify rows (``q_len > 1``) over a bfloat16 pool, on a CPU with AVX-512 BF16, attend with
+``extend_attention`` (causal flash attention reading K/V in place from their slots, bfloat16
+products summed in float32 as SDPA's; within bfloat16 rounding of SDPA, not bitwise;
+:data:`NATIVE_EXTEND_ATTENTION` turns it off); in sliding-window layers, over float32 or int8
+pools and on other CPUs they keep gather + SDPA. On a decode-only forward the layer skips
+:meth:`PagedAttention.forward`: :meth:`PagedAttention.native_decode` hands it this layer's cache
+and the step's slot tables, and one ``decode_attention_qkv_`` call rotates, stores K/V and attends
+(``NativeLayerOps.attention``).
 """
 from __future__ import annotations
 
@@ -42,6 +47,10 @@ CASCADE_MIN_PREFIX = 128
 # whose mask hides all but a band of the whole q_len x kv_len score matrix (SDPA on the CPU
 # computes masked-out scores all the same).
 BAND_QUERIES = 128
+# Extend rows (q_len > 1) on the native path attend with ``extend_attention`` where it can run
+# (bfloat16 pool and queries, a CPU with AVX-512 BF16, no window, no int8 pool); False keeps
+# gather + SDPA for them (a switch for comparisons; read when a PagedAttention is made).
+NATIVE_EXTEND_ATTENTION = True
 
 
 @dataclass
@@ -66,7 +75,8 @@ class _Group:
     # Cascade (decode groups only): the slots every row starts with; kv_index / mask / max_kv
     # then cover each row's remaining suffix only.
     shared_index: torch.Tensor | None = None  # [P] slot ids
-    kv_lens: torch.Tensor | None = None  # [size] int64 context lengths (decode groups, native path)
+    kv_lens: torch.Tensor | None = None  # [size] int64 context lengths (the native operators')
+    q_lens: torch.Tensor | None = None  # [size] int64, all q_len (extend groups: extend_attention's)
     # A windowed extend row's query blocks: (first query, end query, first key, end key); None = one call.
     bands: list[tuple[int, int, int, int]] | None = None
     # mask as SDPA's additive float mask (0 / -inf) per query dtype, built on first use (banded rows)
@@ -91,8 +101,9 @@ class PagedAttention:
         cascade: let decode rows that share a long prefix attend to it once (module docstring).
         native: store K/V and attend decode rows with the fused CPU operators
             ``torch.ops.sgrt_layer.store_kv_`` / ``decode_attention`` (:mod:`sgrt.kernels.layer_ops`;
-            the latter reads keys and values from their pool slots without gathering a copy);
-            the caller checks that they are loaded.
+            the latter reads keys and values from their pool slots without gathering a copy),
+            and extend / verify rows with ``extend_attention`` where it can run (module
+            docstring); the caller checks that the operators are loaded.
     """
 
     def __init__(self, pool: KVPool, rows: list[RowSpec], cascade: bool = True, native: bool = False):
@@ -102,6 +113,12 @@ class PagedAttention:
             from sgrt.kernels import layer_ops
 
             self._store_kv, self._decode_attention = layer_ops.op("store_kv_"), layer_ops.op("decode_attention")
+        self._extend_attention = None
+        if native and NATIVE_EXTEND_ATTENTION and pool.k.dtype == torch.bfloat16 and pool.k_scale is None:
+            from sgrt.kernels import layer_ops
+
+            if layer_ops.extend_attention_available() and pool.k.shape[-1] in layer_ops.EXTEND_HEAD_DIMS:
+                self._extend_attention = layer_ops.op("extend_attention")
         self._rows = rows
         self._cascade = cascade and not native
         # Sliding-window layers' metadata, built on first use per window length (see forward).
@@ -221,7 +238,8 @@ class PagedAttention:
             if window is not None:
                 allowed &= k_pos > start + q_pos - window
             mask = allowed.unsqueeze(1).to(device)
-        kv_lens_t = torch.tensor(kv_lens, dtype=torch.long, device=device) if q_len == 1 else None
+        kv_lens_t = torch.tensor(kv_lens, dtype=torch.long, device=device)
+        q_lens_t = torch.full((len(rows),), q_len, dtype=torch.long, device=device) if q_len > 1 else None
         bands = None
         if window is not None and len(rows) == 1 and q_len > BAND_QUERIES:
             # query j (0-based among the new ones) sees keys start + j - window + 1 .. start + j
@@ -229,7 +247,7 @@ class PagedAttention:
             bands = [(a, min(a + BAND_QUERIES, q_len), max(0, start + a - window + 1),
                       start + min(a + BAND_QUERIES, q_len)) for a in range(0, q_len, BAND_QUERIES)]
         return _Group(len(rows), q_len, max_kv, padded.view(-1).to(device), token_index, mask, causal, shared_index,
-                      kv_lens_t, bands)
+                      kv_lens_t, q_lens_t, bands)
 
     def native_decode(self, layer_id: int, window: int | None = None) -> tuple | None:
         """For a decode-only forward on the native path (every row one new token: each decode
@@ -270,6 +288,10 @@ class PagedAttention:
             if self.native and g.q_len == 1:  # (no cascade groups on the native path)
                 o = self._decode_attention(qg, k_layer, v_layer, g.kv_index.view(g.size, g.max_kv), g.kv_lens,
                                            *scales)
+            elif self._extend_attention is not None and window is None and q.dtype == torch.bfloat16:
+                # (extend groups: q_len > 1, never cascade; no window, so no bands)
+                o = self._extend_attention(qg, k_layer, v_layer, g.kv_index.view(g.size, g.max_kv), g.kv_lens,
+                                           g.q_lens)
             else:
                 o = self._attend_gathered(g, qg, pool, layer_id)
             if g.token_index is None:

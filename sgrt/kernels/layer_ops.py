@@ -28,6 +28,12 @@ ulps in float32.
 - ``decode_attention_qkv_(qkv, cos, sin, n_heads, q_scale, k_cache, v_cache, new_slots, slots,
   kv_lens)``: a decode layer's whole attention block from the QKV output ``[B, q + k + v heads,
   head_dim]``: ``rotary_heads_``, q's pre-scale, ``store_kv_`` and ``decode_attention`` in one call.
+- ``extend_attention(q, k_cache, v_cache, slots, kv_lens, q_lens)``: causal softmax attention of
+  rows of several new queries (a prefill chunk after a cached prefix), straight from the KV pool's
+  slots; bfloat16 only, on CPUs with AVX-512 BF16 (:func:`extend_attention_available`), with the
+  rounding points of torch's CPU flash attention (float32 scores and softmax, the weights rounded
+  to bfloat16 for the product with V) and its own order of sums, so within bfloat16 rounding of
+  SDPA, not bitwise.
 
 Operators take float32 or bfloat16 CPU tensors; they are registered as ``torch.ops.sgrt_layer``
 with fake implementations, so ``torch.compile`` treats them as opaque calls.
@@ -70,6 +76,23 @@ def available() -> bool:
     return ok
 
 
+_extend_supported: bool | None = None
+
+# head_dim values extend_attention takes (the kernel is unrolled over each).
+EXTEND_HEAD_DIMS = (64, 128, 256)
+
+
+def extend_attention_available() -> bool:
+    """Whether ``extend_attention`` can run here: the library loads and was compiled for a CPU
+    with AVX-512 BF16 (``extend_attention_supported``; elsewhere callers keep gather + SDPA)."""
+    global _extend_supported
+    if not available():
+        return False
+    if _extend_supported is None:
+        _extend_supported = bool(torch.ops.sgrt_layer.extend_attention_supported())
+    return _extend_supported
+
+
 _callables: dict[str, Callable] = {}
 
 
@@ -98,6 +121,8 @@ def _register_fakes() -> None:
     torch.library.register_fake(lib + "decode_attention")(
         lambda q, k_cache, v_cache, slots, kv_lens, k_scale=None, v_scale=None:
         q.new_empty(q.shape[0], q.shape[1] * q.shape[2]))
+    torch.library.register_fake(lib + "extend_attention")(
+        lambda q, k_cache, v_cache, slots, kv_lens, q_lens: q.new_empty(q.shape[0], q.shape[1] * q.shape[2]))
     torch.library.register_fake(lib + "decode_attention_qkv_")(
         lambda qkv, cos, sin, n_heads, q_scale, k_cache, v_cache, new_slots, slots, kv_lens, k_scale=None,
         v_scale=None: qkv.new_empty(qkv.shape[0], n_heads * k_cache.shape[2]))

@@ -14,6 +14,10 @@ from sgrt.engine.kv_pool import KVPool
 
 from .conftest import assert_same_greedy
 
+# How far apart two tokens' logprobs may be for a bfloat16 model's near-tie
+# (test_native_extend_attention_gives_the_greedy_tokens_of_gather_and_sdpa).
+BF16_TIE = 0.3
+
 
 def _pool(dtype: torch.dtype) -> KVPool:
     pool = KVPool(4000, 2, 3, 64, dtype, "cpu")
@@ -172,3 +176,97 @@ def test_decode_tables_equal_the_groups_slot_tables(window):
         assert table.is_contiguous() and new_slots.is_contiguous() and table.dtype == torch.long
         assert table.tolist() == group.kv_index.view(group.size, group.max_kv).tolist()
         assert kv_lens.tolist() == group.kv_lens.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_extend_rows_match_the_pytorch_path(dtype, monkeypatch):
+    """A mixed forward (decode rows, two extend rows of one q_len after cached prefixes, one after
+    a longer prefix, a fresh prefill) on the native path equals the PyTorch path within bfloat16
+    rounding; bfloat16 extend groups go to ``extend_attention`` (where it runs), float32 ones and
+    sliding-window layers keep gather + SDPA."""
+    from sgrt.kernels import layer_ops
+
+    if not layer_ops.available():
+        pytest.skip("the native layer operators are not built here")
+    gathered = []
+    real = PagedAttention._attend_gathered
+    monkeypatch.setattr(PagedAttention, "_attend_gathered",
+                        staticmethod(lambda g, *a: gathered.append(g.q_len) or real(g, *a)))
+    rng = random.Random(4)
+    slots = rng.sample(range(1, 4000), 1500)
+    rows = [RowSpec(slots[0:300], 1), RowSpec(slots[300:420], 7), RowSpec(slots[420:427], 7),
+            RowSpec(slots[427:1100], 150), RowSpec(slots[1100:1101], 1), RowSpec(slots[1101:1140], 39)]
+    t = sum(r.q_len for r in rows)
+    q, k, v = (torch.randn(t, h, 64, generator=torch.Generator().manual_seed(h)).to(dtype) for h in (9, 3, 3))
+    extend_native = dtype == torch.bfloat16 and layer_ops.extend_attention_available()
+    for window in (None, 100):
+        gathered.clear()
+        got = PagedAttention(_pool(dtype), rows, native=True).forward(0, q, k, v, window=window).float()
+        assert any(n > 1 for n in gathered) != (extend_native and window is None)
+        want = PagedAttention(_pool(dtype), rows, native=False).forward(0, q, k, v, window=window).float()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert got.shape == (t, 9 * 64) and (got - want).abs().max().item() <= tol
+
+
+def test_native_extend_falls_back_to_sdpa_where_the_cpu_lacks_it(monkeypatch):
+    """A CPU without AVX-512 BF16 (extend_attention_available False): native PagedAttention keeps
+    gather + SDPA for extend rows: the PyTorch path's bits for them (the decode row takes the
+    native decode operator either way)."""
+    from sgrt.kernels import layer_ops
+
+    if not layer_ops.available():
+        pytest.skip("the native layer operators are not built here")
+    monkeypatch.setattr(layer_ops, "extend_attention_available", lambda: False)
+    rows = [RowSpec(list(range(1, 301)), 40), RowSpec(list(range(400, 410)), 1)]
+    q, k, v = (torch.randn(41, h, 64, generator=torch.Generator().manual_seed(h)).to(torch.bfloat16)
+               for h in (9, 3, 3))
+    native = PagedAttention(_pool(torch.bfloat16), rows, native=True)
+    assert native._extend_attention is None
+    got = native.forward(0, q, k, v)
+    want = PagedAttention(_pool(torch.bfloat16), rows, native=False).forward(0, q, k, v)
+    assert torch.equal(got[:40], want[:40]) and (got[40:].float() - want[40:].float()).abs().max().item() <= 1e-2
+
+
+def test_native_extend_attention_gives_the_greedy_tokens_of_gather_and_sdpa(monkeypatch):
+    """The packaged model in bfloat16 on the native path: extend rows through ``extend_attention``
+    (NATIVE_EXTEND_ATTENTION) or through gather + SDPA give the same greedy tokens, or diverge at a
+    near-tie, for prompts alone, one that reuses another's long cached prefix (an extend row after
+    ~500 cached tokens) and a batch of them; with the switch on, no extend row reaches gather +
+    SDPA.
+
+    NOTE: near-tie here means within BF16_TIE of each other: the two attentions round differently
+    (as any two orders of float32 sums do), and a bfloat16 model's logits (0.125 apart at 16-32)
+    then move by a few tenths: against the float32 model's first-token logprobs on six prompts
+    (2026-12-07), gather + SDPA was 0.08-0.27 off, extend_attention 0.09-0.25; the haiku prompt's
+    top two tokens are 0.21 apart in float32 and come out in either order."""
+    from sgrt.kernels import layer_ops
+    from sgrt.models import load_model
+
+    if not layer_ops.extend_attention_available():
+        pytest.skip("extend_attention needs a CPU with AVX-512 BF16")
+    model = load_model("smollm2-135m-instruct", dtype="bfloat16", device="cpu")
+    assert model.model.native_ops
+    gathered = []
+    real = PagedAttention._attend_gathered
+    monkeypatch.setattr(PagedAttention, "_attend_gathered",
+                        staticmethod(lambda g, *a: gathered.append(g.q_len) or real(g, *a)))
+    shared = "You are a careful assistant who answers in one short sentence. " * 40
+    prompts = ["Write a haiku about the sea.", shared + "Question: which planet is the largest?",
+               shared + "Question: name a colour that starts with the letter G."]
+    params = SamplingParams(max_tokens=16, return_logprob=True, top_logprobs_num=5)
+    results = {}
+    for native_extend in (False, True):
+        monkeypatch.setattr(attention_mod, "NATIVE_EXTEND_ATTENTION", native_extend)
+        gathered.clear()
+        eng = Engine(model=model, max_total_tokens=8192)
+        try:
+            alone = [eng.generate(p, params) for p in prompts]
+            assert alone[2].cached_tokens >= 400  # the shared prefix came from the cache
+            eng.flush_cache()
+            batched = eng.generate_batch(prompts[::-1], params)[::-1]
+        finally:
+            eng.shutdown()
+        assert any(q > 1 for q in gathered) != native_extend
+        results[native_extend] = alone + batched
+    for a, b in zip(results[False], results[True]):
+        assert_same_greedy(a, b, tol=BF16_TIE)

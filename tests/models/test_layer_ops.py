@@ -583,3 +583,146 @@ def test_fused_decode_attention_over_an_int8_pool_equals_the_unfused_steps(dtype
     for name in ("k", "v", "k_scale", "v_scale"):
         assert torch.equal(getattr(pools[True], name), getattr(pools[False], name)), name
     assert float(pools[True].k_scale[1, 40, 0]) != 0.01  # the new token's scale was written
+
+
+# ---- extend_attention: rows of several new queries after a cached prefix (bfloat16) --------------
+
+needs_extend = pytest.mark.skipif(not layer_ops.extend_attention_available(),
+                                  reason="extend_attention needs a CPU with AVX-512 BF16")
+
+
+def _extend_case(q_lens, prefixes, n_heads, n_kv, head_dim, seed, slots_n=3000):
+    """Rows of ``q_lens`` new queries after ``prefixes`` cached keys, slots scattered in a bfloat16
+    pool layer: the operator's arguments ``(q [T, H, D], k_cache, v_cache, slots, kv_lens, q_lens)``."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(slots_n, n_kv, head_dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(slots_n, n_kv, head_dim, generator=g).to(torch.bfloat16)
+    lens = [a + b for a, b in zip(q_lens, prefixes)]
+    slots = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    for i, n in enumerate(lens):
+        slots[i, :n] = torch.randperm(slots_n, generator=g)[:n]
+    # scores spread enough that later key blocks raise the running max (the online rescale matters)
+    q = (torch.randn(sum(q_lens), n_heads, head_dim, generator=g) * 2).to(torch.bfloat16)
+    return q, k_cache, v_cache, slots, torch.tensor(lens), torch.tensor(q_lens)
+
+
+def _extend_reference(q, k_cache, v_cache, slots, kv_lens, q_lens, dtype) -> torch.Tensor:
+    """Gather + SDPA per row in ``dtype`` (float64: the exact attention of the same numbers;
+    bfloat16: what PagedAttention runs without the operator): query i of a row at position
+    kv_len - q_len + i sees keys 0..that position. -> [T, H * D] in ``dtype``."""
+    outs, t0 = [], 0
+    h, d = q.shape[1:]
+    for r in range(len(kv_lens)):
+        n, m = int(kv_lens[r]), int(q_lens[r])
+        keys = k_cache[slots[r, :n]].to(dtype).transpose(0, 1)[None]
+        values = v_cache[slots[r, :n]].to(dtype).transpose(0, 1)[None]
+        mask = torch.arange(n).view(1, -1) <= (n - m + torch.arange(m)).view(-1, 1)
+        o = F.scaled_dot_product_attention(q[t0:t0 + m].to(dtype).transpose(0, 1)[None], keys, values,
+                                           attn_mask=mask, enable_gqa=True)
+        outs.append(o[0].transpose(0, 1).reshape(m, h * d))
+        t0 += m
+    return torch.cat(outs)
+
+
+@needs_extend
+@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (4, 4, 64), (8, 2, 128), (4, 1, 256)])
+def test_extend_attention_matches_float64_and_sdpa(n_heads, n_kv, head_dim):
+    """Ragged rows (q_len 1..70 after prefixes of 0..300 keys: not multiples of the 64-key blocks
+    or the 16-key vectors) in one call against attention in float64 from the same bfloat16
+    numbers: within 2^-8 |ref| + 2^-8 (the output's one bfloat16 rounding, half a step, plus the
+    weights rounded to bfloat16 before the product with V, as SDPA rounds them), and on average
+    no further from it than SDPA in bfloat16 on the gathered tensors. A row alone gives the same
+    bits as in the batch."""
+    import random
+
+    rng = random.Random(n_heads * head_dim)
+    cases = [([1, 70, 2], [0, 0, 300]), ([64, 65, 17], [63, 1, 129])]
+    cases += [([rng.randint(1, 70) for _ in range(4)], [rng.randint(0, 300) for _ in range(4)]) for _ in range(3)]
+    for seed, (q_lens, prefixes) in enumerate(cases):
+        args = _extend_case(q_lens, prefixes, n_heads, n_kv, head_dim, seed)
+        got = torch.ops.sgrt_layer.extend_attention(*args)
+        assert got.shape == (sum(q_lens), n_heads * head_dim) and got.dtype == torch.bfloat16
+        exact = _extend_reference(*args, torch.float64)
+        sdpa = _extend_reference(*args, torch.bfloat16).double()
+        err = (got.double() - exact).abs()
+        assert bool((err <= exact.abs() * 2.0 ** -8 + 2.0 ** -8).all()), (q_lens, prefixes, err.max().item())
+        assert err.mean().item() <= 1.1 * (sdpa - exact).abs().mean().item(), (q_lens, prefixes)
+        q, k_cache, v_cache, slots, kv_lens, q_lens_t = args
+        t0 = q_lens[0]
+        alone = torch.ops.sgrt_layer.extend_attention(q[t0:t0 + q_lens[1]], k_cache, v_cache, slots[1:2],
+                                                      kv_lens[1:2], q_lens_t[1:2])
+        assert torch.equal(alone, got[t0:t0 + q_lens[1]])
+
+
+@needs_extend
+@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (4, 1, 128)])
+def test_extend_attention_does_not_depend_on_the_thread_count(n_heads, n_kv, head_dim):
+    """Items (row, kv head, block of queries) and each item's order of sums are fixed by the
+    shapes; threads only pick which items they run: 1, 2 and 3 threads give the same bits."""
+    args = _extend_case([170, 5, 33], [990, 300, 0], n_heads, n_kv, head_dim, seed=7)
+    threads = torch.get_num_threads()
+    try:
+        out = {}
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out[n] = torch.ops.sgrt_layer.extend_attention(*args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out[1], out[2]) and torch.equal(out[1], out[3])
+
+
+@needs_extend
+def test_extend_attention_rescales_when_later_blocks_raise_the_max():
+    """Keys whose scores grow along the context (from about -64 to 64: each 64-key block's max
+    ~18 above the last's), so every block rescales the running sum and output (online softmax),
+    and keys whose scores fall (the first block holds the max): both within bfloat16 rounding of
+    float64."""
+    q, k_cache, v_cache, slots, kv_lens, q_lens = _extend_case([50], [400], 9, 3, 64, seed=11)
+    direction = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    for sign in (1.0, -1.0):
+        ramp = sign * torch.linspace(-4, 4, 450).view(450, 1, 1)
+        k_cache[slots[0]] = (direction.view(1, 1, 64) * ramp).to(torch.bfloat16)
+        q_ramp = (direction * 2).view(1, 1, 64).expand(50, 9, 64).to(torch.bfloat16).contiguous()
+        got = torch.ops.sgrt_layer.extend_attention(q_ramp, k_cache, v_cache, slots, kv_lens, q_lens).double()
+        exact = _extend_reference(q_ramp, k_cache, v_cache, slots, kv_lens, q_lens, torch.float64)
+        assert bool(((got - exact).abs() <= exact.abs() * 2.0 ** -8 + 2.0 ** -8).all()), sign
+
+
+@needs_extend
+def test_extend_attention_reads_a_strided_query():
+    """q as the layer hands it over: a [T, H, D] view of the QKV projection's output."""
+    q, k_cache, v_cache, slots, kv_lens, q_lens = _extend_case([40, 9], [100, 0], 9, 3, 64, seed=3)
+    qkv = torch.cat([q, torch.randn(q.shape[0], 6, 64).to(torch.bfloat16)], dim=1)
+    got = torch.ops.sgrt_layer.extend_attention(qkv[:, :9], k_cache, v_cache, slots, kv_lens, q_lens)
+    assert torch.equal(got, torch.ops.sgrt_layer.extend_attention(q, k_cache, v_cache, slots, kv_lens, q_lens))
+
+
+@needs_extend
+def test_extend_attention_errors_name_the_argument():
+    q, k_cache, v_cache, slots, kv_lens, q_lens = _extend_case([4, 3], [2, 0], 4, 2, 64, seed=1, slots_n=50)
+    op = torch.ops.sgrt_layer.extend_attention
+    with pytest.raises(RuntimeError, match="q must be a bfloat16 CPU tensor"):
+        op(q.float(), k_cache, v_cache, slots, kv_lens, q_lens)
+    with pytest.raises(RuntimeError, match="q must be \\[T, heads, head_dim\\]"):
+        op(q.view(7, -1), k_cache, v_cache, slots, kv_lens, q_lens)
+    with pytest.raises(RuntimeError, match="head_dim must be 64, 128 or 256, got 32"):
+        op(q[..., :32], k_cache[..., :32], v_cache[..., :32], slots, kv_lens, q_lens)
+    with pytest.raises(RuntimeError, match="k_cache and v_cache must be contiguous"):
+        op(q, k_cache.float(), v_cache.float(), slots, kv_lens, q_lens)
+    with pytest.raises(RuntimeError, match="heads must be a multiple of kv_heads"):
+        op(q[:, :3], k_cache, v_cache, slots, kv_lens, q_lens)
+    with pytest.raises(RuntimeError, match="kv_lens\\[0\\] = 7 outside 1..6"):
+        op(q, k_cache, v_cache, slots, torch.tensor([7, 3]), q_lens)
+    with pytest.raises(RuntimeError, match="q_lens\\[1\\] = 4 outside 1..kv_lens\\[1\\] = 3"):
+        op(q, k_cache, v_cache, slots, kv_lens, torch.tensor([3, 4]))
+    with pytest.raises(RuntimeError, match="q_lens must sum to q's 7 rows, got 6"):
+        op(q, k_cache, v_cache, slots, kv_lens, torch.tensor([3, 3]))
+    with pytest.raises(RuntimeError, match="q_lens must be contiguous int64 \\[B\\]"):
+        op(q, k_cache, v_cache, slots, kv_lens, q_lens.int())
+    bad = slots.clone()
+    bad[1, 2] = 50
+    with pytest.raises(RuntimeError, match="slot 50 outside the pool's 50 slots"):
+        op(q, k_cache, v_cache, bad, kv_lens, q_lens)
+    bad[1, 2] = -1
+    with pytest.raises(RuntimeError, match="slot -1 outside the pool's 50 slots"):
+        op(q, k_cache, v_cache, bad, kv_lens, q_lens)
