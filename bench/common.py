@@ -51,9 +51,23 @@ def print_table(headers: list[str], rows: list[list[Any]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
 
 
+def cpu_name() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` ("" where unreadable): figures taken on
+    different machines (an AMD EPYC and an Intel Xeon of 2 cores each, so far) do not compare."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def emit_json(bench: str, **figures: Any) -> None:
-    """The last line of every benchmark: one JSON object with every figure and ratio."""
-    print(json.dumps({"bench": bench, **figures}, sort_keys=True))
+    """The last line of every benchmark: one JSON object with every figure and ratio, and the
+    CPU it ran on."""
+    print(json.dumps({"bench": bench, "cpu": cpu_name(), **figures}, sort_keys=True))
 
 
 def _fmt(value: Any) -> str:

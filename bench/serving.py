@@ -5,7 +5,9 @@ Workloads (greedy, ``ignore_eos`` so every engine generates the same number of t
 
 1. **batch-1**: ``--single`` streamed ``/v1/completions`` one at a time, ``--tokens`` each: decode
    tok/s (after the first token, client side) and TTFT; beside it sgrt's in-process engine on the
-   same requests (the HTTP path's cost: target >= 0.9x).
+   same requests (the HTTP path's cost: target >= 0.9x), ``--rounds`` times alternated with the
+   server's runs, medians (this machine's speed drifts by up to ~25% between minutes and
+   processes, so one run of each side does not compare).
 2. **c16**: 64 streamed chat requests, 16 in flight, ``--tokens`` each: output tok/s.
 3. **agent**: 8 concurrent sessions x 6 turns of one growing conversation each: a ~700-token
    system prompt of tool descriptions (the same for every session), a user task, then per turn a
@@ -19,7 +21,8 @@ model's GGUF, ``--parallel 16``, 2 threads, context ``--llamacpp-ctx``), ``vllm`
 4 GB of KV space: docs/SCALING.md has its install). Engines run one after another, the
 machine otherwise quiet; say the load.
 
-Run: ``python bench/serving.py [--engines sgrt,llamacpp,vllm] [--workloads batch1,c16,agent]``
+Run: ``python bench/serving.py [--engines sgrt,llamacpp,vllm] [--workloads batch1,c16,agent]``; ``--model
+gemma3-270m-q4-k-m`` (sgrt alone) measures the other packaged model.
 """
 from __future__ import annotations
 
@@ -65,7 +68,9 @@ def start(engine: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
     if engine == "sgrt":
         cmd = [sys.executable, "-m", "sgrt.cli", "serve", "--port", str(free_port()), "--http-port", str(port),
-               "--quiet", *args.sgrt_args.split()]
+               "--quiet", "--model", _model(args), *args.sgrt_args.split()]
+    elif _model(args) != MODEL:
+        raise SystemExit(f"--model {_model(args)}: only sgrt runs another model than {MODEL}")
     elif engine == "llamacpp":
         from sgrt.models.loader import default_gguf_path
 
@@ -89,7 +94,8 @@ def start(engine: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]
     else:
         raise SystemExit(f"unknown engine {engine!r}")
     log = open(f"/tmp/serving-{engine}.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, start_new_session=True)
+    # (in the root: ``python -m`` puts the working folder first on the path, before PYTHONPATH)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, start_new_session=True, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 900
     while time.time() < deadline:
@@ -169,8 +175,10 @@ def stream(url: str, local: threading.local, path: str, body: dict) -> dict:
 def batch1(url: str, args: argparse.Namespace) -> dict:
     local = threading.local()
     prompts = [f"Story {i}: " + filler(random.Random(i), 60) for i in range(args.single + 1)]
-    stream(url, local, "/v1/completions", {"prompt": prompts[0], "max_tokens": 8})  # warm
-    runs = [stream(url, local, "/v1/completions", {"prompt": p, "max_tokens": args.tokens}) for p in prompts[1:]]
+    model = _model(args)
+    stream(url, local, "/v1/completions", {"model": model, "prompt": prompts[0], "max_tokens": 8})  # warm
+    runs = [stream(url, local, "/v1/completions", {"model": model, "prompt": p, "max_tokens": args.tokens})
+            for p in prompts[1:]]
     errors = [r["error"] for r in runs if "error" in r]
     ok = [r for r in runs if "error" not in r]
     return {"decode": statistics.median(r["decode"] for r in ok) if ok else 0.0,
@@ -181,12 +189,13 @@ def c16(url: str, args: argparse.Namespace) -> dict:
     local = threading.local()
     work = [[{"role": "user", "content": f"Request {i}. " + filler(random.Random(100 + i), 40)
               + "\nSummarise the text above."}] for i in range(64)]
+    model = _model(args)
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda m: stream(url, local, "/v1/chat/completions", {"messages": m, "max_tokens": 4}),
-                      work[:16]))
+        list(pool.map(lambda m: stream(url, local, "/v1/chat/completions",
+                                       {"model": model, "messages": m, "max_tokens": 4}), work[:16]))
         t0 = time.perf_counter()
         runs = list(pool.map(lambda m: stream(url, local, "/v1/chat/completions",
-                                              {"messages": m, "max_tokens": args.tokens}), work))
+                                              {"model": model, "messages": m, "max_tokens": args.tokens}), work))
         wall = time.perf_counter() - t0
     ok = [r for r in runs if "error" not in r]
     return {"throughput": sum(r["tokens"] for r in ok) / wall, "errors": len(runs) - len(ok)}
@@ -202,7 +211,8 @@ def agent(url: str, args: argparse.Namespace, sessions: int = 8, turns: int = 6)
                     {"role": "user", "content": f"Task {k}: find what the notes say about " + filler(rng, 12)}]
         out = []
         for turn in range(turns):
-            r = stream(url, local, "/v1/chat/completions", {"messages": messages, "max_tokens": 48})
+            r = stream(url, local, "/v1/chat/completions",
+                       {"model": _model(args), "messages": messages, "max_tokens": 48})
             r["turn"] = turn
             out.append(r)
             messages.append({"role": "assistant", "content": r.get("text") or "(no reply)"})
@@ -218,6 +228,20 @@ def agent(url: str, args: argparse.Namespace, sessions: int = 8, turns: int = 6)
             "errors": sum("error" in r for r in results)}
 
 
+def alternate_batch1(url: str, args: argparse.Namespace, sgrt: dict) -> dict:
+    """``--rounds`` in-process batch-1 runs, each after another HTTP one (the first HTTP run is
+    ``sgrt["batch1"]``, which becomes the median of all): ``{"batch1": {"decode": median}}``."""
+    http, local = [sgrt["batch1"]], []
+    for r in range(args.rounds):
+        if r:
+            http.append(batch1(url, args))
+        local.append(in_process_batch1(args))
+    sgrt["batch1"] = {"decode": statistics.median(h["decode"] for h in http),
+                      "ttft_p50": statistics.median(h["ttft_p50"] for h in http),
+                      "errors": sum(h["errors"] for h in http), "runs": [h["decode"] for h in http]}
+    return {"batch1": {"decode": statistics.median(local), "runs": local}}
+
+
 def in_process_batch1(args: argparse.Namespace) -> float:
     """sgrt's engine without HTTP on the batch-1 requests (same options as the server's default)."""
     code = (
@@ -225,7 +249,7 @@ def in_process_batch1(args: argparse.Namespace) -> float:
         f"sys.path.insert(0, {str(ROOT)!r})\n"
         "from bench.workloads import filler\n"
         "from sgrt.engine import Engine, SamplingParams\n"
-        f"eng = Engine(model={MODEL!r}, **{_engine_kwargs(args.sgrt_args)!r})\n"
+        f"eng = Engine(model={_model(args)!r}, **{_engine_kwargs(args.sgrt_args)!r})\n"
         f"ps = [f'Story {{i}}: ' + filler(random.Random(i), 60) for i in range({args.single} + 1)]\n"
         "eng.generate(ps[0], SamplingParams(max_tokens=8))\n"
         "rates = []\n"
@@ -238,6 +262,10 @@ def in_process_batch1(args: argparse.Namespace) -> float:
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return float(out.stdout.strip().splitlines()[-1])
+
+
+def _model(args: argparse.Namespace) -> str:
+    return getattr(args, "model", MODEL)
 
 
 def _engine_kwargs(sgrt_args: str) -> dict:
@@ -255,8 +283,10 @@ def main() -> None:
     ap.add_argument("--engines", default="sgrt,llamacpp")
     ap.add_argument("--workloads", default="batch1,c16,agent")
     ap.add_argument("--sgrt-args", default="--dtype bfloat16 --quantization int4")
+    ap.add_argument("--model", default=MODEL, help="the model sgrt serves (the other engines: only the default)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--single", type=int, default=5, help="batch-1 requests")
+    ap.add_argument("--rounds", type=int, default=3, help="batch-1 runs of sgrt's server and in-process engine, alternated")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llamacpp-ctx", type=int, default=32768)
     ap.add_argument("--vllm-venv", default="/work/venvs/vllm")
@@ -267,18 +297,18 @@ def main() -> None:
         proc, url = start(engine, args)
         try:
             results[engine] = {w: workloads[w](url, args) for w in args.workloads.split(",")}
+            if engine == "sgrt" and "batch1" in results[engine]:
+                results["sgrt (in-process)"] = alternate_batch1(url, args, results[engine])
         finally:
             stop(proc)
         print(f"[bench] {engine}: {json.dumps(results[engine])}", file=sys.stderr)
-    if "sgrt" in results and "batch1" in results["sgrt"]:
-        results["sgrt (in-process)"] = {"batch1": {"decode": in_process_batch1(args)}}
     rows = []
     for engine, r in results.items():
         b, c, a = r.get("batch1", {}), r.get("c16", {}), r.get("agent", {})
         rows.append([engine, b.get("decode", 0.0), b.get("ttft_p50", 0.0), c.get("throughput", 0.0),
                      a.get("ttft_p50", 0.0), a.get("ttft_p95", 0.0), a.get("wall", 0.0),
                      sum(x.get("errors", 0) for x in r.values())])
-    print(f"SmolLM2-135M, sgrt {args.sgrt_args!r}, {args.threads} threads, load {os.getloadavg()[0]:.2f}")
+    print(f"{args.model}, sgrt {args.sgrt_args!r}, {args.threads} threads, load {os.getloadavg()[0]:.2f}")
     print_table(["engine", "batch-1 tok/s", "TTFT s", "c16 tok/s", "agent TTFT p50 s", "p95 s", "agent wall s",
                  "errors"], rows)
     if "sgrt (in-process)" in results and results["sgrt"].get("batch1"):
