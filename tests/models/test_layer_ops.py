@@ -483,6 +483,19 @@ def test_decode_attention_qkv_checks_its_tables_before_writing_the_caches():
 
 # ---- an int8 KV pool (sgrt/engine/kv_pool.py: codes and a float32 scale per slot and kv head) ----
 
+def _at_thread_counts(call):
+    """``call()``'s result at 1, 2 and 3 torch threads, ``{n: result}`` (the count restored after)."""
+    threads = torch.get_num_threads()
+    try:
+        out = {}
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out[n] = call()
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _int8_case(dtype, lens, n_heads, n_kv, head_dim, seed, slots_n=3000):
     """_ragged_case's rows over an int8 pool (its K/V quantized by kv_pool.quantize_int8), and the
     attention over the dequantized K/V (code * scale, in float32) in PyTorch, rounded to dtype."""
@@ -506,14 +519,7 @@ def test_int8_decode_attention_matches_the_dequantized_reference(dtype, n_heads,
     most one bfloat16 step apart; rows of one chunk and of several (the split loops), head_dim 64 /
     256 (AVX-512 lanes), 32 (8 lanes), 24 (portable loops); 1, 2 and 3 threads give the same bits."""
     args, ref = _int8_case(dtype, CHUNK_EDGE_LENS, n_heads, n_kv, head_dim, seed=head_dim + 1)
-    threads = torch.get_num_threads()
-    try:
-        out = {}
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            out[n] = torch.ops.sgrt_layer.decode_attention(*args)
-    finally:
-        torch.set_num_threads(threads)
+    out = _at_thread_counts(lambda: torch.ops.sgrt_layer.decode_attention(*args))
     assert torch.equal(out[1], out[2]) and torch.equal(out[1], out[3])
     got = out[2]
     if dtype == torch.float32:
@@ -660,14 +666,7 @@ def test_extend_attention_does_not_depend_on_the_thread_count(n_heads, n_kv, hea
     """Items (row, kv head, block of queries) and each item's order of sums are fixed by the
     shapes; threads only pick which items they run: 1, 2 and 3 threads give the same bits."""
     args = _extend_case([170, 5, 33], [990, 300, 0], n_heads, n_kv, head_dim, seed=7)
-    threads = torch.get_num_threads()
-    try:
-        out = {}
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            out[n] = torch.ops.sgrt_layer.extend_attention(*args)
-    finally:
-        torch.set_num_threads(threads)
+    out = _at_thread_counts(lambda: torch.ops.sgrt_layer.extend_attention(*args))
     assert torch.equal(out[1], out[2]) and torch.equal(out[1], out[3])
 
 

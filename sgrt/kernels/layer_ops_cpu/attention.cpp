@@ -397,11 +397,6 @@ AttendScratch& attend_scratch() {
   return s;
 }
 
-template <typename T>
-T* at_least(std::vector<T>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
-  return v.data();
-}
 
 // The largest of x[0..n) (n >= 1), any NaN among them giving NaN or a number (the softmax's
 // scores then come out NaN either way). Eight independent lanes: std::max_element's compare and

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "sgrt/bf16.h"
 
@@ -34,6 +35,14 @@ using raw = std::conditional_t<std::is_same_v<T, c10::BFloat16>, uint16_t, float
 template <typename T>
 inline raw<T>* raw_ptr(const Tensor& t) {
   return reinterpret_cast<raw<T>*>(t.data_ptr<T>());
+}
+
+// A per-thread scratch vector grown to at least n elements (never shrunk, not zeroed: callers
+// write every element they read): its data.
+template <typename T>
+inline T* at_least(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  return v.data();
 }
 
 inline float to_f(float v) { return v; }

@@ -238,11 +238,6 @@ struct ExtendScratch {
   std::vector<int64_t> pos;
 };
 
-template <typename T>
-T* grown(std::vector<T>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
-  return v.data();
-}
 
 // The arguments every item reads.
 struct ExtendCall {
@@ -259,14 +254,14 @@ template <int D>
 void run_item(const ExtendCall& c, const ExtendRow& row, const ExtendItem& it, ExtendScratch& sc) {
   const int64_t g = c.g, h = g * c.hkv, m_rows = (it.i1 - it.i0) * g;
   const __m512 vscale = _mm512_set1_ps(1.f / std::sqrt(static_cast<float>(D)));
-  float* const s = grown(sc.s, m_rows * kKeyBlock);
-  uint16_t* const p = grown(sc.p, m_rows * kKeyBlock);
-  float* const o = grown(sc.o, m_rows * D);
-  float* const mx = grown(sc.m, m_rows);
-  float* const l = grown(sc.l, m_rows);
-  float* const alpha = grown(sc.alpha, m_rows);
-  const uint16_t** const qrow = grown(sc.qrow, m_rows);
-  int64_t* const pos = grown(sc.pos, m_rows);
+  float* const s = at_least(sc.s, m_rows * kKeyBlock);
+  uint16_t* const p = at_least(sc.p, m_rows * kKeyBlock);
+  float* const o = at_least(sc.o, m_rows * D);
+  float* const mx = at_least(sc.m, m_rows);
+  float* const l = at_least(sc.l, m_rows);
+  float* const alpha = at_least(sc.alpha, m_rows);
+  const uint16_t** const qrow = at_least(sc.qrow, m_rows);
+  int64_t* const pos = at_least(sc.pos, m_rows);
   // query row m: position i0 + m / g of the row, head kh * g + m % g
   const int64_t first = row.kv_len - row.q_len;  // position of the row's first new query
   for (int64_t m = 0; m < m_rows; ++m) {
@@ -358,8 +353,8 @@ void extend_attention_run(const Tensor& q, const Tensor& k_cache, const Tensor& 
   }
   // the scratch of the packed keys and values, the calling thread's, reused call to call
   thread_local std::vector<uint16_t> kpack, vpack;
-  uint16_t* const kp = grown(kpack, pack);
-  uint16_t* const vp = grown(vpack, pack);
+  uint16_t* const kp = at_least(kpack, pack);
+  uint16_t* const vp = at_least(vpack, pack);
   // pre-pass units: (row, key block), all kv heads
   std::vector<std::pair<int64_t, int64_t>> units;
   for (int64_t r = 0; r < b; ++r)
