@@ -60,7 +60,7 @@ class Req:
     error: BaseException | None = None
     incomplete: bool = False
     forced_tokens: int = 0
-    prefill_skips: int = 0  # steps the scheduler passed this running prefill over (policy "short")
+    prefill_skips: int = 0  # steps the scheduler passed this prefill over, running or waiting (policy "short")
     spec_drafted: int = 0
     spec_accepted: int = 0
     warnings: list[str] = field(default_factory=list)

@@ -6,7 +6,7 @@ requests still prefilling and the admission of waiting ones. Policies: ``short``
 the shortest next prefill chunk first, running and waiting alike, where a waiting request's
 chunk counts only what the prefix cache does not hold; so an agent's next turn, a long cached
 conversation plus a short tool result, is not stuck behind other sessions' long prefills: a
-running request skipped twice goes first; and a step takes one prefill piece of any size but
+request, running or waiting, skipped twice goes first (the oldest such first); and a step takes one prefill piece of any size but
 adds more only while its prefill stays within ``batch_prefill_tokens``, so of several turns
 arriving together the first streams its first token after its own prefill, not after all of
 theirs), ``lpm`` (running chunks first, then the waiting
@@ -185,22 +185,32 @@ class Scheduler:
     def _prefill_shortest_first(self, rows: list[Row], prefilling: list[Req], budget: int) -> None:
         """The ``short`` policy: the running prefills' next chunks and the waiting requests'
         admissions, shortest next chunk first (a waiting one's counts only its uncached tokens),
-        under ``budget``; a running prefill passed over :data:`MAX_PREFILL_SKIPS` steps goes first.
-        After the first piece, another joins only while the step's prefill stays within
-        ``batch_prefill_tokens``."""
+        under ``budget``; prefills passed over :data:`MAX_PREFILL_SKIPS` steps, running or waiting
+        for admission, go first, oldest first (else a steady stream of short requests would keep a
+        long one waiting forever). After the first piece, another joins only while the step's prefill stays
+        within ``batch_prefill_tokens``."""
         chunk = self.config.chunked_prefill_size
-        work: list[tuple[tuple[int, int, float], Req, bool]] = []
+
+        def order(req: Req, size: int) -> tuple[int, float, float]:
+            # (passed over too often: oldest first, whatever its size; else shortest first)
+            if req.prefill_skips >= MAX_PREFILL_SKIPS:
+                return (0, req.arrival, size)
+            return (1, size, req.arrival)
+
+        work: list[tuple[tuple[int, float, float], int, Req, bool]] = []
         for req in prefilling:
-            first = req.prefill_skips >= MAX_PREFILL_SKIPS
-            work.append(((0 if first else 1, min(req.remaining_prefill, chunk), req.arrival), req, True))
-        for req in self._waiting_candidates():
+            size = min(req.remaining_prefill, chunk)
+            work.append((order(req, size), size, req, True))
+        waiting = self._waiting_candidates()
+        for req in waiting:
             uncached = req.num_fill - len(self.cache.match_prefix(req.fill_ids[: self._match_limit(req)]).slots)
-            work.append(((1, min(uncached, chunk), req.arrival), req, False))
+            size = min(uncached, chunk)
+            work.append((order(req, size), size, req, False))
         work.sort(key=lambda w: w[0])
         served: set[int] = set()
         admitting = [r for r in prefilling]
         taken = 0  # prefill tokens this step
-        for (_, size, _), req, running in work:
+        for _, size, req, running in work:
             if budget <= 0:
                 break
             if taken and taken + size > self.config.batch_prefill_tokens:
@@ -222,6 +232,8 @@ class Scheduler:
             taken += n
         for req in prefilling:
             req.prefill_skips = 0 if id(req) in served else req.prefill_skips + 1
+        for req in waiting:
+            req.prefill_skips = 0 if req.status is not ReqStatus.WAITING else req.prefill_skips + 1
 
     def _admit_one(self, req: Req, rows: list[Row], budget: int, prefilling: list[Req]) -> int:
         """Admit waiting ``req`` with a first chunk of at most ``budget`` tokens after its cached

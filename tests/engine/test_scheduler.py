@@ -119,6 +119,32 @@ def test_large_prefills_go_one_a_step_and_small_ones_share_a_step():
     s.check_integrity()
 
 
+@pytest.mark.parametrize("backlog", [1, 12])
+def test_a_long_waiting_request_is_not_starved_by_a_stream_of_short_ones(backlog):
+    """A waiting request whose first piece does not fit beside shorter ones (past
+    ``batch_prefill_tokens``) is passed over while they keep arriving, but only twice: then the
+    requests passed over that often go oldest first, whatever their size (a steady stream of short
+    requests kept a 1,500-token prompt waiting for minutes; with a backlog, the shorts waiting as
+    long were served first by size, and kept it waiting all the same)."""
+    s = make(slots=1024, chunked_prefill_size=32, max_prefill_tokens=64, batch_prefill_tokens=16)
+    long = req("long", range(1000, 1100))
+    s.add(long)
+    for i in range(backlog):
+        s.add(req(f"backlog{i}", [700 + 3 * i, 701 + 3 * i, 702 + 3 * i]))
+    admitted_at = None
+    for step in range(6):
+        s.add(req(f"short{step}", [10 * step + 300, 10 * step + 301, 10 * step + 302]))
+        rows = s.schedule()
+        if admitted_at is None and any(r.req is long for r in rows):
+            admitted_at = step
+        run_rows(s, rows)
+        for r in list(s.running):
+            if r is not long and r.output_ids:
+                s.finish(r)  # (the shorts want one token)
+    assert admitted_at == 2, admitted_at
+    s.check_integrity()
+
+
 def test_a_running_prefill_passed_over_twice_goes_first():
     s = make(slots=512, chunked_prefill_size=4, max_prefill_tokens=3)
     long = req("long", range(100, 140))
