@@ -30,6 +30,23 @@ def ws_engine(loaded_model):
     engine.shutdown()
 
 
+async def recv(ws: Any, timeout: float = 60.0) -> Any:
+    """The next session-protocol message from the raw WebSocket ``ws``, decoded."""
+    from sgrt.server.ws import protocol
+
+    return protocol.decode_server(await asyncio.wait_for(ws.recv(), timeout))
+
+
+async def recv_until(ws: Any, kind: type, timeout: float = 120.0) -> list[Any]:
+    """Messages up to and including the first of type ``kind``."""
+    out = []
+    while True:
+        msg = await recv(ws, timeout)
+        out.append(msg)
+        if isinstance(msg, kind):
+            return out
+
+
 @contextlib.asynccontextmanager
 async def running_server(engine: Any, **kw: Any):
     """The real session server on 127.0.0.1, port chosen by the OS."""

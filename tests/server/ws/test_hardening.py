@@ -14,20 +14,7 @@ from websockets.exceptions import InvalidStatus
 
 from sgrt.server import WsLimits
 from sgrt.server.ws import protocol as p
-from tests.server.conftest import PROGRAMS_DIR, running_server, wait_engine_idle
-
-
-async def recv(ws, timeout: float = 60.0):
-    return p.decode_server(await asyncio.wait_for(ws.recv(), timeout))
-
-
-async def recv_until(ws, kind, timeout: float = 120.0):
-    out = []
-    while True:
-        msg = await recv(ws, timeout)
-        out.append(msg)
-        if isinstance(msg, kind):
-            return out
+from tests.server.conftest import PROGRAMS_DIR, recv, recv_until, running_server, wait_engine_idle
 
 
 def start(session: str, **fields) -> str:

@@ -2,7 +2,6 @@
 model (small max_tokens), the sgrt.client on the other side."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -12,21 +11,7 @@ from websockets.exceptions import ConnectionClosed
 from sgrt.client import AgentSession, Client, ServerError
 from sgrt.server import WsLimits
 from sgrt.server.ws import protocol as p
-from tests.server.conftest import PROGRAMS_DIR, running_server, wait_engine_idle
-
-
-async def recv(ws, timeout: float = 60.0):
-    return p.decode_server(await asyncio.wait_for(ws.recv(), timeout))
-
-
-async def recv_until(ws, kind, timeout: float = 120.0):
-    """Messages up to and including the first of type ``kind``."""
-    out = []
-    while True:
-        msg = await recv(ws, timeout)
-        out.append(msg)
-        if isinstance(msg, kind):
-            return out
+from tests.server.conftest import PROGRAMS_DIR, recv, recv_until, running_server, wait_engine_idle
 
 
 async def test_chat_streams_and_cached_tokens_grow_turn_by_turn(ws_engine):
