@@ -6,13 +6,14 @@ requests still prefilling and the admission of waiting ones. Policies: ``short``
 the shortest next prefill chunk first, running and waiting alike, where a waiting request's
 chunk counts only what the prefix cache does not hold; so an agent's next turn, a long cached
 conversation plus a short tool result, is not stuck behind other sessions' long prefills: a
-request, running or waiting, skipped twice goes first (the oldest such first); and a step takes one prefill piece of any size but
-adds more only while its prefill stays within ``batch_prefill_tokens``, so of several turns
-arriving together the first streams its first token after its own prefill, not after all of
-theirs), ``lpm`` (running chunks first, then the waiting
-ones with the longest prefix match first, as in SGLang) and ``fcfs``. When the KV pool runs short it evicts unlocked prefix-cache entries first, then
-retracts the newest running requests back to the waiting queue (their output is kept; they
-re-prefill later), as SGLang and vLLM preempt by recomputation.
+request, running or waiting, skipped twice goes first (the oldest such first); and a step takes
+one prefill piece of any size but adds more only while its prefill stays within
+``batch_prefill_tokens``, so of several turns arriving together the first streams its first
+token after its own prefill, not after all of theirs), ``lpm`` (running chunks first, then the
+waiting ones with the longest prefix match first, as in SGLang) and ``fcfs``. When the KV pool
+runs short it evicts unlocked prefix-cache entries first, then retracts the newest running
+requests back to the waiting queue (their output is kept; they re-prefill later), as SGLang and
+vLLM preempt by recomputation.
 
 The scheduler is the only owner of KV slots: it allocates them for rows and for draft tokens
 (:meth:`Scheduler.attach_draft`, asked by the speculative planner), frees rejected drafts'
@@ -187,8 +188,8 @@ class Scheduler:
         admissions, shortest next chunk first (a waiting one's counts only its uncached tokens),
         under ``budget``; prefills passed over :data:`MAX_PREFILL_SKIPS` steps, running or waiting
         for admission, go first, oldest first (else a steady stream of short requests would keep a
-        long one waiting forever). After the first piece, another joins only while the step's prefill stays
-        within ``batch_prefill_tokens``."""
+        long one waiting forever). After the first piece, another joins only while the step's
+        prefill stays within ``batch_prefill_tokens``."""
         chunk = self.config.chunked_prefill_size
 
         def order(req: Req, size: int) -> tuple[int, float, float]:
@@ -230,10 +231,10 @@ class Scheduler:
                 break
             budget -= n
             taken += n
-        for req in prefilling:
+            if n:
+                served.add(id(req))
+        for req in prefilling + waiting:
             req.prefill_skips = 0 if id(req) in served else req.prefill_skips + 1
-        for req in waiting:
-            req.prefill_skips = 0 if req.status is not ReqStatus.WAITING else req.prefill_skips + 1
 
     def _admit_one(self, req: Req, rows: list[Row], budget: int, prefilling: list[Req]) -> int:
         """Admit waiting ``req`` with a first chunk of at most ``budget`` tokens after its cached
