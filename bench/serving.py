@@ -22,7 +22,8 @@ model's GGUF, ``--parallel 16``, 2 threads, context ``--llamacpp-ctx``), ``vllm`
 machine otherwise quiet; say the load.
 
 Run: ``python bench/serving.py [--engines sgrt,llamacpp,vllm] [--workloads batch1,c16,agent]``; ``--model
-gemma3-270m-q4-k-m`` (sgrt alone) measures the other packaged model.
+gemma3-270m-q4-k-m`` (sgrt alone) measures the other packaged model, whose GGUF carries no chat
+template: its chat workloads need ``--sgrt-args "... --chat-template gemma"``.
 """
 from __future__ import annotations
 
@@ -68,9 +69,9 @@ def start(engine: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
     if engine == "sgrt":
         cmd = [sys.executable, "-m", "sgrt.cli", "serve", "--port", str(free_port()), "--http-port", str(port),
-               "--quiet", "--model", _model(args), *args.sgrt_args.split()]
-    elif _model(args) != MODEL:
-        raise SystemExit(f"--model {_model(args)}: only sgrt runs another model than {MODEL}")
+               "--quiet", "--model", args.model, *args.sgrt_args.split()]
+    elif args.model != MODEL:
+        raise SystemExit(f"--model {args.model}: only sgrt runs another model than {MODEL}")
     elif engine == "llamacpp":
         from sgrt.models.loader import default_gguf_path
 
@@ -175,9 +176,8 @@ def stream(url: str, local: threading.local, path: str, body: dict) -> dict:
 def batch1(url: str, args: argparse.Namespace) -> dict:
     local = threading.local()
     prompts = [f"Story {i}: " + filler(random.Random(i), 60) for i in range(args.single + 1)]
-    model = _model(args)
-    stream(url, local, "/v1/completions", {"model": model, "prompt": prompts[0], "max_tokens": 8})  # warm
-    runs = [stream(url, local, "/v1/completions", {"model": model, "prompt": p, "max_tokens": args.tokens})
+    stream(url, local, "/v1/completions", {"model": args.model, "prompt": prompts[0], "max_tokens": 8})  # warm
+    runs = [stream(url, local, "/v1/completions", {"model": args.model, "prompt": p, "max_tokens": args.tokens})
             for p in prompts[1:]]
     errors = [r["error"] for r in runs if "error" in r]
     ok = [r for r in runs if "error" not in r]
@@ -189,13 +189,13 @@ def c16(url: str, args: argparse.Namespace) -> dict:
     local = threading.local()
     work = [[{"role": "user", "content": f"Request {i}. " + filler(random.Random(100 + i), 40)
               + "\nSummarise the text above."}] for i in range(64)]
-    model = _model(args)
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda m: stream(url, local, "/v1/chat/completions",
-                                       {"model": model, "messages": m, "max_tokens": 4}), work[:16]))
+                                       {"model": args.model, "messages": m, "max_tokens": 4}), work[:16]))
         t0 = time.perf_counter()
         runs = list(pool.map(lambda m: stream(url, local, "/v1/chat/completions",
-                                              {"model": model, "messages": m, "max_tokens": args.tokens}), work))
+                                              {"model": args.model, "messages": m, "max_tokens": args.tokens}),
+                             work))
         wall = time.perf_counter() - t0
     ok = [r for r in runs if "error" not in r]
     return {"throughput": sum(r["tokens"] for r in ok) / wall, "errors": len(runs) - len(ok)}
@@ -212,7 +212,7 @@ def agent(url: str, args: argparse.Namespace, sessions: int = 8, turns: int = 6)
         out = []
         for turn in range(turns):
             r = stream(url, local, "/v1/chat/completions",
-                       {"model": _model(args), "messages": messages, "max_tokens": 48})
+                       {"model": args.model, "messages": messages, "max_tokens": 48})
             r["turn"] = turn
             out.append(r)
             messages.append({"role": "assistant", "content": r.get("text") or "(no reply)"})
@@ -249,7 +249,7 @@ def in_process_batch1(args: argparse.Namespace) -> float:
         f"sys.path.insert(0, {str(ROOT)!r})\n"
         "from bench.workloads import filler\n"
         "from sgrt.engine import Engine, SamplingParams\n"
-        f"eng = Engine(model={_model(args)!r}, **{_engine_kwargs(args.sgrt_args)!r})\n"
+        f"eng = Engine(model={args.model!r}, **{_engine_kwargs(args.sgrt_args)!r})\n"
         f"ps = [f'Story {{i}}: ' + filler(random.Random(i), 60) for i in range({args.single} + 1)]\n"
         "eng.generate(ps[0], SamplingParams(max_tokens=8))\n"
         "rates = []\n"
@@ -262,10 +262,6 @@ def in_process_batch1(args: argparse.Namespace) -> float:
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return float(out.stdout.strip().splitlines()[-1])
-
-
-def _model(args: argparse.Namespace) -> str:
-    return getattr(args, "model", MODEL)
 
 
 def _engine_kwargs(sgrt_args: str) -> dict:
@@ -286,7 +282,8 @@ def main() -> None:
     ap.add_argument("--model", default=MODEL, help="the model sgrt serves (the other engines: only the default)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--single", type=int, default=5, help="batch-1 requests")
-    ap.add_argument("--rounds", type=int, default=3, help="batch-1 runs of sgrt's server and in-process engine, alternated")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="batch-1 runs of sgrt's server and in-process engine, alternated")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llamacpp-ctx", type=int, default=32768)
     ap.add_argument("--vllm-venv", default="/work/venvs/vllm")
