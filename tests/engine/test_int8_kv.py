@@ -23,6 +23,9 @@ STEPS = 24
 # magnitude ~10-30). Measured 0.25-0.75 (2026-12-06, both paths); wrong scales (e.g. K scales
 # doubled) move logits by several units.
 MAX_LOGIT_DIFF = 1.5
+# A top-two gap (logits) within which int8 K/V may pick the other token: two bfloat16 steps at
+# logits of 16-32 (measured flips: gaps 0.000 and 0.125).
+NEAR_TIE = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +64,8 @@ def _decode_logits(model, kv_cache_dtype: str, ids: list[int], feed: list[int] |
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_int8_kv_logits_stay_close_to_bfloat16_kv(bf16_model, tokenizer, native):
     """Teacher-forced on the bfloat16 pool's greedy tokens, every step's logits with int8 K/V are
-    within MAX_LOGIT_DIFF of bfloat16's and pick the same top-1 token in all but at most one of the
-    25 steps; doubling the K scales (what a wrong scale does) breaks the bound."""
+    within MAX_LOGIT_DIFF of bfloat16's and pick the same top-1 token at every step that is not a
+    near tie; doubling the K scales (what a wrong scale does) breaks the bound."""
     model = bf16_model.model
     before = model.native_ops
     if not native:
@@ -74,9 +77,12 @@ def test_int8_kv_logits_stay_close_to_bfloat16_kv(bf16_model, tokenizer, native)
         ref, fed = _decode_logits(model, "auto", ids, None)
         got, _ = _decode_logits(model, "int8", ids, fed)
         diffs = [float((a - b).abs().max()) for a, b in zip(ref, got)]
-        agree = sum(int(a.argmax()) == int(b.argmax()) for a, b in zip(ref, got))
         assert max(diffs) <= MAX_LOGIT_DIFF, diffs
-        assert agree >= len(ref) - 1, (agree, len(ref))
+        # the same top-1 wherever bfloat16's top two are more than NEAR_TIE apart (this prompt has
+        # steps whose top two are tied exactly, or one bfloat16 step apart)
+        clear = [i for i, a in enumerate(ref) if float(a.topk(2).values[0] - a.topk(2).values[1]) > NEAR_TIE]
+        flips = [i for i in clear if int(ref[i].argmax()) != int(got[i].argmax())]
+        assert len(clear) >= len(ref) // 2 and not flips, (flips, len(clear))
 
         def double_k_scales(pool):
             for s in pool.k_scale_layers:

@@ -511,26 +511,65 @@ def _int8_case(dtype, lens, n_heads, n_kv, head_dim, seed, slots_n=3000):
     return (q, kc, vc, slots, lens, ks, vs), ref
 
 
+def _integer_int8_path(head_dim: int) -> bool:
+    """Whether decode attention over an int8 pool runs its integer dot products here (a CPU with
+    AVX-512 VNNI, which the library's -march=native build then uses, and head_dim a multiple of 64)."""
+    from sgrt.kernels.build import cpu_flags
+
+    return head_dim % 64 == 0 and all(f in cpu_flags() for f in ("avx512f", "avx512bw", "avx512_vnni"))
+
+
+def _quantized_query(q: torch.Tensor) -> torch.Tensor:
+    """q [B, H, D] as the integer path reads it, float64: scaled by 1/sqrt(D) in float32, then
+    per head x ~ dx * (254 q1 + q2) (t = x * 127 / max|x|, q1 = round(t), q2 = round((t - q1) * 254),
+    dx = max|x| / 32258), and scaled back by sqrt(D) (so the reference's own 1/sqrt(D) undoes it)."""
+    d = q.shape[-1]
+    x = q.float() * torch.tensor(1.0 / d ** 0.5, dtype=torch.float32)
+    a = x.abs().amax(-1, keepdim=True)
+    t = x * (127.0 / a)
+    q1 = torch.round(t)
+    q2 = torch.round((t - q1) * 254.0)
+    return (254.0 * q1.double() + q2.double()) * (a.double() / (127.0 * 254.0)) * d ** 0.5
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (4, 1, 256), (8, 2, 32), (4, 2, 24)])
+@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (4, 1, 256), (8, 2, 128), (8, 2, 32), (4, 2, 24)])
 def test_int8_decode_attention_matches_the_dequantized_reference(dtype, n_heads, n_kv, head_dim):
-    """The native kernel on int8 codes (widened in registers; scores times K scales, weights times
-    V scales) against PyTorch's attention over code * scale: float32 within a few ulps, bfloat16 at
-    most one bfloat16 step apart; rows of one chunk and of several (the split loops), head_dim 64 /
-    256 (AVX-512 lanes), 32 (8 lanes), 24 (portable loops); 1, 2 and 3 threads give the same bits."""
+    """The native kernel on int8 codes against attention over code * scale; rows of one chunk and
+    of several (the split loops), head_dim 64 / 128 / 256 (AVX-512 lanes), 32 (8 lanes), 24 (portable
+    loops); 1, 2 and 3 threads give the same bits. Float loops (codes widened in registers, scores
+    times K scales, weights times V scales): float32 within a few ulps of PyTorch's attention over
+    the dequantized K/V, bfloat16 at most one bfloat16 step apart. Integer loops (AVX-512 VNNI,
+    head_dim a multiple of 64): against a float64 reference over the query quantized as the kernel
+    quantizes it (scores exact up to float32 rounding), float32 within 2^-13 of the largest value
+    (the weights' 16-bit step), bfloat16 at most one bfloat16 step apart."""
+    from sgrt.engine.kv_pool import dequantize_int8
+
     args, ref = _int8_case(dtype, CHUNK_EDGE_LENS, n_heads, n_kv, head_dim, seed=head_dim + 1)
     out = _at_thread_counts(lambda: torch.ops.sgrt_layer.decode_attention(*args))
     assert torch.equal(out[1], out[2]) and torch.equal(out[1], out[3])
     got = out[2]
-    if dtype == torch.float32:
+    q, kc, vc, slots, lens, ks, vs = args
+    if _integer_int8_path(head_dim):
+        keys, values = dequantize_int8(kc, ks, torch.float64), dequantize_int8(vc, vs, torch.float64)
+        exact = _float64_attention(_quantized_query(q), keys, values, slots, lens)
+        bound = 2.0 ** -13 * float(values.abs().max())
+        if dtype == torch.float32:
+            assert float((got.double() - exact).abs().max()) <= bound
+        else:
+            assert bool(((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + bound).all())
+        # and within the int8 cache's own error of the unquantized query's attention
+        assert float((got.double() - ref.double()).abs().max()) <= 2.0 ** -7 * float(values.abs().max())
+    elif dtype == torch.float32:
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6)
     else:
         diff = (got.float() - ref.float()).abs()
         assert bool((diff <= ref.float().abs() * 2.0 ** -7 + 1e-5).all())
         assert (got == ref).float().mean().item() >= 0.98
-    # wrong scales are seen: the same codes with V scales halved give another output
-    q, kc, vc, slots, lens, ks, vs = args
+    # wrong scales are seen: the same codes with V scales halved, or K scales doubled, give another output
     assert not torch.allclose(torch.ops.sgrt_layer.decode_attention(q, kc, vc, slots, lens, ks, vs * 0.5).float(),
+                              ref.float(), atol=1e-3)
+    assert not torch.allclose(torch.ops.sgrt_layer.decode_attention(q, kc, vc, slots, lens, ks * 2, vs).float(),
                               ref.float(), atol=1e-3)
 
 
@@ -725,3 +764,23 @@ def test_extend_attention_errors_name_the_argument():
     bad[1, 2] = -1
     with pytest.raises(RuntimeError, match="slot -1 outside the pool's 50 slots"):
         op(q, k_cache, v_cache, bad, kv_lens, q_lens)
+
+
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_int8_decode_attention_propagates_nan(head_dim):
+    """A NaN in a query head, or in the V scale of a slot a row reads, makes exactly the outputs
+    that depend on it NaN, on the integer loops (head_dim 64 on AVX-512 VNNI) and the float ones:
+    NaN is never rounded into an integer code."""
+    args, _ = _int8_case(torch.bfloat16, [40, 700, 300], 9, 3, head_dim, seed=5)
+    q, kc, vc, slots, lens, ks, vs = args
+    q = q.clone()
+    q[0, 4, 7] = float("nan")  # row 0, query head 4
+    vs = vs.clone()
+    vs[int(slots[2, 100]), 1] = float("nan")  # a slot of row 2's, kv head 1 (query heads 3-5)
+    out = torch.ops.sgrt_layer.decode_attention(q, kc, vc, slots, lens, ks, vs).float().view(3, 9, head_dim)
+    nan = torch.isnan(out).all(-1)
+    expected = torch.zeros(3, 9, dtype=torch.bool)
+    expected[0, 4] = True
+    expected[2, 3:6] = True
+    assert torch.equal(nan, expected)
+    assert not torch.isnan(out[~expected]).any()

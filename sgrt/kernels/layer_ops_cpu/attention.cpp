@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -341,6 +342,329 @@ void accumulate_values_blocked(const float* p, int64_t gi, int64_t d, const R* v
 }
 #endif
 
+// The largest of x[0..n) (n >= 1), any NaN among them giving NaN or a number (the softmax's
+// scores then come out NaN either way). Eight independent lanes: std::max_element's compare and
+// branch per element was a tenth of a long context's attention.
+inline float max_of(const float* x, int64_t n) {
+  int64_t j = 0;
+  float r = x[0];
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 m = _mm512_loadu_ps(x);
+    for (j = 16; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + j));
+    r = _mm512_reduce_max_ps(m);
+  }
+#endif
+  float m[8];
+  for (int k = 0; k < 8; ++k) m[k] = r;
+  for (; j + 8 <= n; j += 8)
+    for (int k = 0; k < 8; ++k) m[k] = m[k] < x[j + k] ? x[j + k] : m[k];
+  for (; j < n; ++j) m[0] = m[0] < x[j] ? x[j] : m[0];
+  for (int k = 1; k < 8; ++k) r = r < m[k] ? m[k] : r;
+  return r < m[0] ? m[0] : r;
+}
+
+#if defined(__AVX512F__)
+// Whether s[0..16) are s[0], s[0] + 1, ..., s[0] + 15.
+inline bool consecutive16(const int64_t* s) {
+  const __m512i base = _mm512_set1_epi64(s[0]);
+  const __m512i lo = _mm512_add_epi64(base, _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m512i hi = _mm512_add_epi64(base, _mm512_setr_epi64(8, 9, 10, 11, 12, 13, 14, 15));
+  return _mm512_cmpeq_epi64_mask(_mm512_loadu_si512(s), lo) == 0xFF &&
+         _mm512_cmpeq_epi64_mask(_mm512_loadu_si512(s + 8), hi) == 0xFF;
+}
+#endif
+
+// out[j] = scales[rs[j] * hkv] for j < len (an int8 pool's scales of one kv head, through the
+// slot table); consecutive slots, the usual case, by one strided gather a 16 keys.
+inline void gather_scales(const float* scales, int64_t hkv, const int64_t* rs, int64_t len, float* out) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512i stride = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int32_t>(hkv)));
+  for (; j + 16 <= len; j += 16) {
+    if (consecutive16(rs + j)) {
+      _mm512_storeu_ps(out + j, _mm512_i32gather_ps(stride, scales + rs[j] * hkv, 4));
+    } else {
+      for (int64_t u = j; u < j + 16; ++u) out[u] = scales[rs[u] * hkv];
+    }
+  }
+#endif
+  for (; j < len; ++j) out[j] = scales[rs[j] * hkv];
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SGRT_INT8_SCORES 1
+// Scores of an int8 pool in integers (head_dim a multiple of 64, CPUs with AVX-512 VNNI): each
+// query head is quantized once an item to ~16 bits, x ~ dx * (254 q1 + q2) with q1, q2 int8 (the
+// split the AVX2 WOQ kernel uses for activations: t = x * 127 / max|x|, q1 = round(t), q2 =
+// round((t - q1) * 254), dx = max|x| / 32258), and q . k = dx * (254 q1 . k + q2 . k) is summed
+// exactly in int32 by vpdpbusd (unsigned x signed bytes: the codes as k + 128, corrected by
+// -128 * sum(q) once a head). 16 keys at a time: their rows of 64 codes are transposed so that
+// each vector holds one group of 4 codes of all 16 keys, and the query's group is broadcast: no
+// horizontal sums (the float loops spent a third of their work folding lanes). A score is then
+// one rounding of the exact integer sum, times dx, times the key's scale.
+struct QuantizedQuery {
+  alignas(64) int32_t q1[256 / 4];  // d int8 codes, read 4 at a time
+  alignas(64) int32_t q2[256 / 4];
+  int32_t correction;  // 128 * (254 * sum(q1) + sum(q2))
+  float dx;            // NaN where the row holds NaN or infinity
+};
+
+// d floats (d <= 256, a multiple of 16) into one QuantizedQuery.
+inline void quantize_query(const float* x, int64_t d, QuantizedQuery& out) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 16) mx = _mm512_max_ps(mx, _mm512_andnot_ps(sign, _mm512_loadu_ps(x + c)));
+  const float a = _mm512_reduce_max_ps(mx);
+  const bool finite = a < INFINITY;  // (false for NaN too; max_ps may drop a NaN: checked below)
+  const __m512 inv = _mm512_set1_ps(finite && a > 0.f ? 127.f / a : 0.f);
+  __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+  __mmask16 nan = 0;
+  auto* q1 = reinterpret_cast<int8_t*>(out.q1);
+  auto* q2 = reinterpret_cast<int8_t*>(out.q2);
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t c = 0; c < d; c += 16) {
+    const __m512 v = _mm512_loadu_ps(x + c);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __m512 t = _mm512_mul_ps(v, inv);
+    const __m512 r1 = _mm512_roundscale_ps(t, kNearest);
+    const __m512 r2 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(t, r1), _mm512_set1_ps(254.f)), kNearest);
+    const __m512i i1 = _mm512_cvtps_epi32(r1), i2 = _mm512_cvtps_epi32(r2);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + c), _mm512_cvtepi32_epi8(i1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + c), _mm512_cvtepi32_epi8(i2));
+    s1 = _mm512_add_epi32(s1, i1);
+    s2 = _mm512_add_epi32(s2, i2);
+  }
+  out.correction = 128 * (254 * _mm512_reduce_add_epi32(s1) + _mm512_reduce_add_epi32(s2));
+  out.dx = finite && nan == 0 ? a / (127.f * 254.f) : NAN;
+}
+
+
+// In place: r[m] lane u = dword m of r[u] before (a 16 x 16 transpose of 32-bit words).
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  // x[4 * f + m]: dwords m, m + 4, m + 8, m + 12 (one per 128-bit lane) of keys 4f .. 4f + 3
+  __m512i x[16];
+  for (int f = 0; f < 4; ++f) {
+    const __m512i a0 = t[4 * f], b0 = t[4 * f + 1], a1 = t[4 * f + 2], b1 = t[4 * f + 3];
+    x[4 * f] = _mm512_unpacklo_epi64(a0, a1);
+    x[4 * f + 1] = _mm512_unpackhi_epi64(a0, a1);
+    x[4 * f + 2] = _mm512_unpacklo_epi64(b0, b1);
+    x[4 * f + 3] = _mm512_unpackhi_epi64(b0, b1);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512i p = _mm512_shuffle_i32x4(x[m], x[4 + m], 0x44), q = _mm512_shuffle_i32x4(x[m], x[4 + m], 0xEE);
+    const __m512i pz = _mm512_shuffle_i32x4(x[8 + m], x[12 + m], 0x44);
+    const __m512i qz = _mm512_shuffle_i32x4(x[8 + m], x[12 + m], 0xEE);
+    r[m] = _mm512_shuffle_i32x4(p, pz, 0x88);
+    r[m + 4] = _mm512_shuffle_i32x4(p, pz, 0xDD);
+    r[m + 8] = _mm512_shuffle_i32x4(q, qz, 0x88);
+    r[m + 12] = _mm512_shuffle_i32x4(q, qz, 0xDD);
+  }
+}
+
+// scores[i * stride + j] = q_i . k_j * kscale_j for G query heads of one kv head (qq: theirs),
+// keys at slots rs[0..len) (key j's codes at kbase + rs[j] * row, its scale at ks[rs[j] * hkv]).
+// kpf / vpf / npf: prefetch as score_keys_grouped.
+template <int G, int DC>
+void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float* ks, int64_t hkv, const int64_t* rs,
+                     int64_t len, int64_t row, float* scores, int64_t stride, const int8_t* kpf, const int8_t* vpf,
+                     int64_t npf) {
+  static_assert(DC % 64 == 0 && DC <= 256);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - j0);
+    const int8_t* kr[16];
+    __m512 kv;
+    const int64_t s0 = rs[j0];
+    if (n == 16 && consecutive16(rs + j0)) {
+      // slots s0 .. s0 + 15 (a request's own tokens usually are): rows at a fixed stride, the next
+      // 16 rows prefetched as if they follow (no slot read); scales a strided gather
+      for (int u = 0; u < 16; ++u) kr[u] = kbase + (s0 + u) * row;
+      if (j0 + 16 < len) {
+        if (npf == row) {  // whole rows: one run of bytes
+          prefetch_row<_MM_HINT_T0>(kpf + (s0 + 16) * row, 16 * row);
+          prefetch_row<_MM_HINT_T1>(vpf + (s0 + 16) * row, 16 * row);
+        } else {
+          for (int u = 0; u < 16; ++u) {
+            prefetch_row<_MM_HINT_T0>(kpf + (s0 + 16 + u) * row, npf);
+            prefetch_row<_MM_HINT_T1>(vpf + (s0 + 16 + u) * row, npf);
+          }
+        }
+      }
+      const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(static_cast<int32_t>(hkv)));
+      kv = _mm512_i32gather_ps(idx, ks + s0 * hkv, 4);
+    } else {
+      alignas(64) float kscale[16];
+      for (int u = 0; u < 16; ++u) {
+        const int64_t j = j0 + std::min<int64_t>(u, n - 1);
+        kr[u] = kbase + rs[j] * row;
+        kscale[u] = ks[rs[j] * hkv];
+        if (u < n && j + kPrefetchAhead < len) {
+          prefetch_row<_MM_HINT_T0>(kpf + rs[j + kPrefetchAhead] * row, npf);
+          prefetch_row<_MM_HINT_T1>(vpf + rs[j + kPrefetchAhead] * row, npf);
+        }
+      }
+      kv = _mm512_load_ps(kscale);
+    }
+    __m512i a1[G], a2[G];
+    for (int i = 0; i < G; ++i) a1[i] = a2[i] = _mm512_setzero_si512();
+    for (int b = 0; b < DC / 64; ++b) {
+      __m512i r[16];
+      for (int u = 0; u < 16; ++u) r[u] = _mm512_xor_si512(_mm512_loadu_si512(kr[u] + 64 * b), flip);
+      transpose16(r);
+      for (int m = 0; m < 16; ++m)
+        for (int i = 0; i < G; ++i) {
+          a1[i] = _mm512_dpbusd_epi32(a1[i], r[m], _mm512_set1_epi32(qq[i].q1[16 * b + m]));
+          a2[i] = _mm512_dpbusd_epi32(a2[i], r[m], _mm512_set1_epi32(qq[i].q2[16 * b + m]));
+        }
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+    for (int i = 0; i < G; ++i) {
+      // 254 * (q1 . k) + q2 . k, exact: |q1 . k| <= 256 * 128 * 127
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_mullo_epi32(a1[i], _mm512_set1_epi32(254)), a2[i]),
+                                           _mm512_set1_epi32(qq[i].correction));
+      const __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qq[i].dx)), kv);
+      _mm512_mask_storeu_ps(scores + i * stride + j0, keep, s);
+    }
+  }
+}
+#endif
+
+#ifdef SGRT_INT8_SCORES
+// The largest |x[j]| of x[0..n), or NaN where one of them is NaN.
+inline float abs_max_or_nan(const float* x, int64_t n) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  __m512 m = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, _mm512_andnot_ps(sign, v));
+  }
+  if (j < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(tail, x + j);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, _mm512_andnot_ps(sign, v));
+  }
+  return nan ? NAN : _mm512_reduce_max_ps(m);
+}
+
+// acc[i * d + c] += sum_j p[i * stride + j] * v_j[c] for G query heads of one kv head over int8
+// value codes (head_dim DC, a multiple of 64), in integers: each head's weights are quantized to
+// 16 bits against its largest magnitude m (w ~ m / 32767 * wq, |wq| <= 32767), and
+// pairs of keys' codes, interleaved and widened to int16, are summed by vpdpwssd (two products a
+// lane): exact in int32 over a chunk (256 * 32767 * 128 < 2^31), one rounding a value at the end.
+// The quantized weights' step, m / 65534, is ~2^-16 of the largest weight: within bfloat16's
+// rounding of the output. Returns false (nothing added) where a head's largest weight is not
+// finite; the float loops then run (they give NaN for NaN, as the softmax's own steps do).
+template <int G, int DC>
+bool accumulate_values_int8(const float* p, const int8_t* vbase, const int64_t* rs, int64_t len, int64_t row,
+                            int64_t stride, float* acc, int16_t* wq) {
+  static_assert(DC % 64 == 0 && DC <= 256);
+  const int64_t pairs = (len + 1) / 2;
+  float unit[G];
+  for (int i = 0; i < G; ++i) {
+    const float* pi = p + i * stride;
+    const float m = abs_max_or_nan(pi, len);
+    if (!(m < INFINITY)) return false;
+    unit[i] = m / 32767.f;
+    const float inv = m > 0.f ? 32767.f / m : 0.f;
+    int16_t* w = wq + i * 2 * pairs;
+    for (int64_t j = 0; j < len; ++j) w[j] = static_cast<int16_t>(std::nearbyint(pi[j] * inv));
+    if (len % 2) w[len] = 0;  // the odd key's partner: itself, weight 0
+  }
+  for (int b = 0; b < DC / 64; ++b) {
+    __m512i o[G][4];
+    for (int i = 0; i < G; ++i)
+      for (int k = 0; k < 4; ++k) o[i][k] = _mm512_setzero_si512();
+    for (int64_t t = 0; t < pairs; ++t) {
+      const int64_t j = 2 * t, j1 = std::min(j + 1, len - 1);
+      const __m512i a = _mm512_loadu_si512(vbase + rs[j] * row + 64 * b);
+      const __m512i c = _mm512_loadu_si512(vbase + rs[j1] * row + 64 * b);
+      const __m512i lo = _mm512_unpacklo_epi8(a, c), hi = _mm512_unpackhi_epi8(a, c);
+      // x[k]'s 16 lanes: value pairs of the head_dim positions kLanes[k] (see the store below)
+      const __m512i x[4] = {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo)),
+                            _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1)),
+                            _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi)),
+                            _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1))};
+      for (int i = 0; i < G; ++i) {
+        int32_t wp;
+        std::memcpy(&wp, wq + i * 2 * pairs + j, 4);
+        const __m512i w = _mm512_set1_epi32(wp);
+        for (int k = 0; k < 4; ++k) o[i][k] = _mm512_dpwssd_epi32(o[i][k], x[k], w);
+      }
+    }
+    // vector k's lanes 0..7 / 8..15 hold head_dim positions first[k] + 0..7 / first[k] + 16..23
+    constexpr int first[4] = {0, 32, 8, 40};
+    for (int i = 0; i < G; ++i) {
+      float* ai = acc + i * DC + 64 * b;
+      const __m512 u = _mm512_set1_ps(unit[i]);
+      for (int k = 0; k < 4; ++k) {
+        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(o[i][k]), u);
+        float* lo8 = ai + first[k];
+        float* hi8 = ai + first[k] + 16;
+        _mm256_storeu_ps(lo8, _mm256_add_ps(_mm256_loadu_ps(lo8), _mm512_castps512_ps256(f)));
+        _mm256_storeu_ps(hi8, _mm256_add_ps(_mm256_loadu_ps(hi8),
+                                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))));
+      }
+    }
+  }
+  return true;
+}
+
+// accumulate_values_int8 over gi query heads of one kv head, in groups of at most 4; false where
+// a group met a weight that is not finite (that group then ran the float loops).
+template <int DC>
+void accumulate_values_int8_in(const float* p, int64_t gi, const int8_t* vbase, const int64_t* rs, int64_t len,
+                               int64_t row, int64_t stride, float* acc, int16_t* wq) {
+  for (int64_t i = 0; i < gi; i += 4) {
+    const float* pi = p + i * stride;
+    float* a = acc + i * DC;
+    const int64_t n = std::min<int64_t>(4, gi - i);
+    bool done;
+    switch (n) {
+      case 4: done = accumulate_values_int8<4, DC>(pi, vbase, rs, len, row, stride, a, wq); break;
+      case 3: done = accumulate_values_int8<3, DC>(pi, vbase, rs, len, row, stride, a, wq); break;
+      case 2: done = accumulate_values_int8<2, DC>(pi, vbase, rs, len, row, stride, a, wq); break;
+      default: done = accumulate_values_int8<1, DC>(pi, vbase, rs, len, row, stride, a, wq); break;
+    }
+    if (!done) {
+      // every head of the group against the same kv head: kv_of all zero
+      const int64_t zeros[4] = {0, 0, 0, 0};
+      accumulate_values<int8_t, DC>(pi, n, DC, vbase, zeros, rs, len, row, stride, a);
+    }
+  }
+}
+#endif
+
+#ifdef SGRT_INT8_SCORES
+// score_keys_int8 over gi query heads of one kv head, in groups of at most 4.
+template <int DC>
+void score_keys_int8_in(const QuantizedQuery* qq, int64_t gi, const int8_t* kbase, const float* ks, int64_t hkv,
+                        const int64_t* rs, int64_t len, int64_t row, float* scores, int64_t stride, const int8_t* kpf,
+                        const int8_t* vpf, int64_t npf) {
+  for (int64_t i = 0; i < gi; i += 4) {
+    const QuantizedQuery* q = qq + i;
+    float* s = scores + i * stride;
+    switch (std::min<int64_t>(4, gi - i)) {
+      case 4: score_keys_int8<4, DC>(q, kbase, ks, hkv, rs, len, row, s, stride, kpf, vpf, npf); break;
+      case 3: score_keys_int8<3, DC>(q, kbase, ks, hkv, rs, len, row, s, stride, kpf, vpf, npf); break;
+      case 2: score_keys_int8<2, DC>(q, kbase, ks, hkv, rs, len, row, s, stride, kpf, vpf, npf); break;
+      default: score_keys_int8<1, DC>(q, kbase, ks, hkv, rs, len, row, s, stride, kpf, vpf, npf); break;
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 // Items ordered row, chunk, query heads; partials of split rows laid out row, chunk, kv head: row
@@ -390,6 +714,10 @@ namespace {
 struct AttendScratch {
   std::vector<float> qf, scores, acc, sums, maxes, scales;
   std::vector<int64_t> kv_of;
+#ifdef SGRT_INT8_SCORES
+  std::vector<QuantizedQuery> qq;
+  std::vector<int16_t> wq;
+#endif
 };
 
 AttendScratch& attend_scratch() {
@@ -398,20 +726,6 @@ AttendScratch& attend_scratch() {
 }
 
 
-// The largest of x[0..n) (n >= 1), any NaN among them giving NaN or a number (the softmax's
-// scores then come out NaN either way). Eight independent lanes: std::max_element's compare and
-// branch per element was a tenth of a long context's attention.
-inline float max_of(const float* x, int64_t n) {
-  float m[8];
-  for (int k = 0; k < 8; ++k) m[k] = x[0];
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    for (int k = 0; k < 8; ++k) m[k] = m[k] < x[j + k] ? x[j + k] : m[k];
-  for (; j < n; ++j) m[0] = m[0] < x[j] ? x[j] : m[0];
-  float r = m[0];
-  for (int k = 1; k < 8; ++k) r = r < m[k] ? m[k] : r;
-  return r;
-}
 
 // Items [begin, end) of w. DC: head_dim known at compile time (64, 128, 256: AVX-512 paths whose loops
 // over it unroll), or 0 for any other head_dim (portable loops). KR: the caches' raw type, R (q's) or
@@ -472,7 +786,23 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
         f(i, e, kv_of[i]);
       }
     };
-    if (blocked) {
+#ifdef SGRT_INT8_SCORES
+    constexpr bool kIntScores = kInt8 && DC > 0 && DC % 64 == 0;
+#else
+    constexpr bool kIntScores = false;
+#endif
+    if constexpr (kIntScores) {
+#ifdef SGRT_INT8_SCORES
+      // the int8 codes' scores in integers, times their keys' scales (the kernel's)
+      if (static_cast<int64_t>(sc.qq.size()) < gi) sc.qq.resize(gi);
+      for (int64_t i = 0; i < gi; ++i) quantize_query(qf + i * d, d, sc.qq[i]);
+      runs([&](int64_t i, int64_t e, int64_t kh) {
+        const bool whole = kh == 0;
+        score_keys_int8_in<DC>(sc.qq.data() + i, e - i, kp + kh * d, a.ks + kh, hkv, rs, len, row, scores + i * span,
+                               span, whole ? kp : kp + kh * d, whole ? vp : vp + kh * d, whole ? row : d);
+      });
+#endif
+    } else if (blocked) {
 #ifdef SGRT_BLOCKED_ATTENTION
       runs([&](int64_t i, int64_t e, int64_t kh) {
         // kv head 0's run prefetches the whole rows (its chunk's other kv heads, next in this
@@ -489,7 +819,7 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
     // (for all its query heads), and row i's values x[j] multiplied by them
     auto scale_rows = [&](const float* all, float* x) {
       runs([&](int64_t i, int64_t e, int64_t kh) {
-        for (int64_t j = 0; j < len; ++j) kv_scales[j] = all[rs[j] * hkv + kh];
+        gather_scales(all + kh, hkv, rs, len, kv_scales);
         for (; i < e; ++i) {
           float* xi = x + i * span;
 #pragma omp simd
@@ -497,7 +827,7 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
         }
       });
     };
-    if constexpr (kInt8) scale_rows(a.ks, scores);  // the scores of codes times their keys' scales
+    if constexpr (kInt8 && !kIntScores) scale_rows(a.ks, scores);  // the scores of codes times their keys' scales
     for (int64_t i = 0; i < gi; ++i) {
       float* si = scores + i * span;
       float m = max_of(si, len);
@@ -512,7 +842,14 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
     }
     if constexpr (kInt8) scale_rows(a.vs, scores);  // each weight times its value's scale (sums: the plain weights)
     std::fill(acc, acc + gi * d, 0.f);
-    if (blocked) {
+    if constexpr (kIntScores) {
+#ifdef SGRT_INT8_SCORES
+      int16_t* const wq = at_least(sc.wq, 4 * (span + 2));
+      runs([&](int64_t i, int64_t e, int64_t kh) {
+        accumulate_values_int8_in<DC>(scores + i * span, e - i, vp + kh * d, rs, len, row, span, acc + i * d, wq);
+      });
+#endif
+    } else if (blocked) {
 #ifdef SGRT_BLOCKED_ATTENTION
       runs([&](int64_t i, int64_t e, int64_t kh) {
         accumulate_values_blocked<KR, BDC>(scores + i * span, e - i, d, vp + kh * d, rs, len, row, span, acc + i * d);

@@ -47,7 +47,8 @@ struct AttendWork {
 // the caches [num_slots, hkv, D], the slot tables, out [B, H * D]; q, out and the caches in one
 // dtype, or the caches int8 codes with float32 scales ks / vs [num_slots, hkv] (an int8 KV pool:
 // a key's value is code * scale; the kernels multiply a key's score by its K scale and a value's
-// softmax weight by its V scale, so the codes are widened in registers and never dequantized).
+// softmax weight by its V scale, so no row is dequantized: the codes are widened in registers, or
+// on AVX-512 VNNI CPUs summed in integers against a quantized query and quantized weights).
 struct AttendArgs {
   const void* q;
   int64_t qs0, qs1;
