@@ -157,7 +157,10 @@ class KVPool:
             self.v_scale = zeros_on_demand(shape[:3], SCALE_DTYPE, device)
             self.k_scale_layers = list(self.k_scale.unbind(0))
             self.v_scale_layers = list(self.v_scale.unbind(0))
-        # Free slots are 1..num_slots; popped from the end so recently freed slots are reused.
+        # Free slots are 1..num_slots; popped from the end so recently freed slots are reused. The
+        # list's tail is kept descending where it can be, so that a request's tokens get ascending
+        # consecutive slots: the decode attention kernel streams such rows in order (its fast path,
+        # and the hardware prefetcher's direction).
         self._free: list[int] = list(range(num_slots, 0, -1))
 
     @property
@@ -191,11 +194,12 @@ class KVPool:
             return []
         slots = self._free[-n:]
         del self._free[-n:]
+        slots.reverse()
         return slots
 
     def free(self, slots: list[int]) -> None:
-        """Return slots to the free list."""
-        self._free.extend(slots)
+        """Return slots to the free list (the next ``alloc`` of as many gets them in this order)."""
+        self._free.extend(reversed(slots))
 
     def free_slot_set(self) -> set[int]:
         """The free slots as a set (integrity checks only; O(num_slots))."""
