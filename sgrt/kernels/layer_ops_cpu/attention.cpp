@@ -469,12 +469,13 @@ inline void transpose16(__m512i* r) {
 }
 
 // scores[i * stride + j] = q_i . k_j * kscale_j for G query heads of one kv head (qq: theirs),
-// keys at slots rs[0..len) (key j's codes at kbase + rs[j] * row, its scale at ks[rs[j] * hkv]).
-// kpf / vpf / npf: prefetch as score_keys_grouped.
+// keys at slots rs[0..len) (key j's codes at kbase + rs[j] * row, its scale at ks[rs[j] * hkv]);
+// where vout is given, vout[j] = vs[rs[j] * hkv] (its values' scales, read in the same pass).
+// kpf / vpf / npf: prefetch as score_keys_grouped (and the next keys' scales).
 template <int G, int DC>
-void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float* ks, int64_t hkv, const int64_t* rs,
-                     int64_t len, int64_t row, float* scores, int64_t stride, const int8_t* kpf, const int8_t* vpf,
-                     int64_t npf) {
+void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float* ks, const float* vs, float* vout,
+                     int64_t hkv, const int64_t* rs, int64_t len, int64_t row, float* scores, int64_t stride,
+                     const int8_t* kpf, const int8_t* vpf, int64_t npf) {
   static_assert(DC % 64 == 0 && DC <= 256);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
@@ -500,12 +501,20 @@ void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float*
       const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                              _mm512_set1_epi32(static_cast<int32_t>(hkv)));
       kv = _mm512_i32gather_ps(idx, ks + s0 * hkv, 4);
+      if (vout) _mm512_storeu_ps(vout + j0, _mm512_i32gather_ps(idx, vs + s0 * hkv, 4));
+      if (j0 + 16 < len) {  // the next 16 keys' scales: 16 * hkv floats each
+        for (int64_t o = 0; o < 16 * hkv; o += 16) {
+          _mm_prefetch(reinterpret_cast<const char*>(ks + (s0 + 16) * hkv + o), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vs + (s0 + 16) * hkv + o), _MM_HINT_T0);
+        }
+      }
     } else {
       alignas(64) float kscale[16];
       for (int u = 0; u < 16; ++u) {
         const int64_t j = j0 + std::min<int64_t>(u, n - 1);
         kr[u] = kbase + rs[j] * row;
         kscale[u] = ks[rs[j] * hkv];
+        if (vout && u < n) vout[j] = vs[rs[j] * hkv];
         if (u < n && j + kPrefetchAhead < len) {
           prefetch_row<_MM_HINT_T0>(kpf + rs[j + kPrefetchAhead] * row, npf);
           prefetch_row<_MM_HINT_T1>(vpf + rs[j + kPrefetchAhead] * row, npf);
@@ -647,19 +656,21 @@ void accumulate_values_int8_in(const float* p, int64_t gi, const int8_t* vbase, 
 #endif
 
 #ifdef SGRT_INT8_SCORES
-// score_keys_int8 over gi query heads of one kv head, in groups of at most 4.
+// score_keys_int8 over gi query heads of one kv head, in groups of at most 4 (the first group
+// also reads the values' scales into vout).
 template <int DC>
-void score_keys_int8_in(const QuantizedQuery* qq, int64_t gi, const int8_t* kbase, const float* ks, int64_t hkv,
-                        const int64_t* rs, int64_t len, int64_t row, float* scores, int64_t stride, const int8_t* kpf,
-                        const int8_t* vpf, int64_t npf) {
+void score_keys_int8_in(const QuantizedQuery* qq, int64_t gi, const int8_t* kbase, const float* ks, const float* vs,
+                        float* vout, int64_t hkv, const int64_t* rs, int64_t len, int64_t row, float* scores,
+                        int64_t stride, const int8_t* kpf, const int8_t* vpf, int64_t npf) {
   for (int64_t i = 0; i < gi; i += 4) {
     const QuantizedQuery* q = qq + i;
     float* s = scores + i * stride;
+    float* vo = i == 0 ? vout : nullptr;
     switch (std::min<int64_t>(4, gi - i)) {
-      case 4: score_keys_int8<4, DC>(q, kbase, ks, hkv, rs, len, row, s, stride, kpf, vpf, npf); break;
-      case 3: score_keys_int8<3, DC>(q, kbase, ks, hkv, rs, len, row, s, stride, kpf, vpf, npf); break;
-      case 2: score_keys_int8<2, DC>(q, kbase, ks, hkv, rs, len, row, s, stride, kpf, vpf, npf); break;
-      default: score_keys_int8<1, DC>(q, kbase, ks, hkv, rs, len, row, s, stride, kpf, vpf, npf); break;
+      case 4: score_keys_int8<4, DC>(q, kbase, ks, vs, vo, hkv, rs, len, row, s, stride, kpf, vpf, npf); break;
+      case 3: score_keys_int8<3, DC>(q, kbase, ks, vs, vo, hkv, rs, len, row, s, stride, kpf, vpf, npf); break;
+      case 2: score_keys_int8<2, DC>(q, kbase, ks, vs, vo, hkv, rs, len, row, s, stride, kpf, vpf, npf); break;
+      default: score_keys_int8<1, DC>(q, kbase, ks, vs, vo, hkv, rs, len, row, s, stride, kpf, vpf, npf); break;
     }
   }
 }
@@ -749,7 +760,8 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
   float* const sums = at_least(sc.sums, h);
   float* const maxes = at_least(sc.maxes, h);
   int64_t* const kv_of = at_least(sc.kv_of, h);
-  float* const kv_scales = kInt8 ? at_least(sc.scales, span) : nullptr;
+  // (the integer loops keep every kv head's value scales of an item: hkv * span)
+  float* const kv_scales = kInt8 ? at_least(sc.scales, hkv * span) : nullptr;
   bool ok = true;
   for (int64_t it = begin; it < end; ++it) {
     const AttendItem& item = w.items[it];
@@ -798,8 +810,9 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
       for (int64_t i = 0; i < gi; ++i) quantize_query(qf + i * d, d, sc.qq[i]);
       runs([&](int64_t i, int64_t e, int64_t kh) {
         const bool whole = kh == 0;
-        score_keys_int8_in<DC>(sc.qq.data() + i, e - i, kp + kh * d, a.ks + kh, hkv, rs, len, row, scores + i * span,
-                               span, whole ? kp : kp + kh * d, whole ? vp : vp + kh * d, whole ? row : d);
+        score_keys_int8_in<DC>(sc.qq.data() + i, e - i, kp + kh * d, a.ks + kh, a.vs + kh, kv_scales + kh * span, hkv,
+                               rs, len, row, scores + i * span, span, whole ? kp : kp + kh * d,
+                               whole ? vp : vp + kh * d, whole ? row : d);
       });
 #endif
     } else if (blocked) {
@@ -840,7 +853,18 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
       sums[i] = total;
       maxes[i] = m;
     }
-    if constexpr (kInt8) scale_rows(a.vs, scores);  // each weight times its value's scale (sums: the plain weights)
+    if constexpr (kIntScores) {  // each weight times its value's scale, read by the score loops
+      runs([&](int64_t i, int64_t e, int64_t kh) {
+        const float* vsc = kv_scales + kh * span;
+        for (; i < e; ++i) {
+          float* xi = scores + i * span;
+#pragma omp simd
+          for (int64_t j = 0; j < len; ++j) xi[j] *= vsc[j];
+        }
+      });
+    } else if constexpr (kInt8) {
+      scale_rows(a.vs, scores);  // each weight times its value's scale (sums: the plain weights)
+    }
     std::fill(acc, acc + gi * d, 0.f);
     if constexpr (kIntScores) {
 #ifdef SGRT_INT8_SCORES
