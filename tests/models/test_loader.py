@@ -86,9 +86,10 @@ def test_gguf_path_packs_once_then_maps_the_store(tmp_path: Path, loaded_model: 
 
 
 def test_loads_parse_no_gguf_in_the_loading_process(tmp_path: Path, monkeypatch):
-    """A first int4 load parses the file's metadata once, in a child process that writes the cache
-    entry (Gemma 3's takes ~27 s and ~700 MB), and packs the weights from that entry's tensor table;
-    a warm load parses nothing. The loading process itself never parses the GGUF."""
+    """A first int4 load parses the file's metadata for the tokenizer in a child process that
+    writes the cache entry (Gemma 3's took ~27 s and ~700 MB with gguf's reader), and packs the
+    weights meanwhile from the tensor table of the file's layout (arrays stepped over); a warm load
+    parses nothing. The loading process itself never parses the GGUF with gguf's reader."""
     import sys
 
     import gguf
