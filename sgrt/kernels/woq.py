@@ -207,19 +207,26 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         ValueError: ``bits`` not 4 / 8, ``codes`` not 2-D uint8, ``N % 16``, ``K % 32``, or a
             4-bit code above 15.
     """
+    import numpy as np
+
     n, k = _check_codes(codes, bits)
-    codes = codes.cpu()
-    # word w of k-pair p in block b: code[16 b + w // 2, 2 p + w % 2]  -> [blocks, K/2, 32]
-    vec = codes.reshape(n // BLOCK_N, BLOCK_N, k // 2, 2).permute(0, 2, 1, 3).reshape(n // BLOCK_N, k // 2, 32)
+    codes = codes.cpu().contiguous()
+    # NOTE: the two codes of a k-pair are adjacent in the input and in the output, so they move as
+    # one 16-bit word (numpy: torch has no uint16 shifts), a third of the time of moving bytes.
+    pairs = codes.numpy().view(np.uint16)  # [N, K/2]: k-pair p of row r
+    nb = n // BLOCK_N
     if bits == 8:
-        return vec.contiguous().reshape(-1)
+        # word w of k-pair p in block b: code[16 b + w // 2, 2 p + w % 2]  -> [blocks, K/2, 16 rows]
+        return torch.from_numpy(np.ascontiguousarray(pairs.reshape(nb, BLOCK_N, k // 2).transpose(0, 2, 1))
+                                .view(np.uint8).reshape(-1))
     if int(codes.max()) > 15:
         raise ValueError(f"codes: bits=4 needs codes in 0..15, got a maximum of {int(codes.max())}")
-    # chunks of 4 vectors: [blocks, K/8, vector v, lane L, i]; byte (L, s, i) = v=s | v=2+s << 4
-    v = vec.reshape(n // BLOCK_N, k // 8, 4, 4, 8)
-    lo = v[:, :, 0:2].permute(0, 1, 3, 2, 4)
-    hi = v[:, :, 2:4].permute(0, 1, 3, 2, 4)
-    return (lo | (hi << 4)).contiguous().reshape(-1)
+    # chunks of 4 vectors (k-pairs 4c .. 4c+3) of 32 words: byte (L, s, i) of chunk c = word i of
+    # lane L of vector s | that of vector 2 + s << 4, word i = code[16 b + 4 L + i // 2, 2 (4 c + v) + i % 2].
+    # As k-pairs: [blocks, lane L, row h, chunk c, half (v // 2), s] -> [blocks, c, half, L, s, h]
+    x = np.ascontiguousarray(pairs.reshape(nb, 4, 4, k // 8, 2, 2).transpose(0, 3, 4, 1, 5, 2))
+    # (codes <= 15: a 16-bit shift by 4 never carries into the other byte)
+    return torch.from_numpy(((x[:, :, 1] << 4) | x[:, :, 0]).view(np.uint8).reshape(-1))
 
 
 def unpack(packed: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:

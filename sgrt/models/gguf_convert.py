@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 try:
     import fcntl
@@ -73,6 +73,9 @@ SWEEP_AFTER_SECONDS = 60.0
 WAIT_FOR_BUILDER_SECONDS = 1800.0
 # errno values of a write to a cache that has no room or is read-only
 CACHE_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+# ensure_gguf_source's meanwhile: (the entry folder being built, its HF config, its tensor table)
+Meanwhile = Callable[[Path, dict[str, Any], dict[str, TensorEntry]], None]
 
 # GGUF tensors that carry rotary metadata rather than weights (read by the families' gguf_extras
 # or gguf_config).
@@ -180,7 +183,7 @@ def gguf_entry(gguf_path: Path, cache_dir: str | Path | None = None) -> Path:
 
 
 def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None = None,
-                       repair: bool = False) -> tuple[Path, bool]:
+                       repair: bool = False, meanwhile: Meanwhile | None = None) -> tuple[Path, bool]:
     """``gguf_path``'s cache entry (module docstring), built first if absent: ``(folder,
     built_now)``. An entry with something wrong (:func:`entry_problem`), or any with ``repair``
     (its tokenizer did not load), is read again: its ``source.json`` and ``tokenizer/`` are
@@ -191,6 +194,15 @@ def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None 
     sgrt.models.gguf_convert``): ``gguf``'s parse of a GGUF's metadata holds ~160 MB for a
     49k-token vocabulary and ~700 MB for Gemma 3's 262k, and the allocator keeps much of that
     after it is freed; in a child it leaves nothing in the loading process.
+
+    ``meanwhile(folder, hf_config, table)``, where given, runs in this process while the child
+    reads a new entry (not while it repairs one): ``folder`` is the entry being built (its
+    ``tmp`` folder, published with whatever ``meanwhile`` put in it), ``hf_config`` and ``table``
+    what the child writes to ``source.json`` (read here from the file's layout, arrays stepped
+    over: :func:`read_gguf_metadata`). A load packs its weight store there, on the core the child
+    leaves. Where this process cannot read the metadata, ``meanwhile`` is not called (the child
+    reports what is wrong); an exception it raises is raised after the child has finished and its
+    entry is published (a child's error first).
 
     Raises:
         ModelLoadError: an unreadable file, an architecture or tensor no family reads, a tokenizer
@@ -222,16 +234,20 @@ def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None 
             # (the child imports this same sgrt: its root first on the path)
             root = str(Path(__file__).resolve().parents[2])
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+            cmd = [sys.executable, "-m", "sgrt.models.gguf_convert", str(gguf_path), str(tmp), spec]
+            late = None  # (what meanwhile raised)
             with progress(f"reading {gguf_path.name} (once; cached)"):
-                proc = subprocess.run([sys.executable, "-m", "sgrt.models.gguf_convert", str(gguf_path), str(tmp),
-                                       spec], capture_output=True, text=True, env=env)
+                proc, late = _run_child(cmd, env, gguf_path, tmp, spec, None if final.is_dir() else meanwhile)
             if proc.returncode != 0:
                 raise ModelLoadError(_child_error(proc, spec, gguf_path))
             relax_permissions(tmp)
             if final.is_dir():  # (a damaged entry: its stores stay)
                 _replace_parts(tmp, final, (TOKENIZER_DIR, SNAPSHOT_DIR, SOURCE_FILE), spec)
                 return final, True
-            return final, publish_folder(tmp, final, SOURCE_FILE)
+            published = publish_folder(tmp, final, SOURCE_FILE)
+            if late is not None:
+                raise late
+            return final, published
     except ModelLoadError as e:
         if problem is None:
             raise
@@ -241,6 +257,41 @@ def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None 
         what = f"rebuild the cache entry {final} ({problem})" if problem else f"write the cache entry {final}"
         raise ModelLoadError(f"model {spec!r}: cannot {what}: {e}; delete it, or set SGRT_CACHE_DIR to a "
                              f"writable folder") from e
+
+
+def _run_child(cmd: list[str], env: dict[str, str], gguf_path: Path, tmp: Path, spec: str,
+               meanwhile: Meanwhile | None) -> tuple[subprocess.CompletedProcess, Exception | None]:
+    """Run the entry's child ``cmd`` and, while it runs, ``meanwhile(tmp, hf_config, table)``
+    where given (:func:`ensure_gguf_source`): the child's finished process (its output as text)
+    and the exception ``meanwhile`` raised, if any. The child writes to temporary files, so it
+    never waits on a full pipe while this process works. Interrupted (``KeyboardInterrupt``), the
+    child is killed."""
+    hf_cfg = table = None
+    if meanwhile is not None:
+        try:  # (read as the child reads it, then as its source.json reads back; never by gguf here)
+            hf_cfg, _, table, _ = read_gguf_metadata(gguf_path, spec, fallback=False)
+            hf_cfg = json.loads(json.dumps(hf_cfg))
+            table = {e.name: replace(TensorEntry.from_json(json.loads(json.dumps(e.to_json()))),
+                                     path=str(gguf_path)) for e in table.values()}
+        except Exception:  # (the child reads it again and says what is wrong)
+            hf_cfg = table = None
+    late = None
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
+        try:
+            if meanwhile is not None and hf_cfg is not None:
+                try:
+                    meanwhile(tmp, hf_cfg, table)
+                except Exception as e:
+                    late = e
+            child.wait()
+        except BaseException:
+            child.kill()
+            child.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, child.returncode, out.read(), err.read()), late
 
 
 def _replace_parts(tmp: Path, final: Path, parts: tuple[str, ...], spec: str) -> None:
@@ -281,12 +332,13 @@ def _child_error(proc: subprocess.CompletedProcess, spec: str, gguf_path: Path) 
     return f"model {spec!r}: reading {gguf_path} failed ({how}): " + (proc.stderr.strip()[-2000:] or "no message")
 
 
-def read_gguf_metadata(gguf_path: Path, spec: str) -> tuple[dict[str, Any], dict[str, Any],
-                                                             dict[str, TensorEntry], int]:
+def read_gguf_metadata(gguf_path: Path, spec: str, fallback: bool = True) -> tuple[
+        dict[str, Any], dict[str, Any], dict[str, TensorEntry], int]:
     """One read of ``gguf_path``'s metadata and tensor descriptions (its arrays stepped over:
     :mod:`sgrt.models.gguf_layout`; ``gguf.GGUFReader`` where that reader leaves the file): its
     HF-style config, tokenizer facts, tensor table, and the bytes before its tensor data (the
-    metadata, hashed into the entry).
+    metadata, hashed into the entry). With ``fallback=False``, a file the layout reader leaves
+    raises its ``NotReadHere`` instead (no parse by ``gguf``: for the loading process).
 
     Raises:
         ModelLoadError: a file that is not a whole GGUF (what is wrong: :func:`~sgrt.models.
@@ -308,6 +360,8 @@ def read_gguf_metadata(gguf_path: Path, spec: str) -> tuple[dict[str, Any], dict
     try:
         return parse(read_layout(gguf_path))
     except NotReadHere:
+        if not fallback:
+            raise
         return parse(GGUFFile(gguf_path, spec).reader())
 
 
@@ -566,13 +620,143 @@ def _plain_gguf_maps() -> Iterator[None]:
         gguf_reader.np = saved
 
 
+# GGUF value types (gguf's GGUFValueType) of fixed size -> their numpy dtype, as gguf reads them
+_VALUE_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
+                 12: "<f8"}
+_STRING, _ARRAY = 8, 9
+
+
+class ValuesField:
+    """One metadata field as transformers' GGUF loader reads a ``gguf`` ``ReaderField``: its value
+    ``i`` is ``parts[i]`` for ``i`` in ``data``, parsed by ``types`` (``[type]``, or ``[ARRAY,
+    item type]``); a string's value is its UTF-8 bytes, a number's a one-item numpy array of its
+    type (gguf's parts hold the same bytes and numbers, beside the key's and the length prefixes)."""
+
+    __slots__ = ("types", "parts", "data")
+
+    def __init__(self, types: list[int], parts: Any) -> None:
+        self.types = types
+        self.parts = parts
+        self.data = range(len(parts))
+
+
+class MetadataValuesReader:
+    """The metadata values and tensor names of a GGUF, read for transformers' tokenizer in place of
+    ``gguf.GGUFReader`` (what ``load_gguf_checkpoint`` reads of it: ``fields`` in file order, each
+    a :class:`ValuesField`, and ``tensors`` with their names), without a numpy view per value:
+    gguf's parse builds three for every token of a vocabulary (~0.9 s of CPU for a 49k-token one;
+    this reads it in ~0.05 s). The file is checked as :func:`~sgrt.models.gguf_layout.read_layout`
+    checks it.
+
+    Raises:
+        NotReadHere: a file the layout reader leaves (big-endian, damaged), or an array of arrays:
+            the caller parses with gguf's reader.
+        OSError: the file cannot be read.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        from sgrt.models.gguf_layout import read_layout
+
+        layout = read_layout(path)
+        self.tensors = layout.tensors
+        self.data_offset = layout.data_offset
+        with open(path, "rb") as f:
+            head = f.read(layout.data_offset)
+        self.fields = _metadata_values(head)
+
+
+def _metadata_values(head: bytes) -> dict[str, ValuesField]:
+    """The key-value fields of a little-endian GGUF whose metadata is ``head`` (already checked by
+    the layout reader), as :class:`ValuesField`, after the three gguf's reader puts first
+    (``GGUF.version``, ``GGUF.tensor_count``, ``GGUF.kv_count``). A repeated key raises
+    NotReadHere (gguf's reader refuses it, and says so)."""
+    import struct
+
+    import numpy as np
+
+    from sgrt.models.gguf_layout import NotReadHere
+
+    u32, u64 = struct.Struct("<I").unpack_from, struct.Struct("<Q").unpack_from
+    n_kv = u64(head, 16)[0]
+    pos = 24
+    fields: dict[str, ValuesField] = {
+        "GGUF.version": ValuesField([4], [np.frombuffer(head, "<u4", 1, 4)]),
+        "GGUF.tensor_count": ValuesField([10], [np.frombuffer(head, "<u8", 1, 8)]),
+        "GGUF.kv_count": ValuesField([10], [np.frombuffer(head, "<u8", 1, 16)]),
+    }
+    for _ in range(n_kv):
+        n = u64(head, pos)[0]
+        key = head[pos + 8:pos + 8 + n].decode("utf-8")
+        pos += 8 + n
+        kind = u32(head, pos)[0]
+        pos += 4
+        if kind == _ARRAY:
+            item, count = u32(head, pos)[0], u64(head, pos + 4)[0]
+            pos += 12
+            types = [_ARRAY, item]
+            if item == _STRING:
+                parts: Any = []
+                append = parts.append
+                for _ in range(count):
+                    n = u64(head, pos)[0]
+                    append(head[pos + 8:pos + 8 + n])
+                    pos += 8 + n
+            elif item in _VALUE_DTYPES:
+                dtype = np.dtype(_VALUE_DTYPES[item])
+                parts = np.frombuffer(head, dtype, count, pos).reshape(count, 1)
+                pos += dtype.itemsize * count
+            else:
+                raise NotReadHere(f"{key}: an array of value type {item}")
+        elif kind == _STRING:
+            n = u64(head, pos)[0]
+            types, parts = [kind], [head[pos + 8:pos + 8 + n]]
+            pos += 8 + n
+        elif kind in _VALUE_DTYPES:
+            dtype = np.dtype(_VALUE_DTYPES[kind])
+            types, parts = [kind], [np.frombuffer(head, dtype, 1, pos)]
+            pos += dtype.itemsize
+        else:
+            raise NotReadHere(f"{key}: value type {kind}")
+        if key in fields:
+            raise NotReadHere(f"{key}: repeated")
+        fields[key] = ValuesField(types, parts)
+    return fields
+
+
+@contextmanager
+def _tokenizer_reader() -> Iterator[None]:
+    """While the block runs, ``gguf.GGUFReader`` (what transformers' GGUF loader opens) is
+    :class:`MetadataValuesReader`, or gguf's own reader over a plain map (:func:`_plain_gguf_maps`)
+    for a file that one leaves. For the entry's child process only."""
+    import gguf
+
+    from sgrt.models.gguf_layout import NotReadHere
+
+    real = gguf.GGUFReader
+
+    def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs:
+            try:
+                return MetadataValuesReader(path)
+            except NotReadHere:
+                pass
+        with _plain_gguf_maps():
+            return real(path, *args, **kwargs)
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
 def _write_tokenizer(gguf_path: Path, out: Path, facts: dict, spec: str) -> None:
     """Build the tokenizer with transformers from the GGUF and ``save_pretrained`` it to ``out``."""
     from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
     try:
-        with _plain_gguf_maps():
+        with _tokenizer_reader():
             tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                 local_files_only=True)
     except Exception as e:

@@ -161,9 +161,10 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
     torch_device = torch.device(device)
     check_int4_activations(int4_activations, quantization, torch_device)
     kind, src = resolve_spec(spec)
-    source = _checkpoint(kind, src, spec, cache_dir)
     target = target_for(torch_dtype, quantization, torch_device)
+    source = _checkpoint(kind, src, spec, cache_dir, target)
     store, converted = _ensure_store(source, target, spec)
+    converted = converted or source.packed
     try:
         model = build_model(store, source.config, torch_dtype, torch_device, int4_activations)
     except DamagedStore as e:
@@ -202,18 +203,32 @@ class _Checkpoint:
     table: dict[str, Any]
     tokenizer_folder: Path
     entry: Path
+    packed: bool = False  # (its store for the load's target packed while its entry was built)
 
 
-def _checkpoint(kind: str, src: Path, spec: str, cache_dir: str | Path | None) -> _Checkpoint:
-    """Read a GGUF's cache entry (built first if absent) or an HF folder's config and headers."""
+def _checkpoint(kind: str, src: Path, spec: str, cache_dir: str | Path | None,
+                target: Target | None = None) -> _Checkpoint:
+    """Read a GGUF's cache entry (built first if absent) or an HF folder's config and headers.
+
+    With ``target``, a GGUF entry built now gets that target's store too, packed in this process
+    while the entry's child process reads the tokenizer (:func:`ensure_gguf_source`'s
+    ``meanwhile``; the result's ``packed`` says so)."""
     from sgrt.models.registry import family_for_hf
 
     if kind == "gguf":
-        entry, _ = ensure_gguf_source(src, spec, cache_dir)
+        packed = []
+
+        def pack(folder: Path, hf_cfg: dict[str, Any], table: dict[str, Any]) -> None:
+            config = family_config(family_for_hf(hf_cfg), hf_cfg, spec, "the GGUF metadata")
+            early = _Checkpoint(kind, src, config, hf_cfg, table, folder / TOKENIZER_DIR, folder)
+            packed.append(_pack_store(early, target, spec, folder / target.key))
+
+        entry, built = ensure_gguf_source(src, spec, cache_dir, meanwhile=pack if target is not None else None)
         hf_cfg, table = read_gguf_source(entry, src)
         family = family_for_hf(hf_cfg)
         config = family_config(family, hf_cfg, spec, "the GGUF metadata")
-        return _Checkpoint(kind, src, config, hf_cfg, table, entry / TOKENIZER_DIR, entry)
+        return _Checkpoint(kind, src, config, hf_cfg, table, entry / TOKENIZER_DIR, entry,
+                           packed=built and packed == [True])
     config = read_hf_config(src, spec)
     files = safetensors_files(src, spec)
     hf_cfg = json.loads((src / "config.json").read_text())
@@ -277,9 +292,7 @@ def _ensure_store(source: _Checkpoint, target: Target, spec: str) -> tuple[Weigh
             that is not writable or full (names the store and the fix), or a damaged store that
             cannot be replaced.
     """
-    from sgrt.models.gguf_convert import building, wait_for_builders
-    from sgrt.models.registry import family_for_hf
-    from sgrt.progress import progress
+    from sgrt.models.gguf_convert import wait_for_builders
 
     final = source.entry / target.key
     store = _existing_store(final, target, spec)
@@ -287,6 +300,22 @@ def _ensure_store(source: _Checkpoint, target: Target, spec: str) -> tuple[Weigh
         store = _existing_store(final, target, spec)
     if store is not None:
         return store, False
+    published = _pack_store(source, target, spec, final)
+    return _open_store(final, target), published
+
+
+def _pack_store(source: _Checkpoint, target: Target, spec: str, final: Path) -> bool:
+    """Pack the checkpoint's weights for ``target`` into a store at ``final`` (built beside it,
+    then renamed into place: :func:`publish_folder`); True if ours was published, False if another
+    process's was there first.
+
+    Raises:
+        ModelLoadError: as :func:`_ensure_store`.
+    """
+    from sgrt.models.gguf_convert import building
+    from sgrt.models.registry import family_for_hf
+    from sgrt.progress import progress
+
     with building(final, spec) as tmp:
         tensors = CheckpointTensors(source.table, spec)
         writer = None
@@ -311,7 +340,7 @@ def _ensure_store(source: _Checkpoint, target: Target, spec: str) -> tuple[Weigh
             if writer is not None:
                 writer.abandon()
             tensors.close()
-    return _open_store(final, target), published
+    return published
 
 
 def _parameter_bytes(model: Any) -> int:

@@ -126,3 +126,60 @@ def test_gguf_reader_over_a_plain_map_reads_the_same_fields(tmp_path):
         assert (ta.name, ta.tensor_type, ta.data_offset) == (tb.name, tb.tensor_type, tb.data_offset)
         assert np.array_equal(ta.data, tb.data)
     assert gguf.gguf_reader.np is np
+
+
+@pytest.mark.parametrize("which", ["packaged", "written"])
+def test_metadata_values_reader_gives_transformers_the_fields_gguf_gives(tmp_path, which):
+    """The entry's child hands transformers' GGUF loader :class:`~sgrt.models.gguf_convert.
+    MetadataValuesReader` in place of gguf's reader (``_tokenizer_reader``): every field parses
+    (transformers' ``_gguf_parse_value``) to the same values, in the same order, and the tensor
+    names are the same; the tokenizer it builds is the same files."""
+    import gguf
+    from transformers.integrations.ggml import _gguf_parse_value
+
+    from sgrt.models.specs import default_gguf_path
+
+    if which == "packaged":
+        path = default_gguf_path()
+    else:
+        path = write_gguf(tmp_path / "q.gguf", Shape("qwen2", 1, 256, 512, 4, 2, context=512, qkv_bias=True), Q4_K_M)
+    a = gguf.GGUFReader(str(path))
+    with gguf_convert._tokenizer_reader():
+        b = gguf.GGUFReader(str(path))
+    assert isinstance(b, gguf_convert.MetadataValuesReader) and gguf.GGUFReader is a.__class__
+    assert list(a.fields) == list(b.fields)
+
+    def values(field):
+        return [_gguf_parse_value(field.parts[i], field.types) for i in field.data]
+
+    for key, fa in a.fields.items():
+        fb = b.fields[key]
+        assert list(fa.types) == fb.types and values(fa) == values(fb), key
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    if which == "packaged":
+        _, facts, _, _ = gguf_convert.read_gguf_metadata(path, "x")
+        outs = [tmp_path / "real", tmp_path / "values"]
+        saved = gguf_convert._tokenizer_reader
+        try:
+            gguf_convert._tokenizer_reader = gguf_convert._plain_gguf_maps
+            gguf_convert._write_tokenizer(path, outs[0], facts, "x")
+        finally:
+            gguf_convert._tokenizer_reader = saved
+        gguf_convert._write_tokenizer(path, outs[1], facts, "x")
+        names = sorted(p.name for p in outs[0].iterdir())
+        assert names == sorted(p.name for p in outs[1].iterdir())
+        assert all((outs[0] / n).read_bytes() == (outs[1] / n).read_bytes() for n in names)
+
+
+def test_metadata_values_reader_leaves_arrays_of_arrays_to_gguf(tmp_path):
+    """An array of arrays (no model file has one) is left to gguf's reader: the values reader
+    raises NotReadHere, and ``_tokenizer_reader`` then opens gguf's."""
+    import gguf
+
+    path = _small(tmp_path / "nested.gguf", "llama", {"token_embd.weight": np.zeros((4, 32), np.float32)},
+                  {"test.nested": ([[1, 2], [3]], gguf.GGUFValueType.ARRAY)})
+    with pytest.raises(NotReadHere):
+        gguf_convert.MetadataValuesReader(path)
+    with gguf_convert._tokenizer_reader():
+        reader = gguf.GGUFReader(str(path))
+    assert isinstance(reader, gguf.gguf_reader.GGUFReader) and "test.nested" in reader.fields

@@ -86,9 +86,10 @@ def test_gguf_path_packs_once_then_maps_the_store(tmp_path: Path, loaded_model: 
 
 
 def test_loads_parse_no_gguf_in_the_loading_process(tmp_path: Path, monkeypatch):
-    """A first int4 load parses the file's metadata once, in a child process that writes the cache
-    entry (Gemma 3's takes ~27 s and ~700 MB), and packs the weights from that entry's tensor table;
-    a warm load parses nothing. The loading process itself never parses the GGUF."""
+    """A first int4 load parses the file's metadata for the tokenizer in a child process that
+    writes the cache entry (Gemma 3's took ~27 s and ~700 MB with gguf's reader), and packs the
+    weights meanwhile from the tensor table of the file's layout (arrays stepped over); a warm load
+    parses nothing. The loading process itself never parses the GGUF with gguf's reader."""
     import sys
 
     import gguf
@@ -389,3 +390,59 @@ def test_packaged_gguf_is_verified_once_while_its_files_stay(tmp_path: Path, mon
     chunk.write_bytes(b"y" * 64)
     assert specs.packaged_gguf(specs.GEMMA3_270M) == target and len(calls) == 2
     assert specs.packaged_gguf(specs.GEMMA3_270M) == target and len(calls) == 2
+
+
+def test_cold_gguf_load_packs_its_store_while_the_entry_is_read(tmp_path: Path, monkeypatch):
+    """A first load packs the weights in the loading process while the entry's child reads the
+    tokenizer (the store is built inside the entry's temporary folder and published with it); the
+    store is byte for byte the one a load packs after the entry exists."""
+    gguf_path = loader.default_gguf_path()
+    packed_into: list[Path] = []
+    real = loader._pack_store
+
+    def spy(source, target, spec, final):
+        packed_into.append(final)
+        return real(source, target, spec, final)
+
+    monkeypatch.setattr(loader, "_pack_store", spy)
+    cold = load_model(str(gguf_path), quantization="int4", cache_dir=tmp_path / "overlap")
+    assert cold.converted and len(packed_into) == 1
+    assert packed_into[0].parent.name.startswith(".tmp-") and packed_into[0].name == cold.path.name
+    assert sorted(p.name for p in cold.path.parent.iterdir() if p.name.startswith(".")) == []
+
+    loader.ensure_gguf_source(gguf_path, "seq", tmp_path / "seq")  # (entry first, no store in it)
+    packed_into.clear()
+    seq = load_model(str(gguf_path), quantization="int4", cache_dir=tmp_path / "seq")
+    assert seq.converted and len(packed_into) == 1 and not packed_into[0].parent.name.startswith(".tmp-")
+    assert (seq.path / "weights.bin").read_bytes() == (cold.path / "weights.bin").read_bytes()
+    manifests = [json.loads((lm.path / "manifest.json").read_text()) for lm in (cold, seq)]
+    for m in manifests:
+        m.get("meta", m).pop("created", None)
+    assert manifests[0] == manifests[1]
+    assert json.loads((seq.path.parent / "source.json").read_text())["tensors"] == \
+        json.loads((cold.path.parent / "source.json").read_text())["tensors"]
+
+
+def test_entry_meanwhile_runs_once_and_its_error_follows_the_published_entry(tmp_path: Path):
+    """``ensure_gguf_source``'s ``meanwhile`` gets the entry's folder, config and table while the
+    child runs; what it writes there is published with the entry; an error it raises is raised
+    once the entry is in place; an existing entry calls nothing."""
+    from sgrt.models.gguf_convert import SOURCE_FILE, TOKENIZER_DIR, gguf_entry
+
+    gguf_path = loader.default_gguf_path()
+    calls = []
+
+    def meanwhile(folder, hf_cfg, table):
+        calls.append((folder, hf_cfg, table))
+        (folder / "extra").write_text("x")
+        raise ModelLoadError("packing failed")
+
+    with pytest.raises(ModelLoadError, match="packing failed"):
+        loader.ensure_gguf_source(gguf_path, "m", tmp_path, meanwhile=meanwhile)
+    entry = gguf_entry(gguf_path, tmp_path)
+    assert len(calls) == 1 and calls[0][0].parent == entry.parent and calls[0][0].name.startswith(".tmp-")
+    assert (entry / "extra").read_text() == "x" and (entry / SOURCE_FILE).is_file() and (entry / TOKENIZER_DIR).is_dir()
+    hf_cfg, table = loader.read_gguf_source(entry, gguf_path)
+    assert calls[0][1] == hf_cfg and calls[0][2] == table
+    assert loader.ensure_gguf_source(gguf_path, "m", tmp_path, meanwhile=meanwhile) == (entry, False)
+    assert len(calls) == 1

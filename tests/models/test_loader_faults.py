@@ -302,19 +302,19 @@ def test_a_killed_gguf_reader_is_named_and_the_next_load_reads_the_file(tiny, tm
     raises a ModelLoadError naming the file and the signal, nothing of the entry stays, and the
     next load reads the file and gives its logits."""
     cache = tmp_path / "cache"
-    real = subprocess.run
+    real = subprocess.Popen
 
     def killed_child(cmd, **kw):
         out = cmd[-2]  # (the entry's temporary folder)
         return real([sys.executable, "-c", "import os, signal, sys; open(sys.argv[1] + '/source.json', 'w')"
                      ".write('{\"format'); os.kill(os.getpid(), signal.SIGKILL)", out], **kw)
 
-    monkeypatch.setattr(gguf_convert.subprocess, "run", killed_child)
+    monkeypatch.setattr(gguf_convert.subprocess, "Popen", killed_child)
     with pytest.raises(ModelLoadError) as e:
         load_model(str(tiny["gguf"]), dtype="float32", cache_dir=cache)
     assert f"reading {tiny['gguf']} failed (the process reading it was killed by SIGKILL" in str(e.value)
     assert _listing(cache / "gguf") == []
-    monkeypatch.setattr(gguf_convert.subprocess, "run", real)
+    monkeypatch.setattr(gguf_convert.subprocess, "Popen", real)
     lm = load_model(str(tiny["gguf"]), dtype="float32", cache_dir=cache)
     assert lm.converted and torch.equal(lm.model.forward_simple(IDS), tiny["logits"])
 

@@ -551,6 +551,31 @@ def test_pack_unpack_round_trip(bits, shape):
     assert torch.equal(woq.unpack(packed, n, k, bits), codes)
 
 
+def _pack_by_permutes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The packed layout built byte by byte with torch's permutes (pack's first form)."""
+    n, k = codes.shape
+    vec = codes.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32)
+    if bits == 8:
+        return vec.contiguous().reshape(-1)
+    v = vec.reshape(n // 16, k // 8, 4, 4, 8)
+    lo, hi = v[:, :, 0:2].permute(0, 1, 3, 2, 4), v[:, :, 2:4].permute(0, 1, 3, 2, 4)
+    return (lo | (hi << 4)).contiguous().reshape(-1)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_moves_k_pairs_as_words_to_the_same_bytes(bits):
+    """pack moves each k-pair's two codes as one 16-bit word: every byte is where the byte-wise
+    permutes put it, for contiguous and strided codes."""
+    g = torch.Generator().manual_seed(5)
+    for n, k in [(16, 32), (48, 96), (960, 576), (256, 2048)]:
+        codes = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=g)
+        assert torch.equal(woq.pack(codes, bits), _pack_by_permutes(codes, bits))
+        strided = torch.randint(0, 2 ** bits, (n, 2 * k), dtype=torch.uint8, generator=g)[:, ::2]
+        assert torch.equal(woq.pack(strided, bits), _pack_by_permutes(strided.contiguous(), bits))
+    top = torch.full((16, 32), 2 ** bits - 1, dtype=torch.uint8)  # (no carry between a word's bytes)
+    assert torch.equal(woq.pack(top, bits), _pack_by_permutes(top, bits))
+
+
 def test_packed_layout_as_documented():
     """Spot checks of the layout in the module docstring (block 1, k-pair 5 / chunk 1)."""
     n, k = 32, 64
