@@ -38,7 +38,7 @@ from sgrt.engine.request import Req
 from sgrt.engine.sampling_params import SamplingParams
 from sgrt.engine.scheduler import Row, Scheduler, SchedulerConfig
 from sgrt.engine.speculative import SpecConfig, SpecPlanner
-from sgrt.engine.threads import ThreadGovernor, extend_work, kind_of, pair_weight
+from sgrt.engine.threads import ThreadGovernor, decode_work, extend_work, kind_of, kv_weight, pair_weight
 from sgrt.errors import GrammarError, InvalidRequest
 
 logger = logging.getLogger("sgrt.engine")
@@ -259,6 +259,7 @@ class Engine:
         self._threads_now = self.threads.max_threads
         self._pair_weight = pair_weight(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                                         cfg.head_dim, cfg.intermediate_size)
+        self._kv_weight = kv_weight(self.pool.bytes_per_token(), self.loaded.nbytes)
         self._thread = threading.Thread(target=self._loop, name="sgrt-engine", daemon=True)
         logger.info("engine: %s", self.describe())
         _LIVE_ENGINES.add(self)
@@ -440,7 +441,12 @@ class Engine:
     def _forward(self, rows: list[Row]) -> list[torch.Tensor]:
         offsets = [self.outputs.logit_offsets(row) for row in rows]
         kind = kind_of(len(rows) if all(r.n == 1 for r in rows) else None, sum(r.n for r in rows))
-        work = extend_work([(r.start, r.n) for r in rows], self._pair_weight) if kind[0] == "prefill" else 1.0
+        if kind[0] == "prefill":
+            work = extend_work([(r.start, r.n) for r in rows], self._pair_weight)
+        elif kind[0] == "decode":
+            work = decode_work([r.start + 1 for r in rows], self._kv_weight)
+        else:
+            work = 1.0
         threads = self.threads.choose(kind)
         if threads != self._threads_now:  # (the loop thread's own OpenMP team size; ~1 us)
             torch.set_num_threads(threads)

@@ -14,7 +14,10 @@ another one to see whether that changed. A step much slower than the kind's rece
 machine got busier) triggers that look at once.
 
 Kinds: a decode-only forward by its rows (1, 2-3, 4-7, ...), a small extend by its tokens (powers
-of two): step times within a kind are comparable. Every forward of :data:`PREFILL_TOKENS` tokens or
+of two): step times within a kind are comparable. A decode step's time grows with its rows'
+contexts (each reads its K/V besides the weights): it is timed per unit of work too
+(:func:`decode_work`: the weights' bytes plus the K/V bytes it reads), so a step over 8,000 tokens
+after steps over 500 (an agent switching conversations) is not taken for a busier machine. Every forward of :data:`PREFILL_TOKENS` tokens or
 more is one kind, ``("prefill", PREFILL_TOKENS)``, timed per unit of work (:func:`extend_work`:
 its tokens plus its attention's query-key pairs, weighed by the model's FLOPs): a 1,000-token step
 over a 3,000-token context and a 200-token one over none then compare, so one of them being slower
@@ -60,6 +63,19 @@ def pair_weight(hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int)
     SmolLM2-135M: ~1/3,000 (a token over a 3,000-token context costs twice one over none)."""
     proj = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * ffn
     return (4 * heads * head_dim) / (2 * proj)
+
+
+def kv_weight(kv_bytes_per_token: int, weight_bytes: int) -> float:
+    """The K/V bytes of one context token (all layers) over the weights' bytes, which a decode step
+    reads once: what one token of context adds to a memory-bound decode step, in steps (SmolLM2-135M
+    int4, ~97 MB of weights: ~1.3e-4 with int8 K/V, ~2.4e-4 with bfloat16). 0 without weights."""
+    return kv_bytes_per_token / weight_bytes if weight_bytes > 0 else 0.0
+
+
+def decode_work(contexts: list[int], weight: float) -> float:
+    """A decode-only forward's work in units of one pass over the weights: ``1 + weight *
+    sum(contexts)`` (``contexts``: each row's keys attended, ``weight``: :func:`kv_weight`)."""
+    return 1.0 + weight * sum(contexts)
 
 
 def extend_work(rows: list[tuple[int, int]], weight: float) -> float:

@@ -98,10 +98,16 @@ class LoadedModel:
         """The GGUF file or HF folder the spec resolved to (:attr:`source` without its kind)."""
         return self.source.split(":", 1)[-1]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weights: :attr:`weight_bytes` where the load knew them, else the model's
+        parameters and buffers."""
+        return self.weight_bytes or _parameter_bytes(self.model)
+
     def describe(self) -> str:
         """One line for a person: dtype, quantization, bytes of weights, where they are mapped
         from (what a load log or ``sgrt generate`` says it loaded)."""
-        nbytes = self.weight_bytes or _parameter_bytes(self.model)
+        nbytes = self.nbytes
         return (f"{str(self.model.dtype).removeprefix('torch.')}, quantization {self.model.quantization}, "
                 f"{nbytes / 1e9:.2f} GB of weights mapped from {self.path}")
 

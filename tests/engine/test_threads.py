@@ -7,7 +7,8 @@ import pytest
 
 import random
 
-from sgrt.engine.threads import EXPLORE_MAX, EXPLORE_MIN, ThreadGovernor, extend_work, kind_of, pair_weight
+from sgrt.engine.threads import (EXPLORE_MAX, EXPLORE_MIN, ThreadGovernor, decode_work, extend_work, kind_of, kv_weight,
+                                pair_weight)
 
 
 def _run(gov: ThreadGovernor, seconds_of, steps: int, kind=("decode", 1)) -> list[int]:
@@ -118,3 +119,36 @@ def test_engine_outputs_do_not_depend_on_the_thread_policy(loaded_model):
             outs.append([r.token_ids for r in eng.generate_batch(prompts, SamplingParams(max_tokens=24))])
             assert eng.threads.adaptive == (adaptive and eng.threads.max_threads > 1)
     assert outs[0] == outs[1]
+
+
+def test_decode_work_weighs_context_by_kv_bytes():
+    w = kv_weight(12_240, 97_000_000)  # SmolLM2-135M int4 with int8 K/V
+    assert w == pytest.approx(12_240 / 97e6) and kv_weight(100, 0) == 0.0
+    assert decode_work([8000], w) == pytest.approx(1 + 8000 * w)
+    assert decode_work([500, 700], 1e-4) == pytest.approx(1 + 1200 * 1e-4)
+
+
+def test_decode_steps_over_short_and_long_contexts_share_one_choice():
+    """A batch-1 decode alternating between a 500- and an 8,000-token conversation (an agent
+    switching sessions): a long step takes ~2x a short one. Timed per unit of work, the long steps
+    are not taken for a busier machine: one thread is tried rarely. (Timed per step, every first
+    long step after short ones looked 1.5x too slow and ran the next one on one thread.)"""
+    gov, w = ThreadGovernor(2), 1.3e-4
+    per_unit = {2: 4e-3, 1: 7e-3}
+    ones = 0
+    for i in range(400):
+        context = 500 if (i // 16) % 2 == 0 else 8000  # 16 tokens of one, then 16 of the other
+        work = decode_work([context], w)
+        n = gov.choose(("decode", 1))
+        gov.record(("decode", 1), n, per_unit[n] * work, work)
+        ones += n == 1
+    assert ones <= 6, ones
+    assert gov.summary() == {"decode/1": 2}
+    # per step, as before: the same load tries one thread after most switches
+    gov, ones = ThreadGovernor(2), 0
+    for i in range(400):
+        context = 500 if (i // 16) % 2 == 0 else 8000
+        n = gov.choose(("decode", 1))
+        gov.record(("decode", 1), n, per_unit[n] * decode_work([context], w))
+        ones += n == 1
+    assert ones > 6
