@@ -478,6 +478,7 @@ void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float*
                      const int8_t* kpf, const int8_t* vpf, int64_t npf) {
   static_assert(DC % 64 == 0 && DC <= 256);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  constexpr int64_t kAhead = 16;
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, len - j0);
     const int8_t* kr[16];
@@ -487,14 +488,14 @@ void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float*
       // slots s0 .. s0 + 15 (a request's own tokens usually are): rows at a fixed stride, the next
       // 16 rows prefetched as if they follow (no slot read); scales a strided gather
       for (int u = 0; u < 16; ++u) kr[u] = kbase + (s0 + u) * row;
-      if (j0 + 16 < len) {
+      if (j0 + kAhead < len) {
         if (npf == row) {  // whole rows: one run of bytes
-          prefetch_row<_MM_HINT_T0>(kpf + (s0 + 16) * row, 16 * row);
-          prefetch_row<_MM_HINT_T1>(vpf + (s0 + 16) * row, 16 * row);
+          prefetch_row<_MM_HINT_T0>(kpf + (s0 + kAhead) * row, 16 * row);
+          prefetch_row<_MM_HINT_T1>(vpf + (s0 + kAhead) * row, 16 * row);
         } else {
           for (int u = 0; u < 16; ++u) {
-            prefetch_row<_MM_HINT_T0>(kpf + (s0 + 16 + u) * row, npf);
-            prefetch_row<_MM_HINT_T1>(vpf + (s0 + 16 + u) * row, npf);
+            prefetch_row<_MM_HINT_T0>(kpf + (s0 + kAhead + u) * row, npf);
+            prefetch_row<_MM_HINT_T1>(vpf + (s0 + kAhead + u) * row, npf);
           }
         }
       }
