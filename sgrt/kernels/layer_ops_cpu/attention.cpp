@@ -365,6 +365,13 @@ inline float max_of(const float* x, int64_t n) {
 }
 
 #if defined(__AVX512F__)
+// The scales of 16 consecutive slots of one kv head: base[0], base[hkv], ..., base[15 * hkv].
+inline __m512 gather16(const float* base, int64_t hkv) {
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(static_cast<int32_t>(hkv)));
+  return _mm512_i32gather_ps(idx, base, 4);
+}
+
 // Whether s[0..16) are s[0], s[0] + 1, ..., s[0] + 15.
 inline bool consecutive16(const int64_t* s) {
   const __m512i base = _mm512_set1_epi64(s[0]);
@@ -380,11 +387,9 @@ inline bool consecutive16(const int64_t* s) {
 inline void gather_scales(const float* scales, int64_t hkv, const int64_t* rs, int64_t len, float* out) {
   int64_t j = 0;
 #if defined(__AVX512F__)
-  const __m512i stride = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(static_cast<int32_t>(hkv)));
   for (; j + 16 <= len; j += 16) {
     if (consecutive16(rs + j)) {
-      _mm512_storeu_ps(out + j, _mm512_i32gather_ps(stride, scales + rs[j] * hkv, 4));
+      _mm512_storeu_ps(out + j, gather16(scales + rs[j] * hkv, hkv));
     } else {
       for (int64_t u = j; u < j + 16; ++u) out[u] = scales[rs[u] * hkv];
     }
@@ -411,23 +416,37 @@ struct QuantizedQuery {
   float dx;            // NaN where the row holds NaN or infinity
 };
 
+// The largest |x[j]| of x[0..n), or NaN where one of them is NaN.
+inline float abs_max_or_nan(const float* x, int64_t n) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  __m512 m = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, _mm512_andnot_ps(sign, v));
+  }
+  if (j < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(tail, x + j);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, _mm512_andnot_ps(sign, v));
+  }
+  return nan ? NAN : _mm512_reduce_max_ps(m);
+}
+
 // d floats (d <= 256, a multiple of 16) into one QuantizedQuery.
 inline void quantize_query(const float* x, int64_t d, QuantizedQuery& out) {
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  __m512 mx = _mm512_setzero_ps();
-  for (int64_t c = 0; c < d; c += 16) mx = _mm512_max_ps(mx, _mm512_andnot_ps(sign, _mm512_loadu_ps(x + c)));
-  const float a = _mm512_reduce_max_ps(mx);
-  const bool finite = a < INFINITY;  // (false for NaN too; max_ps may drop a NaN: checked below)
+  const float a = abs_max_or_nan(x, d);
+  const bool finite = a < INFINITY;  // (false for NaN too)
   const __m512 inv = _mm512_set1_ps(finite && a > 0.f ? 127.f / a : 0.f);
   __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
-  __mmask16 nan = 0;
   auto* q1 = reinterpret_cast<int8_t*>(out.q1);
   auto* q2 = reinterpret_cast<int8_t*>(out.q2);
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t c = 0; c < d; c += 16) {
-    const __m512 v = _mm512_loadu_ps(x + c);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    const __m512 t = _mm512_mul_ps(v, inv);
+    const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(x + c), inv);
     const __m512 r1 = _mm512_roundscale_ps(t, kNearest);
     const __m512 r2 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(t, r1), _mm512_set1_ps(254.f)), kNearest);
     const __m512i i1 = _mm512_cvtps_epi32(r1), i2 = _mm512_cvtps_epi32(r2);
@@ -437,9 +456,8 @@ inline void quantize_query(const float* x, int64_t d, QuantizedQuery& out) {
     s2 = _mm512_add_epi32(s2, i2);
   }
   out.correction = 128 * (254 * _mm512_reduce_add_epi32(s1) + _mm512_reduce_add_epi32(s2));
-  out.dx = finite && nan == 0 ? a / (127.f * 254.f) : NAN;
+  out.dx = finite ? a / (127.f * 254.f) : NAN;
 }
-
 
 // In place: r[m] lane u = dword m of r[u] before (a 16 x 16 transpose of 32-bit words).
 inline void transpose16(__m512i* r) {
@@ -499,10 +517,8 @@ void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float*
           }
         }
       }
-      const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32(static_cast<int32_t>(hkv)));
-      kv = _mm512_i32gather_ps(idx, ks + s0 * hkv, 4);
-      if (vout) _mm512_storeu_ps(vout + j0, _mm512_i32gather_ps(idx, vs + s0 * hkv, 4));
+      kv = gather16(ks + s0 * hkv, hkv);
+      if (vout) _mm512_storeu_ps(vout + j0, gather16(vs + s0 * hkv, hkv));
       if (j0 + 16 < len) {  // the next 16 keys' scales: 16 * hkv floats each
         for (int64_t o = 0; o < 16 * hkv; o += 16) {
           _mm_prefetch(reinterpret_cast<const char*>(ks + (s0 + 16) * hkv + o), _MM_HINT_T0);
@@ -545,28 +561,7 @@ void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float*
     }
   }
 }
-#endif
 
-#ifdef SGRT_INT8_SCORES
-// The largest |x[j]| of x[0..n), or NaN where one of them is NaN.
-inline float abs_max_or_nan(const float* x, int64_t n) {
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  __m512 m = _mm512_setzero_ps();
-  __mmask16 nan = 0;
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const __m512 v = _mm512_loadu_ps(x + j);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    m = _mm512_max_ps(m, _mm512_andnot_ps(sign, v));
-  }
-  if (j < n) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(tail, x + j);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    m = _mm512_max_ps(m, _mm512_andnot_ps(sign, v));
-  }
-  return nan ? NAN : _mm512_reduce_max_ps(m);
-}
 
 // acc[i * d + c] += sum_j p[i * stride + j] * v_j[c] for G query heads of one kv head over int8
 // value codes (head_dim DC, a multiple of 64), in integers: each head's weights are quantized to
@@ -654,9 +649,7 @@ void accumulate_values_int8_in(const float* p, int64_t gi, const int8_t* vbase, 
     }
   }
 }
-#endif
 
-#ifdef SGRT_INT8_SCORES
 // score_keys_int8 over gi query heads of one kv head, in groups of at most 4 (the first group
 // also reads the values' scales into vout).
 template <int DC>
@@ -736,8 +729,6 @@ AttendScratch& attend_scratch() {
   thread_local AttendScratch s;
   return s;
 }
-
-
 
 // Items [begin, end) of w. DC: head_dim known at compile time (64, 128, 256: AVX-512 paths whose loops
 // over it unroll), or 0 for any other head_dim (portable loops). KR: the caches' raw type, R (q's) or
@@ -831,14 +822,18 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
     }
     // an int8 pool: each kv head's scales of the item's keys gathered once through the slot table
     // (for all its query heads), and row i's values x[j] multiplied by them
+    // rows [i, e) of x times by[0..len)
+    auto multiply_rows = [&](int64_t i, int64_t e, const float* by, float* x) {
+      for (; i < e; ++i) {
+        float* xi = x + i * span;
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) xi[j] *= by[j];
+      }
+    };
     auto scale_rows = [&](const float* all, float* x) {
       runs([&](int64_t i, int64_t e, int64_t kh) {
         gather_scales(all + kh, hkv, rs, len, kv_scales);
-        for (; i < e; ++i) {
-          float* xi = x + i * span;
-#pragma omp simd
-          for (int64_t j = 0; j < len; ++j) xi[j] *= kv_scales[j];
-        }
+        multiply_rows(i, e, kv_scales, x);
       });
     };
     if constexpr (kInt8 && !kIntScores) scale_rows(a.ks, scores);  // the scores of codes times their keys' scales
@@ -855,14 +850,7 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
       maxes[i] = m;
     }
     if constexpr (kIntScores) {  // each weight times its value's scale, read by the score loops
-      runs([&](int64_t i, int64_t e, int64_t kh) {
-        const float* vsc = kv_scales + kh * span;
-        for (; i < e; ++i) {
-          float* xi = scores + i * span;
-#pragma omp simd
-          for (int64_t j = 0; j < len; ++j) xi[j] *= vsc[j];
-        }
-      });
+      runs([&](int64_t i, int64_t e, int64_t kh) { multiply_rows(i, e, kv_scales + kh * span, scores); });
     } else if constexpr (kInt8) {
       scale_rows(a.vs, scores);  // each weight times its value's scale (sums: the plain weights)
     }
