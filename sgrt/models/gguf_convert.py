@@ -49,6 +49,7 @@ import torch
 from sgrt.errors import ModelLoadError
 from sgrt.models.cache_files import delete_path, set_aside
 from sgrt.models.checkpoint import GGUFFile, gguf_hf_config
+from sgrt.models.gguf_header import _ARRAY, _SCALARS, _STRING
 from sgrt.models.tokenizer_snapshot import SNAPSHOT_DIR
 from sgrt.models.weight_files import TensorEntry, gguf_tensor_table
 from sgrt.paths import cache_root
@@ -621,9 +622,8 @@ def _plain_gguf_maps() -> Iterator[None]:
 
 
 # GGUF value types (gguf's GGUFValueType) of fixed size -> their numpy dtype, as gguf reads them
-_VALUE_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
-                 12: "<f8"}
-_STRING, _ARRAY = 8, 9
+# (the header reader's struct formats, little-endian)
+_VALUE_DTYPES = {kind: "<" + fmt for kind, fmt in _SCALARS.items()}
 
 
 class ValuesField:
