@@ -17,12 +17,13 @@ Kinds: a decode-only forward by its rows (1, 2-3, 4-7, ...), a small extend by i
 of two): step times within a kind are comparable. A decode step's time grows with its rows'
 contexts (each reads its K/V besides the weights): it is timed per unit of work too
 (:func:`decode_work`: the weights' bytes plus the K/V bytes it reads), so a step over 8,000 tokens
-after steps over 500 (an agent switching conversations) is not taken for a busier machine. Every forward of :data:`PREFILL_TOKENS` tokens or
-more is one kind, ``("prefill", PREFILL_TOKENS)``, timed per unit of work (:func:`extend_work`:
-its tokens plus its attention's query-key pairs, weighed by the model's FLOPs): a 1,000-token step
-over a 3,000-token context and a 200-token one over none then compare, so one of them being slower
-is not taken for a busier machine, and the thread counts are tried once for all prefill sizes,
-not once per size (each try of one thread on a heavy prefill step costs that step half its speed).
+after steps over 500 (an agent switching conversations) is not taken for a busier machine.
+Every forward of :data:`PREFILL_TOKENS` tokens or more is one kind, ``("prefill",
+PREFILL_TOKENS)``, timed per unit of work (:func:`extend_work`: its tokens plus its attention's
+query-key pairs, weighed by the model's FLOPs): a 1,000-token step over a 3,000-token context and
+a 200-token one over none then compare, so one of them being slower is not taken for a busier
+machine, and the thread counts are tried once for all prefill sizes, not once per size (each try
+of one thread on a heavy prefill step costs that step half its speed).
 """
 from __future__ import annotations
 
