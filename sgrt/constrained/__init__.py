@@ -16,7 +16,7 @@ from typing import Any
 _EXPORTS = {
     "allocate_token_bitmask": "sgrt.constrained.bitmask",
     "apply_token_bitmask_": "sgrt.constrained.bitmask",
-    "BACKENDS": "sgrt.constrained.compiler",
+    "BACKENDS": "sgrt.constrained.options",
     "GrammarCompiler": "sgrt.constrained.compiler",
     "grammar_files": "sgrt.constrained.lark_files",
     "load_grammar_text": "sgrt.constrained.lark_files",

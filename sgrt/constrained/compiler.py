@@ -26,13 +26,13 @@ from sgrt.constrained import limits as _limits
 from sgrt.constrained.grammar import CompiledGrammar, Grammar
 from sgrt.constrained.lark_files import GRAMMARS_DIR, grammar_files, load_grammar_text  # noqa: F401 - re-exported
 from sgrt.constrained.limits import GrammarLimits
-from sgrt.constrained.options import GrammarOptions
+from sgrt.constrained.options import BACKENDS, GrammarOptions
 from sgrt.constrained.patterns import ends_with_lone_backslash
 from sgrt.constrained.schema import load_schema, normalize_loaded
 from sgrt.constrained.vocab import Vocab, build_vocab
 from sgrt.errors import GrammarError
 
-BACKENDS = ("llguidance", "outlines")
+
 class GrammarCompiler:
     """Compiles the constraint of a ``SamplingParams`` into a per-request :class:`Grammar`.
 

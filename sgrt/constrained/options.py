@@ -6,6 +6,9 @@ from typing import Any
 
 from sgrt.errors import GrammarError
 
+# Grammar backends (llguidance the default); here, not in compiler, so a config checks the name
+# without importing the compiler and its schema modules (~0.1 s of a warm load).
+BACKENDS = ("llguidance", "outlines")
 WHITESPACE_MODES = ("compact", "one_space", "flexible")
 ADDITIONAL_PROPERTIES_DEFAULTS = ("closed", "open")
 

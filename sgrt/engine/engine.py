@@ -141,7 +141,7 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
-        from sgrt.constrained.compiler import BACKENDS
+        from sgrt.constrained.options import BACKENDS
 
         if self.max_total_tokens is not None and (
                 isinstance(self.max_total_tokens, bool) or not isinstance(self.max_total_tokens, int)
