@@ -4,12 +4,16 @@ so the converter, the loader and the tokenizer snapshot share it without importi
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
 from pathlib import Path
 
 from sgrt.errors import ModelLoadError
+
+# errno values of a write to a cache that has no room or is read-only
+CACHE_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 def set_aside(path: Path, spec: str, why: str = "") -> None:

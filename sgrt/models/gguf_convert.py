@@ -9,7 +9,8 @@ digest of the file's contents, :func:`gguf_cache_key`):
   table (name, type, shape, byte offset of every tensor: :class:`~sgrt.models.weight_files.
   TensorEntry`, without the file's path, which is the spec's);
 - ``tokenizer/``: the tokenizer built by transformers from the GGUF (``tokenizer.json``,
-  ``tokenizer_config.json`` with the chat template, ``generation_config.json`` with the stop ids).
+  ``tokenizer_config.json`` with the chat template, ``generation_config.json`` with the stop ids;
+  :mod:`sgrt.models.gguf_tokenizer`), and ``tokenizer-snapshot/``, sgrt's reading of it.
 
 The weights are not converted here: each load target's packed store (:mod:`sgrt.models.
 weight_packer`) is a folder inside the entry, read from the GGUF's blocks. Nothing in an entry
@@ -22,7 +23,6 @@ one (benchmarks against other engines, tests); loads never use it.
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -49,7 +49,7 @@ import torch
 from sgrt.errors import ModelLoadError
 from sgrt.models.cache_files import delete_path, set_aside
 from sgrt.models.checkpoint import GGUFFile, gguf_hf_config
-from sgrt.models.gguf_header import _ARRAY, _SCALARS, _STRING
+from sgrt.models.gguf_tokenizer import TOKENIZER_DIR, run_child, write_tokenizer_parts
 from sgrt.models.tokenizer_snapshot import SNAPSHOT_DIR
 from sgrt.models.weight_files import TensorEntry, gguf_tensor_table
 from sgrt.paths import cache_root
@@ -59,7 +59,6 @@ logger = logging.getLogger("sgrt.models")
 # Bump when what an entry holds changes, so stale entries are not reused.
 CONVERTER_VERSION = 2
 SOURCE_FILE = "source.json"
-TOKENIZER_DIR = "tokenizer"
 # Files up to this size are hashed whole (sha256 runs at ~0.5 GB/s: 0.2 s for the default model);
 # larger ones by size plus SAMPLE_BYTES at 16 evenly spaced offsets and the last SAMPLE_BYTES, their
 # entry checked against a hash of the whole metadata (entry_problem).
@@ -72,8 +71,6 @@ SWEEP_AFTER_SECONDS = 60.0
 # How long a load waits for another process building the entry or store it needs before building
 # it too (a pack of an 8B model takes minutes on 2 cores).
 WAIT_FOR_BUILDER_SECONDS = 1800.0
-# errno values of a write to a cache that has no room or is read-only
-CACHE_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 
 # ensure_gguf_source's meanwhile: (the entry folder being built, its HF config, its tensor table)
 Meanwhile = Callable[[Path, dict[str, Any], dict[str, TensorEntry]], None]
@@ -81,10 +78,6 @@ Meanwhile = Callable[[Path, dict[str, Any], dict[str, TensorEntry]], None]
 # GGUF tensors that carry rotary metadata rather than weights (read by the families' gguf_extras
 # or gguf_config).
 GGUF_ROPE_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
-# NOTE: tokenizers with this llama.cpp pre-tokenizer split every digit apart before byte-level
-# BPE; transformers' GGUF tokenizer converter drops that step, so we put it back (it is what the
-# original HF SmolLM2 tokenizer.json does: Digits(individual_digits) then ByteLevel).
-_DIGIT_SPLIT_PRE_TOKENIZERS = {"smollm"}
 
 
 def gguf_cache_key(path: Path, cache_dir: str | Path | None = None) -> str:
@@ -191,19 +184,20 @@ def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None 
     replaced in place and its stores kept, unless the file's metadata is not the one it was read
     from (then the whole entry is replaced).
 
-    The entry is built in a child process (:func:`build_gguf_source` run by ``python -m
-    sgrt.models.gguf_convert``): ``gguf``'s parse of a GGUF's metadata holds ~160 MB for a
-    49k-token vocabulary and ~700 MB for Gemma 3's 262k, and the allocator keeps much of that
-    after it is freed; in a child it leaves nothing in the loading process.
+    This process reads the config and tensor table (arrays stepped over:
+    :func:`read_gguf_metadata`) and writes ``source.json``; the tokenizer is built in a child
+    process (:mod:`sgrt.models.gguf_tokenizer`): transformers' parse of a vocabulary and its
+    imports hold ~160-700 MB, and the allocator keeps much of that after it is freed; in a child
+    it leaves nothing in the loading process. A file this process cannot read (big-endian,
+    damaged) is read whole by the child (:func:`build_gguf_source`), which reports what is wrong.
 
     ``meanwhile(folder, hf_config, table)``, where given, runs in this process while the child
-    reads a new entry (not while it repairs one): ``folder`` is the entry being built (its
-    ``tmp`` folder, published with whatever ``meanwhile`` put in it), ``hf_config`` and ``table``
-    what the child writes to ``source.json`` (read here from the file's layout, arrays stepped
-    over: :func:`read_gguf_metadata`). A load packs its weight store there, on the core the child
-    leaves. Where this process cannot read the metadata, ``meanwhile`` is not called (the child
-    reports what is wrong); an exception it raises is raised after the child has finished and its
-    entry is published (a child's error first).
+    builds a new entry's tokenizer (not while it repairs one): ``folder`` is the entry being built
+    (its ``tmp`` folder, published with whatever ``meanwhile`` put in it), ``hf_config`` and
+    ``table`` as its ``source.json`` reads back. A load packs its weight store there, on the core
+    the child leaves. Where this process cannot read the metadata, ``meanwhile`` is not called; an
+    exception it raises is raised after the child has finished and its entry is published (a
+    child's error first).
 
     Raises:
         ModelLoadError: an unreadable file, an architecture or tensor no family reads, a tokenizer
@@ -235,10 +229,8 @@ def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None 
             # (the child imports this same sgrt: its root first on the path)
             root = str(Path(__file__).resolve().parents[2])
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-            cmd = [sys.executable, "-m", "sgrt.models.gguf_convert", str(gguf_path), str(tmp), spec]
-            late = None  # (what meanwhile raised)
             with progress(f"reading {gguf_path.name} (once; cached)"):
-                proc, late = _run_child(cmd, env, gguf_path, tmp, spec, None if final.is_dir() else meanwhile)
+                proc, late = _run_child(env, gguf_path, tmp, spec, None if final.is_dir() else meanwhile)
             if proc.returncode != 0:
                 raise ModelLoadError(_child_error(proc, spec, gguf_path))
             relax_permissions(tmp)
@@ -260,27 +252,39 @@ def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None 
                              f"writable folder") from e
 
 
-def _run_child(cmd: list[str], env: dict[str, str], gguf_path: Path, tmp: Path, spec: str,
+def _run_child(env: dict[str, str], gguf_path: Path, tmp: Path, spec: str,
                meanwhile: Meanwhile | None) -> tuple[subprocess.CompletedProcess, Exception | None]:
-    """Run the entry's child ``cmd`` and, while it runs, ``meanwhile(tmp, hf_config, table)``
+    """Build the entry in ``tmp`` and, while its child runs, ``meanwhile(tmp, hf_config, table)``
     where given (:func:`ensure_gguf_source`): the child's finished process (its output as text)
-    and the exception ``meanwhile`` raised, if any. The child writes to temporary files, so it
-    never waits on a full pipe while this process works. Interrupted (``KeyboardInterrupt``), the
-    child is killed."""
-    hf_cfg = table = None
-    if meanwhile is not None:
-        try:  # (read as the child reads it, then as its source.json reads back; never by gguf here)
-            hf_cfg, _, table, _ = read_gguf_metadata(gguf_path, spec, fallback=False)
-            hf_cfg = json.loads(json.dumps(hf_cfg))
-            table = {e.name: replace(TensorEntry.from_json(json.loads(json.dumps(e.to_json()))),
-                                     path=str(gguf_path)) for e in table.values()}
-        except Exception:  # (the child reads it again and says what is wrong)
-            hf_cfg = table = None
+    and the exception ``meanwhile`` raised, if any.
+
+    Where this process reads the file's metadata (:func:`read_gguf_metadata`, arrays stepped
+    over), it writes ``source.json`` itself and the child only builds the tokenizer
+    (:mod:`sgrt.models.gguf_tokenizer`, which imports no torch: the child is the cold load's
+    critical path); ``meanwhile`` gets the config and table as ``source.json`` reads back. Where it
+    cannot, the child reads the whole entry (:func:`build_gguf_source`, with gguf's reader; its
+    error is the one reported) and ``meanwhile`` is not called. The child writes to temporary
+    files, so it never waits on a full pipe while this process works. Interrupted
+    (``KeyboardInterrupt``), the child is killed."""
+    try:
+        hf_cfg, facts, table, head = read_gguf_metadata(gguf_path, spec, fallback=False)
+        write_source(tmp, gguf_path, hf_cfg, facts, table, head)
+        hf_cfg, table = read_gguf_source(tmp, gguf_path)
+    except Exception:  # (the child reads it again and says what is wrong)
+        (tmp / SOURCE_FILE).unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "sgrt.models.gguf_convert", str(gguf_path), str(tmp), spec]
+        given, meanwhile = {}, None
+    else:
+        cmd = [sys.executable, "-m", "sgrt.models.gguf_tokenizer", str(gguf_path), str(tmp), spec]
+        given = {"facts": facts, "hf_config": hf_cfg}
     late = None
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        child = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
+    with tempfile.TemporaryFile("w+") as inp, tempfile.TemporaryFile("w+") as out, \
+            tempfile.TemporaryFile("w+") as err:
+        json.dump(given, inp)
+        inp.seek(0)
+        child = subprocess.Popen(cmd, stdin=inp, stdout=out, stderr=err, text=True, env=env)
         try:
-            if meanwhile is not None and hf_cfg is not None:
+            if meanwhile is not None:
                 try:
                     meanwhile(tmp, hf_cfg, table)
                 except Exception as e:
@@ -374,10 +378,15 @@ def build_gguf_source(gguf_path: Path, out: Path, spec: str) -> None:
         ModelLoadError: as :func:`ensure_gguf_source`.
     """
     hf_cfg, facts, table, head = read_gguf_metadata(gguf_path, spec)
-    tok = out / TOKENIZER_DIR
-    _write_tokenizer(gguf_path, tok, facts, spec)
-    (tok / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": hf_cfg.get("bos_token_id"), "eos_token_id": hf_cfg.get("eos_token_id")}, indent=2))
+    write_tokenizer_parts(gguf_path, out, facts, hf_cfg, spec)
+    write_source(out, gguf_path, hf_cfg, facts, table, head)
+
+
+def write_source(out: Path, gguf_path: Path, hf_cfg: dict[str, Any], facts: dict[str, Any],
+                 table: dict[str, TensorEntry], head: int) -> None:
+    """Write an entry's ``source.json`` into the folder ``out``: :func:`read_gguf_metadata`'s
+    reading of ``gguf_path`` (``hf_cfg``, ``facts``, ``table``, ``head``), and the file's size and
+    metadata hash (:func:`entry_problem` checks them)."""
     (out / SOURCE_FILE).write_text(json.dumps({
         "format": "sgrt-gguf-source", "converter_version": CONVERTER_VERSION,
         "source": str(gguf_path), "size": gguf_path.stat().st_size,
@@ -386,17 +395,6 @@ def build_gguf_source(gguf_path: Path, out: Path, spec: str) -> None:
         "hf_config": hf_cfg, "facts": {k: facts.get(k) for k in ("pre", "add_bos_token")},
         "tensors": [e.to_json() for e in table.values()],
     }))
-    _write_tokenizer_snapshot(tok, out / SNAPSHOT_DIR)
-
-
-def _write_tokenizer_snapshot(folder: Path, out: Path) -> None:
-    """Load the tokenizer just written to ``folder`` as a load would (transformers) and keep it in
-    ``out`` (:mod:`sgrt.models.tokenizer_snapshot`), so that loads read it without transformers."""
-    from transformers import AutoTokenizer
-
-    from sgrt.models.tokenizer_snapshot import write_snapshot
-
-    write_snapshot(AutoTokenizer.from_pretrained(str(folder), local_files_only=True), folder, out)
 
 
 def read_gguf_source(entry: Path, gguf_path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry]]:
@@ -594,219 +592,13 @@ def export_hf_folder(gguf_path: Path, out: Path, spec: str = "") -> Path:
     return out
 
 
-@contextmanager
-def _plain_gguf_maps() -> Iterator[None]:
-    """While the block runs, ``gguf.GGUFReader`` maps its file as a plain ``numpy.ndarray``
-    (a view of the same ``numpy.memmap``), not as the ``memmap`` subclass: its parse slices the
-    map once per value, and the subclass's ``__getitem__`` / ``__array_finalize__`` were more
-    than half of the parse (llama-1b's 49k-token vocabulary: 2.3 s of CPU -> 1.0 s, the same
-    fields). For the entry's child process only (transformers parses the file there).
-    """
-    import numpy as np
-    from gguf import gguf_reader
-
-    class PlainMaps:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(np, name)
-
-        @staticmethod
-        def memmap(*args: Any, **kwargs: Any) -> Any:
-            return np.memmap(*args, **kwargs).view(np.ndarray)
-
-    saved = gguf_reader.np
-    gguf_reader.np = PlainMaps()
-    try:
-        yield
-    finally:
-        gguf_reader.np = saved
-
-
-# GGUF value types (gguf's GGUFValueType) of fixed size -> their numpy dtype, as gguf reads them
-# (the header reader's struct formats, little-endian)
-_VALUE_DTYPES = {kind: "<" + fmt for kind, fmt in _SCALARS.items()}
-
-
-class ValuesField:
-    """One metadata field as transformers' GGUF loader reads a ``gguf`` ``ReaderField``: its value
-    ``i`` is ``parts[i]`` for ``i`` in ``data``, parsed by ``types`` (``[type]``, or ``[ARRAY,
-    item type]``); a string's value is its UTF-8 bytes, a number's a one-item numpy array of its
-    type (gguf's parts hold the same bytes and numbers, beside the key's and the length prefixes)."""
-
-    __slots__ = ("types", "parts", "data")
-
-    def __init__(self, types: list[int], parts: Any) -> None:
-        self.types = types
-        self.parts = parts
-        self.data = range(len(parts))
-
-
-class MetadataValuesReader:
-    """The metadata values and tensor names of a GGUF, read for transformers' tokenizer in place of
-    ``gguf.GGUFReader`` (what ``load_gguf_checkpoint`` reads of it: ``fields`` in file order, each
-    a :class:`ValuesField`, and ``tensors`` with their names), without a numpy view per value:
-    gguf's parse builds three for every token of a vocabulary (~0.9 s of CPU for a 49k-token one;
-    this reads it in ~0.05 s). The file is checked as :func:`~sgrt.models.gguf_layout.read_layout`
-    checks it.
-
-    Raises:
-        NotReadHere: a file the layout reader leaves (big-endian, damaged), or an array of arrays:
-            the caller parses with gguf's reader.
-        OSError: the file cannot be read.
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        from sgrt.models.gguf_layout import read_layout
-
-        layout = read_layout(path)
-        self.tensors = layout.tensors
-        self.data_offset = layout.data_offset
-        with open(path, "rb") as f:
-            head = f.read(layout.data_offset)
-        self.fields = _metadata_values(head)
-
-
-def _metadata_values(head: bytes) -> dict[str, ValuesField]:
-    """The key-value fields of a little-endian GGUF whose metadata is ``head`` (already checked by
-    the layout reader), as :class:`ValuesField`, after the three gguf's reader puts first
-    (``GGUF.version``, ``GGUF.tensor_count``, ``GGUF.kv_count``). A repeated key raises
-    NotReadHere (gguf's reader refuses it, and says so)."""
-    import struct
-
-    import numpy as np
-
-    from sgrt.models.gguf_layout import NotReadHere
-
-    u32, u64 = struct.Struct("<I").unpack_from, struct.Struct("<Q").unpack_from
-    n_kv = u64(head, 16)[0]
-    pos = 24
-    fields: dict[str, ValuesField] = {
-        "GGUF.version": ValuesField([4], [np.frombuffer(head, "<u4", 1, 4)]),
-        "GGUF.tensor_count": ValuesField([10], [np.frombuffer(head, "<u8", 1, 8)]),
-        "GGUF.kv_count": ValuesField([10], [np.frombuffer(head, "<u8", 1, 16)]),
-    }
-    for _ in range(n_kv):
-        n = u64(head, pos)[0]
-        key = head[pos + 8:pos + 8 + n].decode("utf-8")
-        pos += 8 + n
-        kind = u32(head, pos)[0]
-        pos += 4
-        if kind == _ARRAY:
-            item, count = u32(head, pos)[0], u64(head, pos + 4)[0]
-            pos += 12
-            types = [_ARRAY, item]
-            if item == _STRING:
-                parts: Any = []
-                append = parts.append
-                for _ in range(count):
-                    n = u64(head, pos)[0]
-                    append(head[pos + 8:pos + 8 + n])
-                    pos += 8 + n
-            elif item in _VALUE_DTYPES:
-                dtype = np.dtype(_VALUE_DTYPES[item])
-                parts = np.frombuffer(head, dtype, count, pos).reshape(count, 1)
-                pos += dtype.itemsize * count
-            else:
-                raise NotReadHere(f"{key}: an array of value type {item}")
-        elif kind == _STRING:
-            n = u64(head, pos)[0]
-            types, parts = [kind], [head[pos + 8:pos + 8 + n]]
-            pos += 8 + n
-        elif kind in _VALUE_DTYPES:
-            dtype = np.dtype(_VALUE_DTYPES[kind])
-            types, parts = [kind], [np.frombuffer(head, dtype, 1, pos)]
-            pos += dtype.itemsize
-        else:
-            raise NotReadHere(f"{key}: value type {kind}")
-        if key in fields:
-            raise NotReadHere(f"{key}: repeated")
-        fields[key] = ValuesField(types, parts)
-    return fields
-
-
-@contextmanager
-def _tokenizer_reader() -> Iterator[None]:
-    """While the block runs, ``gguf.GGUFReader`` (what transformers' GGUF loader opens) is
-    :class:`MetadataValuesReader`, or gguf's own reader over a plain map (:func:`_plain_gguf_maps`)
-    for a file that one leaves. For the entry's child process only."""
-    import gguf
-
-    from sgrt.models.gguf_layout import NotReadHere
-
-    real = gguf.GGUFReader
-
-    def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
-        if not args and not kwargs:
-            try:
-                return MetadataValuesReader(path)
-            except NotReadHere:
-                pass
-        with _plain_gguf_maps():
-            return real(path, *args, **kwargs)
-
-    gguf.GGUFReader = reader
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = real
-
-
-def _write_tokenizer(gguf_path: Path, out: Path, facts: dict, spec: str) -> None:
-    """Build the tokenizer with transformers from the GGUF and ``save_pretrained`` it to ``out``."""
-    from tokenizers import pre_tokenizers
-    from transformers import AutoTokenizer
-
-    try:
-        with _tokenizer_reader():
-            tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                local_files_only=True)
-    except Exception as e:
-        raise ModelLoadError(f"model {spec!r}: cannot build a tokenizer from {gguf_path}: {e}") from e
-    if facts.get("pre") in _DIGIT_SPLIT_PRE_TOKENIZERS:
-        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-        ])
-    if facts.get("chat_template") and not getattr(tok, "chat_template", None):
-        tok.chat_template = facts["chat_template"]
-    tok.save_pretrained(str(out))
-    # NOTE: drop loader-only keys transformers writes back, so the folder reads like a hub one.
-    cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    for k in ("is_local", "local_files_only", "gguf_file", "name_or_path"):
-        cfg.pop(k, None)
-    cfg["clean_up_tokenization_spaces"] = False
-    cfg["add_bos_token"] = facts.get("add_bos_token", False)
-    cfg_path.write_text(json.dumps(cfg, indent=2))
-
-
 def main(argv: list[str] | None = None) -> int:
-    """``python -m sgrt.models.gguf_convert GGUF OUT SPEC``: :func:`build_gguf_source` (the child
-    of :func:`ensure_gguf_source`); a ModelLoadError's message is the last stdout line, as JSON
-    ``{"error": ...}``, exit status 1."""
-    import os as _os
-
+    """``python -m sgrt.models.gguf_convert GGUF OUT SPEC``: :func:`build_gguf_source` under
+    :func:`~sgrt.models.gguf_tokenizer.run_child` (the child of :func:`ensure_gguf_source` for a
+    file the loading process could not read)."""
     args = sys.argv[1:] if argv is None else argv
-    _os.environ.setdefault("HF_HUB_OFFLINE", "1")  # (never a hub: the tokenizer is the file's)
     path, out, spec = Path(args[0]), Path(args[1]), args[2]
-    try:
-        build_gguf_source(path, out, spec)
-    except ModelLoadError as e:
-        error = str(e)
-    except OSError as e:
-        if e.errno in CACHE_FULL_ERRNOS or (e.filename and str(e.filename).startswith(str(out))):
-            error = (f"model {spec!r}: cannot write the cache entry of {path} in {out.parent}: {e} (free space "
-                     f"there, or set SGRT_CACHE_DIR to a writable folder with room)")
-        else:
-            error = f"model {spec!r}: cannot read {path}: {e}"
-    except Exception as e:  # (a fault of the file that no check above names; the traceback for us)
-        import traceback
-
-        traceback.print_exc()
-        error = f"model {spec!r}: reading GGUF {path} failed: {type(e).__name__}: {e}"
-    else:
-        return 0
-    print(json.dumps({"error": error}))
-    return 1
+    return run_child(lambda: build_gguf_source(path, out, spec), path, out, spec)
 
 
 if __name__ == "__main__":

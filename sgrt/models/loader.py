@@ -43,9 +43,10 @@ from sgrt.models.checkpoint import (  # noqa: F401 - re-exported
     GGUFFile, family_config, family_of, gguf_config, gguf_family, gguf_hf_config, hf_name, read_hf_config,
     unpermute_rotary,
 )
+from sgrt.models.cache_files import CACHE_FULL_ERRNOS
 from sgrt.models.config import ModelConfig
 from sgrt.models.gguf_convert import (  # noqa: F401 - re-exported
-    CACHE_FULL_ERRNOS, CONVERTER_VERSION, FULL_HASH_MAX_BYTES, TOKENIZER_DIR, ensure_gguf_source, export_hf_folder,
+    CONVERTER_VERSION, FULL_HASH_MAX_BYTES, TOKENIZER_DIR, ensure_gguf_source, export_hf_folder,
     gguf_cache_key, publish_folder, read_gguf_source, relax_permissions,
 )
 from sgrt.models.specs import DEFAULT_MODEL, default_gguf_path, resolve_spec  # noqa: F401 - re-exported

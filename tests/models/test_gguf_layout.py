@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bench.model_files import Q4_K_M, Shape, Types, write_gguf
-from sgrt.models import gguf_convert
+from sgrt.models import gguf_convert, gguf_tokenizer
 from sgrt.models.checkpoint import GGUFFile, gguf_hf_config
 from sgrt.models.gguf_layout import NotReadHere, read_layout
 from sgrt.models.weight_files import gguf_tensor_table
@@ -114,7 +114,7 @@ def test_gguf_reader_over_a_plain_map_reads_the_same_fields(tmp_path):
 
     path = write_gguf(tmp_path / "q.gguf", Shape("qwen2", 1, 256, 512, 4, 2, context=512, qkv_bias=True), Q4_K_M)
     a = gguf.GGUFReader(str(path))
-    with gguf_convert._plain_gguf_maps():
+    with gguf_tokenizer._plain_gguf_maps():
         b = gguf.GGUFReader(str(path))
     assert type(b.data) is np.ndarray and isinstance(a.data, np.memmap)
     assert list(a.fields) == list(b.fields)
@@ -130,7 +130,7 @@ def test_gguf_reader_over_a_plain_map_reads_the_same_fields(tmp_path):
 
 @pytest.mark.parametrize("which", ["packaged", "written"])
 def test_metadata_values_reader_gives_transformers_the_fields_gguf_gives(tmp_path, which):
-    """The entry's child hands transformers' GGUF loader :class:`~sgrt.models.gguf_convert.
+    """The entry's child hands transformers' GGUF loader :class:`~sgrt.models.gguf_tokenizer.
     MetadataValuesReader` in place of gguf's reader (``_tokenizer_reader``): every field parses
     (transformers' ``_gguf_parse_value``) to the same values, in the same order, and the tensor
     names are the same; the tokenizer it builds is the same files."""
@@ -144,9 +144,9 @@ def test_metadata_values_reader_gives_transformers_the_fields_gguf_gives(tmp_pat
     else:
         path = write_gguf(tmp_path / "q.gguf", Shape("qwen2", 1, 256, 512, 4, 2, context=512, qkv_bias=True), Q4_K_M)
     a = gguf.GGUFReader(str(path))
-    with gguf_convert._tokenizer_reader():
+    with gguf_tokenizer._tokenizer_reader():
         b = gguf.GGUFReader(str(path))
-    assert isinstance(b, gguf_convert.MetadataValuesReader) and gguf.GGUFReader is a.__class__
+    assert isinstance(b, gguf_tokenizer.MetadataValuesReader) and gguf.GGUFReader is a.__class__
     assert list(a.fields) == list(b.fields)
 
     def values(field):
@@ -159,13 +159,13 @@ def test_metadata_values_reader_gives_transformers_the_fields_gguf_gives(tmp_pat
     if which == "packaged":
         _, facts, _, _ = gguf_convert.read_gguf_metadata(path, "x")
         outs = [tmp_path / "real", tmp_path / "values"]
-        saved = gguf_convert._tokenizer_reader
+        saved = gguf_tokenizer._tokenizer_reader
         try:
-            gguf_convert._tokenizer_reader = gguf_convert._plain_gguf_maps
-            gguf_convert._write_tokenizer(path, outs[0], facts, "x")
+            gguf_tokenizer._tokenizer_reader = gguf_tokenizer._plain_gguf_maps
+            gguf_tokenizer.write_tokenizer(path, outs[0], facts, "x")
         finally:
-            gguf_convert._tokenizer_reader = saved
-        gguf_convert._write_tokenizer(path, outs[1], facts, "x")
+            gguf_tokenizer._tokenizer_reader = saved
+        gguf_tokenizer.write_tokenizer(path, outs[1], facts, "x")
         names = sorted(p.name for p in outs[0].iterdir())
         assert names == sorted(p.name for p in outs[1].iterdir())
         assert all((outs[0] / n).read_bytes() == (outs[1] / n).read_bytes() for n in names)
@@ -179,7 +179,7 @@ def test_metadata_values_reader_leaves_arrays_of_arrays_to_gguf(tmp_path):
     path = _small(tmp_path / "nested.gguf", "llama", {"token_embd.weight": np.zeros((4, 32), np.float32)},
                   {"test.nested": ([[1, 2], [3]], gguf.GGUFValueType.ARRAY)})
     with pytest.raises(NotReadHere):
-        gguf_convert.MetadataValuesReader(path)
-    with gguf_convert._tokenizer_reader():
+        gguf_tokenizer.MetadataValuesReader(path)
+    with gguf_tokenizer._tokenizer_reader():
         reader = gguf.GGUFReader(str(path))
     assert isinstance(reader, gguf.gguf_reader.GGUFReader) and "test.nested" in reader.fields
