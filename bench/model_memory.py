@@ -120,8 +120,9 @@ def tree_bytes(path: Path) -> int:
 
 def sgrt_run(path: Path, args: argparse.Namespace, root: Path | None = None) -> dict:
     """One load and decode of ``path`` in a fresh process, of the sgrt in ``root`` (default this
-    checkout's)."""
+    checkout's), its bytecode compiled first (as an install leaves it: ``make install``, pip)."""
     root = root or Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(root / "sgrt")], check=True, capture_output=True)
     env = dict(os.environ, PYTHONPATH=str(root))
     cmd = [sys.executable, "-c", _SGRT_CHILD, str(time.time()), str(path), str(args.ctx), str(args.threads),
            PROMPT, str(args.tokens)]
