@@ -52,7 +52,7 @@ from sgrt.models.checkpoint import GGUFFile, gguf_hf_config
 from sgrt.models.gguf_tokenizer import TOKENIZER_DIR, run_child, write_tokenizer_parts
 from sgrt.models.tokenizer_snapshot import SNAPSHOT_DIR
 from sgrt.models.weight_files import TensorEntry, gguf_tensor_table
-from sgrt.paths import cache_root
+from sgrt.paths import cache_root, python_child
 
 logger = logging.getLogger("sgrt.models")
 
@@ -226,11 +226,8 @@ def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None 
         if not stores_hold:
             set_aside(final, spec)
         with building(final, spec) as tmp:
-            # (the child imports this same sgrt: its root first on the path)
-            root = str(Path(__file__).resolve().parents[2])
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
             with progress(f"reading {gguf_path.name} (once; cached)"):
-                proc, late = _run_child(env, gguf_path, tmp, spec, None if final.is_dir() else meanwhile)
+                proc, late = _run_child(gguf_path, tmp, spec, None if final.is_dir() else meanwhile)
             if proc.returncode != 0:
                 raise ModelLoadError(_child_error(proc, spec, gguf_path))
             relax_permissions(tmp)
@@ -252,7 +249,7 @@ def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None 
                              f"writable folder") from e
 
 
-def _run_child(env: dict[str, str], gguf_path: Path, tmp: Path, spec: str,
+def _run_child(gguf_path: Path, tmp: Path, spec: str,
                meanwhile: Meanwhile | None) -> tuple[subprocess.CompletedProcess, Exception | None]:
     """Build the entry in ``tmp`` and, while its child runs, ``meanwhile(tmp, hf_config, table)``
     where given (:func:`ensure_gguf_source`): the child's finished process (its output as text)
@@ -272,10 +269,10 @@ def _run_child(env: dict[str, str], gguf_path: Path, tmp: Path, spec: str,
         hf_cfg, table = read_gguf_source(tmp, gguf_path)
     except Exception:  # (the child reads it again and says what is wrong)
         (tmp / SOURCE_FILE).unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "sgrt.models.gguf_convert", str(gguf_path), str(tmp), spec]
+        cmd, env = python_child("sgrt.models.gguf_convert", str(gguf_path), str(tmp), spec)
         given, meanwhile = {}, None
     else:
-        cmd = [sys.executable, "-m", "sgrt.models.gguf_tokenizer", str(gguf_path), str(tmp), spec]
+        cmd, env = python_child("sgrt.models.gguf_tokenizer", str(gguf_path), str(tmp), spec)
         given = {"facts": facts, "hf_config": hf_cfg}
     late = None
     with tempfile.TemporaryFile("w+") as inp, tempfile.TemporaryFile("w+") as out, \

@@ -22,7 +22,6 @@ file) ``AutoTokenizer`` builds it, with gguf's reader replaced by :class:`Metada
 from __future__ import annotations
 
 import json
-import os
 import struct
 import sys
 import types
@@ -352,7 +351,6 @@ def run_child(work: Callable[[], None], path: Path, out: Path, spec: str) -> int
     stderr."""
     from sgrt.models.cache_files import CACHE_FULL_ERRNOS
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # (never a hub: the tokenizer is the file's)
     try:
         work()
     except ModelLoadError as e:
