@@ -125,6 +125,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -395,6 +396,39 @@ def fuse(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: i
     head = torch.cat([t.reshape(nb, BLOCK_N, g).transpose(1, 2) for t in ((scales,) if c else (scales, offsets))],
                      dim=2)
     return torch.cat([head.contiguous().view(torch.uint8), codes], dim=2).reshape(-1)
+
+
+def fuse_q4_1(blocks: Any, n: int, k: int) -> torch.Tensor:
+    """GGUF ``Q4_1`` blocks of ``n`` rows of ``k`` weights (``[n, k / 32 * 20]`` uint8 numpy:
+    ``block_q4_1``'s float16 ``d``, ``m`` and 16 bytes of nibbles, weight ``t`` in the low nibble
+    of byte ``t`` for ``t < 16``, else the high nibble of byte ``t - 16``) -> the stream
+    ``fuse(pack(codes, 4), d, m, n, k, 4)`` gives (the same bytes), without the codes a byte each:
+    a chunk byte's two codes (inputs ``x`` and ``x + 4``, :func:`pack`) are both low or both high
+    nibbles of the block's bytes ``x`` and ``x + 4``, so four 32-bit words of a block give its 16
+    bytes of chunks in four masks and shifts, and one transposed copy puts them in place.
+
+    Raises:
+        ValueError: ``n`` not a positive multiple of 16, ``k`` of 32, or ``blocks`` not that size.
+    """
+    import numpy as np
+
+    if n <= 0 or n % BLOCK_N or k <= 0 or k % 32 or blocks.shape != (n, k // 32 * 20) or blocks.dtype != np.uint8:
+        raise ValueError(f"blocks must be uint8 [n, k / 32 * 20] with n a multiple of {BLOCK_N}, k of 32; got "
+                         f"{blocks.dtype} {tuple(blocks.shape)} for n={n}, k={k}")
+    nb, g = n // BLOCK_N, k // 32
+    b = blocks.reshape(n, g, 20)
+    w = b[:, :, 4:].view(np.uint32)  # [n, g, 4]: the block's nibble bytes 0-3, 4-7, 8-11, 12-15
+    x, x4 = w[:, :, 0::2], w[:, :, 1::2]  # bytes x = 0-3 / 8-11 and their partners x + 4
+    low = np.uint32(0x0F0F0F0F)
+    # [n, g, chunk of the group]: chunks 0, 1 from the low nibbles, 2, 3 from the high ones
+    chunks = np.concatenate([(x & low) | ((x4 & low) << 4), ((x >> 4) & low) | (x4 & ~low)], axis=2)
+    # a chunk's 16-bit words (k-pair s of row 4 L + h) -> [block, group, chunk, L, s, h]
+    words = chunks.view(np.uint16).reshape(nb, 4, 4, g, 4, 2).transpose(0, 3, 4, 1, 5, 2)
+    out = np.empty((nb, g, 32 + 128), np.uint16)
+    # the header: the 16 rows' d, then their m
+    out[:, :, :32] = b[:, :, :4].view(np.uint16).reshape(nb, BLOCK_N, g, 2).transpose(0, 2, 3, 1).reshape(nb, g, 32)
+    out[:, :, 32:] = words.reshape(nb, g, 128)
+    return torch.from_numpy(out.view(np.uint8).reshape(-1))
 
 
 def unfuse(fused: torch.Tensor, n: int, k: int, bits: int, group: int = 32

@@ -288,10 +288,7 @@ class Part:
         """Its rows ``a .. b``: the file's blocks (:data:`gguf_raw.BLOCK_READERS`'s weight; with
         ``kquant``, a ``Q4_K`` part's :class:`gguf_raw.KQ4Weight`) if ``blocks``, else float32
         ``[b - a, cols]``."""
-        a0, b0 = a, b
-        if self.heads:  # (whole heads are read, unpermuted, then cut)
-            hd = self.rows // self.heads
-            a0, b0 = a // hd * hd, -(-b // hd) * hd
+        a0, b0 = self._span(a, b)
         lo, hi = self.row0 + a0, self.row0 + b0
         if blocks and kquant:
             w = gguf_raw.unpack_q4_k_super(tensors.read_raw(self.entry, lo, hi), hi - lo, self.entry.cols)
@@ -312,6 +309,22 @@ class Part:
         if isinstance(w, gguf_raw.Q4_1Weight):
             return gguf_raw.Q4_1Weight(*fields)
         return gguf_raw.SymmetricWeight(fields[0], fields[1], w.c)
+
+    def read_raw(self, tensors: CheckpointTensors, a: int, b: int) -> np.ndarray:
+        """Its rows ``a .. b`` as the file stores them, ``[b - a, row_bytes]`` uint8, in HF's row
+        order (a GGUF q / k part's rows unpermuted: whole rows of blocks move)."""
+        a0, b0 = self._span(a, b)
+        raw = tensors.read_raw(self.entry, self.row0 + a0, self.row0 + b0)
+        if self.heads:
+            raw = unpermute_rotary(torch.from_numpy(raw), (b0 - a0) // (self.rows // self.heads)).numpy()
+        return raw[a - a0: b - a0]
+
+    def _span(self, a: int, b: int) -> tuple[int, int]:
+        """The rows read for rows ``a .. b``: whole heads where rows are unpermuted by heads."""
+        if not self.heads:
+            return a, b
+        hd = self.rows // self.heads
+        return a // hd * hd, -(-b // hd) * hd
 
 
 def canonical_parts(entries: dict[str, TensorEntry], family: Any, config: ModelConfig, gguf: bool
@@ -338,12 +351,14 @@ def canonical_parts(entries: dict[str, TensorEntry], family: Any, config: ModelC
 
 
 def read_rows(tensors: CheckpointTensors, parts: list[Part], r0: int, r1: int, blocks: bool,
-              kquant: bool = False) -> list[Any]:
-    """Rows ``r0 .. r1`` of the weight the parts stack, as each part's pieces (:meth:`Part.read`)."""
+              kquant: bool = False, raw: bool = False) -> list[Any]:
+    """Rows ``r0 .. r1`` of the weight the parts stack, as each part's pieces (:meth:`Part.read`;
+    with ``raw``, :meth:`Part.read_raw`)."""
     pieces, at = [], 0
     for p in parts:
         lo, hi = max(r0, at), min(r1, at + p.rows)
         if lo < hi:
-            pieces.append(p.read(tensors, lo - at, hi - at, blocks, kquant))
+            pieces.append(p.read_raw(tensors, lo - at, hi - at) if raw else p.read(tensors, lo - at, hi - at, blocks,
+                                                                                   kquant))
         at += p.rows
     return pieces

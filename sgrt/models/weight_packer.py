@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 
 from sgrt.errors import ModelLoadError
@@ -196,9 +197,19 @@ class Packer:
         five_block = g * (hb + BLOCK_ROWS * GROUP * 5 // 8)
         five_total = n // BLOCK_ROWS * five_block if f.five else 0
 
+        # Q4_1 blocks straight into the stream (woq.fuse_q4_1: the same bytes, half the CPU time)
+        q4_1 = f.source == "blocks" and f.bits == 4 and not f.five and not f.c \
+            and all(p.entry.type == "Q4_1" for p in parts)
+
         def stream_chunk(r0: int, r1: int) -> None:
-            codes, d, m = self._group_chunk(parts, r0, r1, f)
             b0 = r0 // BLOCK_ROWS
+            if q4_1:
+                raw = np.concatenate(read_rows(self.tensors, parts, r0, r1, blocks=True, raw=True))
+                if not np.isfinite(raw.reshape(r1 - r0, g, 20)[:, :, 2:4].copy().view(np.float16)).all():
+                    raise _Fallback("an offset beyond float16's range")
+                self.writer.write(slot, b0 * full_block, woq.fuse_q4_1(raw, r1 - r0, k))
+                return
+            codes, d, m = self._group_chunk(parts, r0, r1, f)
             if f.five:
                 five, full = woq.split5(woq.fuse5(codes, d, m, GROUP, f.c), r1 - r0, k, GROUP, f.c)
                 self.writer.write(slot, b0 * five_block, five)

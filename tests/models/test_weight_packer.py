@@ -125,6 +125,41 @@ def test_int4_takes_every_block_type_as_it_is(tiny_gguf, file_weights, group_wei
 
 
 @needs_native
+def test_q4_1_projections_go_to_the_stream_as_the_file_holds_them(tmp_path):
+    """A file whose projections are all Q4_1 (q / k rows in llama.cpp's rotary order, fused qkv and
+    gate_up) packs straight from its blocks (woq.fuse_q4_1): every projection dequantizes to the
+    file's groups, in 4 bits, and the stream is the one the kernel's own preparation makes."""
+    from sgrt.kernels import woq
+
+    path = write_gguf(tmp_path / "q4_1.gguf", TINY, Types("Q4_1", {"token_embd": "Q8_0"}))
+    groups = _read_file(path, groups=True)
+    lm = load_model(str(path), dtype="bfloat16", quantization="int4", cache_dir=tmp_path / "cache")
+    for i, layer in enumerate(lm.model.layers):
+        for proj in weight_packer.FUSED_PROJECTIONS:
+            mod = getattr(layer, proj)
+            assert mod.bits == 4 and torch.equal(mod.dequantize(), _fused(groups, i, proj)), (i, proj)
+            codes, scales, offsets = mod._unfused()
+            again = GroupLinear(woq.unpack(codes, mod.out_features, mod.in_features, 4), scales, offsets, 4)
+            assert torch.equal(again.packed, mod.packed), (i, proj)
+
+
+def test_fuse_q4_1_is_fuse_of_the_unpacked_codes():
+    """woq.fuse_q4_1 of raw Q4_1 blocks is the stream fuse(pack(codes)) makes of the same blocks
+    unpacked, for shapes of one and many 16-row blocks and groups; a shape it cannot take raises."""
+    from sgrt.kernels import woq
+
+    rng = np.random.default_rng(3)
+    for n, k in ((16, 32), (48, 96), (64, 2048)):
+        blocks = rng.integers(0, 256, (n, k // 32 * 20), dtype=np.uint8)
+        d_m = rng.standard_normal((n, k // 32, 2)).astype(np.float16)
+        blocks.reshape(n, k // 32, 20)[:, :, :4] = d_m.view(np.uint8).reshape(n, k // 32, 4)
+        w = gguf_raw.unpack_q4_1(blocks, n, k)
+        assert torch.equal(woq.fuse_q4_1(blocks, n, k), woq.fuse(woq.pack(w.codes, 4), w.d, w.m, n, k, 4)), (n, k)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        woq.fuse_q4_1(np.zeros((8, 20), np.uint8), 8, 32)
+
+
+@needs_native
 def test_chunked_packing_writes_the_bytes_of_whole_tensors(tiny_gguf, tmp_path, monkeypatch):
     """Packing 16 rows at a time gives the stores' bytes of packing whole tensors, and each stream
     is the one the kernel's own preparation (woq.prepare) makes of the whole weight."""
