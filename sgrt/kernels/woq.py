@@ -398,14 +398,15 @@ def fuse(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, n: i
     return torch.cat([head.contiguous().view(torch.uint8), codes], dim=2).reshape(-1)
 
 
-def fuse_q4_1(blocks: Any, n: int, k: int) -> torch.Tensor:
+def fuse_q4_1(blocks: Any, n: int, k: int, native: bool = True) -> torch.Tensor:
     """GGUF ``Q4_1`` blocks of ``n`` rows of ``k`` weights (``[n, k / 32 * 20]`` uint8 numpy:
     ``block_q4_1``'s float16 ``d``, ``m`` and 16 bytes of nibbles, weight ``t`` in the low nibble
     of byte ``t`` for ``t < 16``, else the high nibble of byte ``t - 16``) -> the stream
     ``fuse(pack(codes, 4), d, m, n, k, 4)`` gives (the same bytes), without the codes a byte each:
     a chunk byte's two codes (inputs ``x`` and ``x + 4``, :func:`pack`) are both low or both high
     nibbles of the block's bytes ``x`` and ``x + 4``, so four 32-bit words of a block give its 16
-    bytes of chunks in four masks and shifts, and one transposed copy puts them in place.
+    bytes of chunks in four masks and shifts, and one transposed copy puts them in place. Run by
+    the AVX2 library where it is loaded (``native``; its ``fuse_q4_1``, one pass), else numpy.
 
     Raises:
         ValueError: ``n`` not a positive multiple of 16, ``k`` of 32, or ``blocks`` not that size.
@@ -415,6 +416,8 @@ def fuse_q4_1(blocks: Any, n: int, k: int) -> torch.Tensor:
     if n <= 0 or n % BLOCK_N or k <= 0 or k % 32 or blocks.shape != (n, k // 32 * 20) or blocks.dtype != np.uint8:
         raise ValueError(f"blocks must be uint8 [n, k / 32 * 20] with n a multiple of {BLOCK_N}, k of 32; got "
                          f"{blocks.dtype} {tuple(blocks.shape)} for n={n}, k={k}")
+    if native and isa() == "avx2":  # (the same bytes in one pass: ~5x faster)
+        return torch.ops.sgrt_woq_avx2.fuse_q4_1(torch.from_numpy(np.ascontiguousarray(blocks)), n, k)
     nb, g = n // BLOCK_N, k // 32
     b = blocks.reshape(n, g, 20)
     w = b[:, :, 4:].view(np.uint32)  # [n, g, 4]: the block's nibble bytes 0-3, 4-7, 8-11, 12-15

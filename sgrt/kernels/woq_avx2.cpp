@@ -1699,6 +1699,47 @@ at::Tensor woq_linear_float(const at::Tensor& x, const at::Tensor& packed, const
   return yf;
 }
 
+// fuse_q4_1: GGUF Q4_1 blocks [n, k / 32 * 20] (block_q4_1: float16 d, m, 16 bytes of nibbles)
+// -> this kernel's stream of 4-bit codes, exactly woq.fuse(woq.pack(codes, 4), d, m) (woq.fuse_q4_1
+// documents the layout and is the reference): per 16-row block and group, the rows' d and m, then
+// 4 chunks whose byte (L, s, i) holds the codes of inputs x and x + 4 (x = 8 chunk + 2 s + i % 2)
+// of row 4 L + i / 2. Both are low nibbles of the block's bytes x and x + 4 (chunks 0, 1) or both
+// high ones (chunks 2, 3), so each row's 16 chunk bytes are four 32-bit masks and shifts of its
+// nibble bytes, stored as 16-bit words in place. One thread (the packer runs chunks in parallel).
+at::Tensor woq_fuse_q4_1(const at::Tensor& blocks, int64_t n, int64_t k) {
+  TORCH_CHECK(n > 0 && n % BLOCK_N == 0 && k > 0 && k % 32 == 0 && blocks.dtype() == at::kByte &&
+                  blocks.is_contiguous() && blocks.numel() == n * (k / 32) * 20,
+              "sgrt_woq_avx2.fuse_q4_1: blocks must be contiguous uint8 [n, k / 32 * 20] with n a multiple of 16 and k of 32, got ",
+              blocks.numel(), " bytes for n=", n, ", k=", k);
+  const int64_t nb = n / BLOCK_N, G = k / 32;
+  at::Tensor out(at::detail::empty_cpu({nb * G * 320}, at::kByte));
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<uint8_t>());
+  constexpr uint32_t kLow = 0x0F0F0F0Fu;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t g = 0; g < G; ++g) {
+      uint16_t* o = dst + (b * G + g) * 160;  // 32 header words, then 4 chunks of 32 words
+      for (int r = 0; r < BLOCK_N; ++r) {
+        const uint8_t* blk = src + ((b * BLOCK_N + r) * G + g) * 20;
+        uint16_t dm[2];
+        uint32_t w[4];
+        std::memcpy(dm, blk, 4);
+        std::memcpy(w, blk + 4, 16);
+        o[r] = dm[0];
+        o[BLOCK_N + r] = dm[1];
+        const uint32_t c[4] = {(w[0] & kLow) | ((w[1] & kLow) << 4), (w[2] & kLow) | ((w[3] & kLow) << 4),
+                               ((w[0] >> 4) & kLow) | (w[1] & ~kLow), ((w[2] >> 4) & kLow) | (w[3] & ~kLow)};
+        const int lane = r / 4, h = r % 4;
+        for (int cc = 0; cc < 4; ++cc) {  // word (s, h) of lane L: 8 L + 4 s + h
+          o[32 + 32 * cc + 8 * lane + h] = static_cast<uint16_t>(c[cc]);
+          o[32 + 32 * cc + 8 * lane + 4 + h] = static_cast<uint16_t>(c[cc] >> 16);
+        }
+      }
+    }
+  }
+  return out;
+}
+
 // Each operator's raw calls (sgrt/raw_calls.h: its per-call computation and its in-team one),
 // for the decode plan's direct calls (no dispatcher, no tensors a call); `<op>_raw_calls() -> int`
 // gives their address (DecodePlan::set_projection looks them up so). A function whose signature
@@ -1727,6 +1768,9 @@ TORCH_LIBRARY(sgrt_woq_avx2, m) {
   // rows of the weight as bfloat16 (a dense matmul's operand: GroupLinear's prefill where AMX runs it)
   m.def("dequantize_rows(Tensor packed, Tensor scales, Tensor offsets, int n, int k, int bits, int group, int r0, int r1) -> Tensor");
   m.impl("dequantize_rows", c10::DispatchKey::CPU, TORCH_FN(woq_dequantize_rows));
+  // GGUF Q4_1 blocks -> the int4 stream (the packer's; woq.fuse_q4_1)
+  m.def("fuse_q4_1(Tensor blocks, int n, int k) -> Tensor");
+  m.impl("fuse_q4_1", c10::DispatchKey::CPU, TORCH_FN(woq_fuse_q4_1));
   // (no tensor arguments: registered as catch-all kernels)
   m.def("linear_raw_calls() -> int", &raw_calls_of<kLinearCalls>);
   m.def("linear_q8_raw_calls() -> int", &raw_calls_of<kLinearQ8Calls>);

@@ -255,32 +255,39 @@ def _run_child(gguf_path: Path, tmp: Path, spec: str,
     where given (:func:`ensure_gguf_source`): the child's finished process (its output as text)
     and the exception ``meanwhile`` raised, if any.
 
-    Where this process reads the file's metadata (:func:`read_gguf_metadata`, arrays stepped
-    over), it writes ``source.json`` itself and the child only builds the tokenizer
-    (:mod:`sgrt.models.gguf_tokenizer`, which imports no torch: the child is the cold load's
-    critical path); ``meanwhile`` gets the config and table as ``source.json`` reads back. Where it
-    cannot, the child reads the whole entry (:func:`build_gguf_source`, with gguf's reader; its
-    error is the one reported) and ``meanwhile`` is not called. The child writes to temporary
-    files, so it never waits on a full pipe while this process works. Interrupted
-    (``KeyboardInterrupt``), the child is killed."""
-    try:
-        hf_cfg, facts, table, head = read_gguf_metadata(gguf_path, spec, fallback=False)
-        write_source(tmp, gguf_path, hf_cfg, facts, table, head)
-        hf_cfg, table = read_gguf_source(tmp, gguf_path)
-    except Exception:  # (the child reads it again and says what is wrong)
-        (tmp / SOURCE_FILE).unlink(missing_ok=True)
-        cmd, env = python_child("sgrt.models.gguf_convert", str(gguf_path), str(tmp), spec)
-        given, meanwhile = {}, None
-    else:
-        cmd, env = python_child("sgrt.models.gguf_tokenizer", str(gguf_path), str(tmp), spec)
-        given = {"facts": facts, "hf_config": hf_cfg}
+    The child that builds the tokenizer (:mod:`sgrt.models.gguf_tokenizer`, which imports no
+    torch: it is the cold load's critical path) starts first, and imports transformers while this
+    process reads the file's metadata (:func:`read_gguf_metadata`, arrays stepped over) and
+    writes ``source.json``; it then gets the tokenizer facts on its stdin, and ``meanwhile`` the
+    config and table as ``source.json`` reads back. Where this process cannot read the metadata,
+    that child is stopped and another reads the whole entry (:func:`build_gguf_source`, with
+    gguf's reader; its error is the one reported), and ``meanwhile`` is not called. The children
+    write to temporary files, so they never wait on a full pipe while this process works.
+    Interrupted (``KeyboardInterrupt``), the child is killed."""
+    import threading
+
     late = None
-    with tempfile.TemporaryFile("w+") as inp, tempfile.TemporaryFile("w+") as out, \
-            tempfile.TemporaryFile("w+") as err:
-        json.dump(given, inp)
-        inp.seek(0)
-        child = subprocess.Popen(cmd, stdin=inp, stdout=out, stderr=err, text=True, env=env)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        cmd, env = python_child("sgrt.models.gguf_tokenizer", str(gguf_path), str(tmp), spec)
+        child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, env=env)
         try:
+            try:
+                hf_cfg, facts, table, head = read_gguf_metadata(gguf_path, spec, fallback=False)
+                write_source(tmp, gguf_path, hf_cfg, facts, table, head)
+                hf_cfg, table = read_gguf_source(tmp, gguf_path)
+            except Exception:  # (the whole-entry child reads it again and says what is wrong)
+                child.kill()
+                child.wait()
+                (tmp / SOURCE_FILE).unlink(missing_ok=True)
+                for f in (out, err):
+                    f.seek(0)
+                    f.truncate()
+                cmd, env = python_child("sgrt.models.gguf_convert", str(gguf_path), str(tmp), spec)
+                child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True, env=env)
+                meanwhile = None
+            else:  # (a thread: the child reads its stdin only once transformers is imported)
+                given = json.dumps({"facts": facts, "hf_config": hf_cfg})
+                threading.Thread(target=_feed, args=(child.stdin, given), daemon=True).start()
             if meanwhile is not None:
                 try:
                     meanwhile(tmp, hf_cfg, table)
@@ -294,6 +301,16 @@ def _run_child(gguf_path: Path, tmp: Path, spec: str,
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(cmd, child.returncode, out.read(), err.read()), late
+
+
+def _feed(pipe: Any, text: str) -> None:
+    """Write ``text`` to a child's stdin and close it; a child that ended first (its output says
+    why) is left alone."""
+    try:
+        pipe.write(text)
+        pipe.close()
+    except OSError:  # (BrokenPipeError: it exited)
+        pass
 
 
 def _replace_parts(tmp: Path, final: Path, parts: tuple[str, ...], spec: str) -> None:

@@ -378,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     them): :func:`write_tokenizer_parts` into ``OUT``, under :func:`run_child`."""
     args = sys.argv[1:] if argv is None else argv
     path, out, spec = Path(args[0]), Path(args[1]), args[2]
+    try:  # (transformers' imports first: the loading process reads the metadata meanwhile)
+        import transformers.tokenization_utils_tokenizers  # noqa: F401
+        from transformers.integrations.gguf import gguf_tokenizer_mapping  # noqa: F401
+    except ImportError:  # (transformers 4: AutoTokenizer imports what it needs)
+        pass
     given = json.load(sys.stdin)
     return run_child(lambda: write_tokenizer_parts(path, out, given["facts"], given["hf_config"], spec),
                      path, out, spec)

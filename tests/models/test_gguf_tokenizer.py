@@ -125,3 +125,19 @@ def test_child_builds_the_tokenizer_without_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sgrt.models.gguf_tokenizer", str(bad), str(tmp_path / "e2"), "x"],
                           input=given, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 1 and "bad.gguf" in json.loads(proc.stdout.strip().splitlines()[-1])["error"]
+
+
+def test_a_tokenizer_transformers_cannot_build_fails_the_load_with_its_message(tmp_path):
+    """A cold load of a GGUF whose tokenizer model transformers has no converter for: the child's
+    ModelLoadError names the file and transformers' reason, and nothing of the entry stays."""
+    from sgrt.errors import ModelLoadError
+    from sgrt.models import load_model
+
+    good = _small_gguf(tmp_path, "llama").read_bytes()
+    at = good.index(b"gpt2", good.index(b"tokenizer.ggml.model"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(good[:at] + b"gptX" + good[at + 4:])
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(bad), dtype="float32", cache_dir=tmp_path / "cache")
+    assert f"cannot build a tokenizer from {bad}" in str(e.value) and "gptX" in str(e.value)
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == []
