@@ -144,8 +144,9 @@ def test_q4_1_projections_go_to_the_stream_as_the_file_holds_them(tmp_path):
 
 
 def test_fuse_q4_1_is_fuse_of_the_unpacked_codes():
-    """woq.fuse_q4_1 of raw Q4_1 blocks is the stream fuse(pack(codes)) makes of the same blocks
-    unpacked, for shapes of one and many 16-row blocks and groups; a shape it cannot take raises."""
+    """woq.fuse_q4_1 of raw Q4_1 blocks, the AVX2 library's and numpy's, is the stream
+    fuse(pack(codes)) makes of the same blocks unpacked, for shapes of one and many 16-row blocks
+    and groups; a shape it cannot take raises."""
     from sgrt.kernels import woq
 
     rng = np.random.default_rng(3)
@@ -154,9 +155,12 @@ def test_fuse_q4_1_is_fuse_of_the_unpacked_codes():
         d_m = rng.standard_normal((n, k // 32, 2)).astype(np.float16)
         blocks.reshape(n, k // 32, 20)[:, :, :4] = d_m.view(np.uint8).reshape(n, k // 32, 4)
         w = gguf_raw.unpack_q4_1(blocks, n, k)
-        assert torch.equal(woq.fuse_q4_1(blocks, n, k), woq.fuse(woq.pack(w.codes, 4), w.d, w.m, n, k, 4)), (n, k)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        woq.fuse_q4_1(np.zeros((8, 20), np.uint8), 8, 32)
+        want = woq.fuse(woq.pack(w.codes, 4), w.d, w.m, n, k, 4)
+        for native in (False, True):
+            assert torch.equal(woq.fuse_q4_1(blocks, n, k, native=native), want), (n, k, native)
+    for native in (False, True):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            woq.fuse_q4_1(np.zeros((8, 20), np.uint8), 8, 32, native=native)
 
 
 @needs_native
