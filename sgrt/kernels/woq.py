@@ -419,7 +419,7 @@ def fuse_q4_1(blocks: Any, n: int, k: int, native: bool = True) -> torch.Tensor:
     if native and isa() == "avx2":  # (the same bytes in one pass: ~5x faster)
         return torch.ops.sgrt_woq_avx2.fuse_q4_1(torch.from_numpy(np.ascontiguousarray(blocks)), n, k)
     nb, g = n // BLOCK_N, k // 32
-    b = blocks.reshape(n, g, 20)
+    b = np.ascontiguousarray(blocks).reshape(n, g, 20)
     w = b[:, :, 4:].view(np.uint32)  # [n, g, 4]: the block's nibble bytes 0-3, 4-7, 8-11, 12-15
     x, x4 = w[:, :, 0::2], w[:, :, 1::2]  # bytes x = 0-3 / 8-11 and their partners x + 4
     low = np.uint32(0x0F0F0F0F)

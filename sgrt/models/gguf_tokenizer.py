@@ -136,7 +136,8 @@ def _tokenizer_class(name: str) -> Any:
 def _built_directly(gguf_path: Path, model_type: str | None) -> Any:
     """``gguf_path``'s tokenizer built by the class :data:`TOKENIZER_CLASSES` names for
     ``model_type``, the file's metadata read by :func:`transformers_metadata`; None where this
-    path does not apply (module docstring) and ``AutoTokenizer`` builds it."""
+    path does not apply (module docstring) or that reader leaves the file, and ``AutoTokenizer``
+    builds it (and names what is wrong with it as before)."""
     name = TOKENIZER_CLASSES.get(model_type or "")
     if name is None or (gguf_path.parent / "tokenizer_config.json").exists():
         return None
@@ -147,12 +148,16 @@ def _built_directly(gguf_path: Path, model_type: str | None) -> Any:
     cls = _tokenizer_class(name)
     if cls is None:
         return None
+    from sgrt.models.gguf_layout import NotReadHere
+
     stand_in = types.ModuleType(_TRANSFORMERS_READER)
     stand_in.read_gguf_metadata = transformers_metadata  # type: ignore[attr-defined]
     real = sys.modules.get(_TRANSFORMERS_READER)  # (imported already where torch is: a test)
     sys.modules[_TRANSFORMERS_READER] = stand_in
     try:
         return cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+    except NotReadHere:  # (a file our walk leaves: a repeated key, an array of arrays; AutoTokenizer reads it)
+        return None
     finally:
         if real is None:
             sys.modules.pop(_TRANSFORMERS_READER, None)

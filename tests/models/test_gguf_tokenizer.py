@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench.model_files import Shape, Types, write_gguf
@@ -141,3 +142,23 @@ def test_a_tokenizer_transformers_cannot_build_fails_the_load_with_its_message(t
         load_model(str(bad), dtype="float32", cache_dir=tmp_path / "cache")
     assert f"cannot build a tokenizer from {bad}" in str(e.value) and "gptX" in str(e.value)
     assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == []
+
+
+def test_a_file_our_walk_leaves_fails_as_auto_tokenizer_says(tmp_path):
+    """A file :func:`transformers_metadata` does not read (an array of arrays) goes to AutoTokenizer
+    (``_built_directly`` gives None), so its failure names what AutoTokenizer's reading names."""
+    import gguf
+
+    from sgrt.errors import ModelLoadError
+
+    from .test_gguf_layout import _small
+
+    path = _small(tmp_path / "nested.gguf", "llama", {"token_embd.weight": np.zeros((32, 64), np.float32)},
+                  {"test.nested": ([[1, 2], [3]], gguf.GGUFValueType.ARRAY)})
+    assert gguf_tokenizer._built_directly(path, "llama") is None
+    said = []
+    for model_type in ("llama", None):
+        with pytest.raises(ModelLoadError) as e:
+            gguf_tokenizer.write_tokenizer(path, tmp_path / f"out-{model_type}", {}, "x", model_type)
+        said.append(str(e.value))
+    assert said[0] == said[1] and "array of type 9" in said[0]

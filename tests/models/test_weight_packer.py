@@ -158,6 +158,8 @@ def test_fuse_q4_1_is_fuse_of_the_unpacked_codes():
         want = woq.fuse(woq.pack(w.codes, 4), w.d, w.m, n, k, 4)
         for native in (False, True):
             assert torch.equal(woq.fuse_q4_1(blocks, n, k, native=native), want), (n, k, native)
+            # (the same blocks in another memory order)
+            assert torch.equal(woq.fuse_q4_1(np.asfortranarray(blocks), n, k, native=native), want), (n, k, native)
     for native in (False, True):
         with pytest.raises(ValueError, match="multiple of 16"):
             woq.fuse_q4_1(np.zeros((8, 20), np.uint8), 8, 32, native=native)
