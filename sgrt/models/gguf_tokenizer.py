@@ -16,7 +16,7 @@ choose the tokenizer class, and transformers' GGUF metadata reader imports torch
   the header (:func:`transformers_metadata`).
 
 Elsewhere (transformers 4, a model type not in the table, a ``tokenizer_config.json`` beside the
-file) ``AutoTokenizer`` builds it, with gguf's reader replaced by :class:`MetadataValuesReader`
+file, a file our walk leaves) ``AutoTokenizer`` builds it, with gguf's reader replaced by :class:`MetadataValuesReader`
 (what transformers 4 parses the vocabulary with; :func:`_tokenizer_reader`).
 """
 from __future__ import annotations
