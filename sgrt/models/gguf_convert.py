@@ -278,6 +278,7 @@ def _run_child(gguf_path: Path, tmp: Path, spec: str,
             except Exception:  # (the whole-entry child reads it again and says what is wrong)
                 child.kill()
                 child.wait()
+                child.stdin.close()  # (nothing was written to it)
                 (tmp / SOURCE_FILE).unlink(missing_ok=True)
                 for f in (out, err):
                     f.seek(0)
