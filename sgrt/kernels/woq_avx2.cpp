@@ -1740,6 +1740,106 @@ at::Tensor woq_fuse_q4_1(const at::Tensor& blocks, int64_t n, int64_t k) {
   return out;
 }
 
+// quantize_fuse: float rows w [n, k] (float32 or bfloat16, contiguous) -> the stream of their
+// group-wise codes, exactly woq.fuse(woq.pack(codes, bits), scale, offset) of quant_native.
+// quantize_groups(w, bits, 32)'s (codes, scale, offset) (woq.quantize_fuse documents it; that
+// chain is the reference), in one pass and one thread (the packer runs chunks in parallel). Per
+// row and group of 32: lo = min, hi = max (float32), scale = half((hi - lo) / levels), offset =
+// half(lo), code = clamp(round_half_even((w - float(offset)) / step), 0, levels) with step =
+// float(scale), 1 where scale is 0: the same float32 operations as the torch ops, one rounding
+// each (a division, not a reciprocal's product). An empty tensor where a group holds a NaN or
+// its scale or offset is not finite in float16 (the caller keeps that weight in float).
+template <typename Load>
+bool quantize_group_rows(Load load, int64_t k, int64_t g, int bits, uint16_t* head, uint8_t (&codes)[BLOCK_N][32]) {
+  const float levels = static_cast<float>((1 << bits) - 1);
+  for (int r = 0; r < BLOCK_N; ++r) {
+    __m256 x[4];
+    for (int v = 0; v < 4; ++v) x[v] = load(r, g * 32 + 8 * v);
+    const __m256 nan = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(x[0], x[0], _CMP_UNORD_Q), _mm256_cmp_ps(x[1], x[1], _CMP_UNORD_Q)),
+                                    _mm256_or_ps(_mm256_cmp_ps(x[2], x[2], _CMP_UNORD_Q), _mm256_cmp_ps(x[3], x[3], _CMP_UNORD_Q)));
+    if (_mm256_movemask_ps(nan)) return false;
+    __m256 mn = _mm256_min_ps(_mm256_min_ps(x[0], x[1]), _mm256_min_ps(x[2], x[3]));
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3]));
+    float lo_v[8], hi_v[8];
+    _mm256_storeu_ps(lo_v, mn);
+    _mm256_storeu_ps(hi_v, mx);
+    float lo = lo_v[0], hi = hi_v[0];
+    for (int i = 1; i < 8; ++i) {
+      lo = std::min(lo, lo_v[i]);
+      hi = std::max(hi, hi_v[i]);
+    }
+    const float range = hi - lo;
+    const uint16_t sh = _cvtss_sh(range / levels, _MM_FROUND_TO_NEAREST_INT);
+    const uint16_t oh = _cvtss_sh(lo, _MM_FROUND_TO_NEAREST_INT);
+    if ((sh & 0x7C00) == 0x7C00 || (oh & 0x7C00) == 0x7C00) return false;
+    head[r] = sh;
+    head[BLOCK_N + r] = oh;
+    const __m256 step = _mm256_set1_ps((sh & 0x7FFF) == 0 ? 1.0f : _cvtsh_ss(sh));
+    const __m256 off = _mm256_set1_ps(_cvtsh_ss(oh));
+    const __m256 top = _mm256_set1_ps(levels), zero = _mm256_setzero_ps();
+    __m256i q[4];
+    for (int v = 0; v < 4; ++v) {
+      __m256 t = _mm256_div_ps(_mm256_sub_ps(x[v], off), step);
+      t = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q[v] = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(t, zero), top));
+    }
+    // 32 int32 codes (0..255) -> 32 bytes in order (the packs work per 128-bit lane: permute back)
+    const __m256i b8 = _mm256_packus_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes[r]),
+                        _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+  return true;
+}
+
+at::Tensor woq_quantize_fuse(const at::Tensor& w, int64_t n, int64_t k, int64_t bits) {
+  TORCH_CHECK(n > 0 && n % BLOCK_N == 0 && k > 0 && k % 32 == 0 && (bits == 4 || bits == 8) && w.is_contiguous() &&
+                  (w.dtype() == at::kFloat || w.dtype() == at::kBFloat16) && w.numel() == n * k,
+              "sgrt_woq_avx2.quantize_fuse: w must be contiguous float32 or bfloat16 [n, k] with n a multiple of 16, k of 32, "
+              "bits 4 or 8; got ", w.dtype(), " with ", w.numel(), " elements for n=", n, ", k=", k, ", bits=", bits);
+  const int64_t nb = n / BLOCK_N, G = k / 32, group_bytes = 64 + BLOCK_N * 32 * bits / 8;
+  at::Tensor out(at::detail::empty_cpu({nb * G * group_bytes}, at::kByte));
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const bool bf16 = w.dtype() == at::kBFloat16;
+  const float* wf = bf16 ? nullptr : w.data_ptr<float>();
+  const uint16_t* wb = bf16 ? reinterpret_cast<const uint16_t*>(w.data_ptr()) : nullptr;
+  uint8_t codes[BLOCK_N][32];
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t g = 0; g < G; ++g) {
+      uint8_t* o = dst + (b * G + g) * group_bytes;
+      uint16_t* head = reinterpret_cast<uint16_t*>(o);
+      const int64_t row0 = b * BLOCK_N;
+      bool ok;
+      if (bf16) {
+        ok = quantize_group_rows([&](int r, int64_t c) {  // bfloat16 -> float32: the upper half (exact)
+          const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + (row0 + r) * k + c));
+          return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        }, k, g, static_cast<int>(bits), head, codes);
+      } else {
+        ok = quantize_group_rows([&](int r, int64_t c) { return _mm256_loadu_ps(wf + (row0 + r) * k + c); },
+                                 k, g, static_cast<int>(bits), head, codes);
+      }
+      if (!ok) return at::detail::empty_cpu({0}, at::kByte);
+      // A k-pair's two codes are adjacent in a row and in the stream: they move as one 16-bit word.
+      uint16_t pairs[BLOCK_N][16], words[BLOCK_N * 16];
+      std::memcpy(pairs, codes, sizeof(pairs));
+      if (bits == 8) {  // k-pair p's vector: word row = the row's k-pair p
+        for (int p = 0; p < 16; ++p)
+          for (int row = 0; row < BLOCK_N; ++row) words[16 * p + row] = pairs[row][p];
+      } else {  // chunk c, word 8 L + 4 s + h: k-pair 4 c + s of row 4 L + h, k-pair 4 c + s + 2 above it
+        for (int c = 0; c < 4; ++c)
+          for (int L = 0; L < 4; ++L)
+            for (int s = 0; s < 2; ++s)
+              for (int h = 0; h < 4; ++h) {
+                const int row = 4 * L + h;  // (codes <= 15: the shift never carries into the other byte)
+                words[32 * c + 8 * L + 4 * s + h] = static_cast<uint16_t>(pairs[row][4 * c + s] | (pairs[row][4 * c + s + 2] << 4));
+              }
+      }
+      std::memcpy(o + 64, words, BLOCK_N * 32 * bits / 8);
+    }
+  }
+  return out;
+}
+
 // Each operator's raw calls (sgrt/raw_calls.h: its per-call computation and its in-team one),
 // for the decode plan's direct calls (no dispatcher, no tensors a call); `<op>_raw_calls() -> int`
 // gives their address (DecodePlan::set_projection looks them up so). A function whose signature
@@ -1771,6 +1871,9 @@ TORCH_LIBRARY(sgrt_woq_avx2, m) {
   // GGUF Q4_1 blocks -> the int4 stream (the packer's; woq.fuse_q4_1)
   m.def("fuse_q4_1(Tensor blocks, int n, int k) -> Tensor");
   m.impl("fuse_q4_1", c10::DispatchKey::CPU, TORCH_FN(woq_fuse_q4_1));
+  // float rows -> their group-wise codes' stream (the packer's; woq.quantize_fuse)
+  m.def("quantize_fuse(Tensor w, int n, int k, int bits) -> Tensor");
+  m.impl("quantize_fuse", c10::DispatchKey::CPU, TORCH_FN(woq_quantize_fuse));
   // (no tensor arguments: registered as catch-all kernels)
   m.def("linear_raw_calls() -> int", &raw_calls_of<kLinearCalls>);
   m.def("linear_q8_raw_calls() -> int", &raw_calls_of<kLinearQ8Calls>);

@@ -123,9 +123,11 @@ class CheckpointTensors:
             got += n
         return np.frombuffer(buf, dtype=np.uint8).reshape(r1 - r0, entry.row_bytes)
 
-    def read_float(self, entry: TensorEntry, r0: int, r1: int) -> torch.Tensor:
+    def read_float(self, entry: TensorEntry, r0: int, r1: int, bf16: bool = False) -> torch.Tensor:
         """Rows ``r0 .. r1`` of ``entry`` in float32, ``[r1 - r0, cols]``: float types widened
         exactly, GGML types dequantized by ``gguf`` (the file's values, as llama.cpp defines them).
+        ``bf16``: a bfloat16 tensor's rows stay bfloat16 (a view of the file's bytes; the same
+        values, for a reader that widens them itself).
 
         Raises:
             ModelLoadError: a type ``gguf`` cannot dequantize.
@@ -134,7 +136,9 @@ class CheckpointTensors:
         if entry.type in _FLOAT_TYPES:
             np_dtype, torch_dtype = _FLOAT_TYPES[entry.type]
             t = torch.from_numpy(raw.view(np_dtype).reshape(r1 - r0, entry.cols))
-            return t.view(torch_dtype).float() if torch_dtype == torch.bfloat16 else t.float()
+            if torch_dtype == torch.bfloat16:
+                return t.view(torch_dtype) if bf16 else t.view(torch_dtype).float()
+            return t.float()
         import gguf
 
         try:
@@ -284,10 +288,11 @@ class Part:
     heads: int | None = None
     shift: float = 0.0
 
-    def read(self, tensors: CheckpointTensors, a: int, b: int, blocks: bool, kquant: bool = False) -> Any:
+    def read(self, tensors: CheckpointTensors, a: int, b: int, blocks: bool, kquant: bool = False,
+             bf16: bool = False) -> Any:
         """Its rows ``a .. b``: the file's blocks (:data:`gguf_raw.BLOCK_READERS`'s weight; with
         ``kquant``, a ``Q4_K`` part's :class:`gguf_raw.KQ4Weight`) if ``blocks``, else float32
-        ``[b - a, cols]``."""
+        ``[b - a, cols]`` (``bf16``: a bfloat16 part's rows as bfloat16, the same values)."""
         a0, b0 = self._span(a, b)
         lo, hi = self.row0 + a0, self.row0 + b0
         if blocks and kquant:
@@ -298,7 +303,7 @@ class Part:
                                                               self.entry.cols)
             fields = [w.codes, w.d] + ([w.m] if isinstance(w, gguf_raw.Q4_1Weight) else [])
         else:
-            fields = [tensors.read_float(self.entry, lo, hi)]
+            fields = [tensors.read_float(self.entry, lo, hi, bf16 and not self.shift)]
         if self.heads:
             fields = [unpermute_rotary(t, (b0 - a0) // (self.rows // self.heads)) for t in fields]
         fields = [t[a - a0: b - a0] for t in fields]
@@ -351,7 +356,7 @@ def canonical_parts(entries: dict[str, TensorEntry], family: Any, config: ModelC
 
 
 def read_rows(tensors: CheckpointTensors, parts: list[Part], r0: int, r1: int, blocks: bool,
-              kquant: bool = False, raw: bool = False) -> list[Any]:
+              kquant: bool = False, raw: bool = False, bf16: bool = False) -> list[Any]:
     """Rows ``r0 .. r1`` of the weight the parts stack, as each part's pieces (:meth:`Part.read`;
     with ``raw``, :meth:`Part.read_raw`)."""
     pieces, at = [], 0
@@ -359,6 +364,6 @@ def read_rows(tensors: CheckpointTensors, parts: list[Part], r0: int, r1: int, b
         lo, hi = max(r0, at), min(r1, at + p.rows)
         if lo < hi:
             pieces.append(p.read_raw(tensors, lo - at, hi - at) if raw else p.read(tensors, lo - at, hi - at, blocks,
-                                                                                   kquant))
+                                                                                   kquant, bf16))
         at += p.rows
     return pieces

@@ -200,6 +200,8 @@ class Packer:
         # Q4_1 blocks straight into the stream (woq.fuse_q4_1: the same bytes, half the CPU time)
         q4_1 = f.source == "blocks" and f.bits == 4 and not f.five and not f.c \
             and all(p.entry.type == "Q4_1" for p in parts)
+        # float rows quantized straight into the stream (woq.quantize_fuse: the same bytes, ~6x faster)
+        direct = f.source == "float" and not f.five and not f.c and woq.isa() == "avx2"
 
         def stream_chunk(r0: int, r1: int) -> None:
             b0 = r0 // BLOCK_ROWS
@@ -208,6 +210,19 @@ class Packer:
                 if not np.isfinite(raw.reshape(r1 - r0, g, 20)[:, :, 2:4].copy().view(np.float16)).all():
                     raise _Fallback("an offset beyond float16's range")
                 self.writer.write(slot, b0 * full_block, woq.fuse_q4_1(raw, r1 - r0, k))
+                return
+            if direct:
+                pieces = read_rows(self.tensors, parts, r0, r1, blocks=False, bf16=True)
+                if any(p.shape[0] % BLOCK_ROWS for p in pieces):  # (else each goes where its blocks go)
+                    pieces = [torch.cat(pieces)]
+                at = b0 * full_block
+                for piece in pieces:
+                    try:
+                        full = woq.quantize_fuse(piece, f.bits)
+                    except ValueError as e:  # (float16 scales cannot hold these weights)
+                        raise _Fallback(str(e)) from None
+                    self.writer.write(slot, at, full)
+                    at += full.numel()
                 return
             codes, d, m = self._group_chunk(parts, r0, r1, f)
             if f.five:

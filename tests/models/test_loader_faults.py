@@ -236,9 +236,9 @@ def test_types_the_kernels_cannot_read_are_dequantized_a_chunk_at_a_time(tmp_pat
     reads = []
     real = CheckpointTensors.read_float
 
-    def spy(self, entry, r0, r1):
+    def spy(self, entry, r0, r1, bf16=False):
         reads.append((entry.name, r1 - r0, entry.rows))
-        return real(self, entry, r0, r1)
+        return real(self, entry, r0, r1, bf16)
 
     monkeypatch.setattr(CheckpointTensors, "read_float", spy)
     monkeypatch.setattr(weight_packer, "CHUNK_WEIGHTS", 16 * TINY.hidden)  # (16 rows of 256 columns)

@@ -165,6 +165,84 @@ def test_fuse_q4_1_is_fuse_of_the_unpacked_codes():
             woq.fuse_q4_1(np.zeros((8, 20), np.uint8), 8, 32, native=native)
 
 
+def _quantize_fuse_reference(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """What woq.quantize_fuse stands for: quantize_groups, then pack and fuse."""
+    from sgrt.kernels import woq
+    from sgrt.models.quant import quantize_groups
+
+    codes, d, m = quantize_groups(w.float(), bits, 32)
+    return woq.fuse(woq.pack(codes, bits), d, m, w.shape[0], w.shape[1], bits, 32)
+
+
+needs_avx2 = pytest.mark.skipif(not NATIVE or __import__("sgrt.kernels.woq").kernels.woq.isa() != "avx2",
+                                reason="the AVX2 library is not loaded here")
+
+
+@needs_avx2
+def test_quantize_fuse_is_fuse_of_quantize_groups():
+    """woq.quantize_fuse (the AVX2 library's one pass) writes the bytes quantize_groups + pack +
+    fuse do, for bfloat16 and float32 rows, 4 and 8 bits: constant groups (scale 0), groups of one
+    sign, ties of the rounding, tiny and large values; weights beyond float16 raise as
+    quantize_groups does."""
+    from sgrt.kernels import woq
+
+    gen = torch.Generator().manual_seed(5)
+    for n, k in ((16, 32), (48, 96), (64, 2048)):
+        w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen) * 4
+        w[0] = 0.5  # (a row of constant groups: scale 0)
+        w[1] = w[1].abs() + 3  # (groups of one sign)
+        w[2] = torch.arange(k) % 32 / 2.0  # (codes exactly half way between steps)
+        w[3] *= 1e-6
+        w[4] *= 3000
+        for dtype in (torch.bfloat16, torch.float32):
+            x = w.to(dtype)
+            for bits in (4, 8):
+                assert torch.equal(woq.quantize_fuse(x, bits), _quantize_fuse_reference(x, bits)), (n, k, dtype, bits)
+    for bad in (float("nan"), float("inf"), 1e6):
+        w = torch.randn(32, 64)
+        w[17, 40] = bad if bad != 1e6 else bad
+        w[17, 41] = -bad if bad == 1e6 else w[17, 41]  # (a range beyond float16's: an overflowing scale)
+        for bits in (4, 8):
+            with pytest.raises(ValueError, match="float16"):
+                _quantize_fuse_reference(w, bits)
+            with pytest.raises(ValueError, match="float16"):
+                woq.quantize_fuse(w, bits)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        woq.quantize_fuse(torch.zeros(8, 32), 4)
+
+
+@needs_avx2
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_a_float_checkpoint_packs_as_the_reference_quantization(tmp_path, tokenizer, kv_heads):
+    """A bfloat16 HF folder's int4 load (projections quantized by woq.quantize_fuse, each part's
+    rows where its blocks go; k / v parts of 8 rows go through one stacked piece) holds, in every
+    fused projection, the codes, scales and offsets quantize_groups gives the checkpoint's stacked
+    weight, and the stream the kernel's own preparation makes of them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sgrt.kernels import woq
+    from sgrt.models.quant import quantize_groups
+
+    torch.manual_seed(0)
+    heads = 8 if kv_heads == 1 else 4
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128)
+    folder = tmp_path / "hf"
+    ref = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    ref.save_pretrained(folder)
+    tokenizer.hf.save_pretrained(folder)
+    weights = {k.removeprefix("model."): v for k, v in ref.state_dict().items()}
+    lm = load_model(str(folder), dtype="bfloat16", quantization="int4", cache_dir=tmp_path / "cache", prepack=False)
+    for i, layer in enumerate(lm.model.layers):
+        for proj in weight_packer.FUSED_PROJECTIONS:
+            mod = getattr(layer, proj)
+            want = quantize_groups(_fused(weights, i, proj).float(), 4, 32)
+            packed, scales, offsets = mod._unfused()
+            got = (woq.unpack(packed, mod.out_features, mod.in_features, 4), scales, offsets)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), (i, proj)
+            assert torch.equal(GroupLinear(*want, 4).packed, mod.packed), (i, proj)
+
+
 @needs_native
 def test_chunked_packing_writes_the_bytes_of_whole_tensors(tiny_gguf, tmp_path, monkeypatch):
     """Packing 16 rows at a time gives the stores' bytes of packing whole tensors, and each stream
