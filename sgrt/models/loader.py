@@ -31,7 +31,11 @@ import hashlib
 import json
 import logging
 import os
+import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,14 +55,14 @@ from sgrt.models.gguf_convert import (  # noqa: F401 - re-exported
 )
 from sgrt.models.specs import DEFAULT_MODEL, default_gguf_path, resolve_spec  # noqa: F401 - re-exported
 from sgrt.models.tokenizer import Tokenizer
-from sgrt.models.tokenizer_snapshot import SNAPSHOT_DIR, read_snapshot, write_snapshot
+from sgrt.models.tokenizer_snapshot import SNAPSHOT_DIR, read_facts, read_snapshot, write_snapshot
 from sgrt.models.weight_files import (  # noqa: F401 - read_safetensors re-exported
     CheckpointTensors, canonical_parts, read_safetensors, safetensors_files, safetensors_table,
 )
 from sgrt.models.weight_forms import Target, target_for
 from sgrt.models.weight_packer import Packer
 from sgrt.models.weight_store import MANIFEST_FILE, DamagedStore, StoreWriter, WeightStore, open_store
-from sgrt.paths import cache_root  # noqa: F401 - re-exported
+from sgrt.paths import cache_root, python_child  # noqa: F401 - cache_root re-exported
 
 logger = logging.getLogger("sgrt.models")
 
@@ -170,16 +174,17 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", 
     kind, src = resolve_spec(spec)
     target = target_for(torch_dtype, quantization, torch_device)
     source = _checkpoint(kind, src, spec, cache_dir, target)
-    store, converted = _ensure_store(source, target, spec)
-    converted = converted or source.packed
-    try:
-        model = build_model(store, source.config, torch_dtype, torch_device, int4_activations)
-    except DamagedStore as e:
-        if converted:  # (packed just now: no second try would do better)
-            raise
-        _discard_store(e, spec)
+    with _snapshot_beside(source):
         store, converted = _ensure_store(source, target, spec)
-        model = build_model(store, source.config, torch_dtype, torch_device, int4_activations)
+        converted = converted or source.packed
+        try:
+            model = build_model(store, source.config, torch_dtype, torch_device, int4_activations)
+        except DamagedStore as e:
+            if converted:  # (packed just now: no second try would do better)
+                raise
+            _discard_store(e, spec)
+            store, converted = _ensure_store(source, target, spec)
+            model = build_model(store, source.config, torch_dtype, torch_device, int4_activations)
     folder = store.folder
     tokenizer = _source_tokenizer(source, spec, cache_dir)
     if prepack:
@@ -288,6 +293,40 @@ def _existing_store(final: Path, target: Target, spec: str) -> WeightStore | Non
     except DamagedStore as e:
         _discard_store(e, spec)
         return None
+
+
+@contextmanager
+def _snapshot_beside(source: _Checkpoint) -> Iterator[None]:
+    """While the block runs (the weights pack and map), a child process writes an HF folder's
+    tokenizer snapshot (``python -m sgrt.models.tokenizer_snapshot``, which imports no torch), so
+    that :func:`_source_tokenizer` reads it instead of importing transformers here (~1.5 s, on a
+    cold load's critical path). Nothing where the snapshot holds already, or for a GGUF (its
+    entry's child wrote one). The child is waited for at the block's end, killed where the block
+    raised; where it wrote nothing, the tokenizer loads through transformers here as before."""
+    snapshot, folder = source.entry / SNAPSHOT_DIR, source.tokenizer_folder
+    if source.kind != "hf" or read_facts(snapshot, folder) is not None:
+        yield
+        return
+    cmd, env = python_child("sgrt.models.tokenizer_snapshot", str(folder), str(snapshot))
+    env["TRANSFORMERS_VERBOSITY"] = "error"
+    with tempfile.TemporaryFile("w+") as err:
+        try:
+            child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        except OSError as e:
+            logger.debug("tokenizer snapshot child of %s did not start: %s", folder, e)
+            yield
+            return
+        done = False
+        try:
+            yield
+            done = True
+        finally:
+            if not done:
+                child.kill()
+            if child.wait() and done:
+                err.seek(0)
+                logger.debug("tokenizer snapshot child of %s: exit status %d: %s", folder, child.returncode,
+                             err.read()[-2000:])
 
 
 def _ensure_store(source: _Checkpoint, target: Target, spec: str) -> tuple[WeightStore, bool]:

@@ -217,3 +217,34 @@ def read_snapshot(snapshot: Path, source: Path, extra_eos_token_ids: Any = ()) -
         logger.warning("tokenizer kept in %s does not load (%s: %s); loading %s with transformers", snapshot,
                        type(e).__name__, e, source)
         return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sgrt.models.tokenizer_snapshot FOLDER OUT``: load the HF tokenizer folder
+    ``FOLDER`` as :meth:`~sgrt.models.tokenizer.Tokenizer.from_folder` does (``AutoTokenizer``)
+    and write its snapshot to ``OUT``; exit status 0 where written, else 1.
+
+    The loader runs it beside a cold load's packing of an HF folder's weights
+    (:func:`sgrt.models.loader.load_model`). torch is hidden from it: transformers' config classes
+    import torch's distributed modules (~1.5 of the ~2.4 s this takes with torch) only for model
+    code, and transformers without torch builds the same tokenizer (``tests/models/
+    test_tokenizer_snapshot.py`` compares the snapshots). Where it fails, the loading process
+    loads the folder itself and reports what is wrong, as before.
+    """
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    folder, out = Path(args[0]), Path(args[1])
+    sys.modules["torch"] = None  # type: ignore[assignment]  (find_spec("torch") is then None)
+    try:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # (the loading process loads it again and names the fault)
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0 if write_snapshot(hf, folder, out) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

