@@ -113,7 +113,7 @@ class CheckpointTensors:
         if fd is None:
             fd = self._fds[entry.path] = os.open(entry.path, os.O_RDONLY)
         want = (r1 - r0) * entry.row_bytes
-        buf = bytearray(want)
+        buf = np.empty(want, dtype=np.uint8)  # (not zeroed first: the read fills it)
         view, got = memoryview(buf), 0
         while got < want:
             n = os.preadv(fd, [view[got:]], entry.offset + r0 * entry.row_bytes + got)
@@ -121,7 +121,7 @@ class CheckpointTensors:
                 raise ModelLoadError(f"model {self.spec!r}: {entry.path} ends inside tensor {entry.name!r} "
                                      f"(truncated file?)")
             got += n
-        return np.frombuffer(buf, dtype=np.uint8).reshape(r1 - r0, entry.row_bytes)
+        return buf.reshape(r1 - r0, entry.row_bytes)
 
     def read_float(self, entry: TensorEntry, r0: int, r1: int, bf16: bool = False) -> torch.Tensor:
         """Rows ``r0 .. r1`` of ``entry`` in float32, ``[r1 - r0, cols]``: float types widened

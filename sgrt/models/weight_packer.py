@@ -150,8 +150,8 @@ class Packer:
         slot = self.writer.reserve(name, dtype, (f.rows, f.cols))
         size = torch.empty(0, dtype=dtype).element_size()
 
-        def chunk(r0: int, r1: int) -> None:
-            rows = torch.cat(read_rows(self.tensors, parts, r0, r1, blocks=False))
+        def chunk(r0: int, r1: int) -> None:  # (a bfloat16 file's rows stay bfloat16 for a bfloat16 target)
+            rows = torch.cat(read_rows(self.tensors, parts, r0, r1, blocks=False, bf16=dtype == torch.bfloat16))
             self.writer.write(slot, r0 * f.cols * size, rows.to(dtype))
 
         run_chunks(_chunks(f.rows, f.cols), chunk, self.workers)
