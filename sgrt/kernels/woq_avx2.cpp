@@ -1740,6 +1740,60 @@ at::Tensor woq_fuse_q4_1(const at::Tensor& blocks, int64_t n, int64_t k) {
   return out;
 }
 
+// fuse_q4_k: GGUF Q4_K super-blocks [n, k / 256 * 144] (block_q4_K: float16 d, dmin, 12 bytes of
+// 6-bit scales and mins, 128 bytes of nibbles) -> the K-quant stream, exactly woq.fuse_kq4 of
+// gguf_raw.unpack_q4_k_super's fields (the reference; woq.fuse_q4_k documents it): per 16-row
+// block and super-block a 320-byte header (the rows' d, their dmin, sc[j][row], mn[j][row]) and
+// the 8 groups' codes in pack()'s 4-bit layout. Group j's codes are the low (j even) or high
+// nibbles of the super-block's bytes 32 (j / 2) .. + 31, so, as in fuse_q4_1, a chunk byte's two
+// codes (inputs x and x + 4) are the same nibble of bytes x and x + 4: each row's 4 chunk bytes
+// of a group's chunk are one 32-bit mask and shift of two words. One thread.
+at::Tensor woq_fuse_q4_k(const at::Tensor& blocks, int64_t n, int64_t k) {
+  TORCH_CHECK(n > 0 && n % BLOCK_N == 0 && k > 0 && k % 256 == 0 && blocks.dtype() == at::kByte &&
+                  blocks.is_contiguous() && blocks.numel() == n * (k / 256) * 144,
+              "sgrt_woq_avx2.fuse_q4_k: blocks must be contiguous uint8 [n, k / 256 * 144] with n a multiple of 16 and k of 256, got ",
+              blocks.numel(), " bytes for n=", n, ", k=", k);
+  const int64_t nb = n / BLOCK_N, S = k / 256;
+  constexpr int64_t kHead = 320, kSuper = kHead + 8 * 256;
+  at::Tensor out(at::detail::empty_cpu({nb * S * kSuper}, at::kByte));
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  constexpr uint32_t kLow = 0x0F0F0F0Fu;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t s = 0; s < S; ++s) {
+      uint8_t* o = dst + (b * S + s) * kSuper;
+      for (int r = 0; r < BLOCK_N; ++r) {
+        const uint8_t* blk = src + ((b * BLOCK_N + r) * S + s) * 144;
+        std::memcpy(o + 2 * r, blk, 2);            // d
+        std::memcpy(o + 32 + 2 * r, blk + 2, 2);   // dmin
+        const uint8_t* q = blk + 4;                // ggml's get_scale_min_k4
+        for (int j = 0; j < 4; ++j) {
+          o[64 + 16 * j + r] = q[j] & 63;
+          o[192 + 16 * j + r] = q[j + 4] & 63;
+          o[64 + 16 * (j + 4) + r] = static_cast<uint8_t>((q[j + 8] & 0x0F) | ((q[j] >> 6) << 4));
+          o[192 + 16 * (j + 4) + r] = static_cast<uint8_t>((q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4));
+        }
+        const int lane = r / 4, h = r % 4;
+        for (int c = 0; c < 4; ++c) {  // nibble bytes 32 c .. 32 c + 31: groups 2 c (low), 2 c + 1 (high)
+          uint32_t w[8];
+          std::memcpy(w, blk + 16 + 32 * c, 32);
+          uint16_t* lo = reinterpret_cast<uint16_t*>(o + kHead + 256 * (2 * c));
+          uint16_t* hi = reinterpret_cast<uint16_t*>(o + kHead + 256 * (2 * c + 1));
+          for (int cc = 0; cc < 4; ++cc) {  // chunk cc: inputs 8 cc .. 8 cc + 7, words w[2 cc], w[2 cc + 1]
+            const uint32_t x = w[2 * cc], x4 = w[2 * cc + 1];
+            const uint32_t vl = (x & kLow) | ((x4 & kLow) << 4), vh = ((x >> 4) & kLow) | (x4 & ~kLow);
+            lo[32 * cc + 8 * lane + h] = static_cast<uint16_t>(vl);
+            lo[32 * cc + 8 * lane + 4 + h] = static_cast<uint16_t>(vl >> 16);
+            hi[32 * cc + 8 * lane + h] = static_cast<uint16_t>(vh);
+            hi[32 * cc + 8 * lane + 4 + h] = static_cast<uint16_t>(vh >> 16);
+          }
+        }
+      }
+    }
+  }
+  return out;
+}
+
 // quantize_fuse: float rows w [n, k] (float32 or bfloat16, contiguous) -> the stream of their
 // group-wise codes, exactly woq.fuse(woq.pack(codes, bits), scale, offset) of quant_native.
 // quantize_groups(w, bits, 32)'s (codes, scale, offset) (woq.quantize_fuse documents it; that
@@ -1871,6 +1925,9 @@ TORCH_LIBRARY(sgrt_woq_avx2, m) {
   // GGUF Q4_1 blocks -> the int4 stream (the packer's; woq.fuse_q4_1)
   m.def("fuse_q4_1(Tensor blocks, int n, int k) -> Tensor");
   m.impl("fuse_q4_1", c10::DispatchKey::CPU, TORCH_FN(woq_fuse_q4_1));
+  // GGUF Q4_K super-blocks -> the K-quant stream (the packer's; woq.fuse_q4_k)
+  m.def("fuse_q4_k(Tensor blocks, int n, int k) -> Tensor");
+  m.impl("fuse_q4_k", c10::DispatchKey::CPU, TORCH_FN(woq_fuse_q4_k));
   // float rows -> their group-wise codes' stream (the packer's; woq.quantize_fuse)
   m.def("quantize_fuse(Tensor w, int n, int k, int bits) -> Tensor");
   m.impl("quantize_fuse", c10::DispatchKey::CPU, TORCH_FN(woq_quantize_fuse));

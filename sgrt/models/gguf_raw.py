@@ -19,7 +19,9 @@ are (:data:`BLOCK_READERS`):
 
 ``Q4_K`` is also read as it is (:func:`unpack_q4_k_super` -> :class:`KQ4Weight`: ``d``, ``dmin``
 and the 6-bit scales and mins, no float16 products), for the AVX2 kernel's K-quant stream
-(:func:`sgrt.kernels.woq.fuse_kq4`), which int4 projections of ``Q4_K`` parts take.
+(:func:`sgrt.kernels.woq.fuse_kq4`), which int4 projections of ``Q4_K`` parts take; the packer
+makes that stream from the raw super-blocks in one pass (:func:`sgrt.kernels.woq.fuse_q4_k`, the
+same bytes; these two are its reference and its fallback).
 
 Other types (``Q6_K``'s sixteen scales per 256 weights, ``Q2_K``, ``Q3_K``, the IQ types, float
 types) have no such form; the packer (:mod:`sgrt.models.weight_packer`) dequantizes them a row
@@ -252,11 +254,6 @@ class KQ4Weight:
         scale, offset = self.group_scales()
         q = self.codes.view(rows, cols // Q4_1_GROUP, Q4_1_GROUP).float()
         return (scale.unsqueeze(-1) * q + offset.unsqueeze(-1)).view(rows, cols)
-
-    @staticmethod
-    def cat(parts: list["KQ4Weight"]) -> "KQ4Weight":
-        """Concatenate along rows (output features)."""
-        return KQ4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "d", "dmin", "sc", "mn")))
 
 
 def unpack_q4_k_super(blocks: np.ndarray, rows: int, cols: int) -> KQ4Weight:

@@ -288,17 +288,13 @@ class Part:
     heads: int | None = None
     shift: float = 0.0
 
-    def read(self, tensors: CheckpointTensors, a: int, b: int, blocks: bool, kquant: bool = False,
-             bf16: bool = False) -> Any:
-        """Its rows ``a .. b``: the file's blocks (:data:`gguf_raw.BLOCK_READERS`'s weight; with
-        ``kquant``, a ``Q4_K`` part's :class:`gguf_raw.KQ4Weight`) if ``blocks``, else float32
-        ``[b - a, cols]`` (``bf16``: a bfloat16 part's rows as bfloat16, the same values)."""
+    def read(self, tensors: CheckpointTensors, a: int, b: int, blocks: bool, bf16: bool = False) -> Any:
+        """Its rows ``a .. b``: the file's blocks (:data:`gguf_raw.BLOCK_READERS`'s weight) if
+        ``blocks``, else float32 ``[b - a, cols]`` (``bf16``: a bfloat16 part's rows as bfloat16,
+        the same values)."""
         a0, b0 = self._span(a, b)
         lo, hi = self.row0 + a0, self.row0 + b0
-        if blocks and kquant:
-            w = gguf_raw.unpack_q4_k_super(tensors.read_raw(self.entry, lo, hi), hi - lo, self.entry.cols)
-            fields = [w.codes, w.d, w.dmin, w.sc, w.mn]
-        elif blocks:
+        if blocks:
             w = gguf_raw.BLOCK_READERS[self.entry.type].unpack(tensors.read_raw(self.entry, lo, hi), hi - lo,
                                                               self.entry.cols)
             fields = [w.codes, w.d] + ([w.m] if isinstance(w, gguf_raw.Q4_1Weight) else [])
@@ -309,8 +305,6 @@ class Part:
         fields = [t[a - a0: b - a0] for t in fields]
         if not blocks:
             return fields[0] - self.shift if self.shift else fields[0]
-        if isinstance(w, gguf_raw.KQ4Weight):
-            return gguf_raw.KQ4Weight(*fields)
         if isinstance(w, gguf_raw.Q4_1Weight):
             return gguf_raw.Q4_1Weight(*fields)
         return gguf_raw.SymmetricWeight(fields[0], fields[1], w.c)
@@ -356,7 +350,7 @@ def canonical_parts(entries: dict[str, TensorEntry], family: Any, config: ModelC
 
 
 def read_rows(tensors: CheckpointTensors, parts: list[Part], r0: int, r1: int, blocks: bool,
-              kquant: bool = False, raw: bool = False, bf16: bool = False) -> list[Any]:
+              raw: bool = False, bf16: bool = False) -> list[Any]:
     """Rows ``r0 .. r1`` of the weight the parts stack, as each part's pieces (:meth:`Part.read`;
     with ``raw``, :meth:`Part.read_raw`)."""
     pieces, at = [], 0
@@ -364,6 +358,6 @@ def read_rows(tensors: CheckpointTensors, parts: list[Part], r0: int, r1: int, b
         lo, hi = max(r0, at), min(r1, at + p.rows)
         if lo < hi:
             pieces.append(p.read_raw(tensors, lo - at, hi - at) if raw else p.read(tensors, lo - at, hi - at, blocks,
-                                                                                   kquant, bf16))
+                                                                                   bf16))
         at += p.rows
     return pieces

@@ -236,7 +236,7 @@ class Packer:
 
     def _write_kq4(self, name: str, parts: list[Part], f: Form) -> None:
         """A ``Q4_K`` weight's super-blocks as they are, in the AVX2 build's K-quant stream
-        (:func:`sgrt.kernels.woq.fuse_kq4`), one chunk of 16-row blocks at a time."""
+        (:func:`sgrt.kernels.woq.fuse_q4_k`), one chunk of 16-row blocks at a time."""
         from sgrt.kernels import woq
 
         n, k = f.rows, f.cols
@@ -244,10 +244,9 @@ class Packer:
         slot = self.writer.reserve(f"{name}.stream", torch.uint8, (woq.stream_bytes(n, k, woq.KQ4_BITS),))
         block = woq.stream_bytes(BLOCK_ROWS, k, woq.KQ4_BITS)  # bytes of one 16-row block
 
-        def chunk(r0: int, r1: int) -> None:
-            w = gguf_raw.KQ4Weight.cat(read_rows(self.tensors, parts, r0, r1, blocks=True, kquant=True))
-            stream = woq.fuse_kq4(woq.pack(w.codes, 4), w.d, w.dmin, w.sc, w.mn, r1 - r0, k)
-            self.writer.write(slot, r0 // BLOCK_ROWS * block, stream)
+        def chunk(r0: int, r1: int) -> None:  # (woq.fuse_q4_k: the raw super-blocks in one pass)
+            raw = np.concatenate(read_rows(self.tensors, parts, r0, r1, blocks=True, raw=True))
+            self.writer.write(slot, r0 // BLOCK_ROWS * block, woq.fuse_q4_k(raw, r1 - r0, k))
 
         run_chunks(_chunks(n, k), chunk, self.workers)
 

@@ -165,6 +165,25 @@ def test_fuse_q4_1_is_fuse_of_the_unpacked_codes():
             woq.fuse_q4_1(np.zeros((8, 20), np.uint8), 8, 32, native=native)
 
 
+def test_fuse_q4_k_is_fuse_kq4_of_the_unpacked_super_blocks():
+    """woq.fuse_q4_k of raw Q4_K super-blocks (the AVX2 library's op where it is loaded) is the
+    stream fuse_kq4(pack(codes)) makes of them unpacked (gguf_raw.unpack_q4_k_super), scale and
+    min bytes of every value; a shape it cannot take raises."""
+    from sgrt.kernels import woq
+
+    rng = np.random.default_rng(4)
+    for n, k in ((16, 256), (48, 512), (64, 2048)):
+        blocks = rng.integers(0, 256, (n, k // 256 * 144), dtype=np.uint8)
+        d = rng.standard_normal((n, k // 256, 2)).astype(np.float16)
+        blocks.reshape(n, k // 256, 144)[:, :, :4] = d.view(np.uint8).reshape(n, k // 256, 4)
+        w = gguf_raw.unpack_q4_k_super(blocks, n, k)
+        want = woq.fuse_kq4(woq.pack(w.codes, 4), w.d, w.dmin, w.sc, w.mn, n, k)
+        assert torch.equal(woq.fuse_q4_k(blocks, n, k), want), (n, k)
+        assert torch.equal(woq.fuse_q4_k(np.asfortranarray(blocks), n, k), want), (n, k)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        woq.fuse_q4_k(np.zeros((8, 144), np.uint8), 8, 256)
+
+
 def _quantize_fuse_reference(w: torch.Tensor, bits: int) -> torch.Tensor:
     """What woq.quantize_fuse stands for: quantize_groups, then pack and fuse."""
     from sgrt.kernels import woq
