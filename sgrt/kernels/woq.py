@@ -464,7 +464,8 @@ def quantize_fuse(weight: torch.Tensor, bits: int) -> torch.Tensor:
     codes (groups of 32): exactly ``fuse(pack(codes, bits), scales, offsets, n, k, bits)`` of
     :func:`sgrt.models.quant_native.quantize_groups`'s ``(codes, scales, offsets)``, bit for bit
     (the same float32 operations, one rounding each; ``tests/models/test_weight_packer.py`` holds
-    them equal), in one pass of the AVX2 library's ``quantize_fuse`` instead of ~6 passes of torch
+    them equal; only where a group's least or greatest value is a zero held both as -0 and +0 may
+    the sign of a zero scale or offset differ, the same value), in one pass of the AVX2 library's ``quantize_fuse`` instead of ~6 passes of torch
     and numpy (~6x faster). Needs that library (:func:`isa` ``== "avx2"``).
 
     Raises:

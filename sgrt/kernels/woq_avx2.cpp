@@ -1814,14 +1814,12 @@ bool quantize_group_rows(Load load, int64_t k, int64_t g, int bits, uint16_t* he
     if (_mm256_movemask_ps(nan)) return false;
     __m256 mn = _mm256_min_ps(_mm256_min_ps(x[0], x[1]), _mm256_min_ps(x[2], x[3]));
     __m256 mx = _mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3]));
-    float lo_v[8], hi_v[8];
-    _mm256_storeu_ps(lo_v, mn);
-    _mm256_storeu_ps(hi_v, mx);
-    float lo = lo_v[0], hi = hi_v[0];
-    for (int i = 1; i < 8; ++i) {
-      lo = std::min(lo, lo_v[i]);
-      hi = std::max(hi, hi_v[i]);
-    }
+    __m128 m4 = _mm_min_ps(_mm256_castps256_ps128(mn), _mm256_extractf128_ps(mn, 1));
+    __m128 x4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_min_ps(m4, _mm_movehl_ps(m4, m4));
+    x4 = _mm_max_ps(x4, _mm_movehl_ps(x4, x4));
+    const float lo = _mm_cvtss_f32(_mm_min_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    const float hi = _mm_cvtss_f32(_mm_max_ss(x4, _mm_shuffle_ps(x4, x4, 1)));
     const float range = hi - lo;
     const uint16_t sh = _cvtss_sh(range / levels, _MM_FROUND_TO_NEAREST_INT);
     const uint16_t oh = _cvtss_sh(lo, _MM_FROUND_TO_NEAREST_INT);
@@ -1873,22 +1871,37 @@ at::Tensor woq_quantize_fuse(const at::Tensor& w, int64_t n, int64_t k, int64_t 
                                  k, g, static_cast<int>(bits), head, codes);
       }
       if (!ok) return at::detail::empty_cpu({0}, at::kByte);
-      // A k-pair's two codes are adjacent in a row and in the stream: they move as one 16-bit word.
-      uint16_t pairs[BLOCK_N][16], words[BLOCK_N * 16];
-      std::memcpy(pairs, codes, sizeof(pairs));
-      if (bits == 8) {  // k-pair p's vector: word row = the row's k-pair p
+      if (bits == 8) {  // k-pair p's vector: word row = the row's k-pair p (a pair moves as one 16-bit word)
+        uint16_t pairs[BLOCK_N][16], words[BLOCK_N * 16];
+        std::memcpy(pairs, codes, sizeof(pairs));
         for (int p = 0; p < 16; ++p)
           for (int row = 0; row < BLOCK_N; ++row) words[16 * p + row] = pairs[row][p];
-      } else {  // chunk c, word 8 L + 4 s + h: k-pair 4 c + s of row 4 L + h, k-pair 4 c + s + 2 above it
-        for (int c = 0; c < 4; ++c)
-          for (int L = 0; L < 4; ++L)
-            for (int s = 0; s < 2; ++s)
-              for (int h = 0; h < 4; ++h) {
-                const int row = 4 * L + h;  // (codes <= 15: the shift never carries into the other byte)
-                words[32 * c + 8 * L + 4 * s + h] = static_cast<uint16_t>(pairs[row][4 * c + s] | (pairs[row][4 * c + s + 2] << 4));
-              }
+        std::memcpy(o + 64, words, sizeof(words));
+      } else {
+        // Chunk c's byte 16 L + 8 s + 2 h + t: inputs x = 8 c + 2 s + t and x + 4 of row 4 L + h.
+        // Per row, dword c of v = its dword 2 c | dword 2 c + 1 << 4 (bytes: inputs 8 c + i and
+        // 8 c + 4 + i; codes <= 15, so no carry between bytes); a 4 x 4 transpose of rows 4 L ..
+        // 4 L + 3 gives chunk c's lane L as one vector, whose low words (s = 0) and high words
+        // (s = 1) one vpshufb sorts.
+        __m128i v[BLOCK_N];
+        const __m256i evens_odds = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        for (int r = 0; r < BLOCK_N; ++r) {
+          const __m256i e = _mm256_permutevar8x32_epi32(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[r])), evens_odds);
+          v[r] = _mm_or_si128(_mm256_castsi256_si128(e), _mm_slli_epi32(_mm256_extracti128_si256(e, 1), 4));
+        }
+        const __m128i words = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+        uint8_t* c4 = o + 64;
+        for (int L = 0; L < 4; ++L) {
+          const __m128i* a = v + 4 * L;
+          const __m128i t0 = _mm_unpacklo_epi32(a[0], a[1]), t1 = _mm_unpacklo_epi32(a[2], a[3]);
+          const __m128i t2 = _mm_unpackhi_epi32(a[0], a[1]), t3 = _mm_unpackhi_epi32(a[2], a[3]);
+          const __m128i col[4] = {_mm_unpacklo_epi64(t0, t1), _mm_unpackhi_epi64(t0, t1),
+                                  _mm_unpacklo_epi64(t2, t3), _mm_unpackhi_epi64(t2, t3)};
+          for (int c = 0; c < 4; ++c)
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(c4 + 64 * c + 16 * L), _mm_shuffle_epi8(col[c], words));
+        }
       }
-      std::memcpy(o + 64, words, BLOCK_N * 32 * bits / 8);
     }
   }
   return out;

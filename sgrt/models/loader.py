@@ -66,6 +66,10 @@ from sgrt.paths import cache_root, python_child  # noqa: F401 - cache_root re-ex
 
 logger = logging.getLogger("sgrt.models")
 
+# How long a load waits, once its weights are ready, for the child writing an HF folder's tokenizer
+# snapshot (:func:`_snapshot_beside`) before it stops it and loads the tokenizer itself.
+SNAPSHOT_CHILD_TIMEOUT_S = 120
+
 
 @dataclass
 class LoadedModel:
@@ -301,8 +305,9 @@ def _snapshot_beside(source: _Checkpoint) -> Iterator[None]:
     tokenizer snapshot (``python -m sgrt.models.tokenizer_snapshot``, which imports no torch), so
     that :func:`_source_tokenizer` reads it instead of importing transformers here (~1.5 s, on a
     cold load's critical path). Nothing where the snapshot holds already, or for a GGUF (its
-    entry's child wrote one). The child is waited for at the block's end, killed where the block
-    raised; where it wrote nothing, the tokenizer loads through transformers here as before."""
+    entry's child wrote one). The child is waited for at the block's end (at most
+    :data:`SNAPSHOT_CHILD_TIMEOUT_S`), killed where the block raised; where it wrote nothing, the
+    tokenizer loads through transformers here as before."""
     snapshot, folder = source.entry / SNAPSHOT_DIR, source.tokenizer_folder
     if source.kind != "hf" or read_facts(snapshot, folder) is not None:
         yield
@@ -320,8 +325,13 @@ def _snapshot_beside(source: _Checkpoint) -> Iterator[None]:
         try:
             yield
             done = True
+            try:  # (transformers alone takes ~1 s; one that hangs is left for the in-process load)
+                child.wait(timeout=SNAPSHOT_CHILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.debug("tokenizer snapshot child of %s still running after %d s; stopped", folder,
+                             SNAPSHOT_CHILD_TIMEOUT_S)
         finally:
-            if not done:
+            if child.poll() is None:
                 child.kill()
             if child.wait() and done:
                 err.seek(0)

@@ -317,6 +317,37 @@ def _tiny_hf_folder(folder: Path, loaded_model: LoadedModel) -> Path:
     return folder
 
 
+def test_a_tokenizer_child_that_hangs_is_stopped_and_the_load_goes_on(tmp_path: Path, loaded_model: LoadedModel,
+                                                                       monkeypatch):
+    """The child writing an HF folder's tokenizer snapshot beside the packing is stopped once the
+    load has waited SNAPSHOT_CHILD_TIMEOUT_S for it, and the tokenizer loads through transformers
+    in the loading process (the same ids); a child that fails leaves the load as it was."""
+    import subprocess
+    import sys
+
+    folder = _tiny_hf_folder(tmp_path / "tiny", loaded_model)
+    children = []
+
+    class Spy(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            children.append(self)
+
+    monkeypatch.setattr(loader.subprocess, "Popen", Spy)
+    monkeypatch.setattr(loader, "python_child",
+                        lambda *a: ([sys.executable, "-c", "import time; time.sleep(600)"], dict(os.environ)))
+    monkeypatch.setattr(loader, "SNAPSHOT_CHILD_TIMEOUT_S", 1)
+    lm = load_model(str(folder), cache_dir=tmp_path / "cache")
+    assert len(children) == 1 and children[0].returncode == -9  # (SIGKILL, after the wait)
+    assert lm.tokenizer._hf is not None  # (transformers here, as without a child)
+    text = "Hello tiny world, 人工智能 😀"
+    assert lm.tokenizer.encode(text) == loaded_model.tokenizer.encode(text)
+    monkeypatch.setattr(loader, "python_child", lambda *a: ([sys.executable, "-c", "raise SystemExit(1)"],
+                                                            dict(os.environ)))
+    again = load_model(str(folder), cache_dir=tmp_path / "cache2")
+    assert children[1].returncode == 1 and again.tokenizer.encode(text) == lm.tokenizer.encode(text)
+
+
 def test_a_missing_or_misshapen_weight_is_named_and_leaves_no_store(tmp_path: Path, loaded_model: LoadedModel):
     from safetensors.torch import load_file, save_file
 
