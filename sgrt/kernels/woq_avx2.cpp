@@ -1794,6 +1794,42 @@ at::Tensor woq_fuse_q4_k(const at::Tensor& blocks, int64_t n, int64_t k) {
   return out;
 }
 
+// dequantize_q6_k: GGUF Q6_K super-blocks [n, k / 256 * 210] (block_q6_K: 128 bytes of low
+// nibbles ql, 64 bytes of high bit pairs qh, 16 int8 scales, float16 d) -> float32 [n, k], the
+// values gguf's numpy dequantization gives (gguf_raw.dequantize_q6_k documents it; gguf is the
+// reference): weight e of a super-block, in half h = e / 128 at r = e % 128, has the code
+// q = ((ql[64 h + r % 64] >> 4 (r / 64)) & 15 | ((qh[32 h + r % 32] >> 2 (r / 32)) & 3) << 4) - 32
+// and the value (float(d) * float(scale[e / 16])) * float(q), two float32 roundings. One thread.
+at::Tensor woq_dequantize_q6_k(const at::Tensor& blocks, int64_t n, int64_t k) {
+  TORCH_CHECK(n > 0 && k > 0 && k % 256 == 0 && blocks.dtype() == at::kByte && blocks.is_contiguous() &&
+                  blocks.numel() == n * (k / 256) * 210,
+              "sgrt_woq_avx2.dequantize_q6_k: blocks must be contiguous uint8 [n, k / 256 * 210] with k a multiple of 256, got ",
+              blocks.numel(), " bytes for n=", n, ", k=", k);
+  at::Tensor out(at::detail::empty_cpu({n, k}, at::kFloat));
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  const int64_t supers = n * (k / 256);
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* b = src + sb * 210;
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* scale = reinterpret_cast<const int8_t*>(b + 192);
+    uint16_t dh;
+    std::memcpy(&dh, b + 208, 2);
+    const float d = _cvtsh_ss(dh);
+    float* o = dst + sb * 256;
+    for (int g = 0; g < 16; ++g) {
+      const float step = d * static_cast<float>(scale[g]);
+      for (int i = 0; i < 16; ++i) {
+        const int e = 16 * g + i, h = e / 128, r = e % 128;
+        const int q = (((ql[64 * h + r % 64] >> (4 * (r / 64))) & 15) | (((qh[32 * h + r % 32] >> (2 * (r / 32))) & 3) << 4)) - 32;
+        o[e] = step * static_cast<float>(q);
+      }
+    }
+  }
+  return out;
+}
+
 // quantize_fuse: float rows w [n, k] (float32 or bfloat16, contiguous) -> the stream of their
 // group-wise codes, exactly woq.fuse(woq.pack(codes, bits), scale, offset) of quant_native.
 // quantize_groups(w, bits, 32)'s (codes, scale, offset) (woq.quantize_fuse documents it; that
@@ -1941,6 +1977,9 @@ TORCH_LIBRARY(sgrt_woq_avx2, m) {
   // GGUF Q4_K super-blocks -> the K-quant stream (the packer's; woq.fuse_q4_k)
   m.def("fuse_q4_k(Tensor blocks, int n, int k) -> Tensor");
   m.impl("fuse_q4_k", c10::DispatchKey::CPU, TORCH_FN(woq_fuse_q4_k));
+  // GGUF Q6_K super-blocks -> float32 rows, gguf's values (the packer's; gguf_raw.dequantize_q6_k)
+  m.def("dequantize_q6_k(Tensor blocks, int n, int k) -> Tensor");
+  m.impl("dequantize_q6_k", c10::DispatchKey::CPU, TORCH_FN(woq_dequantize_q6_k));
   // float rows -> their group-wise codes' stream (the packer's; woq.quantize_fuse)
   m.def("quantize_fuse(Tensor w, int n, int k, int bits) -> Tensor");
   m.impl("quantize_fuse", c10::DispatchKey::CPU, TORCH_FN(woq_quantize_fuse));
