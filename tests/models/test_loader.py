@@ -317,6 +317,23 @@ def _tiny_hf_folder(folder: Path, loaded_model: LoadedModel) -> Path:
     return folder
 
 
+def test_a_cold_hf_load_imports_no_transformers(tmp_path: Path, loaded_model: LoadedModel):
+    """A first load of an HF folder, in a process of its own, packs the weights while a child
+    writes the tokenizer's snapshot, and reads that: transformers is never imported there."""
+    import subprocess
+    import sys
+
+    folder = _tiny_hf_folder(tmp_path / "tiny", loaded_model)
+    code = ("import sys; from sgrt.models import load_model; "
+            f"lm = load_model({str(folder)!r}, dtype='bfloat16', quantization='int4', cache_dir={str(tmp_path / 'c')!r}); "
+            "print(lm.converted, lm.tokenizer.encode('Hello tiny world'), "
+            "sorted(m for m in sys.modules if m.split('.')[0] == 'transformers')[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"True {loaded_model.tokenizer.encode('Hello tiny world')} []"
+
+
 def test_a_tokenizer_child_that_hangs_is_stopped_and_the_load_goes_on(tmp_path: Path, loaded_model: LoadedModel,
                                                                        monkeypatch):
     """The child writing an HF folder's tokenizer snapshot beside the packing is stopped once the
