@@ -147,15 +147,17 @@ def _try_load(name: str, sources: list[Path], headers: list[Path], include_dir: 
     so = build_dir / f"{ext}.so"
     t0 = time.perf_counter()
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        with _BuildLock(build_dir / "sgrt-build.lock"):
-            if not _verified(so):
-                from sgrt.progress import progress
+        # A complete build loads without the lock (nothing is written: a read-only cache serves it).
+        if not _verified(so):
+            build_dir.mkdir(parents=True, exist_ok=True)
+            with _BuildLock(build_dir / "sgrt-build.lock"):
+                if not _verified(so):
+                    from sgrt.progress import progress
 
-                with progress(f"building native kernel {what} (once; cached)"):
-                    _build(ext, sources, include_dir, cflags, build_dir, so)
-                logger.info("compiled %s in %.1f s (%s)", what, time.perf_counter() - t0, build_dir)
-            torch.ops.load_library(str(so))
+                    with progress(f"building native kernel {what} (once; cached)"):
+                        _build(ext, sources, include_dir, cflags, build_dir, so)
+                    logger.info("compiled %s in %.1f s (%s)", what, time.perf_counter() - t0, build_dir)
+        torch.ops.load_library(str(so))
     except Exception as e:  # noqa: BLE001 - any build or load failure leaves the plain-PyTorch path
         return f"building or loading {what} failed: {type(e).__name__}: {e}"
     return None

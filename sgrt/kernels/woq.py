@@ -484,7 +484,7 @@ def quantize_fuse(weight: torch.Tensor, bits: int) -> torch.Tensor:
         raise RuntimeError("sgrt.kernels.woq.quantize_fuse needs the AVX2 library, which is not loaded")
     stream = torch.ops.sgrt_woq_avx2.quantize_fuse(weight.contiguous(), n, k, bits)
     if stream.numel() == 0:
-        raise ValueError("weights beyond float16's range")
+        raise ValueError("weights not finite in float16 (a NaN, an infinity, or beyond its range)")
     return stream
 
 

@@ -22,7 +22,8 @@ def quantize_groups(weight: torch.Tensor, bits: int, group_size: int = INT4_GROU
     error is at most half a step plus float16's rounding of ``offset``.
 
     Raises:
-        ValueError: a weight beyond float16's range (the caller keeps such a layer in float).
+        ValueError: a weight that is not finite in float16 (a NaN, an infinity, or beyond its range;
+            the caller keeps such a layer in float).
     """
     levels = (1 << bits) - 1
     n, k = weight.shape
@@ -30,7 +31,7 @@ def quantize_groups(weight: torch.Tensor, bits: int, group_size: int = INT4_GROU
     lo, hi = w.amin(-1), w.amax(-1)
     scale, offset = ((hi - lo) / levels).half(), lo.half()
     if not (torch.isfinite(scale).all() and torch.isfinite(offset).all()):
-        raise ValueError("weights beyond float16's range")
+        raise ValueError("weights not finite in float16 (a NaN, an infinity, or beyond its range)")
     step = torch.where(scale == 0, torch.ones_like(scale), scale).float().unsqueeze(-1)
     codes = torch.round((w - offset.float().unsqueeze(-1)) / step).clamp_(0, levels).to(torch.uint8)
     return codes.reshape(n, k), scale, offset
