@@ -1818,12 +1818,22 @@ at::Tensor woq_dequantize_q6_k(const at::Tensor& blocks, int64_t n, int64_t k) {
     std::memcpy(&dh, b + 208, 2);
     const float d = _cvtsh_ss(dh);
     float* o = dst + sb * 256;
-    for (int g = 0; g < 16; ++g) {
-      const float step = d * static_cast<float>(scale[g]);
-      for (int i = 0; i < 16; ++i) {
-        const int e = 16 * g + i, h = e / 128, r = e % 128;
-        const int q = (((ql[64 * h + r % 64] >> (4 * (r / 64))) & 15) | (((qh[32 * h + r % 32] >> (2 * (r / 32))) & 3) << 4)) - 32;
-        o[e] = step * static_cast<float>(q);
+    const __m256i nib = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+      for (int t = 0; t < 4; ++t) {  // weights 128 h + 32 t + j: ql byte 64 h + 32 (t % 2) + j, qh byte 32 h + j
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32 * (t % 2)));
+        const __m256i l4 = _mm256_and_si256(t < 2 ? lo : _mm256_srli_epi16(lo, 4), nib);
+        const __m256i h2 = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * t)), two);
+        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(l4, _mm256_slli_epi16(h2, 4)), bias);  // -32..31
+        const int e0 = 128 * h + 32 * t;
+        const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+        const __m128i part[4] = {q0, _mm_srli_si128(q0, 8), q1, _mm_srli_si128(q1, 8)};
+        for (int v = 0; v < 4; ++v) {  // 8 weights a vector; their scale group (e0 + 8 v) / 16
+          const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[v]));
+          const float step = d * static_cast<float>(scale[(e0 + 8 * v) / 16]);
+          _mm256_storeu_ps(o + e0 + 8 * v, _mm256_mul_ps(_mm256_set1_ps(step), qf));
+        }
       }
     }
   }

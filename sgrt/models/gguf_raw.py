@@ -340,7 +340,7 @@ def dequantize_q6_k(blocks: np.ndarray, rows: int, cols: int) -> torch.Tensor:
     """Raw bytes ``[rows, cols // 256 * 210]`` uint8 of one ``Q6_K`` tensor -> float32 ``[rows,
     cols]``: the values ``gguf.quants.dequantize`` gives (ggml's ``dequantize_row_q6_K``: per 16
     weights ``(d * scale) * (q - 32)``, ``q`` six bits from ``ql`` and ``qh``, two float32
-    roundings), by the AVX2 library's ``dequantize_q6_k`` in one pass where it is loaded (~6x
+    roundings), by the AVX2 library's ``dequantize_q6_k`` in one pass where it is loaded (~7x
     gguf's numpy, which stays the reference and the fallback).
 
     Raises:
