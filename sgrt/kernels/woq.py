@@ -349,13 +349,15 @@ def fuse_kq4(packed: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torc
 def fuse_q4_k(blocks: Any, n: int, k: int) -> torch.Tensor:
     """GGUF ``Q4_K`` super-blocks of ``n`` rows of ``k`` weights (``[n, k / 256 * 144]`` uint8
     numpy, ggml's ``block_q4_K``) -> the K-quant stream :func:`fuse_kq4` makes of
-    :func:`sgrt.models.gguf_raw.unpack_q4_k_super`'s fields (the same bytes), in one pass of the
-    AVX2 library's ``fuse_q4_k`` where it is loaded, else through those two (the reference). Group
-    ``j``'s codes are the low (even ``j``) or high nibbles of 32 of the super-block's bytes, so a
-    chunk byte's two codes are the same nibble of two of them (as in :func:`fuse_q4_1`).
+    :func:`sgrt.models.gguf_raw.unpack_q4_k_super`'s fields (the same bytes; those two are its
+    reference, ``tests/models/test_weight_packer.py``), in one pass of the AVX2 library's
+    ``fuse_q4_k`` (the K-quant stream is that build's alone). Group ``j``'s codes are the low (even
+    ``j``) or high nibbles of 32 of the super-block's bytes, so a chunk byte's two codes are the
+    same nibble of two of them (as in :func:`fuse_q4_1`).
 
     Raises:
         ValueError: ``n`` not a positive multiple of 16, ``k`` of 256, or ``blocks`` not that size.
+        RuntimeError: the AVX2 library is not loaded.
     """
     import numpy as np
 
@@ -363,12 +365,9 @@ def fuse_q4_k(blocks: Any, n: int, k: int) -> torch.Tensor:
             or blocks.dtype != np.uint8:
         raise ValueError(f"blocks must be uint8 [n, k / 256 * 144] with n a multiple of {BLOCK_N}, k of "
                          f"{KQ_SUPER}; got {blocks.dtype} {tuple(blocks.shape)} for n={n}, k={k}")
-    if isa() == "avx2":
-        return torch.ops.sgrt_woq_avx2.fuse_q4_k(torch.from_numpy(np.ascontiguousarray(blocks)), n, k)
-    from sgrt.models.gguf_raw import unpack_q4_k_super
-
-    w = unpack_q4_k_super(blocks, n, k)
-    return fuse_kq4(pack(w.codes, 4), w.d, w.dmin, w.sc, w.mn, n, k)
+    if isa() != "avx2":
+        raise RuntimeError("sgrt.kernels.woq.fuse_q4_k needs the AVX2 library, which is not loaded")
+    return torch.ops.sgrt_woq_avx2.fuse_q4_k(torch.from_numpy(np.ascontiguousarray(blocks)), n, k)
 
 
 def unfuse_kq4(stream: torch.Tensor, n: int, k: int

@@ -21,7 +21,7 @@ are (:data:`BLOCK_READERS`):
 and the 6-bit scales and mins, no float16 products), for the AVX2 kernel's K-quant stream
 (:func:`sgrt.kernels.woq.fuse_kq4`), which int4 projections of ``Q4_K`` parts take; the packer
 makes that stream from the raw super-blocks in one pass (:func:`sgrt.kernels.woq.fuse_q4_k`, the
-same bytes; these two are its reference and its fallback).
+same bytes; these two are its reference).
 
 Other types (``Q6_K``'s sixteen scales per 256 weights, ``Q2_K``, ``Q3_K``, the IQ types, float
 types) have no such form; the packer (:mod:`sgrt.models.weight_packer`) dequantizes them a row

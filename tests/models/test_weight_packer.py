@@ -165,8 +165,10 @@ def test_fuse_q4_1_is_fuse_of_the_unpacked_codes():
             woq.fuse_q4_1(np.zeros((8, 20), np.uint8), 8, 32, native=native)
 
 
+@pytest.mark.skipif(not NATIVE or __import__("sgrt.kernels.woq").kernels.woq.isa() != "avx2",
+                    reason="the AVX2 library is not loaded here")
 def test_fuse_q4_k_is_fuse_kq4_of_the_unpacked_super_blocks():
-    """woq.fuse_q4_k of raw Q4_K super-blocks (the AVX2 library's op where it is loaded) is the
+    """woq.fuse_q4_k of raw Q4_K super-blocks (the AVX2 library's op) is the
     stream fuse_kq4(pack(codes)) makes of them unpacked (gguf_raw.unpack_q4_k_super), scale and
     min bytes of every value; a shape it cannot take raises."""
     from sgrt.kernels import woq
