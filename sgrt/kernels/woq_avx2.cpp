@@ -1840,6 +1840,54 @@ at::Tensor woq_dequantize_q6_k(const at::Tensor& blocks, int64_t n, int64_t k) {
   return out;
 }
 
+// dequantize_q4_k: GGUF Q4_K super-blocks [n, k / 256 * 144] -> float32 [n, k], the values
+// gguf's numpy dequantization gives (gguf_raw.dequantize_q4_k; gguf is the reference): group j
+// of 32 has the codes q = the low (j even) or high nibbles of bytes 32 (j / 2) .. + 31 of the
+// nibbles, and the values (float(d) * sc[j]) * q - float(dmin) * mn[j], each product and the
+// difference one float32 rounding (ggml's get_scale_min_k4 for sc, mn). One thread.
+at::Tensor woq_dequantize_q4_k(const at::Tensor& blocks, int64_t n, int64_t k) {
+  TORCH_CHECK(n > 0 && k > 0 && k % 256 == 0 && blocks.dtype() == at::kByte && blocks.is_contiguous() &&
+                  blocks.numel() == n * (k / 256) * 144,
+              "sgrt_woq_avx2.dequantize_q4_k: blocks must be contiguous uint8 [n, k / 256 * 144] with k a multiple of 256, got ",
+              blocks.numel(), " bytes for n=", n, ", k=", k);
+  at::Tensor out(at::detail::empty_cpu({n, k}, at::kFloat));
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  const int64_t supers = n * (k / 256);
+  const __m256i nib = _mm256_set1_epi8(15);
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* b = src + sb * 144;
+    uint16_t dh[2];
+    std::memcpy(dh, b, 4);
+    const float d = _cvtsh_ss(dh[0]), dmin = _cvtsh_ss(dh[1]);
+    const uint8_t* q = b + 4;
+    uint8_t sc[8], mn[8];
+    for (int j = 0; j < 4; ++j) {
+      sc[j] = q[j] & 63;
+      mn[j] = q[j + 4] & 63;
+      sc[j + 4] = static_cast<uint8_t>((q[j + 8] & 0x0F) | ((q[j] >> 6) << 4));
+      mn[j + 4] = static_cast<uint8_t>((q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4));
+    }
+    float* o = dst + sb * 256;
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+      for (int half = 0; half < 2; ++half) {  // group 2 c + half: low, then high nibbles
+        const int j = 2 * c + half;
+        const __m256i codes = _mm256_and_si256(half ? _mm256_srli_epi16(raw, 4) : raw, nib);
+        const __m256 step = _mm256_set1_ps(d * static_cast<float>(sc[j]));
+        const __m256 off = _mm256_set1_ps(dmin * static_cast<float>(mn[j]));
+        const __m128i c0 = _mm256_castsi256_si128(codes), c1 = _mm256_extracti128_si256(codes, 1);
+        const __m128i part[4] = {c0, _mm_srli_si128(c0, 8), c1, _mm_srli_si128(c1, 8)};
+        for (int v = 0; v < 4; ++v) {
+          const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[v]));
+          _mm256_storeu_ps(o + 32 * j + 8 * v, _mm256_sub_ps(_mm256_mul_ps(step, qf), off));
+        }
+      }
+    }
+  }
+  return out;
+}
+
 // quantize_fuse: float rows w [n, k] (float32 or bfloat16, contiguous) -> the stream of their
 // group-wise codes, exactly woq.fuse(woq.pack(codes, bits), scale, offset) of quant_native.
 // quantize_groups(w, bits, 32)'s (codes, scale, offset) (woq.quantize_fuse documents it; that
@@ -1990,6 +2038,9 @@ TORCH_LIBRARY(sgrt_woq_avx2, m) {
   // GGUF Q6_K super-blocks -> float32 rows, gguf's values (the packer's; gguf_raw.dequantize_q6_k)
   m.def("dequantize_q6_k(Tensor blocks, int n, int k) -> Tensor");
   m.impl("dequantize_q6_k", c10::DispatchKey::CPU, TORCH_FN(woq_dequantize_q6_k));
+  // GGUF Q4_K super-blocks -> float32 rows, gguf's values (the packer's; gguf_raw.dequantize_q4_k)
+  m.def("dequantize_q4_k(Tensor blocks, int n, int k) -> Tensor");
+  m.impl("dequantize_q4_k", c10::DispatchKey::CPU, TORCH_FN(woq_dequantize_q4_k));
   // float rows -> their group-wise codes' stream (the packer's; woq.quantize_fuse)
   m.def("quantize_fuse(Tensor w, int n, int k, int bits) -> Tensor");
   m.impl("quantize_fuse", c10::DispatchKey::CPU, TORCH_FN(woq_quantize_fuse));

@@ -336,24 +336,38 @@ BLOCK_READERS: dict[str, BlockReader] = {
 }
 
 
-def dequantize_q6_k(blocks: np.ndarray, rows: int, cols: int) -> torch.Tensor:
-    """Raw bytes ``[rows, cols // 256 * 210]`` uint8 of one ``Q6_K`` tensor -> float32 ``[rows,
-    cols]``: the values ``gguf.quants.dequantize`` gives (ggml's ``dequantize_row_q6_K``: per 16
-    weights ``(d * scale) * (q - 32)``, ``q`` six bits from ``ql`` and ``qh``, two float32
-    roundings), by the AVX2 library's ``dequantize_q6_k`` in one pass where it is loaded (~7x
-    gguf's numpy, which stays the reference and the fallback).
+# GGML types the AVX2 library dequantizes to gguf's float32 values: (its op, bytes a super-block)
+_NATIVE_DEQUANTIZE = {"Q4_K": ("dequantize_q4_k", 144), "Q6_K": ("dequantize_q6_k", 210)}
+
+
+def native_dequantize(kind: str) -> bool:
+    """Whether :func:`dequantize` reads ``kind`` in the AVX2 library (else gguf's numpy)."""
+    return kind in _NATIVE_DEQUANTIZE
+
+
+def dequantize(kind: str, blocks: np.ndarray, rows: int, cols: int) -> torch.Tensor:
+    """Raw bytes ``[rows, cols // 256 * size]`` uint8 of one ``Q4_K`` or ``Q6_K`` tensor (see
+    :func:`native_dequantize`) -> float32 ``[rows, cols]``: the values ``gguf.quants.dequantize``
+    gives, bit for bit, by the AVX2 library's ``dequantize_q4_k`` / ``dequantize_q6_k`` in one
+    pass where it is loaded (~7x gguf's numpy, which stays the reference and the fallback).
+    ggml's ``dequantize_row_q4_K``: group ``j`` of 32 ``(d * sc[j]) * q - dmin * mn[j]``;
+    ``dequantize_row_q6_K``: per 16 weights ``(d * scale) * (q - 32)``, ``q`` six bits from
+    ``ql`` and ``qh``; each product and difference one float32 rounding.
 
     Raises:
-        ValueError: ``cols`` not a multiple of 256, or ``blocks`` not that size.
+        ValueError: ``cols`` not a multiple of 256, ``blocks`` not that size, or another ``kind``.
     """
     from sgrt.kernels import woq
 
-    b = _blocks(blocks, rows, cols, "Q6_K", Q4_K_SUPER, 210)
+    if kind not in _NATIVE_DEQUANTIZE:
+        raise ValueError(f"dequantize reads {', '.join(_NATIVE_DEQUANTIZE)}, not {kind}")
+    op, size = _NATIVE_DEQUANTIZE[kind]
+    b = _blocks(blocks, rows, cols, kind, Q4_K_SUPER, size)
     if woq.isa() == "avx2":
-        return torch.ops.sgrt_woq_avx2.dequantize_q6_k(torch.from_numpy(np.ascontiguousarray(b)), rows, cols)
+        return getattr(torch.ops.sgrt_woq_avx2, op)(torch.from_numpy(np.ascontiguousarray(b)), rows, cols)
     import gguf
 
-    w = gguf.quants.dequantize(np.ascontiguousarray(blocks), gguf.GGMLQuantizationType.Q6_K)
+    w = gguf.quants.dequantize(np.ascontiguousarray(b).reshape(rows, -1), gguf.GGMLQuantizationType[kind])
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(rows, cols))
 
 

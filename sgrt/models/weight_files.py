@@ -126,7 +126,7 @@ class CheckpointTensors:
     def read_float(self, entry: TensorEntry, r0: int, r1: int, bf16: bool = False) -> torch.Tensor:
         """Rows ``r0 .. r1`` of ``entry`` in float32, ``[r1 - r0, cols]``: float types widened
         exactly, GGML types dequantized by ``gguf`` (the file's values, as llama.cpp defines them;
-        ``Q6_K`` by :func:`gguf_raw.dequantize_q6_k`, the same values).
+        ``Q4_K`` and ``Q6_K`` by :func:`gguf_raw.dequantize`, the same values).
         ``bf16``: a bfloat16 tensor's rows stay bfloat16 (a view of the file's bytes; the same
         values, for a reader that widens them itself).
 
@@ -140,8 +140,8 @@ class CheckpointTensors:
             if torch_dtype == torch.bfloat16:
                 return t.view(torch_dtype) if bf16 else t.view(torch_dtype).float()
             return t.float()
-        if entry.type == "Q6_K":  # (the same values in one native pass: K-quant files' widest type)
-            return gguf_raw.dequantize_q6_k(raw, r1 - r0, entry.cols)
+        if gguf_raw.native_dequantize(entry.type):  # (the same values in one native pass)
+            return gguf_raw.dequantize(entry.type, raw, r1 - r0, entry.cols)
         import gguf
 
         try:

@@ -186,22 +186,24 @@ def test_fuse_q4_k_is_fuse_kq4_of_the_unpacked_super_blocks():
         woq.fuse_q4_k(np.zeros((8, 144), np.uint8), 8, 256)
 
 
-def test_dequantize_q6_k_is_ggufs():
-    """gguf_raw.dequantize_q6_k (the AVX2 library's op where it is loaded) gives gguf's float32
-    values bit for bit: every code, scale sign and magnitude, tiny and large d."""
+@pytest.mark.parametrize("kind, size, d_at", [("Q4_K", 144, (0, 2)), ("Q6_K", 210, (208,))])
+def test_dequantize_is_ggufs(kind, size, d_at):
+    """gguf_raw.dequantize (the AVX2 library's ops where they are loaded) gives gguf's float32
+    values bit for bit: every code, scale and min, tiny and large d."""
     import gguf
 
     rng = np.random.default_rng(6)
     for n, k in ((1, 256), (16, 512), (64, 2048)):
-        blocks = rng.integers(0, 256, (n, k // 256 * 210), dtype=np.uint8)
-        d = (rng.standard_normal((n, k // 256)) * 0.01).astype(np.float16)
-        d.flat[0], d.flat[-1] = 65504, np.float16(-6e-8)
-        blocks.reshape(n, k // 256, 210)[:, :, 208:] = d.view(np.uint8).reshape(n, k // 256, 2)
-        want = np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K), np.float32).reshape(n, k)
-        got = gguf_raw.dequantize_q6_k(blocks, n, k)
+        blocks = rng.integers(0, 256, (n, k // 256 * size), dtype=np.uint8)
+        for at in d_at:  # (float16 d / dmin of normal magnitudes, and the extremes)
+            d = (rng.standard_normal((n, k // 256)) * 0.01).astype(np.float16)
+            d.flat[0], d.flat[-1] = 65504, np.float16(-6e-8)
+            blocks.reshape(n, k // 256, size)[:, :, at:at + 2] = d.view(np.uint8).reshape(n, k // 256, 2)
+        want = np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind]), np.float32).reshape(n, k)
+        got = gguf_raw.dequantize(kind, blocks, n, k)
         assert got.dtype == torch.float32 and np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32)), (n, k)
     with pytest.raises(ValueError, match="multiple of 256"):
-        gguf_raw.dequantize_q6_k(np.zeros((1, 105), np.uint8), 1, 128)
+        gguf_raw.dequantize(kind, np.zeros((1, size // 2), np.uint8), 1, 128)
 
 
 def _quantize_fuse_reference(w: torch.Tensor, bits: int) -> torch.Tensor:
