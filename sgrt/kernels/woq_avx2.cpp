@@ -1796,7 +1796,7 @@ at::Tensor woq_fuse_q4_k(const at::Tensor& blocks, int64_t n, int64_t k) {
 
 // dequantize_q6_k: GGUF Q6_K super-blocks [n, k / 256 * 210] (block_q6_K: 128 bytes of low
 // nibbles ql, 64 bytes of high bit pairs qh, 16 int8 scales, float16 d) -> float32 [n, k], the
-// values gguf's numpy dequantization gives (gguf_raw.dequantize_q6_k documents it; gguf is the
+// values gguf's numpy dequantization gives (gguf_raw.dequantize documents it; gguf is the
 // reference): weight e of a super-block, in half h = e / 128 at r = e % 128, has the code
 // q = ((ql[64 h + r % 64] >> 4 (r / 64)) & 15 | ((qh[32 h + r % 32] >> 2 (r / 32)) & 3) << 4) - 32
 // and the value (float(d) * float(scale[e / 16])) * float(q), two float32 roundings. One thread.
@@ -1841,7 +1841,7 @@ at::Tensor woq_dequantize_q6_k(const at::Tensor& blocks, int64_t n, int64_t k) {
 }
 
 // dequantize_q4_k: GGUF Q4_K super-blocks [n, k / 256 * 144] -> float32 [n, k], the values
-// gguf's numpy dequantization gives (gguf_raw.dequantize_q4_k; gguf is the reference): group j
+// gguf's numpy dequantization gives (gguf_raw.dequantize; gguf is the reference): group j
 // of 32 has the codes q = the low (j even) or high nibbles of bytes 32 (j / 2) .. + 31 of the
 // nibbles, and the values (float(d) * sc[j]) * q - float(dmin) * mn[j], each product and the
 // difference one float32 rounding (ggml's get_scale_min_k4 for sc, mn). One thread.
@@ -2035,10 +2035,10 @@ TORCH_LIBRARY(sgrt_woq_avx2, m) {
   // GGUF Q4_K super-blocks -> the K-quant stream (the packer's; woq.fuse_q4_k)
   m.def("fuse_q4_k(Tensor blocks, int n, int k) -> Tensor");
   m.impl("fuse_q4_k", c10::DispatchKey::CPU, TORCH_FN(woq_fuse_q4_k));
-  // GGUF Q6_K super-blocks -> float32 rows, gguf's values (the packer's; gguf_raw.dequantize_q6_k)
+  // GGUF Q6_K super-blocks -> float32 rows, gguf's values (the packer's; gguf_raw.dequantize)
   m.def("dequantize_q6_k(Tensor blocks, int n, int k) -> Tensor");
   m.impl("dequantize_q6_k", c10::DispatchKey::CPU, TORCH_FN(woq_dequantize_q6_k));
-  // GGUF Q4_K super-blocks -> float32 rows, gguf's values (the packer's; gguf_raw.dequantize_q4_k)
+  // GGUF Q4_K super-blocks -> float32 rows, gguf's values (the packer's; gguf_raw.dequantize)
   m.def("dequantize_q4_k(Tensor blocks, int n, int k) -> Tensor");
   m.impl("dequantize_q4_k", c10::DispatchKey::CPU, TORCH_FN(woq_dequantize_q4_k));
   // float rows -> their group-wise codes' stream (the packer's; woq.quantize_fuse)
