@@ -104,6 +104,22 @@ LONG_IDS = 4_096
 # (first loads of transformers' tokenizers; rare, so one lock for all of them)
 _HF_LOAD_LOCK = threading.Lock()
 
+
+def load_hf_tokenizer(folder: str | Path) -> Any:
+    """transformers' tokenizer of a local folder (``AutoTokenizer``, never the network): what
+    :meth:`Tokenizer.from_folder` wraps, :attr:`Tokenizer.hf` loads on first use, and the snapshot
+    child keeps (:func:`sgrt.models.tokenizer_snapshot.main`).
+
+    Raises:
+        ModelLoadError: the folder has no tokenizer transformers loads (names the folder).
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # transformers raises OSError / ValueError / KeyError here
+        raise ModelLoadError(f"no loadable tokenizer in {folder}: {e}") from e
+
 class Tokenizer:
     """Text <-> token ids for one model, plus the facts the engine and grammars need.
 
@@ -214,12 +230,7 @@ class Tokenizer:
             # NOTE: one load even when a server's warm-up thread and a request ask at once.
             with _HF_LOAD_LOCK:
                 if self._hf is None:
-                    from transformers import AutoTokenizer
-
-                    try:
-                        hf = AutoTokenizer.from_pretrained(str(self._hf_folder), local_files_only=True)
-                    except Exception as e:  # transformers raises OSError / ValueError / KeyError here
-                        raise ModelLoadError(f"no loadable tokenizer in {self._hf_folder}: {e}") from e
+                    hf = load_hf_tokenizer(self._hf_folder)
                     if self._chat_template is not None:
                         hf.chat_template = self._chat_template
                     self._hf = hf
@@ -261,13 +272,7 @@ class Tokenizer:
         Raises:
             ModelLoadError: the folder has no loadable fast tokenizer.
         """
-        from transformers import AutoTokenizer
-
-        try:
-            hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        except Exception as e:  # transformers raises OSError / ValueError / KeyError here
-            raise ModelLoadError(f"no loadable tokenizer in {folder}: {e}") from e
-        return cls(hf, extra_eos_token_ids)
+        return cls(load_hf_tokenizer(folder), extra_eos_token_ids)
 
     # ---- text <-> ids -------------------------------------------------------------------------
 

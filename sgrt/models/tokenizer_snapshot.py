@@ -221,8 +221,9 @@ def read_snapshot(snapshot: Path, source: Path, extra_eos_token_ids: Any = ()) -
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m sgrt.models.tokenizer_snapshot FOLDER OUT``: load the HF tokenizer folder
-    ``FOLDER`` as :meth:`~sgrt.models.tokenizer.Tokenizer.from_folder` does (``AutoTokenizer``)
-    and write its snapshot to ``OUT``; exit status 0 where written, else 1.
+    ``FOLDER`` as :meth:`~sgrt.models.tokenizer.Tokenizer.from_folder` does
+    (:func:`~sgrt.models.tokenizer.load_hf_tokenizer`) and write its snapshot to ``OUT``; exit
+    status 0 where written, else 1.
 
     The loader runs it beside a cold load's packing of an HF folder's weights
     (:func:`sgrt.models.loader.load_model`). torch is hidden from it: transformers' config classes
@@ -236,12 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     folder, out = Path(args[0]), Path(args[1])
     sys.modules["torch"] = None  # type: ignore[assignment]  (find_spec("torch") is then None)
-    try:
-        from transformers import AutoTokenizer
+    from sgrt.errors import ModelLoadError
+    from sgrt.models.tokenizer import load_hf_tokenizer
 
-        hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as e:  # (the loading process loads it again and names the fault)
-        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+    try:
+        hf = load_hf_tokenizer(folder)
+    except ModelLoadError as e:  # (the loading process loads it again and names the fault)
+        print(e, file=sys.stderr)
         return 1
     return 0 if write_snapshot(hf, folder, out) else 1
 
