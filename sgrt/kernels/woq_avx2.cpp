@@ -1699,6 +1699,44 @@ at::Tensor woq_linear_float(const at::Tensor& x, const at::Tensor& packed, const
   return yf;
 }
 
+// The raw-block operators' argument check: blocks contiguous uint8 [n, k / per * bytes] (ggml's
+// blocks of `per` weights, `bytes` each), k a multiple of per, n of 16 where whole 16-row blocks
+// are written (the streams).
+void check_blocks(const char* op, const at::Tensor& blocks, int64_t n, int64_t k, int64_t per, int64_t bytes,
+                  bool row_blocks) {
+  TORCH_CHECK(n > 0 && (!row_blocks || n % BLOCK_N == 0) && k > 0 && k % per == 0 && blocks.dtype() == at::kByte &&
+                  blocks.is_contiguous() && blocks.numel() == n * (k / per) * bytes,
+              "sgrt_woq_avx2.", op, ": blocks must be contiguous uint8 [n, k / ", per, " * ", bytes, "] with ",
+              row_blocks ? "n a multiple of 16 and " : "", "k a multiple of ", per, ", got ", blocks.numel(),
+              " bytes for n=", n, ", k=", k);
+}
+
+// A 4-bit chunk byte holds the codes of inputs x and x + 4 (pack()'s layout). Where a GGUF block
+// keeps input x's code in the low (high) nibble of byte x, the chunk bytes of inputs x .. x + 3
+// are one mask and shift of the 32-bit words at bytes x and x + 4.
+inline uint32_t nibble_pairs(uint32_t x, uint32_t x4, bool high) {
+  constexpr uint32_t kLow = 0x0F0F0F0Fu;
+  return high ? ((x >> 4) & kLow) | (x4 & ~kLow) : (x & kLow) | ((x4 & kLow) << 4);
+}
+
+// Row r's four chunk bytes v (inputs 8 c + 0..3 of a chunk c) into that chunk's 32 words: byte
+// (L, s, i) of the chunk is the code pair of row 4 L + i / 2, so the low half of v goes to word
+// 8 L + h and the high half to word 8 L + 4 + h (L = r / 4, h = r % 4).
+inline void put_chunk_row(uint16_t* chunk, int r, uint32_t v) {
+  chunk[8 * (r / 4) + r % 4] = static_cast<uint16_t>(v);
+  chunk[8 * (r / 4) + 4 + r % 4] = static_cast<uint16_t>(v >> 16);
+}
+
+// A K-quant super-block's 6-bit scales and mins from its 12 bytes q (ggml's get_scale_min_k4).
+inline void k_scales(const uint8_t* q, uint8_t (&sc)[8], uint8_t (&mn)[8]) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = q[j] & 63;
+    mn[j] = q[j + 4] & 63;
+    sc[j + 4] = static_cast<uint8_t>((q[j + 8] & 0x0F) | ((q[j] >> 6) << 4));
+    mn[j + 4] = static_cast<uint8_t>((q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4));
+  }
+}
+
 // fuse_q4_1: GGUF Q4_1 blocks [n, k / 32 * 20] (block_q4_1: float16 d, m, 16 bytes of nibbles)
 // -> this kernel's stream of 4-bit codes, exactly woq.fuse(woq.pack(codes, 4), d, m) (woq.fuse_q4_1
 // documents the layout and is the reference): per 16-row block and group, the rows' d and m, then
@@ -1707,15 +1745,11 @@ at::Tensor woq_linear_float(const at::Tensor& x, const at::Tensor& packed, const
 // high ones (chunks 2, 3), so each row's 16 chunk bytes are four 32-bit masks and shifts of its
 // nibble bytes, stored as 16-bit words in place. One thread (the packer runs chunks in parallel).
 at::Tensor woq_fuse_q4_1(const at::Tensor& blocks, int64_t n, int64_t k) {
-  TORCH_CHECK(n > 0 && n % BLOCK_N == 0 && k > 0 && k % 32 == 0 && blocks.dtype() == at::kByte &&
-                  blocks.is_contiguous() && blocks.numel() == n * (k / 32) * 20,
-              "sgrt_woq_avx2.fuse_q4_1: blocks must be contiguous uint8 [n, k / 32 * 20] with n a multiple of 16 and k of 32, got ",
-              blocks.numel(), " bytes for n=", n, ", k=", k);
+  check_blocks("fuse_q4_1", blocks, n, k, 32, 20, true);
   const int64_t nb = n / BLOCK_N, G = k / 32;
   at::Tensor out(at::detail::empty_cpu({nb * G * 320}, at::kByte));
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<uint8_t>());
-  constexpr uint32_t kLow = 0x0F0F0F0Fu;
   for (int64_t b = 0; b < nb; ++b) {
     for (int64_t g = 0; g < G; ++g) {
       uint16_t* o = dst + (b * G + g) * 160;  // 32 header words, then 4 chunks of 32 words
@@ -1727,13 +1761,8 @@ at::Tensor woq_fuse_q4_1(const at::Tensor& blocks, int64_t n, int64_t k) {
         std::memcpy(w, blk + 4, 16);
         o[r] = dm[0];
         o[BLOCK_N + r] = dm[1];
-        const uint32_t c[4] = {(w[0] & kLow) | ((w[1] & kLow) << 4), (w[2] & kLow) | ((w[3] & kLow) << 4),
-                               ((w[0] >> 4) & kLow) | (w[1] & ~kLow), ((w[2] >> 4) & kLow) | (w[3] & ~kLow)};
-        const int lane = r / 4, h = r % 4;
-        for (int cc = 0; cc < 4; ++cc) {  // word (s, h) of lane L: 8 L + 4 s + h
-          o[32 + 32 * cc + 8 * lane + h] = static_cast<uint16_t>(c[cc]);
-          o[32 + 32 * cc + 8 * lane + 4 + h] = static_cast<uint16_t>(c[cc] >> 16);
-        }
+        for (int c = 0; c < 4; ++c)  // chunks 0, 1: low nibbles of bytes 0-7, 8-15; chunks 2, 3: high ones
+          put_chunk_row(o + 32 + 32 * c, r, nibble_pairs(w[2 * (c % 2)], w[2 * (c % 2) + 1], c >= 2));
       }
     }
   }
@@ -1749,16 +1778,12 @@ at::Tensor woq_fuse_q4_1(const at::Tensor& blocks, int64_t n, int64_t k) {
 // codes (inputs x and x + 4) are the same nibble of bytes x and x + 4: each row's 4 chunk bytes
 // of a group's chunk are one 32-bit mask and shift of two words. One thread.
 at::Tensor woq_fuse_q4_k(const at::Tensor& blocks, int64_t n, int64_t k) {
-  TORCH_CHECK(n > 0 && n % BLOCK_N == 0 && k > 0 && k % 256 == 0 && blocks.dtype() == at::kByte &&
-                  blocks.is_contiguous() && blocks.numel() == n * (k / 256) * 144,
-              "sgrt_woq_avx2.fuse_q4_k: blocks must be contiguous uint8 [n, k / 256 * 144] with n a multiple of 16 and k of 256, got ",
-              blocks.numel(), " bytes for n=", n, ", k=", k);
+  check_blocks("fuse_q4_k", blocks, n, k, 256, 144, true);
   const int64_t nb = n / BLOCK_N, S = k / 256;
   constexpr int64_t kHead = 320, kSuper = kHead + 8 * 256;
   at::Tensor out(at::detail::empty_cpu({nb * S * kSuper}, at::kByte));
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  constexpr uint32_t kLow = 0x0F0F0F0Fu;
   for (int64_t b = 0; b < nb; ++b) {
     for (int64_t s = 0; s < S; ++s) {
       uint8_t* o = dst + (b * S + s) * kSuper;
@@ -1766,26 +1791,19 @@ at::Tensor woq_fuse_q4_k(const at::Tensor& blocks, int64_t n, int64_t k) {
         const uint8_t* blk = src + ((b * BLOCK_N + r) * S + s) * 144;
         std::memcpy(o + 2 * r, blk, 2);            // d
         std::memcpy(o + 32 + 2 * r, blk + 2, 2);   // dmin
-        const uint8_t* q = blk + 4;                // ggml's get_scale_min_k4
-        for (int j = 0; j < 4; ++j) {
-          o[64 + 16 * j + r] = q[j] & 63;
-          o[192 + 16 * j + r] = q[j + 4] & 63;
-          o[64 + 16 * (j + 4) + r] = static_cast<uint8_t>((q[j + 8] & 0x0F) | ((q[j] >> 6) << 4));
-          o[192 + 16 * (j + 4) + r] = static_cast<uint8_t>((q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4));
+        uint8_t sc[8], mn[8];
+        k_scales(blk + 4, sc, mn);
+        for (int j = 0; j < 8; ++j) {
+          o[64 + 16 * j + r] = sc[j];
+          o[192 + 16 * j + r] = mn[j];
         }
-        const int lane = r / 4, h = r % 4;
         for (int c = 0; c < 4; ++c) {  // nibble bytes 32 c .. 32 c + 31: groups 2 c (low), 2 c + 1 (high)
           uint32_t w[8];
           std::memcpy(w, blk + 16 + 32 * c, 32);
-          uint16_t* lo = reinterpret_cast<uint16_t*>(o + kHead + 256 * (2 * c));
-          uint16_t* hi = reinterpret_cast<uint16_t*>(o + kHead + 256 * (2 * c + 1));
-          for (int cc = 0; cc < 4; ++cc) {  // chunk cc: inputs 8 cc .. 8 cc + 7, words w[2 cc], w[2 cc + 1]
-            const uint32_t x = w[2 * cc], x4 = w[2 * cc + 1];
-            const uint32_t vl = (x & kLow) | ((x4 & kLow) << 4), vh = ((x >> 4) & kLow) | (x4 & ~kLow);
-            lo[32 * cc + 8 * lane + h] = static_cast<uint16_t>(vl);
-            lo[32 * cc + 8 * lane + 4 + h] = static_cast<uint16_t>(vl >> 16);
-            hi[32 * cc + 8 * lane + h] = static_cast<uint16_t>(vh);
-            hi[32 * cc + 8 * lane + 4 + h] = static_cast<uint16_t>(vh >> 16);
+          for (int j = 2 * c; j < 2 * c + 2; ++j) {
+            uint16_t* group = reinterpret_cast<uint16_t*>(o + kHead + 256 * j);
+            for (int cc = 0; cc < 4; ++cc)  // chunk cc: inputs 8 cc .. 8 cc + 7, words w[2 cc], w[2 cc + 1]
+              put_chunk_row(group + 32 * cc, r, nibble_pairs(w[2 * cc], w[2 * cc + 1], j % 2));
           }
         }
       }
@@ -1801,10 +1819,7 @@ at::Tensor woq_fuse_q4_k(const at::Tensor& blocks, int64_t n, int64_t k) {
 // q = ((ql[64 h + r % 64] >> 4 (r / 64)) & 15 | ((qh[32 h + r % 32] >> 2 (r / 32)) & 3) << 4) - 32
 // and the value (float(d) * float(scale[e / 16])) * float(q), two float32 roundings. One thread.
 at::Tensor woq_dequantize_q6_k(const at::Tensor& blocks, int64_t n, int64_t k) {
-  TORCH_CHECK(n > 0 && k > 0 && k % 256 == 0 && blocks.dtype() == at::kByte && blocks.is_contiguous() &&
-                  blocks.numel() == n * (k / 256) * 210,
-              "sgrt_woq_avx2.dequantize_q6_k: blocks must be contiguous uint8 [n, k / 256 * 210] with k a multiple of 256, got ",
-              blocks.numel(), " bytes for n=", n, ", k=", k);
+  check_blocks("dequantize_q6_k", blocks, n, k, 256, 210, false);
   at::Tensor out(at::detail::empty_cpu({n, k}, at::kFloat));
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
@@ -1844,12 +1859,9 @@ at::Tensor woq_dequantize_q6_k(const at::Tensor& blocks, int64_t n, int64_t k) {
 // gguf's numpy dequantization gives (gguf_raw.dequantize; gguf is the reference): group j
 // of 32 has the codes q = the low (j even) or high nibbles of bytes 32 (j / 2) .. + 31 of the
 // nibbles, and the values (float(d) * sc[j]) * q - float(dmin) * mn[j], each product and the
-// difference one float32 rounding (ggml's get_scale_min_k4 for sc, mn). One thread.
+// difference one float32 rounding (sc, mn: k_scales). One thread.
 at::Tensor woq_dequantize_q4_k(const at::Tensor& blocks, int64_t n, int64_t k) {
-  TORCH_CHECK(n > 0 && k > 0 && k % 256 == 0 && blocks.dtype() == at::kByte && blocks.is_contiguous() &&
-                  blocks.numel() == n * (k / 256) * 144,
-              "sgrt_woq_avx2.dequantize_q4_k: blocks must be contiguous uint8 [n, k / 256 * 144] with k a multiple of 256, got ",
-              blocks.numel(), " bytes for n=", n, ", k=", k);
+  check_blocks("dequantize_q4_k", blocks, n, k, 256, 144, false);
   at::Tensor out(at::detail::empty_cpu({n, k}, at::kFloat));
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
@@ -1860,14 +1872,8 @@ at::Tensor woq_dequantize_q4_k(const at::Tensor& blocks, int64_t n, int64_t k) {
     uint16_t dh[2];
     std::memcpy(dh, b, 4);
     const float d = _cvtsh_ss(dh[0]), dmin = _cvtsh_ss(dh[1]);
-    const uint8_t* q = b + 4;
     uint8_t sc[8], mn[8];
-    for (int j = 0; j < 4; ++j) {
-      sc[j] = q[j] & 63;
-      mn[j] = q[j + 4] & 63;
-      sc[j + 4] = static_cast<uint8_t>((q[j + 8] & 0x0F) | ((q[j] >> 6) << 4));
-      mn[j + 4] = static_cast<uint8_t>((q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4));
-    }
+    k_scales(b + 4, sc, mn);
     float* o = dst + sb * 256;
     for (int c = 0; c < 4; ++c) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));

@@ -143,6 +143,15 @@ def test_q4_1_projections_go_to_the_stream_as_the_file_holds_them(tmp_path):
             assert torch.equal(again.packed, mod.packed), (i, proj)
 
 
+def _random_blocks(rng: np.random.Generator, n: int, k: int, per: int, size: int) -> np.ndarray:
+    """Random GGML blocks ``[n, k / per * size]`` (``per`` weights, ``size`` bytes each) whose two
+    leading float16 fields (``d`` and ``m`` / ``dmin``) are finite normal values."""
+    blocks = rng.integers(0, 256, (n, k // per * size), dtype=np.uint8)
+    halves = rng.standard_normal((n, k // per, 2)).astype(np.float16)
+    blocks.reshape(n, k // per, size)[:, :, :4] = halves.view(np.uint8).reshape(n, k // per, 4)
+    return blocks
+
+
 def test_fuse_q4_1_is_fuse_of_the_unpacked_codes():
     """woq.fuse_q4_1 of raw Q4_1 blocks, the AVX2 library's and numpy's, is the stream
     fuse(pack(codes)) makes of the same blocks unpacked, for shapes of one and many 16-row blocks
@@ -151,9 +160,7 @@ def test_fuse_q4_1_is_fuse_of_the_unpacked_codes():
 
     rng = np.random.default_rng(3)
     for n, k in ((16, 32), (48, 96), (64, 2048)):
-        blocks = rng.integers(0, 256, (n, k // 32 * 20), dtype=np.uint8)
-        d_m = rng.standard_normal((n, k // 32, 2)).astype(np.float16)
-        blocks.reshape(n, k // 32, 20)[:, :, :4] = d_m.view(np.uint8).reshape(n, k // 32, 4)
+        blocks = _random_blocks(rng, n, k, 32, 20)
         w = gguf_raw.unpack_q4_1(blocks, n, k)
         want = woq.fuse(woq.pack(w.codes, 4), w.d, w.m, n, k, 4)
         for native in (False, True):
@@ -175,9 +182,7 @@ def test_fuse_q4_k_is_fuse_kq4_of_the_unpacked_super_blocks():
 
     rng = np.random.default_rng(4)
     for n, k in ((16, 256), (48, 512), (64, 2048)):
-        blocks = rng.integers(0, 256, (n, k // 256 * 144), dtype=np.uint8)
-        d = rng.standard_normal((n, k // 256, 2)).astype(np.float16)
-        blocks.reshape(n, k // 256, 144)[:, :, :4] = d.view(np.uint8).reshape(n, k // 256, 4)
+        blocks = _random_blocks(rng, n, k, 256, 144)
         w = gguf_raw.unpack_q4_k_super(blocks, n, k)
         want = woq.fuse_kq4(woq.pack(w.codes, 4), w.d, w.dmin, w.sc, w.mn, n, k)
         assert torch.equal(woq.fuse_q4_k(blocks, n, k), want), (n, k)
