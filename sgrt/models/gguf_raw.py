@@ -341,34 +341,35 @@ _NATIVE_DEQUANTIZE = {"Q4_K": ("dequantize_q4_k", 144), "Q6_K": ("dequantize_q6_
 
 
 def native_dequantize(kind: str) -> bool:
-    """Whether :func:`dequantize` reads ``kind`` in the AVX2 library (else gguf's numpy)."""
-    return kind in _NATIVE_DEQUANTIZE
+    """Whether :func:`dequantize` reads ``kind`` here: one of its types, with the AVX2 library
+    loaded (elsewhere gguf's numpy dequantizes it: ``CheckpointTensors.read_float``)."""
+    from sgrt.kernels import woq
+
+    return kind in _NATIVE_DEQUANTIZE and woq.isa() == "avx2"
 
 
 def dequantize(kind: str, blocks: np.ndarray, rows: int, cols: int) -> torch.Tensor:
     """Raw bytes ``[rows, cols // 256 * size]`` uint8 of one ``Q4_K`` or ``Q6_K`` tensor (see
     :func:`native_dequantize`) -> float32 ``[rows, cols]``: the values ``gguf.quants.dequantize``
     gives, bit for bit, by the AVX2 library's ``dequantize_q4_k`` / ``dequantize_q6_k`` in one
-    pass where it is loaded (~7x gguf's numpy, which stays the reference and the fallback).
-    ggml's ``dequantize_row_q4_K``: group ``j`` of 32 ``(d * sc[j]) * q - dmin * mn[j]``;
-    ``dequantize_row_q6_K``: per 16 weights ``(d * scale) * (q - 32)``, ``q`` six bits from
-    ``ql`` and ``qh``; each product and difference one float32 rounding.
+    pass (~7x gguf's numpy, the reference). ggml's ``dequantize_row_q4_K``: group ``j`` of 32
+    ``(d * sc[j]) * q - dmin * mn[j]``; ``dequantize_row_q6_K``: per 16 weights ``(d * scale) *
+    (q - 32)``, ``q`` six bits from ``ql`` and ``qh``; each product and difference one float32
+    rounding.
 
     Raises:
         ValueError: ``cols`` not a multiple of 256, ``blocks`` not that size, or another ``kind``.
+        RuntimeError: the AVX2 library is not loaded.
     """
     from sgrt.kernels import woq
 
     if kind not in _NATIVE_DEQUANTIZE:
         raise ValueError(f"dequantize reads {', '.join(_NATIVE_DEQUANTIZE)}, not {kind}")
+    if woq.isa() != "avx2":
+        raise RuntimeError("sgrt.models.gguf_raw.dequantize needs the AVX2 library, which is not loaded")
     op, size = _NATIVE_DEQUANTIZE[kind]
     b = _blocks(blocks, rows, cols, kind, Q4_K_SUPER, size)
-    if woq.isa() == "avx2":
-        return getattr(torch.ops.sgrt_woq_avx2, op)(torch.from_numpy(np.ascontiguousarray(b)), rows, cols)
-    import gguf
-
-    w = gguf.quants.dequantize(np.ascontiguousarray(b).reshape(rows, -1), gguf.GGMLQuantizationType[kind])
-    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(rows, cols))
+    return getattr(torch.ops.sgrt_woq_avx2, op)(torch.from_numpy(b), rows, cols)
 
 
 def wider_than_4_bits(kind: str) -> bool:

@@ -126,7 +126,8 @@ class CheckpointTensors:
     def read_float(self, entry: TensorEntry, r0: int, r1: int, bf16: bool = False) -> torch.Tensor:
         """Rows ``r0 .. r1`` of ``entry`` in float32, ``[r1 - r0, cols]``: float types widened
         exactly, GGML types dequantized by ``gguf`` (the file's values, as llama.cpp defines them;
-        ``Q4_K`` and ``Q6_K`` by :func:`gguf_raw.dequantize`, the same values).
+        ``Q4_K`` and ``Q6_K`` by :func:`gguf_raw.dequantize` where the AVX2 library is loaded, the same
+        values).
         ``bf16``: a bfloat16 tensor's rows stay bfloat16 (a view of the file's bytes; the same
         values, for a reader that widens them itself).
 

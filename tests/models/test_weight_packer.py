@@ -20,6 +20,8 @@ from sgrt.models.quant import GroupLinear, native_kernel_available
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = native_kernel_available()
 needs_native = pytest.mark.skipif(not NATIVE, reason="the native kernel did not build here")
+needs_avx2 = pytest.mark.skipif(not NATIVE or __import__("sgrt.kernels.woq").kernels.woq.isa() != "avx2",
+                                reason="the AVX2 library is not loaded here")
 
 # Every type a role: q / k / v are three block types (a widened int4 projection), o_proj Q4_0,
 # gate / up the asymmetric 5-bit types, down_proj Q6_K (no group form: re-quantized).
@@ -172,8 +174,7 @@ def test_fuse_q4_1_is_fuse_of_the_unpacked_codes():
             woq.fuse_q4_1(np.zeros((8, 20), np.uint8), 8, 32, native=native)
 
 
-@pytest.mark.skipif(not NATIVE or __import__("sgrt.kernels.woq").kernels.woq.isa() != "avx2",
-                    reason="the AVX2 library is not loaded here")
+@needs_avx2
 def test_fuse_q4_k_is_fuse_kq4_of_the_unpacked_super_blocks():
     """woq.fuse_q4_k of raw Q4_K super-blocks (the AVX2 library's op) is the
     stream fuse_kq4(pack(codes)) makes of them unpacked (gguf_raw.unpack_q4_k_super), scale and
@@ -191,9 +192,10 @@ def test_fuse_q4_k_is_fuse_kq4_of_the_unpacked_super_blocks():
         woq.fuse_q4_k(np.zeros((8, 144), np.uint8), 8, 256)
 
 
+@needs_avx2
 @pytest.mark.parametrize("kind, size, d_at", [("Q4_K", 144, (0, 2)), ("Q6_K", 210, (208,))])
 def test_dequantize_is_ggufs(kind, size, d_at):
-    """gguf_raw.dequantize (the AVX2 library's ops where they are loaded) gives gguf's float32
+    """gguf_raw.dequantize (the AVX2 library's ops) gives gguf's float32
     values bit for bit: every code, scale and min, tiny and large d."""
     import gguf
 
@@ -218,10 +220,6 @@ def _quantize_fuse_reference(w: torch.Tensor, bits: int) -> torch.Tensor:
 
     codes, d, m = quantize_groups(w.float(), bits, 32)
     return woq.fuse(woq.pack(codes, bits), d, m, w.shape[0], w.shape[1], bits, 32)
-
-
-needs_avx2 = pytest.mark.skipif(not NATIVE or __import__("sgrt.kernels.woq").kernels.woq.isa() != "avx2",
-                                reason="the AVX2 library is not loaded here")
 
 
 @needs_avx2
