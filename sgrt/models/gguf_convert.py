@@ -226,12 +226,15 @@ def ensure_gguf_source(gguf_path: Path, spec: str, cache_dir: str | Path | None 
         if not stores_hold:
             set_aside(final, spec)
         with building(final, spec) as tmp:
+            # (decided once: an entry another process publishes while this one builds is theirs,
+            # and this build's folder, with the store its meanwhile packed, loses the rename)
+            repairing = final.is_dir()
             with progress(f"reading {gguf_path.name} (once; cached)"):
-                proc, late = _run_child(gguf_path, tmp, spec, None if final.is_dir() else meanwhile)
+                proc, late = _run_child(gguf_path, tmp, spec, None if repairing else meanwhile)
             if proc.returncode != 0:
                 raise ModelLoadError(_child_error(proc, spec, gguf_path))
             relax_permissions(tmp)
-            if final.is_dir():  # (a damaged entry: its stores stay)
+            if repairing:  # (a damaged entry: its stores stay)
                 _replace_parts(tmp, final, (TOKENIZER_DIR, SNAPSHOT_DIR, SOURCE_FILE), spec)
                 return final, True
             published = publish_folder(tmp, final, SOURCE_FILE)

@@ -414,6 +414,28 @@ def test_two_processes_loading_one_uncached_model(tiny, tmp_path):
     assert _listing(entry) == sorted(["source.json", "tokenizer", "tokenizer-snapshot", STORE])
 
 
+def test_an_entry_published_by_another_process_while_this_one_builds_is_theirs(tiny, tmp_path, monkeypatch):
+    """Two loads that build one entry at once (both found no builder): where the other publishes
+    its entry while this one's child still runs, this one's folder, with the store its load packed
+    meanwhile, loses the rename (not taken for a damaged entry to repair), and the load maps the
+    other's store: not converted here, the file's logits (the race of the test above, made
+    certain)."""
+    cache = tmp_path / "cache"
+    real = gguf_convert._run_child
+
+    def other_publishes_meanwhile(gguf_path, tmp, spec, meanwhile):
+        out = real(gguf_path, tmp, spec, meanwhile)
+        final = cache / tiny["entry"].relative_to(tiny["cache"])
+        shutil.copytree(tiny["entry"], final)  # (the other process's entry, store and all)
+        return out
+
+    monkeypatch.setattr(gguf_convert, "_run_child", other_publishes_meanwhile)
+    lm = load_model(str(tiny["gguf"]), dtype="float32", cache_dir=cache)
+    assert not lm.converted and lm.path == cache / tiny["entry"].relative_to(tiny["cache"]) / STORE
+    assert torch.equal(lm.model.forward_simple(IDS), tiny["logits"])
+    assert _listing(lm.path.parent) == sorted(["source.json", "tokenizer", "tokenizer-snapshot", STORE])
+
+
 # ---- a full or read-only cache ---------------------------------------------------------------------------
 
 def test_a_full_disk_while_packing_is_named_with_the_fix(tiny, tmp_path, monkeypatch):
