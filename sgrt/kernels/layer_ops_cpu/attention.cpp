@@ -416,6 +416,20 @@ struct QuantizedQuery {
   float dx;            // NaN where the row holds NaN or infinity
 };
 
+// The chunk after an item's in its row (slots rs[0..n), n = 0 where the row has none), which the
+// same thread works on next: while the score loops run over the item's keys for kv head `part`,
+// they fetch part `part` of the next chunk's keys (cut into hkv runs) as whole rows into L2, so
+// that memory is read at an even rate through the passes over the kv heads (fetching a chunk's
+// rows during its own first kv head's pass, as before, left memory idle in the others').
+// k / v / ks / vs: the caches and scales (not offset by a kv head).
+struct NextChunk {
+  const int64_t* rs;
+  int64_t n, part;
+  const int8_t *k, *v;   // the caches (whole rows)
+  const float *ks, *vs;  // their scales (whole rows)
+};
+constexpr NextChunk kNoNextChunk{nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr};
+
 // The largest |x[j]| of x[0..n), or NaN where one of them is NaN.
 inline float abs_max_or_nan(const float* x, int64_t n) {
   const __m512 sign = _mm512_set1_ps(-0.f);
@@ -489,11 +503,12 @@ inline void transpose16(__m512i* r) {
 // scores[i * stride + j] = q_i . k_j * kscale_j for G query heads of one kv head (qq: theirs),
 // keys at slots rs[0..len) (key j's codes at kbase + rs[j] * row, its scale at ks[rs[j] * hkv]);
 // where vout is given, vout[j] = vs[rs[j] * hkv] (its values' scales, read in the same pass).
-// kpf / vpf / npf: prefetch as score_keys_grouped (and the next keys' scales).
+// The keys 16 ahead of this kv head come into L1; `next`'s rows (all kv heads, K, V and scales)
+// into L2, a slice a step (see NextChunk).
 template <int G, int DC>
 void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float* ks, const float* vs, float* vout,
                      int64_t hkv, const int64_t* rs, int64_t len, int64_t row, float* scores, int64_t stride,
-                     const int8_t* kpf, const int8_t* vpf, int64_t npf) {
+                     const NextChunk& next) {
   static_assert(DC % 64 == 0 && DC <= 256);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   constexpr int64_t kAhead = 16;
@@ -502,29 +517,15 @@ void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float*
     const int8_t* kr[16];
     __m512 kv;
     const int64_t s0 = rs[j0];
-    if (n == 16 && consecutive16(rs + j0)) {
+    const bool run = n == 16 && consecutive16(rs + j0);
+    if (run) {
       // slots s0 .. s0 + 15 (a request's own tokens usually are): rows at a fixed stride, the next
-      // 16 rows prefetched as if they follow (no slot read); scales a strided gather
-      for (int u = 0; u < 16; ++u) kr[u] = kbase + (s0 + u) * row;
-      if (j0 + kAhead < len) {
-        if (npf == row) {  // whole rows: one run of bytes
-          prefetch_row<_MM_HINT_T0>(kpf + (s0 + kAhead) * row, 16 * row);
-          prefetch_row<_MM_HINT_T1>(vpf + (s0 + kAhead) * row, 16 * row);
-        } else {
-          for (int u = 0; u < 16; ++u) {
-            prefetch_row<_MM_HINT_T0>(kpf + (s0 + kAhead + u) * row, npf);
-            prefetch_row<_MM_HINT_T1>(vpf + (s0 + kAhead + u) * row, npf);
-          }
-        }
-      }
+      // 16 keys' codes into L1 as if they follow (no slot read); scales a strided gather
+      kr[0] = kbase + s0 * row;  // (the others are kr[0] + u * row: pointers of a vector register cost extracts)
+      if (j0 + kAhead < len)
+        for (int u = 0; u < 16; ++u) prefetch_row<_MM_HINT_T0>(kbase + (s0 + kAhead + u) * row, DC);
       kv = gather16(ks + s0 * hkv, hkv);
       if (vout) _mm512_storeu_ps(vout + j0, gather16(vs + s0 * hkv, hkv));
-      if (j0 + 16 < len) {  // the next 16 keys' scales: 16 * hkv floats each
-        for (int64_t o = 0; o < 16 * hkv; o += 16) {
-          _mm_prefetch(reinterpret_cast<const char*>(ks + (s0 + 16) * hkv + o), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(vs + (s0 + 16) * hkv + o), _MM_HINT_T0);
-        }
-      }
     } else {
       alignas(64) float kscale[16];
       for (int u = 0; u < 16; ++u) {
@@ -532,18 +533,39 @@ void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float*
         kr[u] = kbase + rs[j] * row;
         kscale[u] = ks[rs[j] * hkv];
         if (vout && u < n) vout[j] = vs[rs[j] * hkv];
-        if (u < n && j + kPrefetchAhead < len) {
-          prefetch_row<_MM_HINT_T0>(kpf + rs[j + kPrefetchAhead] * row, npf);
-          prefetch_row<_MM_HINT_T1>(vpf + rs[j + kPrefetchAhead] * row, npf);
-        }
+        if (u < n && j + kPrefetchAhead < len) prefetch_row<_MM_HINT_T0>(kbase + rs[j + kPrefetchAhead] * row, DC);
       }
       kv = _mm512_load_ps(kscale);
+    }
+    // the next chunk's whole rows (every kv head's K, V and scales) into L2, its keys cut into
+    // hkv runs, this kv head's pass fetching run `part`, a slice a step: memory is read evenly
+    // through the passes over the kv heads, in address order
+    if (next.n > 0) {
+      const int64_t per = (next.n + hkv - 1) / hkv;
+      const int64_t lo = std::min(next.n, next.part * per + j0 * per / len);
+      const int64_t hi = std::min(next.n, next.part * per + std::min(len, j0 + 16) * per / len);
+      for (int64_t u = lo; u < hi; ++u) {
+        const int64_t sl = next.rs[u];
+        prefetch_row<_MM_HINT_T1>(next.k + sl * row, row);
+        prefetch_row<_MM_HINT_T1>(next.v + sl * row, row);
+      }
+      if (hi > lo) {
+        for (int64_t o = next.rs[lo] * hkv; o < (next.rs[hi - 1] + 1) * hkv; o += 16) {
+          _mm_prefetch(reinterpret_cast<const char*>(next.ks + o), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(next.vs + o), _MM_HINT_T1);
+        }
+      }
     }
     __m512i a1[G], a2[G];
     for (int i = 0; i < G; ++i) a1[i] = a2[i] = _mm512_setzero_si512();
     for (int b = 0; b < DC / 64; ++b) {
       __m512i r[16];
-      for (int u = 0; u < 16; ++u) r[u] = _mm512_xor_si512(_mm512_loadu_si512(kr[u] + 64 * b), flip);
+      if (run) {
+        const int8_t* k = kr[0] + 64 * b;
+        for (int u = 0; u < 16; ++u, k += row) r[u] = _mm512_xor_si512(_mm512_loadu_si512(k), flip);
+      } else {
+        for (int u = 0; u < 16; ++u) r[u] = _mm512_xor_si512(_mm512_loadu_si512(kr[u] + 64 * b), flip);
+      }
       transpose16(r);
       for (int m = 0; m < 16; ++m)
         for (int i = 0; i < G; ++i) {
@@ -562,6 +584,14 @@ void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float*
   }
 }
 
+
+// acc + sum of a's and b's int16 pairs' products, lane by lane (vpdpwssd) with the accumulator
+// updated in place: gcc 12 copies each accumulator of _mm512_dpwssd_epi32 twice an iteration in
+// a rolled loop (24 register moves a key pair in the value loop below)
+inline __m512i dpwssd_in_place(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
 
 // acc[i * d + c] += sum_j p[i * stride + j] * v_j[c] for G query heads of one kv head over int8
 // value codes (head_dim DC, a multiple of 64), in integers: each head's weights are quantized to
@@ -593,6 +623,10 @@ bool accumulate_values_int8(const float* p, const int8_t* vbase, const int64_t* 
       for (int k = 0; k < 4; ++k) o[i][k] = _mm512_setzero_si512();
     for (int64_t t = 0; t < pairs; ++t) {
       const int64_t j = 2 * t, j1 = std::min(j + 1, len - 1);
+      if (j + 8 < len) {  // (from L2, where the score loops put them)
+        _mm_prefetch(reinterpret_cast<const char*>(vbase + rs[j + 8] * row + 64 * b), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vbase + rs[std::min(j + 9, len - 1)] * row + 64 * b), _MM_HINT_T0);
+      }
       const __m512i a = _mm512_loadu_si512(vbase + rs[j] * row + 64 * b);
       const __m512i c = _mm512_loadu_si512(vbase + rs[j1] * row + 64 * b);
       const __m512i lo = _mm512_unpacklo_epi8(a, c), hi = _mm512_unpackhi_epi8(a, c);
@@ -605,7 +639,7 @@ bool accumulate_values_int8(const float* p, const int8_t* vbase, const int64_t* 
         int32_t wp;
         std::memcpy(&wp, wq + i * 2 * pairs + j, 4);
         const __m512i w = _mm512_set1_epi32(wp);
-        for (int k = 0; k < 4; ++k) o[i][k] = _mm512_dpwssd_epi32(o[i][k], x[k], w);
+        for (int k = 0; k < 4; ++k) o[i][k] = dpwssd_in_place(o[i][k], x[k], w);
       }
     }
     // vector k's lanes 0..7 / 8..15 hold head_dim positions first[k] + 0..7 / first[k] + 16..23
@@ -655,16 +689,17 @@ void accumulate_values_int8_in(const float* p, int64_t gi, const int8_t* vbase, 
 template <int DC>
 void score_keys_int8_in(const QuantizedQuery* qq, int64_t gi, const int8_t* kbase, const float* ks, const float* vs,
                         float* vout, int64_t hkv, const int64_t* rs, int64_t len, int64_t row, float* scores,
-                        int64_t stride, const int8_t* kpf, const int8_t* vpf, int64_t npf) {
+                        int64_t stride, const NextChunk& next) {
   for (int64_t i = 0; i < gi; i += 4) {
     const QuantizedQuery* q = qq + i;
     float* s = scores + i * stride;
     float* vo = i == 0 ? vout : nullptr;
+    const NextChunk& nx = i == 0 ? next : kNoNextChunk;  // (the first group fetches for all)
     switch (std::min<int64_t>(4, gi - i)) {
-      case 4: score_keys_int8<4, DC>(q, kbase, ks, vs, vo, hkv, rs, len, row, s, stride, kpf, vpf, npf); break;
-      case 3: score_keys_int8<3, DC>(q, kbase, ks, vs, vo, hkv, rs, len, row, s, stride, kpf, vpf, npf); break;
-      case 2: score_keys_int8<2, DC>(q, kbase, ks, vs, vo, hkv, rs, len, row, s, stride, kpf, vpf, npf); break;
-      default: score_keys_int8<1, DC>(q, kbase, ks, vs, vo, hkv, rs, len, row, s, stride, kpf, vpf, npf); break;
+      case 4: score_keys_int8<4, DC>(q, kbase, ks, vs, vo, hkv, rs, len, row, s, stride, nx); break;
+      case 3: score_keys_int8<3, DC>(q, kbase, ks, vs, vo, hkv, rs, len, row, s, stride, nx); break;
+      case 2: score_keys_int8<2, DC>(q, kbase, ks, vs, vo, hkv, rs, len, row, s, stride, nx); break;
+      default: score_keys_int8<1, DC>(q, kbase, ks, vs, vo, hkv, rs, len, row, s, stride, nx); break;
     }
   }
 }
@@ -711,6 +746,19 @@ void plan_attention(AttendWork& w, int64_t b, int64_t h, int64_t hkv, int64_t d,
       for (int64_t k = 0; k < hkv * g; ++k) w.merges.push_back(r * hkv * g + k);
   }
   w.partials.resize(parts * w.part_size);
+  // the threads' shares cut by work (keys times query heads), not by items: a row's last chunk
+  // is often short, and the thread holding it would wait for the other at the barrier
+  int64_t total = 0;
+  for (const AttendItem& it : w.items) total += it.n * (it.q1 - it.q0);
+  w.shares.assign(threads + 1, static_cast<int64_t>(w.items.size()));
+  w.shares[0] = 0;
+  int64_t done = 0, t = 1;
+  for (size_t i = 0; i < w.items.size() && t < threads; ++i) {
+    const int64_t work = w.items[i].n * (w.items[i].q1 - w.items[i].q0);
+    // item i goes to the thread whose share its middle falls in
+    while (t < threads && 2 * done + work > 2 * total * t / threads) w.shares[t++] = static_cast<int64_t>(i);
+    done += work;
+  }
 }
 
 namespace {
@@ -800,11 +848,11 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
       // the int8 codes' scores in integers, times their keys' scales (the kernel's)
       if (static_cast<int64_t>(sc.qq.size()) < gi) sc.qq.resize(gi);
       for (int64_t i = 0; i < gi; ++i) quantize_query(qf + i * d, d, sc.qq[i]);
+      const int64_t after = item.c0 + len;  // the row's keys past this item's
       runs([&](int64_t i, int64_t e, int64_t kh) {
-        const bool whole = kh == 0;
+        const NextChunk next{rs + len, std::min(kDecodeChunk, a.ln[r] - after), kh, kp, vp, a.ks, a.vs};
         score_keys_int8_in<DC>(sc.qq.data() + i, e - i, kp + kh * d, a.ks + kh, a.vs + kh, kv_scales + kh * span, hkv,
-                               rs, len, row, scores + i * span, span, whole ? kp : kp + kh * d,
-                               whole ? vp : vp + kh * d, whole ? row : d);
+                               rs, len, row, scores + i * span, span, next);
       });
 #endif
     } else if (blocked) {
@@ -927,7 +975,9 @@ void merge_items(const AttendArgs& a, const AttendWork& w, int64_t begin, int64_
 bool attend_share(at::ScalarType dtype, const AttendArgs& a, AttendWork& w, bool merges, int64_t part, int64_t parts,
                   int64_t* bad_slot) {
   const int64_t n = static_cast<int64_t>(merges ? w.merges.size() : w.items.size());
-  const int64_t begin = n * part / parts, end = n * (part + 1) / parts;
+  const bool by_work = !merges && static_cast<int64_t>(w.shares.size()) == parts + 1;
+  const int64_t begin = by_work ? w.shares[part] : n * part / parts;
+  const int64_t end = by_work ? w.shares[part + 1] : n * (part + 1) / parts;
   bool ok = true;
   auto items = [&]<typename scalar_t, typename KR>() {
     if (w.d == 64) {

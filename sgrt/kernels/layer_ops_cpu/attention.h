@@ -41,6 +41,7 @@ struct AttendWork {
   std::vector<int64_t> merges;      // (r * hkv + kh) * g + i, rows of more than one chunk
   std::vector<int64_t> first_part;  // per row: its chunk 0, kv head 0's partial (-1: one chunk)
   std::vector<float> partials;      // [partials, part_size]
+  std::vector<int64_t> shares;      // [threads + 1]: thread t's items are [shares[t], shares[t + 1])
 };
 
 // Where an attention call reads and writes: q [B, H, D] (strides qs0, qs1; last dim contiguous),
