@@ -365,12 +365,36 @@ inline float max_of(const float* x, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-// The scales of 16 consecutive slots of one kv head: base[0], base[hkv], ..., base[15 * hkv].
-inline __m512 gather16(const float* base, int64_t hkv) {
-  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(static_cast<int32_t>(hkv)));
-  return _mm512_i32gather_ps(idx, base, 4);
+// The lanes of ScaleRows: u * hkv + kh for u < 16.
+inline __m512i scale_lanes(int64_t hkv, int64_t kh) {
+  return _mm512_add_epi32(_mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(static_cast<int32_t>(hkv))),
+                          _mm512_set1_epi32(static_cast<int32_t>(kh)));
 }
+
+// The scales of kv head kh of 16 consecutive slots, whose rows of hkv floats start at `rows`:
+// rows[kh], rows[hkv + kh], ..., rows[15 * hkv + kh]. Up to 4 kv heads the 16 rows are hkv whole
+// vectors, picked from by two permutes (a permute reads an index's low 5 bits: lanes 0..31 from
+// the first two vectors, 32..63 from the last two); more kv heads: a gather (microcoded on AMD,
+// and in the score loops' critical path).
+struct ScaleRows {
+  __m512i lanes;
+  __mmask16 high;  // lanes >= 32
+  int64_t hkv;
+  ScaleRows(int64_t hkv_, int64_t kh)
+      : lanes(scale_lanes(hkv_, kh)), high(_mm512_cmpge_epi32_mask(lanes, _mm512_set1_epi32(32))), hkv(hkv_) {}
+  __m512 load(const float* rows) const {
+    if (hkv == 1) return _mm512_loadu_ps(rows);
+    if (hkv > 4) return _mm512_i32gather_ps(lanes, rows, 4);
+    const __m512 v0 = _mm512_loadu_ps(rows), v1 = _mm512_loadu_ps(rows + 16);
+    if (hkv == 2) return _mm512_permutex2var_ps(v0, lanes, v1);
+    const __m512 v2 = _mm512_loadu_ps(rows + 32), v3 = hkv == 4 ? _mm512_loadu_ps(rows + 48) : v2;
+    return _mm512_mask_blend_ps(high, _mm512_permutex2var_ps(v0, lanes, v1), _mm512_permutex2var_ps(v2, lanes, v3));
+  }
+};
+
+// The scales of 16 consecutive slots of one kv head: base[0], base[hkv], ..., base[15 * hkv].
+inline __m512 gather16(const float* base, int64_t hkv) { return _mm512_i32gather_ps(scale_lanes(hkv, 0), base, 4); }
 
 // Whether s[0..16) are s[0], s[0] + 1, ..., s[0] + 15.
 inline bool consecutive16(const int64_t* s) {
@@ -500,18 +524,20 @@ inline void transpose16(__m512i* r) {
   }
 }
 
-// scores[i * stride + j] = q_i . k_j * kscale_j for G query heads of one kv head (qq: theirs),
-// keys at slots rs[0..len) (key j's codes at kbase + rs[j] * row, its scale at ks[rs[j] * hkv]);
-// where vout is given, vout[j] = vs[rs[j] * hkv] (its values' scales, read in the same pass).
+// scores[i * stride + j] = q_i . k_j * kscale_j for G query heads of kv head kh (qq: theirs),
+// keys at slots rs[0..len) (key j's codes at kbase + rs[j] * row, its scale at
+// ks[rs[j] * hkv + kh]); where vout is given, vout[j] = vs[rs[j] * hkv + kh] (its values' scales,
+// read in the same pass).
 // The keys 16 ahead of this kv head come into L1; `next`'s rows (all kv heads, K, V and scales)
 // into L2, a slice a step (see NextChunk).
 template <int G, int DC>
 void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float* ks, const float* vs, float* vout,
-                     int64_t hkv, const int64_t* rs, int64_t len, int64_t row, float* scores, int64_t stride,
-                     const NextChunk& next) {
+                     int64_t hkv, int64_t kh, const int64_t* rs, int64_t len, int64_t row, float* scores,
+                     int64_t stride, const NextChunk& next) {
   static_assert(DC % 64 == 0 && DC <= 256);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   constexpr int64_t kAhead = 16;
+  const ScaleRows scale_rows(hkv, kh);
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, len - j0);
     const int8_t* kr[16];
@@ -524,15 +550,15 @@ void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float*
       kr[0] = kbase + s0 * row;  // (the others are kr[0] + u * row: pointers of a vector register cost extracts)
       if (j0 + kAhead < len)
         for (int u = 0; u < 16; ++u) prefetch_row<_MM_HINT_T0>(kbase + (s0 + kAhead + u) * row, DC);
-      kv = gather16(ks + s0 * hkv, hkv);
-      if (vout) _mm512_storeu_ps(vout + j0, gather16(vs + s0 * hkv, hkv));
+      kv = scale_rows.load(ks + s0 * hkv);
+      if (vout) _mm512_storeu_ps(vout + j0, scale_rows.load(vs + s0 * hkv));
     } else {
       alignas(64) float kscale[16];
       for (int u = 0; u < 16; ++u) {
         const int64_t j = j0 + std::min<int64_t>(u, n - 1);
         kr[u] = kbase + rs[j] * row;
-        kscale[u] = ks[rs[j] * hkv];
-        if (vout && u < n) vout[j] = vs[rs[j] * hkv];
+        kscale[u] = ks[rs[j] * hkv + kh];
+        if (vout && u < n) vout[j] = vs[rs[j] * hkv + kh];
         if (u < n && j + kPrefetchAhead < len) prefetch_row<_MM_HINT_T0>(kbase + rs[j + kPrefetchAhead] * row, DC);
       }
       kv = _mm512_load_ps(kscale);
@@ -688,18 +714,18 @@ void accumulate_values_int8_in(const float* p, int64_t gi, const int8_t* vbase, 
 // also reads the values' scales into vout).
 template <int DC>
 void score_keys_int8_in(const QuantizedQuery* qq, int64_t gi, const int8_t* kbase, const float* ks, const float* vs,
-                        float* vout, int64_t hkv, const int64_t* rs, int64_t len, int64_t row, float* scores,
-                        int64_t stride, const NextChunk& next) {
+                        float* vout, int64_t hkv, int64_t kh, const int64_t* rs, int64_t len, int64_t row,
+                        float* scores, int64_t stride, const NextChunk& next) {
   for (int64_t i = 0; i < gi; i += 4) {
     const QuantizedQuery* q = qq + i;
     float* s = scores + i * stride;
     float* vo = i == 0 ? vout : nullptr;
     const NextChunk& nx = i == 0 ? next : kNoNextChunk;  // (the first group fetches for all)
     switch (std::min<int64_t>(4, gi - i)) {
-      case 4: score_keys_int8<4, DC>(q, kbase, ks, vs, vo, hkv, rs, len, row, s, stride, nx); break;
-      case 3: score_keys_int8<3, DC>(q, kbase, ks, vs, vo, hkv, rs, len, row, s, stride, nx); break;
-      case 2: score_keys_int8<2, DC>(q, kbase, ks, vs, vo, hkv, rs, len, row, s, stride, nx); break;
-      default: score_keys_int8<1, DC>(q, kbase, ks, vs, vo, hkv, rs, len, row, s, stride, nx); break;
+      case 4: score_keys_int8<4, DC>(q, kbase, ks, vs, vo, hkv, kh, rs, len, row, s, stride, nx); break;
+      case 3: score_keys_int8<3, DC>(q, kbase, ks, vs, vo, hkv, kh, rs, len, row, s, stride, nx); break;
+      case 2: score_keys_int8<2, DC>(q, kbase, ks, vs, vo, hkv, kh, rs, len, row, s, stride, nx); break;
+      default: score_keys_int8<1, DC>(q, kbase, ks, vs, vo, hkv, kh, rs, len, row, s, stride, nx); break;
     }
   }
 }
@@ -851,8 +877,8 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
       const int64_t after = item.c0 + len;  // the row's keys past this item's
       runs([&](int64_t i, int64_t e, int64_t kh) {
         const NextChunk next{rs + len, std::min(kDecodeChunk, a.ln[r] - after), kh, kp, vp, a.ks, a.vs};
-        score_keys_int8_in<DC>(sc.qq.data() + i, e - i, kp + kh * d, a.ks + kh, a.vs + kh, kv_scales + kh * span, hkv,
-                               rs, len, row, scores + i * span, span, next);
+        score_keys_int8_in<DC>(sc.qq.data() + i, e - i, kp + kh * d, a.ks, a.vs, kv_scales + kh * span, hkv, kh, rs,
+                               len, row, scores + i * span, span, next);
       });
 #endif
     } else if (blocked) {
