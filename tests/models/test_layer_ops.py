@@ -573,6 +573,40 @@ def test_int8_decode_attention_matches_the_dequantized_reference(dtype, n_heads,
                               ref.float(), atol=1e-3)
 
 
+@pytest.mark.parametrize("n_kv", [1, 2, 3, 4, 8])
+def test_int8_decode_attention_over_runs_of_consecutive_slots(n_kv):
+    """Rows whose slots run consecutively (a request's own tokens, as the engine allocates them),
+    where the integer loops read 16 keys' K / V scales of one kv head from their rows at once
+    (hkv <= 4: loads and permutes; 8: a gather), against the float64 reference over the query as the
+    kernel quantizes it: every kv head's scales must be its own (two kv heads' scales swapped, or
+    a neighbour's read, move outputs far beyond the 2^-13 bound). One row breaks its run midway, so
+    its blocks of 16 mix both paths; one starts at the pool's last slots (no read past the scales)."""
+    from sgrt.engine.kv_pool import dequantize_int8, quantize_int8
+
+    head_dim, n_heads, slots_n = 64, 2 * n_kv, 2000
+    g = torch.Generator().manual_seed(n_kv)
+    (kc, ks), (vc, vs) = (quantize_int8(torch.randn(slots_n, n_kv, head_dim, generator=g)) for _ in range(2))
+    # scales far apart between kv heads and slots, so that any wrong pick shows
+    ks.mul_(torch.rand(slots_n, n_kv, generator=g) * 4 + 0.25)
+    vs.mul_(torch.rand(slots_n, n_kv, generator=g) * 4 + 0.25)
+    lens = torch.tensor([300, 600, 70])
+    slots = torch.zeros(3, 600, dtype=torch.long)
+    slots[0, :300] = torch.arange(101, 401)
+    slots[1, :600] = torch.cat([torch.arange(900, 1237), torch.arange(500, 763)])
+    slots[2, :70] = torch.arange(slots_n - 70, slots_n)
+    q = torch.randn(3, n_heads, head_dim, generator=g) * 2
+    args = (q, kc, vc, slots, lens, ks, vs)
+    out = _at_thread_counts(lambda: torch.ops.sgrt_layer.decode_attention(*args))
+    assert torch.equal(out[1], out[2]) and torch.equal(out[1], out[3])
+    keys, values = dequantize_int8(kc, ks, torch.float64), dequantize_int8(vc, vs, torch.float64)
+    if _integer_int8_path(head_dim):
+        exact = _float64_attention(_quantized_query(q), keys, values, slots, lens)
+        assert float((out[2].double() - exact).abs().max()) <= 2.0 ** -13 * float(values.abs().max())
+    else:
+        exact = _float64_attention(q, keys, values, slots, lens)
+        assert float((out[2].double() - exact).abs().max()) <= 1e-5 * float(values.abs().max())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kv_int8_stores_the_bits_of_quantize_int8(dtype):
     """store_kv_ into an int8 pool writes the codes and scales kv_pool.quantize_int8 gives, bit for
