@@ -3,7 +3,8 @@
 Times ``torch.ops.sgrt_layer.decode_attention`` (``sgrt/kernels/layer_ops_cpu/attention.cpp``) at batch 1
 on synthetic caches shaped like a model's (``--shape``: ``smollm2`` = 9 query heads, 3 kv heads,
 head_dim 64; ``gemma3`` = 4, 1, 256; or ``H,HKV,D``), at each ``--contexts`` length, in
-``--dtype`` (bfloat16: the KV pool of a bfloat16 or int4 model). One pass calls the kernel on
+``--dtype`` (bfloat16: the KV pool of a bfloat16 or int4 model; int8: an int8 pool, its codes and
+scales from ``kv_pool.quantize_int8``, with bfloat16 queries). One pass calls the kernel on
 ``--layers`` distinct layers' caches (30, SmolLM2's count: at 8,000 tokens ~190 MB, so the keys
 and values come from memory as in a decode step, not from cache); a layer's slots are
 contiguous from a random start (``--shuffle``: a random permutation of the pool's slots).
@@ -55,6 +56,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     h, hkv, d = parse_shape(args.shape)
     dtype = getattr(torch, args.dtype)
+    qdtype = torch.bfloat16 if args.dtype == "int8" else dtype  # (an int8 pool serves bfloat16 models)
     op = torch.ops.sgrt_layer.decode_attention
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     result: dict = {}
@@ -64,15 +66,22 @@ def worker(args: argparse.Namespace) -> None:
         pool = ctx + 1024
         layers = []
         for _ in range(args.layers):
-            k = torch.randn(pool, hkv, d, generator=gen).to(dtype)
-            v = torch.randn(pool, hkv, d, generator=gen).to(dtype)
+            k = torch.randn(pool, hkv, d, generator=gen)
+            v = torch.randn(pool, hkv, d, generator=gen)
+            if args.dtype == "int8":  # an int8 pool: codes and per slot and kv head scales
+                from sgrt.engine.kv_pool import quantize_int8
+
+                (k, ks), (v, vs) = quantize_int8(k), quantize_int8(v)
+                scales = (ks, vs)
+            else:
+                k, v, scales = k.to(dtype), v.to(dtype), ()
             if args.shuffle:
                 slots = torch.randperm(pool, generator=gen)[:ctx]
             else:
                 start = int(torch.randint(0, pool - ctx + 1, (1,), generator=gen))
                 slots = torch.arange(start, start + ctx)
-            q = torch.randn(1, h, d, generator=gen).to(dtype)
-            layers.append((q, k, v, slots.view(1, ctx).contiguous(), torch.tensor([ctx])))
+            q = torch.randn(1, h, d, generator=gen).to(qdtype)
+            layers.append((q, k, v, slots.view(1, ctx).contiguous(), torch.tensor([ctx]), *scales))
         outs[ctx] = torch.stack([op(*a) for a in layers[:2]])
         times = []
         for _ in range(args.passes):
@@ -105,7 +114,7 @@ def main() -> None:
     p.add_argument("--base", default="e1bf453")
     p.add_argument("--contexts", default="500,8000")
     p.add_argument("--shape", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--passes", type=int, default=5)
@@ -122,7 +131,7 @@ def main() -> None:
 
     h, hkv, d = parse_shape(args.shape)
     contexts = [int(c) for c in args.contexts.split(",")]
-    elem = 2 if args.dtype == "bfloat16" else 4
+    elem = {"bfloat16": 2, "float32": 4, "int8": 1 + 4 / d}[args.dtype]  # (int8: a float32 scale a row of d codes)
     with tempfile.TemporaryDirectory() as tmp:
         base_root = export_tree(args.base, Path(tmp) / "base")
         saves = {"new": Path(tmp) / "new.pt", "base": Path(tmp) / "base.pt"}

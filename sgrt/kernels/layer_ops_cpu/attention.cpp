@@ -874,9 +874,14 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
       // the int8 codes' scores in integers, times their keys' scales (the kernel's)
       if (static_cast<int64_t>(sc.qq.size()) < gi) sc.qq.resize(gi);
       for (int64_t i = 0; i < gi; ++i) quantize_query(qf + i * d, d, sc.qq[i]);
-      const int64_t after = item.c0 + len;  // the row's keys past this item's
+      // the row's next chunk, where this thread's share goes on to it (else another thread's
+      // cache would be filled, or none)
+      int64_t nx = it + 1;
+      while (nx < end && w.items[nx].r == r && w.items[nx].c0 == item.c0) ++nx;
+      const bool ours = nx < end && w.items[nx].r == r;
+      const int64_t ahead = ours ? std::min(kDecodeChunk, a.ln[r] - item.c0 - len) : 0;
       runs([&](int64_t i, int64_t e, int64_t kh) {
-        const NextChunk next{rs + len, std::min(kDecodeChunk, a.ln[r] - after), kh, kp, vp, a.ks, a.vs};
+        const NextChunk next{rs + len, ahead, kh, kp, vp, a.ks, a.vs};
         score_keys_int8_in<DC>(sc.qq.data() + i, e - i, kp + kh * d, a.ks, a.vs, kv_scales + kh * span, hkv, kh, rs,
                                len, row, scores + i * span, span, next);
       });
