@@ -575,10 +575,15 @@ void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float*
         prefetch_row<_MM_HINT_T1>(next.k + sl * row, row);
         prefetch_row<_MM_HINT_T1>(next.v + sl * row, row);
       }
-      if (hi > lo) {
+      if (hi > lo && next.rs[hi - 1] - next.rs[lo] == hi - 1 - lo) {  // a run of slots: one span of scales
         for (int64_t o = next.rs[lo] * hkv; o < (next.rs[hi - 1] + 1) * hkv; o += 16) {
           _mm_prefetch(reinterpret_cast<const char*>(next.ks + o), _MM_HINT_T1);
           _mm_prefetch(reinterpret_cast<const char*>(next.vs + o), _MM_HINT_T1);
+        }
+      } else {  // (scattered slots: each one's scales; never the span between two far slots)
+        for (int64_t u = lo; u < hi; ++u) {
+          _mm_prefetch(reinterpret_cast<const char*>(next.ks + next.rs[u] * hkv), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(next.vs + next.rs[u] * hkv), _MM_HINT_T1);
         }
       }
     }
