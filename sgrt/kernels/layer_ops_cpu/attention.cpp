@@ -691,8 +691,8 @@ bool accumulate_values_int8(const float* p, const int8_t* vbase, const int64_t* 
   return true;
 }
 
-// accumulate_values_int8 over gi query heads of one kv head, in groups of at most 4; false where
-// a group met a weight that is not finite (that group then ran the float loops).
+// accumulate_values_int8 over gi query heads of one kv head, in groups of at most 4; a group that
+// met a weight that is not finite runs head by head, the float loops for the heads it met it in.
 template <int DC>
 void accumulate_values_int8_in(const float* p, int64_t gi, const int8_t* vbase, const int64_t* rs, int64_t len,
                                int64_t row, int64_t stride, float* acc, int16_t* wq) {
@@ -708,9 +708,16 @@ void accumulate_values_int8_in(const float* p, int64_t gi, const int8_t* vbase, 
       default: done = accumulate_values_int8<1, DC>(pi, vbase, rs, len, row, stride, a, wq); break;
     }
     if (!done) {
-      // every head of the group against the same kv head: kv_of all zero
-      const int64_t zeros[4] = {0, 0, 0, 0};
-      accumulate_values<int8_t, DC>(pi, n, DC, vbase, zeros, rs, len, row, stride, a);
+      // head by head: the float loops only for a head whose weights are not finite, so a finite
+      // head's bits do not depend on which heads share its group (the threads' cut of the query
+      // heads moves the groups' bounds); every head against the same kv head: kv_of zero
+      const int64_t zero = 0;
+      for (int64_t k = 0; k < n; ++k) {
+        const float* pk = pi + k * stride;
+        float* ak = a + k * DC;
+        if (!accumulate_values_int8<1, DC>(pk, vbase, rs, len, row, stride, ak, wq))
+          accumulate_values<int8_t, DC>(pk, 1, DC, vbase, &zero, rs, len, row, stride, ak);
+      }
     }
   }
 }
