@@ -1812,6 +1812,20 @@ at::Tensor woq_fuse_q4_k(const at::Tensor& blocks, int64_t n, int64_t k) {
   return out;
 }
 
+// The frame of a dequantize op over GGUF super-blocks of 256 weights in `bytes` bytes
+// ([n, k / 256 * bytes] uint8, check_blocks' checks): an empty float32 [n, k], and
+// super(block, out) for each super-block and its 256 outputs, in order. One thread.
+template <typename Super>
+at::Tensor dequantize_supers(const char* op, const at::Tensor& blocks, int64_t n, int64_t k, int64_t bytes,
+                             Super super) {
+  check_blocks(op, blocks, n, k, 256, bytes, false);
+  at::Tensor out(at::detail::empty_cpu({n, k}, at::kFloat));
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t sb = 0; sb < n * (k / 256); ++sb) super(src + sb * bytes, dst + sb * 256);
+  return out;
+}
+
 // dequantize_q6_k: GGUF Q6_K super-blocks [n, k / 256 * 210] (block_q6_K: 128 bytes of low
 // nibbles ql, 64 bytes of high bit pairs qh, 16 int8 scales, float16 d) -> float32 [n, k], the
 // values gguf's numpy dequantization gives (gguf_raw.dequantize documents it; gguf is the
@@ -1819,20 +1833,13 @@ at::Tensor woq_fuse_q4_k(const at::Tensor& blocks, int64_t n, int64_t k) {
 // q = ((ql[64 h + r % 64] >> 4 (r / 64)) & 15 | ((qh[32 h + r % 32] >> 2 (r / 32)) & 3) << 4) - 32
 // and the value (float(d) * float(scale[e / 16])) * float(q), two float32 roundings. One thread.
 at::Tensor woq_dequantize_q6_k(const at::Tensor& blocks, int64_t n, int64_t k) {
-  check_blocks("dequantize_q6_k", blocks, n, k, 256, 210, false);
-  at::Tensor out(at::detail::empty_cpu({n, k}, at::kFloat));
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
-  float* dst = out.data_ptr<float>();
-  const int64_t supers = n * (k / 256);
-  for (int64_t sb = 0; sb < supers; ++sb) {
-    const uint8_t* b = src + sb * 210;
+  return dequantize_supers("dequantize_q6_k", blocks, n, k, 210, [](const uint8_t* b, float* o) {
     const uint8_t* ql = b;
     const uint8_t* qh = b + 128;
     const int8_t* scale = reinterpret_cast<const int8_t*>(b + 192);
     uint16_t dh;
     std::memcpy(&dh, b + 208, 2);
     const float d = _cvtsh_ss(dh);
-    float* o = dst + sb * 256;
     const __m256i nib = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
     for (int h = 0; h < 2; ++h) {
       const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
@@ -1851,8 +1858,7 @@ at::Tensor woq_dequantize_q6_k(const at::Tensor& blocks, int64_t n, int64_t k) {
         }
       }
     }
-  }
-  return out;
+  });
 }
 
 // dequantize_q4_k: GGUF Q4_K super-blocks [n, k / 256 * 144] -> float32 [n, k], the values
@@ -1861,20 +1867,13 @@ at::Tensor woq_dequantize_q6_k(const at::Tensor& blocks, int64_t n, int64_t k) {
 // nibbles, and the values (float(d) * sc[j]) * q - float(dmin) * mn[j], each product and the
 // difference one float32 rounding (sc, mn: k_scales). One thread.
 at::Tensor woq_dequantize_q4_k(const at::Tensor& blocks, int64_t n, int64_t k) {
-  check_blocks("dequantize_q4_k", blocks, n, k, 256, 144, false);
-  at::Tensor out(at::detail::empty_cpu({n, k}, at::kFloat));
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
-  float* dst = out.data_ptr<float>();
-  const int64_t supers = n * (k / 256);
-  const __m256i nib = _mm256_set1_epi8(15);
-  for (int64_t sb = 0; sb < supers; ++sb) {
-    const uint8_t* b = src + sb * 144;
+  return dequantize_supers("dequantize_q4_k", blocks, n, k, 144, [](const uint8_t* b, float* o) {
+    const __m256i nib = _mm256_set1_epi8(15);
     uint16_t dh[2];
     std::memcpy(dh, b, 4);
     const float d = _cvtsh_ss(dh[0]), dmin = _cvtsh_ss(dh[1]);
     uint8_t sc[8], mn[8];
     k_scales(b + 4, sc, mn);
-    float* o = dst + sb * 256;
     for (int c = 0; c < 4; ++c) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
       for (int half = 0; half < 2; ++half) {  // group 2 c + half: low, then high nibbles
@@ -1890,8 +1889,7 @@ at::Tensor woq_dequantize_q4_k(const at::Tensor& blocks, int64_t n, int64_t k) {
         }
       }
     }
-  }
-  return out;
+  });
 }
 
 // quantize_fuse: float rows w [n, k] (float32 or bfloat16, contiguous) -> the stream of their
