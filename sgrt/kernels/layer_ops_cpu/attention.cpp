@@ -546,7 +546,7 @@ void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float*
     const bool run = n == 16 && consecutive16(rs + j0);
     if (run) {
       // slots s0 .. s0 + 15 (a request's own tokens usually are): rows at a fixed stride, the next
-      // 16 keys' codes into L1 as if they follow (no slot read); scales a strided gather
+      // 16 keys' codes into L1 as if they follow (no slot read); scales by ScaleRows
       kr[0] = kbase + s0 * row;  // (the others are kr[0] + u * row: pointers of a vector register cost extracts)
       if (j0 + kAhead < len)
         for (int u = 0; u < 16; ++u) prefetch_row<_MM_HINT_T0>(kbase + (s0 + kAhead + u) * row, DC);
@@ -654,7 +654,7 @@ bool accumulate_values_int8(const float* p, const int8_t* vbase, const int64_t* 
       for (int k = 0; k < 4; ++k) o[i][k] = _mm512_setzero_si512();
     for (int64_t t = 0; t < pairs; ++t) {
       const int64_t j = 2 * t, j1 = std::min(j + 1, len - 1);
-      if (j + 8 < len) {  // (from L2, where the score loops put them)
+      if (j + 8 < len) {  // (from L2, where the previous chunk's score loops put them)
         _mm_prefetch(reinterpret_cast<const char*>(vbase + rs[j + 8] * row + 64 * b), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(vbase + rs[std::min(j + 9, len - 1)] * row + 64 * b), _MM_HINT_T0);
       }
