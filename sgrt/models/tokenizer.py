@@ -120,6 +120,7 @@ def load_hf_tokenizer(folder: str | Path) -> Any:
     except Exception as e:  # transformers raises OSError / ValueError / KeyError here
         raise ModelLoadError(f"no loadable tokenizer in {folder}: {e}") from e
 
+
 class Tokenizer:
     """Text <-> token ids for one model, plus the facts the engine and grammars need.
 
