@@ -27,6 +27,7 @@ from typing import Any
 
 from sgrt.errors import InvalidRequest
 from sgrt.sampling_params import SamplingParams
+from sgrt.token_ids import common_prefix_len  # noqa: F401  (select's backends import it from here)
 
 #: What the ``generate*`` methods take: a :class:`SamplingParams`, or a dict of its fields.
 ParamsLike = SamplingParams | dict[str, Any]
@@ -256,16 +257,6 @@ class BaseBackend(ABC):
 
     def shutdown(self) -> None:
         """Release what the backend holds (no-op by default)."""
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token-id sequences (select scores each option
-    from where its tokens stop matching the shared prefix's)."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 # ---- helpers the backends share for SGLang's keywords --------------------------------------

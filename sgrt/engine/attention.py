@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from sgrt.engine.kv_pool import KVPool
+from sgrt.token_ids import common_prefix_len
 
 # Decode groups use cascade attention when at least this many rows share at least this many
 # leading KV slots. Below that the shared gather is cheap and one SDPA call is faster.
@@ -410,10 +411,7 @@ def _shared_prefix_len(rows: list[RowSpec]) -> int:
     # The lexicographically smallest and largest lists bound every other: their common prefix
     # is everyone's (the trick of os.path.commonprefix), in two C-level comparisons.
     lo, hi = min(lists), max(lists)
-    n = min(len(lo), len(hi), min(len(x) for x in lists) - 1)
-    shared = 0
-    while shared < n and lo[shared] == hi[shared]:
-        shared += 1
+    shared = min(common_prefix_len(lo, hi), min(len(x) for x in lists) - 1)
     return shared if shared >= CASCADE_MIN_PREFIX else 0
 
 

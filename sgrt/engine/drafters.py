@@ -20,6 +20,7 @@ from sgrt.engine.kv_pool import KVPool
 from sgrt.engine.model_runner import ModelRunner
 from sgrt.engine.sampler import greedy_token, sampling_probs
 from sgrt.engine.scheduler import Row
+from sgrt.token_ids import common_prefix_len
 
 
 class NgramIndex:
@@ -133,10 +134,7 @@ class DraftModelDrafter:
         tokens start, or None if the pool is too small."""
         ids = req.fill_ids
         seq = self._seqs.setdefault(req.request_id, _DraftSeq())
-        common = 0
-        limit = min(len(seq.fill_ids), len(ids) - 1)  # feed at least one token to get logits
-        while common < limit and seq.fill_ids[common] == ids[common]:
-            common += 1
+        common = min(common_prefix_len(seq.fill_ids, ids), max(len(ids) - 1, 0))  # (feed one token at least: logits)
         self.pool.free(seq.slots[common:])
         del seq.slots[common:]
         need = len(ids) - common + k - 1

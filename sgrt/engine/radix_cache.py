@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from sgrt.engine.kv_pool import KVPool
 from sgrt.engine.prefix_cache import InsertResult, MatchResult, PrefixCache
+from sgrt.token_ids import common_prefix_len
 
 _clock = itertools.count()
 
@@ -53,7 +54,7 @@ class RadixCache(PrefixCache):
         node.last_access = now
         while pos < len(ids) and ids[pos] in node.children:
             child = node.children[ids[pos]]
-            n = _common_len(child.key, ids, pos)
+            n = common_prefix_len(child.key, ids, pos)
             if n < len(child.key):
                 child = self._split(child, n)
             slots.extend(child.value)
@@ -85,7 +86,7 @@ class RadixCache(PrefixCache):
                 self.evictable_size += len(leaf.key)
                 return InsertResult(cached_len=pos, kept=True)
             child = node.children[first]
-            n = _common_len(child.key, ids, pos)
+            n = common_prefix_len(child.key, ids, pos)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
@@ -182,11 +183,3 @@ class RadixCache(PrefixCache):
             out.append(node)
             stack.extend(node.children.values())
         return out
-
-
-def _common_len(key: list[int], ids: list[int], start: int) -> int:
-    n = min(len(key), len(ids) - start)
-    i = 0
-    while i < n and key[i] == ids[start + i]:
-        i += 1
-    return i

@@ -29,6 +29,7 @@ from sgrt.engine.kv_pool import KVPool
 from sgrt.engine.prefix_cache import PrefixCache
 from sgrt.engine.request import Req, ReqStatus
 from sgrt.errors import InvalidRequest
+from sgrt.token_ids import common_prefix_len
 
 POLICIES = ("short", "lpm", "fcfs")
 # Steps a running request's prefill may be passed over by shorter work before it goes first.
@@ -276,11 +277,7 @@ class Scheduler:
         ids = req.fill_ids
         for other in others:
             other_ids = other.prompt_ids
-            n = 0
-            limit = min(len(ids), len(other_ids))
-            while n < limit and ids[n] == other_ids[n]:
-                n += 1
-            if n - matched >= threshold:
+            if common_prefix_len(ids, other_ids) - matched >= threshold:
                 return True
         return False
 

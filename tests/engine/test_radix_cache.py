@@ -37,6 +37,29 @@ def test_match_insert_and_split():
     assert cache.total_size == 7
 
 
+@pytest.mark.parametrize("differ_at", [0, 1, 255, 256, 257, 511, 512, 700, 999, None])
+@pytest.mark.parametrize("query_len", [600, 1000, 1300])
+def test_match_and_insert_stop_at_the_first_different_token(differ_at, query_len):
+    # (the common length is found by slice comparisons, 256 tokens at a time: differences on
+    # and around those blocks' bounds, queries shorter and longer than the cached edge)
+    rng = random.Random(differ_at or 0)
+    pool, cache = make_cache(slots=4096)
+    cached = [rng.randrange(1, 50) for _ in range(1000)]
+    cached_slots = pool.alloc(len(cached))
+    cache.insert(cached, cached_slots)
+    query = (cached + [rng.randrange(1, 50) for _ in range(300)])[:query_len]
+    if differ_at is not None and differ_at < query_len:
+        query[differ_at] += 50
+    expected = 0
+    while expected < min(len(cached), len(query)) and cached[expected] == query[expected]:
+        expected += 1
+    assert cache.match_prefix(query).slots == cached_slots[:expected]
+    query_slots = pool.alloc(len(query))
+    assert cache.insert(query, query_slots).cached_len == expected
+    pool.free(query_slots[:expected])
+    cache.check_integrity()
+
+
 def test_lock_protects_from_eviction_and_lru_order():
     pool, cache = make_cache()
     old, new = [1, 1, 1], [2, 2, 2]
