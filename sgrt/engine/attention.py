@@ -31,6 +31,7 @@ and the step's slot tables, and one ``decode_attention_qkv_`` call rotates, stor
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -58,7 +59,9 @@ NATIVE_EXTEND_ATTENTION = True
 class RowSpec:
     """One row of a ragged forward: its full context's slots and how many of them are new."""
 
-    slots: list[int]  # KV slots of every context token, old then new (len = kv_len)
+    # KV slots of every context token, old then new (len = kv_len): an int64 array.array (a
+    # request's own, sliced: the slot tables copy it by memcpy) or a list
+    slots: Sequence[int]
     q_len: int  # new tokens fed in this forward (the last q_len of ``slots``)
 
 
@@ -345,12 +348,13 @@ def _banded_attention(g: _Group, q: torch.Tensor, keys: torch.Tensor, values: to
     return out
 
 
-def _decode_tables(slot_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _decode_tables(slot_lists: list[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The slot tables of a decode-only forward (one new token a row), as views of one int64
     CPU tensor: ``(new_slots [B], slots [B, max_kv] padded with slot 0, kv_lens [B])``, the
     same values as the groups' ``out_slots``, ``kv_index`` and ``kv_lens``.
 
-    ``slot_lists``: each row's context slots (its new token's last), none empty.
+    ``slot_lists``: each row's context slots (its new token's last), none empty: int64
+    ``array.array``s (copied by memcpy) or lists.
     """
     b = len(slot_lists)
     lens = [len(s) for s in slot_lists]
@@ -365,8 +369,8 @@ def _decode_tables(slot_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Ten
     return flat[b: 2 * b], flat[2 * b:].view(b, max_kv), flat[:b]
 
 
-def _slot_tensor(slots: list[int]) -> torch.Tensor:
-    """``slots`` as an int64 tensor ``[len(slots)]``.
+def _slot_tensor(slots: Sequence[int]) -> torch.Tensor:
+    """``slots`` (an int64 ``array.array`` or a list) as an int64 tensor ``[len(slots)]``, a copy.
 
     NOTE: built through ``array.array``, whose C loop converts a list of ints ~4x faster than
     ``torch.tensor(list)`` (8,000 slots: ~0.4 vs ~1.5 ms on the 2-core machine); every decode

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -26,6 +27,10 @@ class Req:
     or being computed this step). The first ``cached_len`` slots belong to the radix cache and are
     locked through ``last_node``; the rest belong to the request. The scheduler alone changes
     ``slots``, ``cached_len`` and ``last_node``.
+
+    ``slots`` is an int64 ``array.array`` (typecode ``"q"``), not a list: every forward copies a
+    row's slots into its slot table, and an array's copy is one memcpy, where a list's is a
+    conversion of each Python int (8,000 slots: ~1 against ~100 us, each decode step).
     """
 
     request_id: str
@@ -33,7 +38,7 @@ class Req:
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
+    slots: array = field(default_factory=lambda: array("q"))
     cached_len: int = 0
     last_node: Any = None  # the prefix-cache handle locked for this request (MatchResult.node)
     status: ReqStatus = ReqStatus.WAITING

@@ -23,6 +23,7 @@ exactly one place.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from sgrt.engine.kv_pool import KVPool
@@ -254,7 +255,8 @@ class Scheduler:
         req.cached_len = len(match.slots)
         if req.prompt_cached_tokens < 0:
             req.prompt_cached_tokens = min(req.cached_len, len(req.prompt_ids))
-        req.slots = list(match.slots) + self.pool.alloc(n)
+        req.slots = array("q", match.slots)
+        req.slots.extend(self.pool.alloc(n))
         req.status = ReqStatus.RUNNING
         self.waiting.remove(req)
         self.running.append(req)
@@ -346,7 +348,7 @@ class Scheduler:
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
         req.last_node = None
-        req.slots = []
+        req.slots = array("q")
         req.cached_len = 0
 
     def cache_prefix(self, req: Req) -> None:
@@ -369,7 +371,7 @@ class Scheduler:
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
         req.last_node = match.node
-        req.slots = list(match.slots)
+        req.slots = array("q", match.slots)
         req.cached_len = n
 
     def finish(self, req: Req) -> None:

@@ -2,6 +2,8 @@
 logits as the eager path, KV pool updated in place, prefill rows left eager."""
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from sgrt.engine.kv_pool import KVPool
@@ -27,14 +29,14 @@ def _tiny_model() -> LlamaForCausalLM:
 def _run(runner: ModelRunner, pool: KVPool, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
     reqs = [Req(request_id=str(i), prompt_ids=p, params=SamplingParams()) for i, p in enumerate(prompts)]
     for r in reqs:  # prefill each alone (eager in both runners)
-        r.slots = pool.alloc(len(r.prompt_ids))
+        r.slots = array("q", pool.alloc(len(r.prompt_ids)))  # (as the scheduler keeps them)
         lg = runner.forward([Row(r, 0, len(r.prompt_ids))], [[len(r.prompt_ids) - 1]])[0]
         r.output_ids.append(int(lg[-1].argmax()))
     out = []
     for _ in range(steps):  # decode batches: rows of different lengths, so a padding mask
         rows = []
         for r in reqs:
-            r.slots += pool.alloc(1)
+            r.slots.extend(pool.alloc(1))
             rows.append(Row(r, r.num_fill - 1, 1))
         logits = runner.forward(rows, [[0]] * len(rows))
         for r, lg in zip(reqs, logits):

@@ -194,7 +194,7 @@ def test_finish_caches_the_prefix_and_flush_gives_every_slot_back():
     run_rows(s, s.schedule())
     run_rows(s, s.schedule(), token=8)
     s.finish(r)
-    assert r.status is ReqStatus.FINISHED and r.slots == [] and r.last_node is None
+    assert r.status is ReqStatus.FINISHED and len(r.slots) == 0 and r.last_node is None
     assert len(s.cache.match_prefix([1, 2, 3, 4, 7, 8]).slots) == 5  # the last token has no KV
     assert s.pool.num_free == 64 - 5
     s.check_integrity()
@@ -225,7 +225,7 @@ def test_memory_pressure_retracts_the_newest_request_and_keeps_its_output():
         s.check_integrity()
     # 12 slots, two requests of 5 + 2 decoded tokens need 14: "new" was retracted.
     assert s.num_retracted >= 1 and new in s.waiting and new.status is ReqStatus.WAITING
-    assert new.slots == [] and new.output_ids, "a retracted request keeps its output"
+    assert len(new.slots) == 0 and new.output_ids, "a retracted request keeps its output"
     assert old in s.running
 
 
