@@ -17,8 +17,14 @@ plus ``step`` (all of it) and the request's output tok/s (wall clock). Figures a
 rounds, in ms a step; ``new / base`` ratios per item. With ``--threads 2`` the loop thread's CPU
 time also counts its OpenMP spinning, so use 1 thread for the split.
 
+``--context N``: a prompt of N tokens (the short one repeated), cached by the radix cache in the
+warm-up, so that the timed request prefills one token and its steps attend over N keys: what a
+step's Python costs grows with the context (the slot tables, the prefix cache's walks at
+admission and finish). ``--kv-cache-dtype int8``: the engine's int8 K/V pool.
+
 Run: ``python bench/engine_step.py --base main [--quantization int4] [--dtype bfloat16]
-[--model smollm2-135m-instruct] [--threads 1] [--rounds 3] [--tokens 128]``
+[--model smollm2-135m-instruct] [--threads 1] [--rounds 3] [--tokens 128] [--context 8000]
+[--kv-cache-dtype int8]``
 """
 from __future__ import annotations
 
@@ -48,7 +54,9 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
 
     quant = None if args.quantization == "none" else args.quantization
     loaded = load_model(args.model, dtype=args.dtype, quantization=quant)
-    engine = Engine(model=loaded, max_total_tokens=args.tokens + 512, enable_radix_cache=False)
+    options = {"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {}
+    engine = Engine(model=loaded, max_total_tokens=args.tokens + args.context + 512,
+                    enable_radix_cache=args.context > 0, **options)
     spent: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
 
@@ -69,6 +77,8 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     model_runner.PagedAttention = timed_call(model_runner.PagedAttention, "attn_meta")
     prompt = loaded.tokenizer.encode("Write a long story about a dragon who learns to cook, in the style of a "
                                      "fairy tale, with a moral at the end.")
+    if args.context > 0:
+        prompt = (prompt * (args.context // len(prompt) + 1))[: args.context]
     try:
         engine.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
         spent.clear()
@@ -92,7 +102,7 @@ def export_tree(rev: str, into: Path) -> Path:
 def run_side(tree: Path, args: argparse.Namespace) -> dict[str, float]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(tree), "--model", args.model,
            "--dtype", args.dtype, "--quantization", args.quantization, "--threads", str(args.threads),
-           "--tokens", str(args.tokens)]
+           "--tokens", str(args.tokens), "--context", str(args.context), "--kv-cache-dtype", args.kv_cache_dtype]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=tree).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -106,6 +116,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--context", type=int, default=0, help="prompt tokens (0: one short sentence, no prefix cache)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -127,7 +139,8 @@ def main() -> None:
     med = {side: {k: statistics.median(run[k] for run in rs) for k in (*ITEMS, "tok_per_s")}
            for side, rs in runs.items()}
     print(f"batch-1 decode step, engine loop thread CPU ms a step: {args.model} {args.quantization} / "
-          f"{args.dtype}, {args.threads} threads, {args.tokens} tokens, median of {args.rounds} rounds"
+          f"{args.dtype}, {args.threads} threads, {args.tokens} tokens after {args.context or 'a short'} prompt"
+          f" ({args.kv_cache_dtype} KV), median of {args.rounds} rounds"
           + (f", base {args.base}" if args.base else ""))
     headers = ["item", *sides] + (["new / base"] if args.base else [])
     rows = []
@@ -142,7 +155,8 @@ def main() -> None:
         rows.append(row)
     print_table(headers, rows)
     emit_json("engine_step", base=args.base, model=args.model, quantization=args.quantization, dtype=args.dtype,
-              threads=args.threads, rounds=args.rounds, tokens=args.tokens, **figures)
+              threads=args.threads, rounds=args.rounds, tokens=args.tokens, context=args.context,
+              kv_cache_dtype=args.kv_cache_dtype, **figures)
 
 
 if __name__ == "__main__":
