@@ -18,7 +18,9 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int], start: int = 0) -> int
     By slice comparisons, which run in C for lists, tuples and ``array.array``s: the whole
     overlap in one (the usual case: a turn extends its conversation), else ``_BLOCK`` items a
     comparison up to the block with the first difference, then item by item. Sequences of
-    different types (a list against an array) are correct too, item by item.
+    different types (a list against an array) are correct too, item by item. NumPy arrays and
+    tensors are not taken: their ``==`` compares item-wise, not whole sequences (callers pass
+    token-id lists, as intake builds them).
     """
     n = min(len(a), len(b) - start)
     if n <= 0:
