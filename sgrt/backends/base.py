@@ -27,7 +27,6 @@ from typing import Any
 
 from sgrt.errors import InvalidRequest
 from sgrt.sampling_params import SamplingParams
-from sgrt.token_ids import common_prefix_len  # noqa: F401  (select's backends import it from here)
 
 #: What the ``generate*`` methods take: a :class:`SamplingParams`, or a dict of its fields.
 ParamsLike = SamplingParams | dict[str, Any]

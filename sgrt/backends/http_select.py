@@ -7,8 +7,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from sgrt.backends.base import ChoiceScore, common_prefix_len
+from sgrt.backends.base import ChoiceScore
 from sgrt.errors import InvalidRequest
+from sgrt.token_ids import common_prefix_len
 
 
 class SelectMixin:

@@ -21,7 +21,6 @@ from sgrt.backends.base import (
     GenOutput,
     ParamsLike,
     as_sampling_params,
-    common_prefix_len,
     next_token_request,
     split_stop_regex,
     stop_stream_at_regex,
@@ -30,6 +29,7 @@ from sgrt.backends.base import (
 from sgrt.engine import EngineClient, Result, SamplingParams, StreamChunk
 from sgrt.errors import InvalidRequest, RequestAborted
 from sgrt.models.tokenizer import encode_prompt_text, plain_text_bos_id
+from sgrt.token_ids import common_prefix_len
 
 
 class LocalBackend(BaseBackend):

@@ -12,7 +12,7 @@ import re
 import pytest
 
 import sgrt
-from sgrt.backends.base import common_prefix_len
+from sgrt.token_ids import common_prefix_len
 from sgrt.errors import GrammarError
 
 FEW_SHOT = (

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from programs.classify import DEFAULT_EXAMPLES, DEFAULT_INSTRUCTION, DEFAULT_LABELS, classify
-from sgrt.backends.base import common_prefix_len
+from sgrt.token_ids import common_prefix_len
 
 TEXTS = ["This is the best day of my life!", "The train was late again and I missed my flight.",
          "The library closes at six."]
