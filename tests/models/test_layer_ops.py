@@ -607,6 +607,44 @@ def test_int8_decode_attention_over_runs_of_consecutive_slots(n_kv):
         assert float((out[2].double() - exact).abs().max()) <= 1e-5 * float(values.abs().max())
 
 
+@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (8, 2, 128), (4, 1, 256), (5, 5, 64)])
+@pytest.mark.parametrize("length", [40, 300, 700, 1100, 1700])
+def test_int8_decode_attention_of_one_row_at_any_thread_count(n_heads, n_kv, head_dim, length):
+    """One row of 1 to 7 chunks, where the integer loops' items (a chunk's every query head, its
+    keys' whole rows) are too few for the threads and are cut into ranges of query heads that
+    split kv heads (9 heads on 2 threads: 0-3 and 4-8; 4 threads: 2-3 heads each), and a thread's
+    items follow one another across chunks: at 1-4 threads the same bits, within the 2^-13 bound
+    of a float64 reference over the query as the kernel quantizes it (a range that read another
+    kv head's keys, values or scales, or summed the wrong heads' values, would be far outside)."""
+    from sgrt.engine.kv_pool import dequantize_int8, quantize_int8
+
+    g = torch.Generator().manual_seed(length * n_heads + head_dim)
+    slots_n = 2000
+    (kc, ks), (vc, vs) = (quantize_int8(torch.randn(slots_n, n_kv, head_dim, generator=g)) for _ in range(2))
+    ks.mul_(torch.rand(slots_n, n_kv, generator=g) * 4 + 0.25)  # (kv heads' scales far apart)
+    vs.mul_(torch.rand(slots_n, n_kv, generator=g) * 4 + 0.25)
+    slots = torch.arange(150, 150 + length).view(1, length)
+    q = torch.randn(1, n_heads, head_dim, generator=g) * 2
+    args = (q, kc, vc, slots, torch.tensor([length]), ks, vs)
+    threads = torch.get_num_threads()
+    try:
+        out = {}
+        for n in (1, 2, 3, 4):
+            torch.set_num_threads(n)
+            out[n] = torch.ops.sgrt_layer.decode_attention(*args)
+    finally:
+        torch.set_num_threads(threads)
+    for n in (2, 3, 4):
+        assert torch.equal(out[n], out[1]), n
+    keys, values = dequantize_int8(kc, ks, torch.float64), dequantize_int8(vc, vs, torch.float64)
+    if _integer_int8_path(head_dim):
+        exact = _float64_attention(_quantized_query(q), keys, values, slots, torch.tensor([length]))
+        assert float((out[2].double() - exact).abs().max()) <= 2.0 ** -13 * float(values.abs().max())
+    else:
+        exact = _float64_attention(q, keys, values, slots, torch.tensor([length]))
+        assert float((out[2].double() - exact).abs().max()) <= 1e-5 * float(values.abs().max())
+
+
 @pytest.mark.parametrize("bad", ["query", "k_scale"])
 @pytest.mark.parametrize("n_heads,n_kv,head_dim,length", [(4, 1, 64, 17), (9, 3, 64, 300), (8, 2, 128, 256)])
 def test_int8_decode_attention_a_non_finite_head_leaves_its_group_alone(bad, n_heads, n_kv, head_dim, length):

@@ -440,19 +440,30 @@ struct QuantizedQuery {
   float dx;            // NaN where the row holds NaN or infinity
 };
 
-// The chunk after an item's in its row (slots rs[0..n), n = 0 where the row has none), which the
-// same thread works on next: while the score loops run over the item's keys for kv head `part`,
-// they fetch part `part` of the next chunk's keys (cut into hkv runs) as whole rows into L2, so
-// that memory is read at an even rate through the passes over the kv heads (fetching a chunk's
-// rows during its own first kv head's pass, as before, left memory idle in the others').
-// k / v / ks / vs: the caches and scales (not offset by a kv head).
-struct NextChunk {
-  const int64_t* rs;
-  int64_t n, part;
-  const int8_t *k, *v;   // the caches (whole rows)
-  const float *ks, *vs;  // their scales (whole rows)
-};
-constexpr NextChunk kNoNextChunk{nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr};
+// Into L1: bytes [off, off + bytes) of the rows of slots rs[0..n) (rows of `row` bytes from
+// base). Where the slots run consecutively (a request's own tokens) the rows lie in address order
+// and the whole span from the first to the last is fetched, line by line; else row by row. The
+// integer loops fetch the rows a block or two of 16 keys ahead of the ones they read, so that a
+// thread reads memory as one stream in address order (an item's K rows, its V rows, then the next
+// item's), which measured 1.25-1.6x the rate of passes over one kv head's lines at a time (a
+// 192-byte stride for SmolLM2), however those passes spread their prefetches.
+[[gnu::always_inline]] inline void prefetch_rows(const void* base, const int64_t* rs, int64_t n, int64_t row,
+                                                 int64_t off, int64_t bytes) {
+  if (n <= 0) return;
+  const char* b = static_cast<const char*>(base) + off;
+  auto span = [](const char* first, const char* last) {  // the lines of [first, last]
+    // (an asm statement: GCC deletes a loop of a run-time count whose only statements are
+    // _mm_prefetch, which it counts as no side effect)
+    for (uintptr_t p = reinterpret_cast<uintptr_t>(first) & ~uintptr_t{63}; p <= reinterpret_cast<uintptr_t>(last);
+         p += 64)
+      asm volatile("prefetcht0 %0" : : "m"(*reinterpret_cast<const char*>(p)));
+  };
+  if (rs[n - 1] - rs[0] == n - 1) {
+    span(b + rs[0] * row, b + rs[n - 1] * row + bytes - 1);
+  } else {
+    for (int64_t u = 0; u < n; ++u) span(b + rs[u] * row, b + rs[u] * row + bytes - 1);
+  }
+}
 
 // The largest |x[j]| of x[0..n), or NaN where one of them is NaN.
 inline float abs_max_or_nan(const float* x, int64_t n) {
@@ -524,95 +535,84 @@ inline void transpose16(__m512i* r) {
   }
 }
 
-// scores[i * stride + j] = q_i . k_j * kscale_j for G query heads of kv head kh (qq: theirs),
-// keys at slots rs[0..len) (key j's codes at kbase + rs[j] * row, its scale at
-// ks[rs[j] * hkv + kh]); where vout is given, vout[j] = vs[rs[j] * hkv + kh] (its values' scales,
-// read in the same pass).
-// The keys 16 ahead of this kv head come into L1; `next`'s rows (all kv heads, K, V and scales)
-// into L2, a slice a step (see NextChunk).
+// The scores of one block of n <= 16 keys (slots rs[0..n)) against G query heads of kv head kh
+// (qq: theirs): scores[i * stride + u] = q_i . k_u * kscale_u (key u's codes at kbase + rs[u] * row,
+// kbase offset to kv head kh; its scale ks[rs[u] * hkv + kh]), and top[i] (16 lanes) raised to them;
+// where vout is given, vout[u] = vs[rs[u] * hkv + kh] (its values' scales, read in the same pass).
 template <int G, int DC>
-void score_keys_int8(const QuantizedQuery* qq, const int8_t* kbase, const float* ks, const float* vs, float* vout,
-                     int64_t hkv, int64_t kh, const int64_t* rs, int64_t len, int64_t row, float* scores,
-                     int64_t stride, const NextChunk& next) {
+inline void score_block_int8(const QuantizedQuery* qq, const int8_t* kbase, const float* ks, const float* vs,
+                             float* vout, const ScaleRows& scale_rows, int64_t hkv, int64_t kh, const int64_t* rs,
+                             int64_t n, int64_t row, float* scores, int64_t stride, float* top) {
   static_assert(DC % 64 == 0 && DC <= 256);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  constexpr int64_t kAhead = 16;
-  const ScaleRows scale_rows(hkv, kh);
-  for (int64_t j0 = 0; j0 < len; j0 += 16) {
-    const int64_t n = std::min<int64_t>(16, len - j0);
-    const int8_t* kr[16];
-    __m512 kv;
-    const int64_t s0 = rs[j0];
-    const bool run = n == 16 && consecutive16(rs + j0);
-    if (run) {
-      // slots s0 .. s0 + 15 (a request's own tokens usually are): rows at a fixed stride, the next
-      // 16 keys' codes into L1 as if they follow (no slot read); scales by ScaleRows
-      kr[0] = kbase + s0 * row;  // (the others are kr[0] + u * row: pointers of a vector register cost extracts)
-      if (j0 + kAhead < len)
-        for (int u = 0; u < 16; ++u) prefetch_row<_MM_HINT_T0>(kbase + (s0 + kAhead + u) * row, DC);
-      kv = scale_rows.load(ks + s0 * hkv);
-      if (vout) _mm512_storeu_ps(vout + j0, scale_rows.load(vs + s0 * hkv));
-    } else {
-      alignas(64) float kscale[16];
-      for (int u = 0; u < 16; ++u) {
-        const int64_t j = j0 + std::min<int64_t>(u, n - 1);
-        kr[u] = kbase + rs[j] * row;
-        kscale[u] = ks[rs[j] * hkv + kh];
-        if (vout && u < n) vout[j] = vs[rs[j] * hkv + kh];
-        if (u < n && j + kPrefetchAhead < len) prefetch_row<_MM_HINT_T0>(kbase + rs[j + kPrefetchAhead] * row, DC);
-      }
-      kv = _mm512_load_ps(kscale);
+  const int8_t* kr[16];
+  __m512 kv;
+  const bool run = n == 16 && consecutive16(rs);
+  if (run) {
+    // slots s0 .. s0 + 15 (a request's own tokens usually are): rows at a fixed stride, scales
+    // by ScaleRows
+    kr[0] = kbase + rs[0] * row;  // (the others are kr[0] + u * row: pointers of a vector register cost extracts)
+    kv = scale_rows.load(ks + rs[0] * hkv);
+    if (vout) _mm512_storeu_ps(vout, scale_rows.load(vs + rs[0] * hkv));
+  } else {
+    alignas(64) float kscale[16];
+    for (int u = 0; u < 16; ++u) {
+      const int64_t j = std::min<int64_t>(u, n - 1);
+      kr[u] = kbase + rs[j] * row;
+      kscale[u] = ks[rs[j] * hkv + kh];
+      if (vout && u < n) vout[u] = vs[rs[j] * hkv + kh];
     }
-    // the next chunk's whole rows (every kv head's K, V and scales) into L2, its keys cut into
-    // hkv runs, this kv head's pass fetching run `part`, a slice a step: memory is read evenly
-    // through the passes over the kv heads, in address order
-    if (next.n > 0) {
-      const int64_t per = (next.n + hkv - 1) / hkv;
-      const int64_t lo = std::min(next.n, next.part * per + j0 * per / len);
-      const int64_t hi = std::min(next.n, next.part * per + std::min(len, j0 + 16) * per / len);
-      for (int64_t u = lo; u < hi; ++u) {
-        const int64_t sl = next.rs[u];
-        prefetch_row<_MM_HINT_T1>(next.k + sl * row, row);
-        prefetch_row<_MM_HINT_T1>(next.v + sl * row, row);
-      }
-      if (hi > lo && next.rs[hi - 1] - next.rs[lo] == hi - 1 - lo) {  // a run of slots: one span of scales
-        for (int64_t o = next.rs[lo] * hkv; o < (next.rs[hi - 1] + 1) * hkv; o += 16) {
-          _mm_prefetch(reinterpret_cast<const char*>(next.ks + o), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(next.vs + o), _MM_HINT_T1);
-        }
-      } else {  // (scattered slots: each one's scales; never the span between two far slots)
-        for (int64_t u = lo; u < hi; ++u) {
-          _mm_prefetch(reinterpret_cast<const char*>(next.ks + next.rs[u] * hkv), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(next.vs + next.rs[u] * hkv), _MM_HINT_T1);
-        }
-      }
-    }
-    __m512i a1[G], a2[G];
-    for (int i = 0; i < G; ++i) a1[i] = a2[i] = _mm512_setzero_si512();
-    for (int b = 0; b < DC / 64; ++b) {
-      __m512i r[16];
-      if (run) {
-        const int8_t* k = kr[0] + 64 * b;
-        for (int u = 0; u < 16; ++u, k += row) r[u] = _mm512_xor_si512(_mm512_loadu_si512(k), flip);
-      } else {
-        for (int u = 0; u < 16; ++u) r[u] = _mm512_xor_si512(_mm512_loadu_si512(kr[u] + 64 * b), flip);
-      }
-      transpose16(r);
-      for (int m = 0; m < 16; ++m)
-        for (int i = 0; i < G; ++i) {
-          a1[i] = _mm512_dpbusd_epi32(a1[i], r[m], _mm512_set1_epi32(qq[i].q1[16 * b + m]));
-          a2[i] = _mm512_dpbusd_epi32(a2[i], r[m], _mm512_set1_epi32(qq[i].q2[16 * b + m]));
-        }
-    }
-    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
-    for (int i = 0; i < G; ++i) {
-      // 254 * (q1 . k) + q2 . k, exact: |q1 . k| <= 256 * 128 * 127
-      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_mullo_epi32(a1[i], _mm512_set1_epi32(254)), a2[i]),
-                                           _mm512_set1_epi32(qq[i].correction));
-      const __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qq[i].dx)), kv);
-      _mm512_mask_storeu_ps(scores + i * stride + j0, keep, s);
-    }
+    kv = _mm512_load_ps(kscale);
   }
+  __m512i a1[G], a2[G];
+  for (int i = 0; i < G; ++i) a1[i] = a2[i] = _mm512_setzero_si512();
+  for (int b = 0; b < DC / 64; ++b) {
+    __m512i r[16];
+    if (run) {
+      const int8_t* k = kr[0] + 64 * b;
+      for (int u = 0; u < 16; ++u, k += row) r[u] = _mm512_xor_si512(_mm512_loadu_si512(k), flip);
+    } else {
+      for (int u = 0; u < 16; ++u) r[u] = _mm512_xor_si512(_mm512_loadu_si512(kr[u] + 64 * b), flip);
+    }
+    transpose16(r);
+    for (int m = 0; m < 16; ++m)
+      for (int i = 0; i < G; ++i) {
+        a1[i] = _mm512_dpbusd_epi32(a1[i], r[m], _mm512_set1_epi32(qq[i].q1[16 * b + m]));
+        a2[i] = _mm512_dpbusd_epi32(a2[i], r[m], _mm512_set1_epi32(qq[i].q2[16 * b + m]));
+      }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+  for (int i = 0; i < G; ++i) {
+    // 254 * (q1 . k) + q2 . k, exact: |q1 . k| <= 256 * 128 * 127
+    const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_mullo_epi32(a1[i], _mm512_set1_epi32(254)), a2[i]),
+                                         _mm512_set1_epi32(qq[i].correction));
+    const __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qq[i].dx)), kv);
+    _mm512_mask_storeu_ps(scores + i * stride, keep, s);
+    float* t = top + 16 * i;
+    _mm512_storeu_ps(t, _mm512_mask_max_ps(_mm512_loadu_ps(t), keep, _mm512_loadu_ps(t), s));
+  }
+}
+
+// The softmax's weights of one query head, each times its value's scale, in place: s[j] <-
+// exp(s[j] - m) * vscale[j] for j < len (m: the largest score). Returns the sum of the plain
+// exp(s[j] - m) (the softmax's denominator) and sets *largest to the largest |s[j]| after, NaN
+// where one is NaN (the value loops then fall back to floats). One pass, where the max, the
+// exp and the scales each took one over the scores (a fifth of the kernel's work from L2).
+inline float weigh_scores(float* s, const float* vscale, int64_t len, float m, float* largest) {
+  const __m512 sign = _mm512_set1_ps(-0.f), vm = _mm512_set1_ps(m);
+  __m512 total = _mm512_setzero_ps(), top = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  for (int64_t j = 0; j < len; j += 16) {
+    const __mmask16 keep = len - j >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (len - j)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + j), vm)));
+    total = _mm512_add_ps(total, e);
+    const __m512 w = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(keep, vscale + j));
+    nan |= _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q);
+    top = _mm512_max_ps(top, _mm512_andnot_ps(sign, w));
+    _mm512_mask_storeu_ps(s + j, keep, w);
+  }
+  *largest = nan ? NAN : _mm512_reduce_max_ps(top);
+  return _mm512_reduce_add_ps(total);
 }
 
 
@@ -624,137 +624,92 @@ inline __m512i dpwssd_in_place(__m512i acc, __m512i a, __m512i b) {
   return acc;
 }
 
-// acc[i * d + c] += sum_j p[i * stride + j] * v_j[c] for G query heads of one kv head over int8
-// value codes (head_dim DC, a multiple of 64), in integers: each head's weights are quantized to
-// 16 bits against its largest magnitude m (w ~ m / 32767 * wq, |wq| <= 32767), and
-// pairs of keys' codes, interleaved and widened to int16, are summed by vpdpwssd (two products a
-// lane): exact in int32 over a chunk (256 * 32767 * 128 < 2^31), one rounding a value at the end.
-// The quantized weights' step, m / 65534, is ~2^-16 of the largest weight: within bfloat16's
-// rounding of the output. Returns false (nothing added) where a head's largest weight is not
-// finite; the float loops then run (they give NaN for NaN, as the softmax's own steps do).
-template <int G, int DC>
-bool accumulate_values_int8(const float* p, const int8_t* vbase, const int64_t* rs, int64_t len, int64_t row,
-                            int64_t stride, float* acc, int16_t* wq) {
-  static_assert(DC % 64 == 0 && DC <= 256);
-  const int64_t pairs = (len + 1) / 2;
-  float unit[G];
-  for (int i = 0; i < G; ++i) {
-    const float* pi = p + i * stride;
-    const float m = abs_max_or_nan(pi, len);
-    if (!(m < INFINITY)) return false;
-    unit[i] = m / 32767.f;
-    const float inv = m > 0.f ? 32767.f / m : 0.f;
-    int16_t* w = wq + i * 2 * pairs;
-    for (int64_t j = 0; j < len; ++j) w[j] = static_cast<int16_t>(std::nearbyint(pi[j] * inv));
-    if (len % 2) w[len] = 0;  // the odd key's partner: itself, weight 0
+// Head i's weights p[0..len) (times their values' scales) to 16 bits against their largest
+// magnitude m (from weigh_scores, finite): w[j] = round(p[j] * 32767 / m) to nearest even (as
+// std::nearbyint), |w[j]| <= 32767; w[len] = 0 where len is odd (the odd key's partner in the
+// value loops' pairs: itself, weight 0). The weights' step, m / 65534, is ~2^-16 of the largest
+// weight: within bfloat16's rounding of the output.
+inline void quantize_weights(const float* p, int64_t len, float m, int16_t* w) {
+  const __m512 inv = _mm512_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+  for (int64_t j = 0; j < len; j += 16) {
+    const __mmask16 keep = len - j >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (len - j)) - 1);
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + j), inv));
+    _mm256_mask_storeu_epi16(w + j, keep, _mm512_cvtsepi32_epi16(q));
   }
+  if (len % 2) w[len] = 0;
+}
+
+// acc[i] += sum_j wq[i][j] * v_j over keys j0 .. j0 + n - 1 (n even, or the item's last block;
+// `last` the item's last key) for G query heads of one kv head over int8 value codes (head_dim DC,
+// a multiple of 64), in integers: pairs of keys' codes, interleaved and widened to int16, are summed
+// against the heads' 16-bit weights by vpdpwssd (two products a lane), exact in int32 over a chunk
+// (256 * 32767 * 128 < 2^31). acc[i]: head i's DC / 16 vectors of int32 sums, vector 4 b + k
+// holding 64-value block b's positions 64 b + kFirst[k] + 0..7 in lanes 0..7 and + 16..23 in
+// lanes 8..15 (the unpacks' order; finish_values puts them in place).
+constexpr int kFirst[4] = {0, 32, 8, 40};
+template <int G, int DC>
+inline void accumulate_block_int8(int16_t* const* wq, const int8_t* vbase, const int64_t* rs, int64_t j0, int64_t n,
+                                  int64_t last, int64_t row, __m512i* const* acc) {
+  static_assert(DC % 64 == 0 && DC <= 256);
   for (int b = 0; b < DC / 64; ++b) {
     __m512i o[G][4];
     for (int i = 0; i < G; ++i)
-      for (int k = 0; k < 4; ++k) o[i][k] = _mm512_setzero_si512();
-    for (int64_t t = 0; t < pairs; ++t) {
-      const int64_t j = 2 * t, j1 = std::min(j + 1, len - 1);
-      if (j + 8 < len) {  // (from L2, where the previous chunk's score loops put them)
-        _mm_prefetch(reinterpret_cast<const char*>(vbase + rs[j + 8] * row + 64 * b), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(vbase + rs[std::min(j + 9, len - 1)] * row + 64 * b), _MM_HINT_T0);
-      }
+      for (int k = 0; k < 4; ++k) o[i][k] = _mm512_loadu_si512(acc[i] + 4 * b + k);
+    for (int64_t j = j0; j < j0 + n; j += 2) {
+      const int64_t j1 = std::min(j + 1, last);
       const __m512i a = _mm512_loadu_si512(vbase + rs[j] * row + 64 * b);
       const __m512i c = _mm512_loadu_si512(vbase + rs[j1] * row + 64 * b);
       const __m512i lo = _mm512_unpacklo_epi8(a, c), hi = _mm512_unpackhi_epi8(a, c);
-      // x[k]'s 16 lanes: value pairs of the head_dim positions kLanes[k] (see the store below)
       const __m512i x[4] = {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo)),
                             _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1)),
                             _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi)),
                             _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1))};
       for (int i = 0; i < G; ++i) {
         int32_t wp;
-        std::memcpy(&wp, wq + i * 2 * pairs + j, 4);
+        std::memcpy(&wp, wq[i] + j, 4);
         const __m512i w = _mm512_set1_epi32(wp);
         for (int k = 0; k < 4; ++k) o[i][k] = dpwssd_in_place(o[i][k], x[k], w);
       }
     }
-    // vector k's lanes 0..7 / 8..15 hold head_dim positions first[k] + 0..7 / first[k] + 16..23
-    constexpr int first[4] = {0, 32, 8, 40};
-    for (int i = 0; i < G; ++i) {
-      float* ai = acc + i * DC + 64 * b;
-      const __m512 u = _mm512_set1_ps(unit[i]);
-      for (int k = 0; k < 4; ++k) {
-        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(o[i][k]), u);
-        float* lo8 = ai + first[k];
-        float* hi8 = ai + first[k] + 16;
-        _mm256_storeu_ps(lo8, _mm256_add_ps(_mm256_loadu_ps(lo8), _mm512_castps512_ps256(f)));
-        _mm256_storeu_ps(hi8, _mm256_add_ps(_mm256_loadu_ps(hi8),
-                                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))));
-      }
-    }
-  }
-  return true;
-}
-
-// accumulate_values_int8 over gi query heads of one kv head, in groups of at most 4; a group that
-// met a weight that is not finite runs head by head, the float loops for the heads it met it in.
-template <int DC>
-void accumulate_values_int8_in(const float* p, int64_t gi, const int8_t* vbase, const int64_t* rs, int64_t len,
-                               int64_t row, int64_t stride, float* acc, int16_t* wq) {
-  for (int64_t i = 0; i < gi; i += 4) {
-    const float* pi = p + i * stride;
-    float* a = acc + i * DC;
-    const int64_t n = std::min<int64_t>(4, gi - i);
-    bool done;
-    switch (n) {
-      case 4: done = accumulate_values_int8<4, DC>(pi, vbase, rs, len, row, stride, a, wq); break;
-      case 3: done = accumulate_values_int8<3, DC>(pi, vbase, rs, len, row, stride, a, wq); break;
-      case 2: done = accumulate_values_int8<2, DC>(pi, vbase, rs, len, row, stride, a, wq); break;
-      default: done = accumulate_values_int8<1, DC>(pi, vbase, rs, len, row, stride, a, wq); break;
-    }
-    if (!done) {
-      // head by head: the float loops only for a head whose weights are not finite, so a finite
-      // head's bits do not depend on which heads share its group (the threads' cut of the query
-      // heads moves the groups' bounds); every head against the same kv head: kv_of zero
-      const int64_t zero = 0;
-      for (int64_t k = 0; k < n; ++k) {
-        const float* pk = pi + k * stride;
-        float* ak = a + k * DC;
-        if (!accumulate_values_int8<1, DC>(pk, vbase, rs, len, row, stride, ak, wq))
-          accumulate_values<int8_t, DC>(pk, 1, DC, vbase, &zero, rs, len, row, stride, ak);
-      }
-    }
+    for (int i = 0; i < G; ++i)
+      for (int k = 0; k < 4; ++k) _mm512_storeu_si512(acc[i] + 4 * b + k, o[i][k]);
   }
 }
 
-// score_keys_int8 over gi query heads of one kv head, in groups of at most 4 (the first group
-// also reads the values' scales into vout).
-template <int DC>
-void score_keys_int8_in(const QuantizedQuery* qq, int64_t gi, const int8_t* kbase, const float* ks, const float* vs,
-                        float* vout, int64_t hkv, int64_t kh, const int64_t* rs, int64_t len, int64_t row,
-                        float* scores, int64_t stride, const NextChunk& next) {
-  for (int64_t i = 0; i < gi; i += 4) {
-    const QuantizedQuery* q = qq + i;
-    float* s = scores + i * stride;
-    float* vo = i == 0 ? vout : nullptr;
-    const NextChunk& nx = i == 0 ? next : kNoNextChunk;  // (the first group fetches for all)
-    switch (std::min<int64_t>(4, gi - i)) {
-      case 4: score_keys_int8<4, DC>(q, kbase, ks, vs, vo, hkv, kh, rs, len, row, s, stride, nx); break;
-      case 3: score_keys_int8<3, DC>(q, kbase, ks, vs, vo, hkv, kh, rs, len, row, s, stride, nx); break;
-      case 2: score_keys_int8<2, DC>(q, kbase, ks, vs, vo, hkv, kh, rs, len, row, s, stride, nx); break;
-      default: score_keys_int8<1, DC>(q, kbase, ks, vs, vo, hkv, kh, rs, len, row, s, stride, nx); break;
+// out[c] = a head's int32 sums (accumulate_block_int8's order) times unit, in head_dim order.
+inline void finish_values(const __m512i* sums, int64_t d, float unit, float* out) {
+  const __m512 u = _mm512_set1_ps(unit);
+  for (int64_t b = 0; b < d / 64; ++b)
+    for (int k = 0; k < 4; ++k) {
+      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(sums + 4 * b + k)), u);
+      float* lo8 = out + 64 * b + kFirst[k];
+      _mm256_storeu_ps(lo8, _mm512_castps512_ps256(f));
+      _mm256_storeu_ps(lo8 + 16, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)));
     }
-  }
 }
 #endif
 
 }  // namespace
 
+bool attends_whole_rows(bool int8_pool, int64_t d) {
+#ifdef SGRT_INT8_SCORES
+  return int8_pool && d % 64 == 0 && d <= 256;
+#else
+  return false;
+#endif
+}
+
 // Items ordered row, chunk, query heads; partials of split rows laid out row, chunk, kv head: row
 // r's chunk c, kv head kh at first_part[r] + c * hkv + kh. An item is a (row, chunk, kv head) with
-// its g query heads; where those items are fewer than 4 a thread and do not divide evenly among
+// its g query heads, or with whole_rows a (row, chunk) with all its query heads (the integer loops
+// read its keys' whole rows block by block); where those items are fewer than 4 a thread and do not divide evenly among
 // `threads` (SmolLM2's 3 kv heads on 2 threads: 2 : 1; Gemma 3's one: 1 : 0), a (row, chunk)'s
 // query heads are cut into `threads` contiguous ranges instead (9: 5 + 4 heads, 4: 2 + 2), which
 // may span kv heads: an item reads the key / value rows of its kv heads key by key, so a thread
 // reads the slots' rows in order (the hardware prefetcher follows; per query head, as before,
 // each thread re-read a kv head's keys once a head, ~3.5 GB/s from memory at 128 keys).
 void plan_attention(AttendWork& w, int64_t b, int64_t h, int64_t hkv, int64_t d, const int64_t* ln, int64_t max_kv,
-                    int64_t threads) {
+                    int64_t threads, bool whole_rows) {
   const int64_t g = h / hkv;
   w.g = g;
   w.hkv = hkv;
@@ -764,10 +719,11 @@ void plan_attention(AttendWork& w, int64_t b, int64_t h, int64_t hkv, int64_t d,
   w.items.clear();
   w.merges.clear();
   w.first_part.assign(b, -1);
+  const int64_t per = whole_rows ? 1 : hkv;  // items a (row, chunk), unless cut into ranges
   int64_t base = 0;
-  for (int64_t r = 0; r < b; ++r) base += (ln[r] + kDecodeChunk - 1) / kDecodeChunk * hkv;
+  for (int64_t r = 0; r < b; ++r) base += (ln[r] + kDecodeChunk - 1) / kDecodeChunk * per;
   const bool ranges = threads > 1 && base % threads != 0 && base < 4 * threads;
-  const int64_t cuts = ranges ? std::min(threads, h) : hkv;  // items a (row, chunk)
+  const int64_t cuts = ranges ? std::min(threads, h) : per;
   int64_t parts = 0;
   for (int64_t r = 0; r < b; ++r) {
     const int64_t len = ln[r], chunks = (len + kDecodeChunk - 1) / kDecodeChunk;
@@ -801,13 +757,23 @@ void plan_attention(AttendWork& w, int64_t b, int64_t h, int64_t hkv, int64_t d,
 
 namespace {
 
+#ifdef SGRT_INT8_SCORES
+// Up to 4 query heads (indices among an item's) of kv head kh whose values are summed together.
+struct HeadGroup {
+  int64_t n, kh, head[4];
+};
+#endif
+
 // Per-thread scratch of the attention items, grown and never shrunk.
 struct AttendScratch {
   std::vector<float> qf, scores, acc, sums, maxes, scales;
   std::vector<int64_t> kv_of;
 #ifdef SGRT_INT8_SCORES
   std::vector<QuantizedQuery> qq;
+  std::vector<float> vscales, tops, largest;
   std::vector<int16_t> wq;
+  std::vector<int32_t> sums32;
+  std::vector<HeadGroup> groups;
 #endif
 };
 
@@ -815,6 +781,159 @@ AttendScratch& attend_scratch() {
   thread_local AttendScratch s;
   return s;
 }
+
+#ifdef SGRT_INT8_SCORES
+// The rows of the item a thread works on next (its n slots rs[0..n), kv heads [kh0, kh1]); n = 0:
+// none.
+struct NextRows {
+  const int64_t* rs;
+  int64_t n, kh0, kh1;
+};
+
+// One item over an int8 pool, in integers (head_dim DC, a multiple of 64; AVX-512 VNNI): its gi
+// query heads' scaled queries qf [gi, DC] (head i against kv head kv_of[i], ascending) over the
+// keys at slots rs[0..len). Sets sums[i] and maxes[i] (the softmax's denominator and largest
+// score) and acc [gi, DC] (the unnormalised output). Block by block of 16 keys, every kv head of
+// the item in turn, so that the rows are read in address order, the next block's fetched ahead:
+// the scores (and the scales), then the softmax's weights, then the values; then `next`'s first
+// rows are fetched.
+template <int DC>
+void attend_item_int8(const AttendArgs& a, int64_t hkv, const float* qf, const int64_t* kv_of, int64_t gi,
+                      const int64_t* rs, int64_t len, int64_t span, AttendScratch& sc, float* scores, float* sums,
+                      float* maxes, float* acc, const NextRows& next, bool warm) {
+  const int64_t row = hkv * DC, kh0 = kv_of[0], kh1 = kv_of[gi - 1];
+  const int64_t bytes = (kh1 - kh0 + 1) * DC, scale_bytes = (kh1 - kh0 + 1) * 4;  // the item's part of a row
+  const auto* kp = static_cast<const int8_t*>(a.k);
+  const auto* vp = static_cast<const int8_t*>(a.v);
+  float* const vscales = at_least(sc.vscales, hkv * span);  // each kv head's V scales of the keys
+  float* const tops = at_least(sc.tops, gi * 16);
+  float* const largest = at_least(sc.largest, gi);
+  const int64_t wstride = span + 2;  // (a head's 16-bit weights, an even count)
+  int16_t* const wq = at_least(sc.wq, gi * wstride);
+  auto* const sums32 = reinterpret_cast<__m512i*>(at_least(sc.sums32, gi * DC));  // each head's value sums
+  if (static_cast<int64_t>(sc.qq.size()) < gi) sc.qq.resize(gi);
+  for (int64_t i = 0; i < gi; ++i) quantize_query(qf + i * DC, DC, sc.qq[i]);
+  std::fill(tops, tops + gi * 16, -INFINITY);
+  // the heads as runs of one kv head each: [i, e) against kv head kh
+  auto runs = [&](auto&& f) {
+    for (int64_t i = 0, e; i < gi; i = e) {
+      for (e = i + 1; e < gi && kv_of[e] == kv_of[i];) ++e;
+      f(i, e, kv_of[i]);
+    }
+  };
+  // The item's reads as one stream of blocks of 16 keys: its K blocks (rows and scales), its V
+  // blocks, then the next item's K blocks (where this thread works on it); the block `ahead` on
+  // is fetched while one is read: 2 blocks where a block's rows take at most 4 KB (SmolLM2's 3 KB:
+  // as fast as or faster than 1, 3 or 5 blocks here), else 1 (8 kv heads of 128 take 16 KB).
+  const int64_t ahead = 16 * bytes <= 4096 ? 2 : 1;
+  const int64_t nb = (len + 15) / 16;
+  auto fetch = [&](int64_t x) {
+    if (x < nb) {
+      const int64_t m = std::min<int64_t>(16, len - 16 * x);
+      prefetch_rows(kp, rs + 16 * x, m, row, kh0 * DC, bytes);
+      prefetch_rows(a.ks, rs + 16 * x, m, hkv * 4, kh0 * 4, scale_bytes);
+      prefetch_rows(a.vs, rs + 16 * x, m, hkv * 4, kh0 * 4, scale_bytes);
+    } else if (x < 2 * nb) {
+      x -= nb;
+      prefetch_rows(vp, rs + 16 * x, std::min<int64_t>(16, len - 16 * x), row, kh0 * DC, bytes);
+    } else if (16 * (x - 2 * nb) < next.n) {
+      x -= 2 * nb;
+      const int64_t m = std::min<int64_t>(16, next.n - 16 * x), w = next.kh1 - next.kh0 + 1;
+      prefetch_rows(kp, next.rs + 16 * x, m, row, next.kh0 * DC, w * DC);
+      prefetch_rows(a.ks, next.rs + 16 * x, m, hkv * 4, next.kh0 * 4, w * 4);
+      prefetch_rows(a.vs, next.rs + 16 * x, m, hkv * 4, next.kh0 * 4, w * 4);
+    }
+  };
+  if (!warm)
+    for (int64_t x = 1; x < ahead; ++x) fetch(x);
+  // the scores, each times its key's scale
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - j0);
+    fetch(j0 / 16 + ahead);
+    runs([&](int64_t i, int64_t e, int64_t kh) {
+      const ScaleRows scale_rows(hkv, kh);
+      for (int64_t f = i; f < e; f += 4) {
+        // (the first group of a kv head also reads its values' scales)
+        float* vo = f == i ? vscales + kh * span + j0 : nullptr;
+        const QuantizedQuery* q = sc.qq.data() + f;
+        const int8_t* kb = kp + kh * DC;
+        float* so = scores + f * span + j0;
+        float* t = tops + f * 16;
+        switch (std::min<int64_t>(4, e - f)) {
+          case 4:
+            score_block_int8<4, DC>(q, kb, a.ks, a.vs, vo, scale_rows, hkv, kh, rs + j0, n, row, so, span, t);
+            break;
+          case 3:
+            score_block_int8<3, DC>(q, kb, a.ks, a.vs, vo, scale_rows, hkv, kh, rs + j0, n, row, so, span, t);
+            break;
+          case 2:
+            score_block_int8<2, DC>(q, kb, a.ks, a.vs, vo, scale_rows, hkv, kh, rs + j0, n, row, so, span, t);
+            break;
+          default:
+            score_block_int8<1, DC>(q, kb, a.ks, a.vs, vo, scale_rows, hkv, kh, rs + j0, n, row, so, span, t);
+            break;
+        }
+      }
+    });
+  }
+  // the weights, each times its value's scale, and their 16-bit codes
+  runs([&](int64_t i, int64_t e, int64_t kh) {
+    for (; i < e; ++i) {
+      maxes[i] = _mm512_reduce_max_ps(_mm512_loadu_ps(tops + i * 16));
+      sums[i] = weigh_scores(scores + i * span, vscales + kh * span, len, maxes[i], largest + i);
+      if (largest[i] < INFINITY) quantize_weights(scores + i * span, len, largest[i], wq + i * wstride);
+    }
+  });
+  // the values: the heads whose weights are finite, in groups of at most 4 of one kv head
+  std::vector<HeadGroup>& groups = sc.groups;
+  groups.clear();
+  runs([&](int64_t i, int64_t e, int64_t kh) {
+    HeadGroup gr{0, kh, {}};
+    for (; i < e; ++i) {
+      if (!(largest[i] < INFINITY)) continue;
+      gr.head[gr.n++] = i;
+      if (gr.n == 4) {
+        groups.push_back(gr);
+        gr.n = 0;
+      }
+    }
+    if (gr.n > 0) groups.push_back(gr);
+  });
+  std::fill(reinterpret_cast<int32_t*>(sums32), reinterpret_cast<int32_t*>(sums32) + gi * DC, 0);
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - j0);
+    fetch(nb + j0 / 16 + ahead);
+    for (const HeadGroup& gr : groups) {
+      int16_t* w[4];
+      __m512i* o[4];
+      for (int64_t u = 0; u < gr.n; ++u) {
+        w[u] = wq + gr.head[u] * wstride;
+        o[u] = sums32 + gr.head[u] * (DC / 16);
+      }
+      const int8_t* vb = vp + gr.kh * DC;
+      switch (gr.n) {
+        case 4: accumulate_block_int8<4, DC>(w, vb, rs, j0, n, len - 1, row, o); break;
+        case 3: accumulate_block_int8<3, DC>(w, vb, rs, j0, n, len - 1, row, o); break;
+        case 2: accumulate_block_int8<2, DC>(w, vb, rs, j0, n, len - 1, row, o); break;
+        default: accumulate_block_int8<1, DC>(w, vb, rs, j0, n, len - 1, row, o); break;
+      }
+    }
+  }
+  runs([&](int64_t i, int64_t e, int64_t kh) {
+    for (; i < e; ++i) {
+      if (largest[i] < INFINITY) {
+        finish_values(sums32 + i * (DC / 16), DC, largest[i] / 32767.f, acc + i * DC);
+      } else {
+        // weights not finite: the float loops (NaN for NaN, as the softmax's own steps give)
+        const int64_t zero = 0;
+        std::fill(acc + i * DC, acc + (i + 1) * DC, 0.f);
+        accumulate_values<int8_t, DC>(scores + i * span, 1, DC, vp + kh * DC, &zero, rs, len, row, span,
+                                      acc + i * DC);
+      }
+    }
+  });
+}
+#endif
 
 // Items [begin, end) of w. DC: head_dim known at compile time (64, 128, 256: AVX-512 paths whose loops
 // over it unroll), or 0 for any other head_dim (portable loops). KR: the caches' raw type, R (q's) or
@@ -838,8 +957,7 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
   float* const sums = at_least(sc.sums, h);
   float* const maxes = at_least(sc.maxes, h);
   int64_t* const kv_of = at_least(sc.kv_of, h);
-  // (the integer loops keep every kv head's value scales of an item: hkv * span)
-  float* const kv_scales = kInt8 ? at_least(sc.scales, hkv * span) : nullptr;
+  float* const kv_scales = kInt8 ? at_least(sc.scales, span) : nullptr;  // (an int8 pool's scales of one kv head)
   bool ok = true;
   for (int64_t it = begin; it < end; ++it) {
     const AttendItem& item = w.items[it];
@@ -883,84 +1001,69 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
 #endif
     if constexpr (kIntScores) {
 #ifdef SGRT_INT8_SCORES
-      // the int8 codes' scores in integers, times their keys' scales (the kernel's)
-      if (static_cast<int64_t>(sc.qq.size()) < gi) sc.qq.resize(gi);
-      for (int64_t i = 0; i < gi; ++i) quantize_query(qf + i * d, d, sc.qq[i]);
-      // the row's next chunk, where this thread's share goes on to it (else another thread's
-      // cache would be filled, or none)
-      int64_t nx = it + 1;
-      while (nx < end && w.items[nx].r == r && w.items[nx].c0 == item.c0) ++nx;
-      const bool ours = nx < end && w.items[nx].r == r;
-      const int64_t ahead = ours ? std::min(kDecodeChunk, a.ln[r] - item.c0 - len) : 0;
-      runs([&](int64_t i, int64_t e, int64_t kh) {
-        const NextChunk next{rs + len, ahead, kh, kp, vp, a.ks, a.vs};
-        score_keys_int8_in<DC>(sc.qq.data() + i, e - i, kp + kh * d, a.ks, a.vs, kv_scales + kh * span, hkv, kh, rs,
-                               len, row, scores + i * span, span, next);
-      });
-#endif
-    } else if (blocked) {
-#ifdef SGRT_BLOCKED_ATTENTION
-      runs([&](int64_t i, int64_t e, int64_t kh) {
-        // kv head 0's run prefetches the whole rows (its chunk's other kv heads, next in this
-        // thread's work, then find theirs in cache)
-        const bool whole = kh == 0;
-        score_keys_blocked<KR, BDC>(qf + i * d, e - i, d, kp + kh * d, rs, len, row, scores + i * span, span,
-                                    whole ? kp : kp + kh * d, whole ? vp : vp + kh * d, whole ? row : d);
-      });
+      // this thread's next item's first rows, fetched at the end of this one
+      NextRows next{nullptr, 0, 0, 0};
+      if (it + 1 < end) {
+        const AttendItem& n = w.items[it + 1];
+        next = {a.sl + n.r * a.max_kv + n.c0, n.n, n.q0 / g, (n.q1 - 1) / g};
+      }
+      attend_item_int8<DC>(a, hkv, qf, kv_of, gi, rs, len, span, sc, scores, sums, maxes, acc, next, it > begin);
 #endif
     } else {
-      score_keys<KR, DC>(qf, gi, d, kp, kv_of, rs, len, row, scores, span);
-    }
-    // an int8 pool: each kv head's scales of the item's keys gathered once through the slot table
-    // (for all its query heads), and row i's values x[j] multiplied by them
-    // rows [i, e) of x times by[0..len)
-    auto multiply_rows = [&](int64_t i, int64_t e, const float* by, float* x) {
-      for (; i < e; ++i) {
-        float* xi = x + i * span;
+      if (blocked) {
+#ifdef SGRT_BLOCKED_ATTENTION
+        runs([&](int64_t i, int64_t e, int64_t kh) {
+          // kv head 0's run prefetches the whole rows (its chunk's other kv heads, next in this
+          // thread's work, then find theirs in cache)
+          const bool whole = kh == 0;
+          score_keys_blocked<KR, BDC>(qf + i * d, e - i, d, kp + kh * d, rs, len, row, scores + i * span, span,
+                                      whole ? kp : kp + kh * d, whole ? vp : vp + kh * d, whole ? row : d);
+        });
+#endif
+      } else {
+        score_keys<KR, DC>(qf, gi, d, kp, kv_of, rs, len, row, scores, span);
+      }
+      // an int8 pool: each kv head's scales of the item's keys gathered once through the slot table
+      // (for all its query heads), and row i's values x[j] multiplied by them
+      // rows [i, e) of x times by[0..len)
+      auto multiply_rows = [&](int64_t i, int64_t e, const float* by, float* x) {
+        for (; i < e; ++i) {
+          float* xi = x + i * span;
 #pragma omp simd
-        for (int64_t j = 0; j < len; ++j) xi[j] *= by[j];
-      }
-    };
-    auto scale_rows = [&](const float* all, float* x) {
-      runs([&](int64_t i, int64_t e, int64_t kh) {
-        gather_scales(all + kh, hkv, rs, len, kv_scales);
-        multiply_rows(i, e, kv_scales, x);
-      });
-    };
-    if constexpr (kInt8 && !kIntScores) scale_rows(a.ks, scores);  // the scores of codes times their keys' scales
-    for (int64_t i = 0; i < gi; ++i) {
-      float* si = scores + i * span;
-      float m = max_of(si, len);
-      float total = 0.f;
+          for (int64_t j = 0; j < len; ++j) xi[j] *= by[j];
+        }
+      };
+      auto scale_rows = [&](const float* all, float* x) {
+        runs([&](int64_t i, int64_t e, int64_t kh) {
+          gather_scales(all + kh, hkv, rs, len, kv_scales);
+          multiply_rows(i, e, kv_scales, x);
+        });
+      };
+      if constexpr (kInt8) scale_rows(a.ks, scores);  // the scores of codes times their keys' scales
+      for (int64_t i = 0; i < gi; ++i) {
+        float* si = scores + i * span;
+        float m = max_of(si, len);
+        float total = 0.f;
 #pragma omp simd reduction(+ : total)
-      for (int64_t j = 0; j < len; ++j) {
-        si[j] = fast_exp(si[j] - m);
-        total += si[j];
+        for (int64_t j = 0; j < len; ++j) {
+          si[j] = fast_exp(si[j] - m);
+          total += si[j];
+        }
+        sums[i] = total;
+        maxes[i] = m;
       }
-      sums[i] = total;
-      maxes[i] = m;
-    }
-    if constexpr (kIntScores) {  // each weight times its value's scale, read by the score loops
-      runs([&](int64_t i, int64_t e, int64_t kh) { multiply_rows(i, e, kv_scales + kh * span, scores); });
-    } else if constexpr (kInt8) {
-      scale_rows(a.vs, scores);  // each weight times its value's scale (sums: the plain weights)
-    }
-    std::fill(acc, acc + gi * d, 0.f);
-    if constexpr (kIntScores) {
-#ifdef SGRT_INT8_SCORES
-      int16_t* const wq = at_least(sc.wq, 4 * (span + 2));
-      runs([&](int64_t i, int64_t e, int64_t kh) {
-        accumulate_values_int8_in<DC>(scores + i * span, e - i, vp + kh * d, rs, len, row, span, acc + i * d, wq);
-      });
-#endif
-    } else if (blocked) {
+      if constexpr (kInt8) scale_rows(a.vs, scores);  // each weight times its value's scale (sums: the plain weights)
+      std::fill(acc, acc + gi * d, 0.f);
+      if (blocked) {
 #ifdef SGRT_BLOCKED_ATTENTION
-      runs([&](int64_t i, int64_t e, int64_t kh) {
-        accumulate_values_blocked<KR, BDC>(scores + i * span, e - i, d, vp + kh * d, rs, len, row, span, acc + i * d);
-      });
+        runs([&](int64_t i, int64_t e, int64_t kh) {
+          accumulate_values_blocked<KR, BDC>(scores + i * span, e - i, d, vp + kh * d, rs, len, row, span,
+                                             acc + i * d);
+        });
 #endif
-    } else {
-      accumulate_values<KR, DC>(scores, gi, d, vp, kv_of, rs, len, row, span, acc);
+      } else {
+        accumulate_values<KR, DC>(scores, gi, d, vp, kv_of, rs, len, row, span, acc);
+      }
     }
     for (int64_t i = 0; i < gi; ++i) {
       const int64_t q = q0 + i;
@@ -1101,7 +1204,7 @@ Tensor decode_attention_into(const Tensor& q, const Tensor& k_cache, const Tenso
   thread_local AttendWork own;  // (its vectors reused call to call)
   AttendWork& w = own;  // (a lambda naming a thread_local would read the running thread's own one)
   const int64_t threads = at::get_num_threads();
-  plan_attention(w, b, h, k_cache.size(1), d, a.ln, a.max_kv, threads);
+  plan_attention(w, b, h, k_cache.size(1), d, a.ln, a.max_kv, threads, attends_whole_rows(k_scale != nullptr, d));
   std::vector<int64_t> bad(threads, 0);
   std::vector<uint8_t> is_bad(threads, 0);
   const auto dtype = q.scalar_type();

@@ -65,9 +65,14 @@ struct AttendArgs {
 };
 
 // The items and merges of one call: rows of context lengths ln[0..b) (each at most max_kv), h
-// query heads over hkv kv heads of d values, for `threads` threads (attention.cpp).
+// query heads over hkv kv heads of d values, for `threads` threads (attention.cpp). whole_rows: an
+// item is a (row, chunk)'s every query head (its keys' whole rows), else one kv head's; either
+// cut into ranges of query heads where the items would not divide evenly among few threads.
 void plan_attention(AttendWork& w, int64_t b, int64_t h, int64_t hkv, int64_t d, const int64_t* ln, int64_t max_kv,
-                    int64_t threads);
+                    int64_t threads, bool whole_rows);
+// Whether items over a pool of this kind take whole rows (an int8 pool read by the integer loops:
+// AVX-512 VNNI, head_dim a multiple of 64 up to 256).
+bool attends_whole_rows(bool int8_pool, int64_t d);
 // Thread `part` of `parts`' share of w's items (merges: of its merges); false, *bad_slot set, where
 // an item met a slot outside the pool.
 bool attend_share(at::ScalarType dtype, const AttendArgs& a, AttendWork& w, bool merges, int64_t part, int64_t parts,

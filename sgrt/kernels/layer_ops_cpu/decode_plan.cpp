@@ -465,7 +465,7 @@ struct DecodePlan : torch::CustomClassHolder {
                   "'s rows must be [B, head_dim]");
       if (in_team && planned[w] < 0) {
         plan_attention(ws.attend[w], b, n_heads, hkv, head_dim, lens[w].const_data_ptr<int64_t>(), slots[w].size(1),
-                       copies);
+                       copies, attends_whole_rows(k_scale(i) != nullptr, head_dim));
         planned[w] = hkv;
       }
       TORCH_CHECK(!in_team || planned[w] == hkv, "layers of one slot table must have one number of kv heads");

@@ -68,25 +68,6 @@ constexpr int64_t kItemRows = 96;   // query rows (positions x heads of one kv h
 constexpr int kTileRows = 4;        // query rows a register tile (4 x 4 float32 accumulators)
 constexpr int kKeyVectors = kKeyBlock / 16;
 
-// exp of 16 floats, fast_exp's steps (common.h: clamp to [-87, 88], x = n ln2 + r, Cephes'
-// polynomial, times 2^n) with fused multiply-adds and vscalefps for 2^n: within 2 ulp of expf
-// as fast_exp; NaN stays NaN (min / max return their second operand where one is NaN).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.f), _mm512_min_ps(_mm512_set1_ps(88.f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // One row of the call: its queries at q rows [t0, t0 + q_len), its context of kv_len keys in
 // `blocks` blocks, packed at `pack` (uint16 offset of kv head 0; kv head kh at + kh * blocks * kKeyBlock * D).
 struct ExtendRow {
