@@ -645,6 +645,30 @@ def test_int8_decode_attention_of_one_row_at_any_thread_count(n_heads, n_kv, hea
         assert float((out[2].double() - exact).abs().max()) <= 1e-5 * float(values.abs().max())
 
 
+@pytest.mark.parametrize("bad_slot", [1100, -3, 2 ** 62, -(2 ** 62)])
+def test_int8_decode_attention_rejects_a_bad_slot_in_a_later_chunk(bad_slot):
+    """A slot outside the pool in a row's later chunk (where the integer loops fetch the next
+    item's first rows before that item checks its slots) raises the typed error at 1-3 threads,
+    far slots too, and the same call with the slot mended then runs."""
+    g = torch.Generator().manual_seed(3)
+    kc = torch.randint(-127, 128, (1100, 3, 64), generator=g, dtype=torch.int8)
+    vc = kc.flip(0).contiguous()
+    ks, vs = torch.rand(1100, 3, generator=g), torch.rand(1100, 3, generator=g)
+    q = torch.randn(1, 9, 64, generator=g)
+    slots = torch.arange(1000).view(1, 1000)
+    slots[0, 530] = bad_slot
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            with pytest.raises(RuntimeError, match=f"slot {bad_slot} outside the pool's 1100 slots"):
+                torch.ops.sgrt_layer.decode_attention(q, kc, vc, slots, torch.tensor([1000]), ks, vs)
+    finally:
+        torch.set_num_threads(threads)
+    slots[0, 530] = 530
+    assert torch.isfinite(torch.ops.sgrt_layer.decode_attention(q, kc, vc, slots, torch.tensor([1000]), ks, vs)).all()
+
+
 @pytest.mark.parametrize("bad", ["query", "k_scale"])
 @pytest.mark.parametrize("n_heads,n_kv,head_dim,length", [(4, 1, 64, 17), (9, 3, 64, 300), (8, 2, 128, 256)])
 def test_int8_decode_attention_a_non_finite_head_leaves_its_group_alone(bad, n_heads, n_kv, head_dim, length):

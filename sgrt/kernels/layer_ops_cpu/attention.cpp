@@ -702,12 +702,13 @@ bool attends_whole_rows(bool int8_pool, int64_t d) {
 // Items ordered row, chunk, query heads; partials of split rows laid out row, chunk, kv head: row
 // r's chunk c, kv head kh at first_part[r] + c * hkv + kh. An item is a (row, chunk, kv head) with
 // its g query heads, or with whole_rows a (row, chunk) with all its query heads (the integer loops
-// read its keys' whole rows block by block); where those items are fewer than 4 a thread and do not divide evenly among
-// `threads` (SmolLM2's 3 kv heads on 2 threads: 2 : 1; Gemma 3's one: 1 : 0), a (row, chunk)'s
-// query heads are cut into `threads` contiguous ranges instead (9: 5 + 4 heads, 4: 2 + 2), which
-// may span kv heads: an item reads the key / value rows of its kv heads key by key, so a thread
-// reads the slots' rows in order (the hardware prefetcher follows; per query head, as before,
-// each thread re-read a kv head's keys once a head, ~3.5 GB/s from memory at 128 keys).
+// read its keys' whole rows block by block); where those items are fewer than 4 a thread and do
+// not divide evenly among `threads` (SmolLM2's 3 kv heads on 2 threads: 2 : 1; Gemma 3's one:
+// 1 : 0; whole rows of 1 or 3 chunks), a (row, chunk)'s query heads are cut into `threads`
+// contiguous ranges instead (9: 5 + 4 heads, 4: 2 + 2), which may span kv heads: an item reads
+// the key / value rows of its kv heads key by key, so a thread reads the slots' rows in order
+// (the hardware prefetcher follows; per query head, as before, each thread re-read a kv head's
+// keys once a head, ~3.5 GB/s from memory at 128 keys).
 void plan_attention(AttendWork& w, int64_t b, int64_t h, int64_t hkv, int64_t d, const int64_t* ln, int64_t max_kv,
                     int64_t threads, bool whole_rows) {
   const int64_t g = h / hkv;
@@ -837,8 +838,11 @@ void attend_item_int8(const AttendArgs& a, int64_t hkv, const float* qf, const i
       x -= nb;
       prefetch_rows(vp, rs + 16 * x, std::min<int64_t>(16, len - 16 * x), row, kh0 * DC, bytes);
     } else if (16 * (x - 2 * nb) < next.n) {
+      // (the next item's slots are checked when it starts: a bad one is not fetched from here)
       x -= 2 * nb;
       const int64_t m = std::min<int64_t>(16, next.n - 16 * x), w = next.kh1 - next.kh0 + 1;
+      for (int64_t u = 0; u < m; ++u)
+        if (next.rs[16 * x + u] < 0 || next.rs[16 * x + u] >= a.num_slots) return;
       prefetch_rows(kp, next.rs + 16 * x, m, row, next.kh0 * DC, w * DC);
       prefetch_rows(a.ks, next.rs + 16 * x, m, hkv * 4, next.kh0 * 4, w * 4);
       prefetch_rows(a.vs, next.rs + 16 * x, m, hkv * 4, next.kh0 * 4, w * 4);
