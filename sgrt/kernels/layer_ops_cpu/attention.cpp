@@ -36,6 +36,16 @@ inline void load_row(const T* src, float* dst, int64_t d) {
   for (int64_t j = 0; j < d; ++j) dst[j] = to_f(src[j]);
 }
 
+// f(i, e, kh) for each run [i, e) of an item's gi query heads that share kv head kh (kv_of[0..gi):
+// each head's kv head, ascending).
+template <typename F>
+inline void for_each_kv_run(const int64_t* kv_of, int64_t gi, F&& f) {
+  for (int64_t i = 0, e; i < gi; i = e) {
+    for (e = i + 1; e < gi && kv_of[e] == kv_of[i];) ++e;
+    f(i, e, kv_of[i]);
+  }
+}
+
 #if defined(__AVX512F__)
 // 16 floats from 16 floats, or from 16 bfloat16 bit patterns (widened exactly).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -465,6 +475,9 @@ struct QuantizedQuery {
   }
 }
 
+// The first min(n, 16) lanes (n >= 0): a loop's last, partial vector.
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << n) - 1); }
+
 // The largest |x[j]| of x[0..n), or NaN where one of them is NaN.
 inline float abs_max_or_nan(const float* x, int64_t n) {
   const __m512 sign = _mm512_set1_ps(-0.f);
@@ -477,7 +490,7 @@ inline float abs_max_or_nan(const float* x, int64_t n) {
     m = _mm512_max_ps(m, _mm512_andnot_ps(sign, v));
   }
   if (j < n) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __mmask16 tail = first_lanes(n - j);
     const __m512 v = _mm512_maskz_loadu_ps(tail, x + j);
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     m = _mm512_max_ps(m, _mm512_andnot_ps(sign, v));
@@ -581,7 +594,7 @@ inline void score_block_int8(const QuantizedQuery* qq, const int8_t* kbase, cons
         a2[i] = _mm512_dpbusd_epi32(a2[i], r[m], _mm512_set1_epi32(qq[i].q2[16 * b + m]));
       }
   }
-  const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+  const __mmask16 keep = first_lanes(n);
   for (int i = 0; i < G; ++i) {
     // 254 * (q1 . k) + q2 . k, exact: |q1 . k| <= 256 * 128 * 127
     const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_mullo_epi32(a1[i], _mm512_set1_epi32(254)), a2[i]),
@@ -603,7 +616,7 @@ inline float weigh_scores(float* s, const float* vscale, int64_t len, float m, f
   __m512 total = _mm512_setzero_ps(), top = _mm512_setzero_ps();
   __mmask16 nan = 0;
   for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 keep = len - j >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (len - j)) - 1);
+    const __mmask16 keep = first_lanes(len - j);
     const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + j), vm)));
     total = _mm512_add_ps(total, e);
     const __m512 w = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(keep, vscale + j));
@@ -632,7 +645,7 @@ inline __m512i dpwssd_in_place(__m512i acc, __m512i a, __m512i b) {
 inline void quantize_weights(const float* p, int64_t len, float m, int16_t* w) {
   const __m512 inv = _mm512_set1_ps(m > 0.f ? 32767.f / m : 0.f);
   for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 keep = len - j >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (len - j)) - 1);
+    const __mmask16 keep = first_lanes(len - j);
     const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + j), inv));
     _mm256_mask_storeu_epi16(w + j, keep, _mm512_cvtsepi32_epi16(q));
   }
@@ -803,7 +816,7 @@ void attend_item_int8(const AttendArgs& a, int64_t hkv, const float* qf, const i
                       const int64_t* rs, int64_t len, int64_t span, AttendScratch& sc, float* scores, float* sums,
                       float* maxes, float* acc, const NextRows& next, bool warm) {
   const int64_t row = hkv * DC, kh0 = kv_of[0], kh1 = kv_of[gi - 1];
-  const int64_t bytes = (kh1 - kh0 + 1) * DC, scale_bytes = (kh1 - kh0 + 1) * 4;  // the item's part of a row
+  const int64_t bytes = (kh1 - kh0 + 1) * DC;  // the item's part of a row
   const auto* kp = static_cast<const int8_t*>(a.k);
   const auto* vp = static_cast<const int8_t*>(a.v);
   float* const vscales = at_least(sc.vscales, hkv * span);  // each kv head's V scales of the keys
@@ -815,37 +828,33 @@ void attend_item_int8(const AttendArgs& a, int64_t hkv, const float* qf, const i
   if (static_cast<int64_t>(sc.qq.size()) < gi) sc.qq.resize(gi);
   for (int64_t i = 0; i < gi; ++i) quantize_query(qf + i * DC, DC, sc.qq[i]);
   std::fill(tops, tops + gi * 16, -INFINITY);
-  // the heads as runs of one kv head each: [i, e) against kv head kh
-  auto runs = [&](auto&& f) {
-    for (int64_t i = 0, e; i < gi; i = e) {
-      for (e = i + 1; e < gi && kv_of[e] == kv_of[i];) ++e;
-      f(i, e, kv_of[i]);
-    }
-  };
+  auto runs = [&](auto&& f) { for_each_kv_run(kv_of, gi, f); };
   // The item's reads as one stream of blocks of 16 keys: its K blocks (rows and scales), its V
   // blocks, then the next item's K blocks (where this thread works on it); the block `ahead` on
   // is fetched while one is read: 2 blocks where a block's rows take at most 4 KB (SmolLM2's 3 KB:
   // as fast as or faster than 1, 3 or 5 blocks here), else 1 (8 kv heads of 128 take 16 KB).
   const int64_t ahead = 16 * bytes <= 4096 ? 2 : 1;
   const int64_t nb = (len + 15) / 16;
+  // a K block: the rows' codes and K / V scales of slots s[0..m), kv heads [first, last]
+  auto fetch_keys = [&](const int64_t* s, int64_t m, int64_t first, int64_t last) {
+    const int64_t heads = last - first + 1;
+    prefetch_rows(kp, s, m, row, first * DC, heads * DC);
+    prefetch_rows(a.ks, s, m, hkv * 4, first * 4, heads * 4);
+    prefetch_rows(a.vs, s, m, hkv * 4, first * 4, heads * 4);
+  };
   auto fetch = [&](int64_t x) {
     if (x < nb) {
-      const int64_t m = std::min<int64_t>(16, len - 16 * x);
-      prefetch_rows(kp, rs + 16 * x, m, row, kh0 * DC, bytes);
-      prefetch_rows(a.ks, rs + 16 * x, m, hkv * 4, kh0 * 4, scale_bytes);
-      prefetch_rows(a.vs, rs + 16 * x, m, hkv * 4, kh0 * 4, scale_bytes);
+      fetch_keys(rs + 16 * x, std::min<int64_t>(16, len - 16 * x), kh0, kh1);
     } else if (x < 2 * nb) {
       x -= nb;
       prefetch_rows(vp, rs + 16 * x, std::min<int64_t>(16, len - 16 * x), row, kh0 * DC, bytes);
     } else if (16 * (x - 2 * nb) < next.n) {
       // (the next item's slots are checked when it starts: a bad one is not fetched from here)
-      x -= 2 * nb;
-      const int64_t m = std::min<int64_t>(16, next.n - 16 * x), w = next.kh1 - next.kh0 + 1;
+      const int64_t* s = next.rs + 16 * (x - 2 * nb);
+      const int64_t m = std::min<int64_t>(16, next.n - 16 * (x - 2 * nb));
       for (int64_t u = 0; u < m; ++u)
-        if (next.rs[16 * x + u] < 0 || next.rs[16 * x + u] >= a.num_slots) return;
-      prefetch_rows(kp, next.rs + 16 * x, m, row, next.kh0 * DC, w * DC);
-      prefetch_rows(a.ks, next.rs + 16 * x, m, hkv * 4, next.kh0 * 4, w * 4);
-      prefetch_rows(a.vs, next.rs + 16 * x, m, hkv * 4, next.kh0 * 4, w * 4);
+        if (s[u] < 0 || s[u] >= a.num_slots) return;
+      fetch_keys(s, m, next.kh0, next.kh1);
     }
   };
   if (!warm)
@@ -991,13 +1000,7 @@ bool attend_items(const AttendArgs& a, AttendWork& w, int64_t begin, int64_t end
 #else
     const bool blocked = false;
 #endif
-    // the item's query heads as runs of one kv head each: [i, e) against kv head kh
-    auto runs = [&](auto&& f) {
-      for (int64_t i = 0, e; i < gi; i = e) {
-        for (e = i + 1; e < gi && kv_of[e] == kv_of[i];) ++e;
-        f(i, e, kv_of[i]);
-      }
-    };
+    auto runs = [&](auto&& f) { for_each_kv_run(kv_of, gi, f); };
 #ifdef SGRT_INT8_SCORES
     constexpr bool kIntScores = kInt8 && DC > 0 && DC % 64 == 0;
 #else
